@@ -1,0 +1,136 @@
+#include "common/env.h"
+
+#include <array>
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
+
+#include "common/errors.h"
+#include "common/strings.h"
+
+namespace dt::env {
+namespace {
+
+// The one table of DT_* knobs. Add new knobs here (and regenerate docs/env.md).
+constexpr std::array kKnobs = {
+    // common
+    Knob{"DT_LOG_LEVEL", "warn", "Log level for every dtrain logger: trace, debug, info, warn, error, off.", "user"},
+    Knob{"DT_NUM_THREADS", "", "Intra-op threads for tensor ops. Default: the machine's cores, or 1 when dtrun runs several ranks on one machine.", "user, dtrun"},
+    Knob{"DT_DEBUG", "off", "Debug checks: off, info, or detail (detail compares collective fingerprints across ranks before every collective).", "user"},
+    // store
+    Knob{"DT_STORE_TIMEOUT", "300s", "Default timeout of blocking store calls (get, wait, queuePop, barriers). Per-call timeouts override it.", "user"},
+    Knob{"DT_STORE_CONNECT_TIMEOUT", "60s", "How long a store client keeps retrying to reach a server that is not up yet.", "user"},
+    Knob{"DT_STORE_TOKEN", "", "Authentication token a TcpStore server requires and its clients present. dtrun generates one per job.", "user, dtrun"},
+    Knob{"DT_STORE_ADDR", "", "host:port of the launcher's rendezvous store; when set, every rank is a client of it.", "dtrun"},
+    Knob{"DT_STORE_MAX_KEY_BYTES", "4096", "Largest key a TcpStore server accepts.", "user"},
+    Knob{"DT_STORE_MAX_VALUE_BYTES", "67108864", "Largest value (and largest request) a TcpStore server accepts.", "user"},
+    // process groups
+    Knob{"DT_PG_TIMEOUT", "10min", "Default timeout of collectives and of process-group set-up. Overridable per group and per op.", "user"},
+    Knob{"DT_BACKEND", "", "Backend override for initProcessGroup: gloo or nccl. Default: gloo for CPU, nccl for CUDA.", "user"},
+    // launcher (set by dtrun for its workers)
+    Knob{"DT_RUN_ID", "", "The job's run id.", "dtrun"},
+    Knob{"DT_RESTART_COUNT", "0", "How many times dtrun has restarted the worker group.", "dtrun"},
+    Knob{"DT_MAX_RESTARTS", "0", "How many restarts dtrun allows (also dtrun's --max-restarts fallback).", "dtrun, user"},
+};
+
+std::string_view trimView(std::string_view text) {
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.remove_prefix(1);
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.remove_suffix(1);
+  return text;
+}
+
+void requireDeclared(std::string_view name) {
+  if (name.starts_with("DT_") && findKnob(name) == nullptr) {
+    throw Error(str("environment variable ", name,
+                    " is read but not declared in common/env.cpp (internal error, please report)"));
+  }
+}
+
+}  // namespace
+
+std::span<const Knob> knobs() { return kKnobs; }
+
+const Knob* findKnob(std::string_view name) {
+  for (const auto& knob : kKnobs) {
+    if (knob.name == name) return &knob;
+  }
+  return nullptr;
+}
+
+std::optional<std::string> getRaw(std::string_view name) {
+  requireDeclared(name);
+  const char* value = std::getenv(std::string(name).c_str());
+  if (value == nullptr) return std::nullopt;
+  return std::string(value);
+}
+
+std::string getString(std::string_view name) {
+  auto value = getRaw(name);
+  if (value && !value->empty()) return *value;
+  const Knob* knob = findKnob(name);
+  return knob ? std::string(knob->defaultValue) : std::string();
+}
+
+int64_t getInt(std::string_view name) { return parseInt(getString(name), name); }
+bool getBool(std::string_view name) { return parseBool(getString(name), name); }
+std::chrono::milliseconds getDuration(std::string_view name) {
+  return parseDuration(getString(name), name);
+}
+
+int64_t parseInt(std::string_view text, std::string_view what) {
+  const auto trimmed = trimView(text);
+  int64_t value = 0;
+  const auto [end, ec] = std::from_chars(trimmed.data(), trimmed.data() + trimmed.size(), value);
+  if (trimmed.empty() || ec != std::errc() || end != trimmed.data() + trimmed.size()) {
+    throw InvalidArgument(str(what, "=", quoteBytes(text), " is not an integer"));
+  }
+  return value;
+}
+
+bool parseBool(std::string_view text, std::string_view what) {
+  std::string lower;
+  for (char c : trimView(text)) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "1" || lower == "true" || lower == "yes" || lower == "on") return true;
+  if (lower == "0" || lower == "false" || lower == "no" || lower == "off" || lower.empty()) return false;
+  throw InvalidArgument(str(what, "=", quoteBytes(text), " is not a boolean; use 1/0, true/false, yes/no or on/off"));
+}
+
+std::chrono::milliseconds parseDuration(std::string_view text, std::string_view what) {
+  const auto trimmed = trimView(text);
+  size_t digits = 0;
+  while (digits < trimmed.size() &&
+         (std::isdigit(static_cast<unsigned char>(trimmed[digits])) || trimmed[digits] == '.')) {
+    ++digits;
+  }
+  const auto number = trimmed.substr(0, digits);
+  const auto unit = trimView(trimmed.substr(digits));
+  double value = 0;
+  const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), value);
+  double scale = 0;
+  if (unit.empty() || unit == "s" || unit == "sec") scale = 1000;
+  else if (unit == "ms") scale = 1;
+  else if (unit == "m" || unit == "min") scale = 60'000;
+  else if (unit == "h") scale = 3'600'000;
+  if (number.empty() || ec != std::errc() || end != number.data() + number.size() || scale == 0 ||
+      value < 0) {
+    throw InvalidArgument(str(what, "=", quoteBytes(text),
+                              " is not a duration; use e.g. 250ms, 30s, 30 (seconds), 5min or 1h"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(value * scale));
+}
+
+std::string markdownListing() {
+  std::string out =
+      "# Environment variables\n\n"
+      "Every `DT_*` variable dtrain reads, with its default. Generated from `common/env.cpp` by\n"
+      "`dt_env_doc`; a test keeps this page in sync. Durations accept `250ms`, `30s`, `30` (seconds),\n"
+      "`5min`, `1h`.\n\n"
+      "| variable | default | set by | meaning |\n|---|---|---|---|\n";
+  for (const auto& knob : kKnobs) {
+    out += str("| `", knob.name, "` | ", knob.defaultValue.empty() ? "(unset)" : str("`", knob.defaultValue, "`"),
+               " | ", knob.setBy, " | ", knob.meaning, " |\n");
+  }
+  return out;
+}
+
+}  // namespace dt::env

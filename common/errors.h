@@ -1,0 +1,49 @@
+// dtrain's exception hierarchy.
+//
+// Contract: library code reports every recoverable failure by throwing one of
+// these (never exit()/abort()). On asynchronous paths the exception travels as
+// a std::exception_ptr inside a Work until Work::wait() rethrows it.
+// Messages are one readable line: what failed, who (rank/size, group, backend,
+// op, sequence number), the values involved, and a hint. Build them with
+// dt::str(...) from common/strings.h. All types are copyable and thread-safe
+// to read.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace dt {
+
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& message) : std::runtime_error(message) {}
+  // The class name as users see it in logs, e.g. "dt::TimeoutError".
+  virtual const char* kind() const noexcept { return "dt::Error"; }
+};
+
+#define DT_DECLARE_ERROR(Name)                                             \
+  class Name : public Error {                                              \
+   public:                                                                 \
+    explicit Name(const std::string& message) : Error(message) {}          \
+    const char* kind() const noexcept override { return "dt::" #Name; }    \
+  }
+
+// A deadline passed: store waits, collectives, connects.
+DT_DECLARE_ERROR(TimeoutError);
+// A connection failed or a peer went away.
+DT_DECLARE_ERROR(NetworkError);
+// A communication backend (Gloo, NCCL) failed.
+DT_DECLARE_ERROR(BackendError);
+// Ranks disagree about which collective they are running.
+DT_DECLARE_ERROR(DesyncError);
+// The caller passed a bad value (shape, dtype, option, environment variable).
+DT_DECLARE_ERROR(InvalidArgument);
+// The operation exists in the vocabulary but not in this backend/device/build.
+DT_DECLARE_ERROR(NotSupportedError);
+
+#undef DT_DECLARE_ERROR
+
+// "dt::TimeoutError: <message>" for any exception, for logs and summaries.
+std::string describe(const std::exception& e);
+
+}  // namespace dt

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sanitizer builds for CI: ASan+UBSan over the store and common tests (CPU-only
+# build), and TSan over the store's concurrency tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDT_SANITIZE=address,undefined \
+  -DDT_USE_CUDA=OFF -DDT_BUILD_BENCH=OFF -DDT_BUILD_EXAMPLES=OFF
+cmake --build build-asan -j 2 --target common_test ${DT_ASAN_TARGETS:-}
+ctest --test-dir build-asan -j 2 --output-on-failure --timeout 600 -L "${DT_ASAN_LABELS:-sanitize}"

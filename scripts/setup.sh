@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs every system dependency dtrain needs from Debian packages, and
+# nothing else. Idempotent: a second run installs nothing and takes a second.
+# CUDA and NCCL are not installed: they are detected under /usr/local/cuda.
+#
+#   scripts/setup.sh            build + test dependencies
+#   scripts/setup.sh --peers    also the peer programs for bench/ (PyTorch, Redis, OpenMPI)
+set -euo pipefail
+
+packages=(
+  build-essential cmake g++ pkg-config
+  libasio-dev libspdlog-dev libfmt-dev
+  libgtest-dev libgmock-dev
+  libgloo-dev libopenblas-dev zlib1g-dev
+  iproute2 procps psmisc util-linux
+  python3-torch
+)
+if [[ "${1:-}" == "--peers" ]]; then
+  packages+=(libtorch-dev redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine)
+fi
+
+missing=()
+for pkg in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$pkg")
+  fi
+done
+
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  sudo_cmd=()
+  [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
+  if ! "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"; then
+    "${sudo_cmd[@]}" apt-get update -q
+    "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+  fi
+else
+  echo "setup: all ${#packages[@]} packages present"
+fi
+
+if [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  echo "setup: CUDA found at /usr/local/cuda ($(/usr/local/cuda/bin/nvcc --version | tail -1))"
+else
+  echo "setup: no CUDA toolkit at /usr/local/cuda; building CPU-only"
+fi

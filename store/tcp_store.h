@@ -1,0 +1,92 @@
+// TcpStore: the Store over TCP, with its server (one Asio event loop).
+//
+// Contract:
+//  * TcpStore(host, port, options) with options.isServer = true starts a
+//    TcpStoreServer bound to options.bindAddress (default: loopback when
+//    `host` is a loopback name/address, else all interfaces) and port
+//    (0 picks a free port; port() reports the bound one), then connects a
+//    client to it. With isServer = false it only connects as a client.
+//  * Connecting retries refused/reset/unresolvable addresses with exponential
+//    backoff and jitter until options.connectTimeout, logging
+//    "waiting for the store at host:port" at most every 30 s, then throws
+//    TimeoutError naming the address.
+//  * The handshake carries a magic number, the protocol version and the token
+//    (options.token, default DT_STORE_TOKEN). A version mismatch or a wrong
+//    token is a clear error on both sides.
+//  * waitForWorkers: the server counts connected clients; the constructor of
+//    a server store with waitForWorkers=true returns once numWorkers clients
+//    (its own included) have joined, or throws TimeoutError listing how many
+//    joined.
+//  * A server that goes away fails blocked clients with NetworkError promptly.
+//  * One client object owns one connection; its calls are serialised by a
+//    mutex. clone() opens a new connection.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "store/store.h"
+
+namespace dt {
+
+struct TcpStoreOptions {
+  bool isServer = false;
+  // With isServer: how many clients (this one included) make up the job.
+  std::optional<int> numWorkers;
+  bool waitForWorkers = true;
+  Store::Duration timeout = Store::defaultTimeout();
+  // How long to keep retrying while the server is not up. DT_STORE_CONNECT_TIMEOUT.
+  Store::Duration connectTimeout = defaultConnectTimeout();
+  // Server listen address; empty: loopback for a loopback host, else 0.0.0.0.
+  std::string bindAddress;
+  // Authentication token; nullopt: DT_STORE_TOKEN.
+  std::optional<std::string> token;
+  // Client rank, for "missing: rank N" in waitForWorkers/barrier messages; -1 unknown.
+  int rank = -1;
+
+  static Store::Duration defaultConnectTimeout();
+};
+
+class TcpStoreServer;
+
+class TcpStore final : public Store {
+ public:
+  TcpStore(std::string host, uint16_t port, TcpStoreOptions options = {});
+  ~TcpStore() override;
+
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  using Store::get;
+  int64_t add(const std::string& key, int64_t delta) override;
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override;
+  using Store::wait;
+  void wait(const std::vector<std::string>& keys, Duration timeout) override;
+  bool check(const std::vector<std::string>& keys) override;
+  bool deleteKey(const std::string& key) override;
+  int64_t numKeys() override;
+  void append(const std::string& key, const Bytes& value) override;
+  std::vector<Bytes> multiGet(const std::vector<std::string>& keys) override;
+  void multiSet(const std::vector<std::string>& keys, const std::vector<Bytes>& values) override;
+  void queuePush(const std::string& key, const Bytes& value) override;
+  std::optional<Bytes> queuePop(const std::string& key, bool block) override;
+  int64_t queueLen(const std::string& key) override;
+  std::shared_ptr<Store> clone() override;
+  std::string describe() const override;
+
+  // The port the server listens on (the bound one when constructed with port 0).
+  uint16_t port() const;
+  const std::string& host() const;
+  bool isServer() const;
+
+ private:
+  struct Client;
+  std::string host_;
+  uint16_t port_;
+  TcpStoreOptions options_;
+  std::shared_ptr<TcpStoreServer> server_;  // set when isServer
+  std::unique_ptr<Client> client_;
+};
+
+}  // namespace dt

@@ -1,0 +1,8 @@
+execute_process(COMMAND ${GENERATOR} OUTPUT_VARIABLE generated RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "dt_env_doc failed with ${rc}")
+endif()
+file(READ ${DOC} committed)
+if(NOT generated STREQUAL committed)
+  message(FATAL_ERROR "docs/env.md is out of date with common/env.cpp; regenerate it: build/common/dt_env_doc > docs/env.md")
+endif()
