@@ -1,0 +1,22 @@
+# Each case configures dtrain with switches that cannot be honoured and expects
+# configure to fail with a message that says why.
+function(expect_configure_failure name expected)
+  file(REMOVE_RECURSE ${WORK_DIR}/${name})
+  execute_process(
+    COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/${name} ${ARGN}
+      -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=OFF -DDT_BUILD_EXAMPLES=OFF
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0)
+    message(FATAL_ERROR "${name}: configure succeeded but should have failed")
+  endif()
+  if(NOT "${out}${err}" MATCHES "${expected}")
+    message(FATAL_ERROR "${name}: configure failed without saying '${expected}':\n${err}")
+  endif()
+  message(STATUS "${name}: failed as expected")
+endfunction()
+
+expect_configure_failure(nccl_without_cuda "DT_USE_NCCL=ON needs CUDA" -DDT_USE_CUDA=OFF -DDT_USE_NCCL=ON)
+expect_configure_failure(bad_value "DT_USE_GLOO=maybe is not valid" -DDT_USE_GLOO=maybe)
+expect_configure_failure(gloo_missing "DT_USE_GLOO=ON but Gloo was not found"
+  -DDT_USE_CUDA=OFF -DDT_USE_GLOO=ON -DGloo_DIR=/nonexistent -DCMAKE_DISABLE_FIND_PACKAGE_Gloo=ON)
+file(REMOVE_RECURSE ${WORK_DIR})
