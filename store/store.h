@@ -52,7 +52,10 @@ class Store {
 
   virtual void set(const std::string& key, const Bytes& value) = 0;
   virtual Bytes get(const std::string& key) = 0;
-  Bytes get(const std::string& key, Duration timeout);
+  // get with a per-call timeout. dtrain's stores override it without touching
+  // timeout(); the default (for other subclasses) swaps timeout() around the
+  // call, so it is not safe against a concurrent setTimeout.
+  virtual Bytes get(const std::string& key, Duration timeout);
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   virtual Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) = 0;
   void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
@@ -66,6 +69,8 @@ class Store {
   virtual void queuePush(const std::string& key, const Bytes& value) = 0;
   // block=true waits up to timeout() for an item.
   virtual std::optional<Bytes> queuePop(const std::string& key, bool block) = 0;
+  // queuePop with a per-call timeout (block=true); default as for get above.
+  virtual std::optional<Bytes> queuePop(const std::string& key, bool block, Duration timeout);
   virtual int64_t queueLen(const std::string& key) = 0;
 
   virtual void setTimeout(Duration timeout) { timeout_ = timeout; }
