@@ -1,0 +1,197 @@
+// Reverse-mode autograd: graph nodes, the engine, hooks and grad mode.
+//
+// Contract:
+//  * Ops on tensors that require grad (while grad mode is on) record a Node
+//    whose edges point at the nodes of their inputs. Leaves get an
+//    AccumulateGrad node, held weakly by the leaf and strongly by the graph.
+//  * backward(roots, grads) runs on the calling thread. A node runs once all
+//    nodes that feed it have delivered their gradients (dependency counts);
+//    among ready nodes the one created last runs first, so gradients arrive in
+//    reverse order of the forward pass. Without retainGraph the saved tensors
+//    are freed as each node runs; a second backward then throws.
+//  * Hooks: tensor hooks (Tensor::registerHook) may replace a gradient;
+//    post-accumulate-grad hooks run right after a leaf's .grad is updated;
+//    queueCallback(fn) (only during backward) runs fn after the whole pass, on
+//    the thread running it, in queue order; callbacks may queue more.
+//  * Grad mode is per thread (NoGradGuard). Graphs must not be shared between
+//    threads running backward concurrently.
+//  * In-place changes to a tensor saved for backward are caught by the
+//    version counter when backward unpacks it (InvalidArgument with the op and
+//    tensor named, PyTorch's wording).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace dt {
+
+struct Edge {
+  std::shared_ptr<Node> node;
+  uint32_t inputNr = 0;
+  bool valid() const { return node != nullptr; }
+};
+
+using TensorList = std::vector<Tensor>;
+
+// A tensor saved for backward, with the version it had when saved.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  // isOutput: the tensor is an output of the saving node (stored detached to
+  // avoid a reference cycle; the graph is not differentiated twice).
+  SavedTensor(const Tensor& t, bool isOutput = false);
+  // Returns the tensor, or throws if it was modified in place since saving or freed.
+  Tensor unpack(const Node& owner) const;
+  void reset() {
+    data_ = Tensor();
+    released_ = true;
+  }
+  bool defined() const { return data_.defined() || released_; }
+
+ private:
+  Tensor data_;
+  uint32_t version_ = 0;
+  bool released_ = false;
+  bool wasDefined_ = false;
+  std::string tensorName_;
+};
+
+class Node : public std::enable_shared_from_this<Node> {
+ public:
+  Node();
+  virtual ~Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  // Gradients w.r.t. this node's outputs in; gradients w.r.t. its inputs out
+  // (one per edge; undefined tensors mean zero).
+  virtual TensorList apply(TensorList&& gradOutputs) = 0;
+  virtual std::string name() const = 0;
+  // Frees saved tensors (called after apply unless the graph is retained).
+  virtual void releaseVariables() {}
+
+  uint64_t sequenceNr() const { return sequenceNr_; }
+  std::vector<Edge>& nextEdges() { return nextEdges_; }
+  const std::vector<Edge>& nextEdges() const { return nextEdges_; }
+  uint32_t numOutputs() const { return numOutputs_; }
+  void setNumOutputs(uint32_t n) { numOutputs_ = n; }
+
+  // Pre-hooks on one output's gradient (tensor hooks of non-leaf tensors).
+  using GradHook = std::function<Tensor(const Tensor&)>;
+  int addPreHook(uint32_t outputNr, GradHook hook);
+  void removePreHook(int handle);
+  Tensor runPreHooks(uint32_t outputNr, Tensor grad);
+  bool hasPreHooks() const { return !preHooks_.empty(); }
+
+  bool released() const { return released_; }
+  void markReleased() { released_ = true; }
+
+ private:
+  struct PreHook {
+    int handle;
+    uint32_t outputNr;
+    GradHook fn;
+  };
+  uint64_t sequenceNr_;
+  uint32_t numOutputs_ = 1;
+  std::vector<Edge> nextEdges_;
+  std::vector<PreHook> preHooks_;
+  bool released_ = false;
+};
+
+struct AutogradMeta {
+  bool requiresGrad = false;
+  Tensor grad;
+  std::shared_ptr<Node> gradFn;
+  uint32_t outputNr = 0;
+  std::weak_ptr<Node> gradAccumulator;
+  bool retainsGrad = false;
+  int retainGradHook = -1;
+  std::string name;
+  // Leaf hooks: run before accumulation (may replace the gradient).
+  struct Hook {
+    int handle;
+    std::function<Tensor(const Tensor&)> fn;
+  };
+  std::vector<Hook> hooks;
+  struct PostHook {
+    int handle;
+    std::function<void(Tensor&)> fn;
+  };
+  std::vector<PostHook> postAccumulateHooks;
+};
+
+// Accumulates incoming gradients into a leaf's .grad, then runs its
+// post-accumulate-grad hooks.
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(Tensor leaf);
+  TensorList apply(TensorList&& grads) override;
+  std::string name() const override { return "AccumulateGrad"; }
+  const Tensor& variable() const { return leaf_; }
+
+ private:
+  Tensor leaf_;
+};
+
+// ---- grad mode ---------------------------------------------------------------------
+bool gradModeEnabled();
+void setGradMode(bool enabled);
+
+class NoGradGuard {
+ public:
+  NoGradGuard() : prev_(gradModeEnabled()) { setGradMode(false); }
+  ~NoGradGuard() { setGradMode(prev_); }
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool prev_;
+};
+
+class EnableGradGuard {
+ public:
+  EnableGradGuard() : prev_(gradModeEnabled()) { setGradMode(true); }
+  ~EnableGradGuard() { setGradMode(prev_); }
+  EnableGradGuard(const EnableGradGuard&) = delete;
+  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
+
+ private:
+  bool prev_;
+};
+
+// ---- engine ---------------------------------------------------------------------------
+// Runs backward from roots; grads[i] defaults to ones for a scalar root.
+void backward(const TensorList& roots, const TensorList& grads = {}, bool retainGraph = false);
+// Gradients of outputs w.r.t. inputs, without touching .grad of the inputs.
+TensorList grad(const TensorList& outputs, const TensorList& inputs, const TensorList& gradOutputs = {},
+                bool retainGraph = false);
+// During backward: runs fn once the current backward pass finishes (throws
+// InvalidArgument when no backward pass is running on this thread).
+void queueCallback(std::function<void()> fn);
+bool inBackward();
+
+// ---- recording helpers for ops ---------------------------------------------------------------
+namespace autograd {
+
+// True if grad mode is on and any input requires grad.
+bool needsGrad(std::initializer_list<const Tensor*> inputs);
+bool needsGrad(const TensorList& inputs);
+// The edge for a tensor input (its gradFn/output, or its leaf accumulator).
+Edge edgeFor(const Tensor& t);
+// Wires node's edges to inputs and makes it the gradFn of outputs.
+void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std::initializer_list<Tensor*> outputs);
+void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std::vector<Tensor>& outputs);
+// Makes an in-place op's result history of `self` (replaces self's gradFn).
+void rebaseHistory(Tensor& self, const std::shared_ptr<Node>& node);
+// Sums grad over broadcast dims so it has `shape`.
+Tensor sumToShape(const Tensor& grad, const Shape& shape);
+
+}  // namespace autograd
+
+}  // namespace dt

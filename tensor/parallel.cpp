@@ -1,0 +1,146 @@
+#include "tensor/parallel.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/env.h"
+
+namespace dt {
+
+namespace {
+
+std::atomic<int> gThreads{0};
+thread_local bool tInsideParallel = false;
+
+int defaultThreads() {
+  const std::string v = env::getString("DT_NUM_THREADS");
+  if (!v.empty()) {
+    const int64_t n = env::parseInt(v, "DT_NUM_THREADS");
+    if (n >= 1) return static_cast<int>(n);
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+class Pool {
+ public:
+  explicit Pool(int workers) {
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void submit(std::function<void()> task) {
+    {
+      std::lock_guard lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+  size_t size() const { return threads_.size(); }
+
+ private:
+  void loop() {
+    tInsideParallel = true;
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+        if (stop_ && tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  std::vector<std::thread> threads_;
+  bool stop_ = false;
+};
+
+Pool& pool(int wanted) {
+  // Grows only; extra workers stay idle when fewer threads are asked for.
+  static std::mutex mu;
+  static std::unique_ptr<Pool> instance;
+  std::lock_guard lock(mu);
+  if (!instance || static_cast<int>(instance->size()) < wanted - 1) {
+    instance.reset();  // joins the old workers (idle: no parallelFor is in flight from this caller)
+    instance = std::make_unique<Pool>(std::max(0, wanted - 1));
+  }
+  return *instance;
+}
+
+}  // namespace
+
+int numThreads() {
+  int n = gThreads.load(std::memory_order_relaxed);
+  if (n == 0) {
+    n = defaultThreads();
+    gThreads.store(n, std::memory_order_relaxed);
+    openblas_set_num_threads(n);
+  }
+  return n;
+}
+
+void setNumThreads(int n) {
+  n = std::max(1, n);
+  gThreads.store(n, std::memory_order_relaxed);
+  openblas_set_num_threads(n);
+}
+
+void parallelForImpl(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  const int threads = numThreads();
+  const int64_t total = end - begin;
+  const int64_t chunks = std::min<int64_t>(threads, (total + grain - 1) / std::max<int64_t>(grain, 1));
+  if (chunks <= 1 || tInsideParallel) {
+    fn(begin, end);
+    return;
+  }
+  Pool& p = pool(threads);
+  const int64_t per = (total + chunks - 1) / chunks;
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t remaining = chunks - 1;
+  std::exception_ptr error;
+  for (int64_t c = 1; c < chunks; ++c) {
+    const int64_t b = begin + c * per, e = std::min(end, b + per);
+    p.submit([&, b, e] {
+      try {
+        if (b < e) fn(b, e);
+      } catch (...) {
+        std::lock_guard lock(mu);
+        if (!error) error = std::current_exception();
+      }
+      std::lock_guard lock(mu);
+      if (--remaining == 0) cv.notify_all();
+    });
+  }
+  tInsideParallel = true;
+  try {
+    fn(begin, std::min(end, begin + per));
+  } catch (...) {
+    std::lock_guard lock(mu);
+    if (!error) error = std::current_exception();
+  }
+  tInsideParallel = false;
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return remaining == 0; });
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace dt

@@ -1,0 +1,32 @@
+// Intra-op parallelism for tensor kernels.
+//
+// Contract: numThreads() comes from DT_NUM_THREADS when set (dtrun sets 1 when
+// it runs several ranks on one machine), else the machine's cores; it also sets
+// OpenBLAS's thread count so BLAS and our own kernels agree. parallelFor splits
+// [begin, end) into at most numThreads() contiguous chunks of at least `grain`
+// elements and runs fn(chunkBegin, chunkEnd) on pool threads plus the caller;
+// it returns when all chunks are done and rethrows the first exception. Nested
+// calls (from inside fn) run serially. Thread-safe; concurrent callers share the pool.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace dt {
+
+int numThreads();
+// Overrides DT_NUM_THREADS for this process (also sets OpenBLAS threads).
+void setNumThreads(int n);
+
+void parallelForImpl(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+template <typename Fn>
+inline void parallelFor(int64_t begin, int64_t end, int64_t grain, Fn&& fn) {
+  if (end - begin <= grain || numThreads() == 1) {
+    if (end > begin) fn(begin, end);
+    return;
+  }
+  parallelForImpl(begin, end, grain, std::function<void(int64_t, int64_t)>(fn));
+}
+
+}  // namespace dt

@@ -1,0 +1,85 @@
+// Raw tensor memory: per-device allocators and ref-counted Storage.
+//
+// Contract:
+//  * An Allocator hands out DataPtrs that own their bytes and free them through
+//    the allocator's deleter when destroyed. Allocators are process-wide,
+//    thread-safe, and live until exit.
+//  * allocatorFor(device) returns the allocator registered for that device
+//    type. The CPU allocator is built in (64-byte aligned, so BLAS and SIMD get
+//    aligned rows). CUDA has no allocator in a build without GPU support and
+//    throws NotSupportedError naming the device; tensor/cuda registers one
+//    through registerAllocator().
+//  * Storage is a cheap, shared handle (copies share the bytes). Its contents
+//    are not synchronised: concurrent writers must coordinate themselves.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "tensor/device.h"
+
+namespace dt {
+
+// Owning pointer to device memory plus the way to free it.
+class DataPtr {
+ public:
+  using Deleter = void (*)(void* context, void* ptr);
+  DataPtr() = default;
+  DataPtr(void* ptr, void* context, Deleter deleter, Device device)
+      : ptr_(ptr), context_(context), deleter_(deleter), device_(device) {}
+  DataPtr(DataPtr&& other) noexcept { *this = std::move(other); }
+  DataPtr& operator=(DataPtr&& other) noexcept;
+  DataPtr(const DataPtr&) = delete;
+  DataPtr& operator=(const DataPtr&) = delete;
+  ~DataPtr() { reset(); }
+
+  void* get() const { return ptr_; }
+  Device device() const { return device_; }
+  void reset();
+
+ private:
+  void* ptr_ = nullptr;
+  void* context_ = nullptr;
+  Deleter deleter_ = nullptr;
+  Device device_ = Device::cpu();
+};
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  // Never returns null for bytes > 0; throws dt::Error when out of memory.
+  virtual DataPtr allocate(size_t bytes) = 0;
+  virtual DeviceType deviceType() const = 0;
+};
+
+// The allocator for device.type; throws NotSupportedError if none is registered.
+Allocator& allocatorFor(Device device);
+// Installs the allocator for a device type (tensor/cuda does this for CUDA).
+// The allocator must outlive every allocation made from it.
+void registerAllocator(DeviceType type, Allocator* allocator);
+
+// Ref-counted bytes on one device.
+class Storage {
+ public:
+  Storage() = default;
+  // Allocates nbytes on device through its allocator.
+  Storage(size_t nbytes, Device device);
+  // Adopts memory someone else allocated.
+  Storage(DataPtr data, size_t nbytes);
+
+  bool defined() const { return impl_ != nullptr; }
+  void* data() const { return impl_ ? impl_->data.get() : nullptr; }
+  size_t nbytes() const { return impl_ ? impl_->nbytes : 0; }
+  Device device() const { return impl_ ? impl_->data.device() : Device::cpu(); }
+  long useCount() const { return impl_.use_count(); }
+  bool isSameAs(const Storage& other) const { return impl_ == other.impl_; }
+
+ private:
+  struct Impl {
+    DataPtr data;
+    size_t nbytes = 0;
+  };
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace dt
