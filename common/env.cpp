@@ -23,6 +23,7 @@ constexpr std::array kKnobs = {
     Knob{"DT_STORE_TOKEN", "", "Authentication token a TcpStore server requires and its clients present. dtrun generates one per job.", "user, dtrun"},
     Knob{"DT_STORE_ADDR", "", "host:port of the launcher's rendezvous store; when set, every rank is a client of it.", "dtrun"},
     Knob{"DT_STORE_MAX_KEY_BYTES", "4096", "Largest key a TcpStore server accepts.", "user"},
+    Knob{"DT_STORE_STALL_TIMEOUT", "30s", "A TcpStore server disconnects a client that has sent part of a request (or no handshake) and nothing more for this long.", "user"},
     Knob{"DT_STORE_MAX_VALUE_BYTES", "67108864", "Largest value (and largest request) a TcpStore server accepts.", "user"},
     // process groups
     Knob{"DT_PG_TIMEOUT", "10min", "Default timeout of collectives and of process-group set-up. Overridable per group and per op.", "user"},

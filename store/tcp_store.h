@@ -58,7 +58,8 @@ class TcpStore final : public Store {
 
   void set(const std::string& key, const Bytes& value) override;
   Bytes get(const std::string& key) override;
-  using Store::get;
+  // One round trip: the server waits for the key (up to timeout) and answers.
+  Bytes get(const std::string& key, Duration timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override;
   using Store::wait;
@@ -71,6 +72,7 @@ class TcpStore final : public Store {
   void multiSet(const std::vector<std::string>& keys, const std::vector<Bytes>& values) override;
   void queuePush(const std::string& key, const Bytes& value) override;
   std::optional<Bytes> queuePop(const std::string& key, bool block) override;
+  std::optional<Bytes> queuePop(const std::string& key, bool block, Duration timeout) override;
   int64_t queueLen(const std::string& key) override;
   std::shared_ptr<Store> clone() override;
   std::string describe() const override;
@@ -82,6 +84,9 @@ class TcpStore final : public Store {
 
  private:
   struct Client;
+  struct CloneTag {};
+  // clone(): a client that shares the server handle and does not count as a worker.
+  TcpStore(CloneTag, const TcpStore& other);
   std::string host_;
   uint16_t port_;
   TcpStoreOptions options_;

@@ -59,7 +59,7 @@ struct FileHarness : StoreHarness {
 };
 
 #endif
-#ifdef DT_TCP_STORE_READY
+
 struct TcpHarness : StoreHarness {
   std::shared_ptr<TcpStore> server;
   TcpHarness() {
@@ -77,7 +77,6 @@ struct TcpHarness : StoreHarness {
   }
   std::string where() override { return "127.0.0.1:"; }
 };
-#endif
 
 struct Impl {
   std::string name;
@@ -381,7 +380,8 @@ std::string implName(const ::testing::TestParamInfo<Impl>& info) { return info.p
 
 INSTANTIATE_TEST_SUITE_P(Stores, StoreConformance,
                          ::testing::Values(Impl{"HashStore", [] { return std::make_unique<HashHarness>(); }},
-                                           Impl{"PrefixStore", [] { return std::make_unique<PrefixHarness>(); }}),
+                                           Impl{"PrefixStore", [] { return std::make_unique<PrefixHarness>(); }},
+                                           Impl{"TcpStore", [] { return std::make_unique<TcpHarness>(); }}),
                          implName);
 
 }  // namespace

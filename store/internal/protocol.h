@@ -1,0 +1,135 @@
+// The TcpStore wire format. Public to the tests (which speak it over raw
+// sockets to split, corrupt and fuzz requests); not part of the user API.
+//
+// Every message is a frame: u32 body length (little-endian), then the body.
+// A request body starts with a u8 Command, a reply body with a u8 Status.
+// Integers are little-endian; a string is u32 length + bytes; a key list is
+// u32 count + strings. The first request on a connection must be Hello:
+//   u8 Hello, u32 kMagic, u16 version, string token, i32 rank, u8 flags
+// and its layout never changes between versions, so that a server can always
+// read a client's version and say "version mismatch" instead of "garbage".
+// Hello reply: Ok + u16 server version, or VersionMismatch / AuthFailed +
+// u16 server version + string message (then the server closes).
+//
+// Blocking requests carry their timeout (i64 ms); the server enforces it and
+// answers Timeout (u32 count + missing keys, i64 waited ms), so a timed-out
+// wait costs no cancellation round trip and leaves the stream in step.
+// A connection has at most one request in progress; further frames wait in
+// the server's buffer until it is answered (replies keep request order).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dt::store_proto {
+
+constexpr uint32_t kMagic = 0x54534444;  // "DDST" on the wire
+constexpr uint16_t kVersion = 1;
+constexpr size_t kHeaderBytes = 4;
+// Framing overhead allowed on top of the value limit in one frame.
+constexpr size_t kFrameSlack = 64 * 1024;
+constexpr uint8_t kHelloWorker = 1;  // counts towards waitForWorkers
+
+enum class Command : uint8_t {
+  Hello = 1,
+  Set = 2,         // key, value                -> Ok
+  Get = 3,         // key, i64 timeout          -> Ok value | Timeout
+  Add = 4,         // key, i64 delta            -> Ok i64
+  CompareSet = 5,  // key, expected, desired    -> Ok value
+  Wait = 6,        // keys, i64 timeout         -> Ok | Timeout
+  Check = 7,       // keys                      -> Ok u8
+  Delete = 8,      // key                       -> Ok u8
+  NumKeys = 9,     //                           -> Ok i64
+  Append = 10,     // key, value                -> Ok
+  MultiGet = 11,   // keys, i64 timeout         -> Ok u32 n, values | Timeout
+  MultiSet = 12,   // u32 n, n x (key, value)   -> Ok
+  QueuePush = 13,  // key, value                -> Ok
+  QueuePop = 14,   // key, u8 block, i64 timeout -> Ok u8 has, [value] | Timeout
+  QueueLen = 15,   // key                       -> Ok i64
+  Ping = 16,       //                           -> Ok
+};
+constexpr uint8_t kMaxCommand = 16;
+
+enum class Status : uint8_t {
+  Ok = 0,
+  Timeout = 1,          // u32 n missing keys, i64 waited ms
+  InvalidArgument = 2,  // string message
+  Error = 3,            // string message
+  VersionMismatch = 4,  // u16 server version, string message
+  AuthFailed = 5,       // u16 server version, string message
+};
+
+const char* commandName(uint8_t command);
+
+// A frame that does not parse.
+class ProtocolError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Appends one frame to `out`; fill the body with the put* calls, then finish().
+class FrameWriter {
+ public:
+  explicit FrameWriter(std::string& out) : out_(out), start_(out.size()) { out_.append(kHeaderBytes, '\0'); }
+  FrameWriter& u8(uint8_t v) { out_.push_back(static_cast<char>(v)); return *this; }
+  FrameWriter& u16(uint16_t v) { return raw(&v, 2); }
+  FrameWriter& u32(uint32_t v) { return raw(&v, 4); }
+  FrameWriter& i32(int32_t v) { return raw(&v, 4); }
+  FrameWriter& i64(int64_t v) { return raw(&v, 8); }
+  FrameWriter& bytes(std::string_view s) {
+    u32(static_cast<uint32_t>(s.size()));
+    out_.append(s.data(), s.size());
+    return *this;
+  }
+  FrameWriter& keys(const std::vector<std::string>& ks) {
+    u32(static_cast<uint32_t>(ks.size()));
+    for (const auto& k : ks) bytes(k);
+    return *this;
+  }
+  // Writes the length header. Little-endian hosts only (static_assert'd in protocol.cpp).
+  void finish() {
+    const uint32_t length = static_cast<uint32_t>(out_.size() - start_ - kHeaderBytes);
+    std::memcpy(out_.data() + start_, &length, 4);
+  }
+
+ private:
+  FrameWriter& raw(const void* p, size_t n) {
+    out_.append(static_cast<const char*>(p), n);
+    return *this;
+  }
+  std::string& out_;
+  size_t start_;
+};
+
+// Reads a frame body; every read checks bounds and throws ProtocolError.
+class FrameReader {
+ public:
+  explicit FrameReader(std::string_view body) : body_(body) {}
+  uint8_t u8() { uint8_t v; raw(&v, 1); return v; }
+  uint16_t u16() { uint16_t v; raw(&v, 2); return v; }
+  uint32_t u32() { uint32_t v; raw(&v, 4); return v; }
+  int32_t i32() { int32_t v; raw(&v, 4); return v; }
+  int64_t i64() { int64_t v; raw(&v, 8); return v; }
+  // A string of at most maxBytes (ProtocolError naming `what` otherwise).
+  std::string bytes(size_t maxBytes, const char* what);
+  std::vector<std::string> keys(size_t maxKeyBytes);
+  size_t remaining() const { return body_.size() - pos_; }
+  void expectEnd() const;
+
+ private:
+  void raw(void* p, size_t n);
+  std::string_view body_;
+  size_t pos_ = 0;
+};
+
+inline uint32_t readLength(const char* header) {
+  uint32_t length;
+  std::memcpy(&length, header, 4);
+  return length;
+}
+
+}  // namespace dt::store_proto

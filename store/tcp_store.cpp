@@ -1,0 +1,549 @@
+#include "store/tcp_store.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <asio.hpp>
+
+#include "common/check.h"
+#include "common/env.h"
+#include "common/errors.h"
+#include "common/logging.h"
+#include "common/strings.h"
+#include "store/internal/kv_state.h"
+#include "store/internal/protocol.h"
+#include "store/tcp_store_server.h"
+
+namespace dt {
+namespace {
+
+namespace proto = store_proto;
+using Clock = std::chrono::steady_clock;
+using proto::Command;
+using proto::Status;
+using Ms = std::chrono::milliseconds;
+
+// Extra time a client gives the server beyond a blocking request's own
+// timeout before it stops waiting for the (server-side) Timeout reply.
+constexpr Ms kReplyGrace{10'000};
+
+bool isLoopbackHost(const std::string& host) {
+  return host == "localhost" || host.starts_with("127.") || host == "::1" || host == "[::1]";
+}
+
+// A connection that could not be made (retry) versus one that was refused by
+// the server's handshake (fatal).
+struct RetryableConnectError {
+  std::string reason;
+};
+
+Ms remainingUntil(Clock::time_point deadline) {
+  return std::max(Ms(0), std::chrono::duration_cast<Ms>(deadline - Clock::now()));
+}
+
+}  // namespace
+
+struct TcpStore::Client {
+  std::string host;
+  uint16_t port = 0;
+  std::string token;
+  int rank = -1;
+  bool worker = false;
+  Ms connectTimeout{};
+  size_t maxKey = 0, maxValue = 0;
+  Logger log = logger("store");
+
+  std::mutex mutex;  // one request at a time on the connection
+  int fd = -1;
+  bool reconnect = false;  // a client-side timeout dropped the connection; make a new one
+  std::string lost;        // why the connection died, for later calls
+  std::string out;
+  std::string in;
+  size_t inBegin = 0, inEnd = 0;
+
+  static std::unique_ptr<Client> make(const std::string& host, uint16_t port, const TcpStoreOptions& options,
+                                      bool worker) {
+    auto client = std::make_unique<Client>();
+    client->host = host;
+    client->port = port;
+    client->token = options.token.value_or(env::getString("DT_STORE_TOKEN"));
+    client->rank = options.rank;
+    client->worker = worker;
+    client->connectTimeout = options.connectTimeout;
+    client->maxKey = static_cast<size_t>(env::getInt("DT_STORE_MAX_KEY_BYTES"));
+    client->maxValue = static_cast<size_t>(env::getInt("DT_STORE_MAX_VALUE_BYTES"));
+    return client;
+  }
+
+  ~Client() { closeFd(); }
+
+  std::string address() const { return str(host, ":", port); }
+  std::string where() const {
+    return rank >= 0 ? str("rank ", rank, ", client of ", address()) : str("client of ", address());
+  }
+
+  void closeFd() {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+    inBegin = inEnd = 0;
+  }
+
+  // --- connecting -------------------------------------------------------------
+  void connect() {
+    const auto start = Clock::now();
+    const auto deadline = start + connectTimeout;
+    Ms backoff{10};
+    std::mt19937 rng(std::random_device{}());
+    auto lastLog = start - std::chrono::hours(1);
+    int attempts = 0;
+    while (true) {
+      ++attempts;
+      std::string reason;
+      try {
+        tryConnectOnce(deadline);
+        if (attempts > 1) log->info("connected to the store at {} after {} attempts", address(), attempts);
+        return;
+      } catch (const RetryableConnectError& e) {
+        reason = e.reason;
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        throw TimeoutError(str("could not connect to the store at ", address(), " within ",
+                               formatDuration(connectTimeout), " (", attempts, " attempts; last error: ", reason,
+                               "). Is the server (rank 0 or dtrun) running, and are host and port right? "
+                               "DT_STORE_CONNECT_TIMEOUT sets how long to keep trying"));
+      }
+      if (now - start >= Ms(1000) && now - lastLog >= std::chrono::seconds(30)) {
+        log->warn("waiting for the store at {} ({}; retrying for another {})", address(), reason,
+                  formatDuration(remainingUntil(deadline)));
+        lastLog = now;
+      }
+      std::uniform_real_distribution<double> jitter(0.5, 1.5);
+      const Ms sleep = std::min(Ms(static_cast<int64_t>(backoff.count() * jitter(rng))), remainingUntil(deadline));
+      std::this_thread::sleep_for(sleep);
+      backoff = std::min(backoff * 2, Ms(1000));
+    }
+  }
+
+  std::vector<std::pair<sockaddr_storage, socklen_t>> resolve() {
+    std::vector<std::pair<sockaddr_storage, socklen_t>> out;
+    std::error_code ec;
+    auto add = [&](const asio::ip::tcp::endpoint& ep) {
+      sockaddr_storage storage{};
+      std::memcpy(&storage, ep.data(), ep.size());
+      out.emplace_back(storage, static_cast<socklen_t>(ep.size()));
+    };
+    const std::string bare = host.size() > 2 && host.front() == '[' ? host.substr(1, host.size() - 2) : host;
+    const auto address = asio::ip::make_address(bare, ec);
+    if (!ec) {
+      add(asio::ip::tcp::endpoint(address, port));
+      return out;
+    }
+    asio::io_context io;
+    asio::ip::tcp::resolver resolver(io);
+    auto results = resolver.resolve(bare, std::to_string(port), asio::ip::tcp::resolver::numeric_service, ec);
+    if (ec) throw RetryableConnectError{str("cannot resolve ", host, ": ", ec.message())};
+    for (const auto& entry : results) add(entry.endpoint());
+    return out;
+  }
+
+  void tryConnectOnce(Clock::time_point deadline) {
+    std::string lastError = "no address";
+    for (auto& [addr, length] : resolve()) {
+      int s = ::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (s < 0) {
+        if (errno == EMFILE || errno == ENFILE) {
+          throw RetryableConnectError{str("out of file descriptors: ", std::strerror(errno))};
+        }
+        throw NetworkError(str("cannot create a socket for the store at ", address(), ": ", std::strerror(errno)));
+      }
+      int err = 0;
+      if (::connect(s, reinterpret_cast<sockaddr*>(&addr), length) != 0) {
+        err = errno;
+        if (err == EINPROGRESS || err == EINTR) {
+          pollfd p{s, POLLOUT, 0};
+          int rc = 0;
+          do {
+            rc = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(remainingUntil(deadline).count(), 1)));
+          } while (rc < 0 && errno == EINTR);
+          socklen_t errLength = sizeof(err);
+          if (rc == 0) err = ETIMEDOUT;
+          else ::getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &errLength);
+        }
+      }
+      if (err != 0) {
+        ::close(s);
+        lastError = std::strerror(err);
+        continue;
+      }
+      const int one = 1;
+      ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      fd = s;
+      inBegin = inEnd = 0;
+      try {
+        handshake(deadline);
+      } catch (const RetryableConnectError& e) {
+        closeFd();
+        lastError = e.reason;
+        continue;
+      } catch (...) {
+        closeFd();
+        throw;
+      }
+      return;
+    }
+    throw RetryableConnectError{lastError};
+  }
+
+  void handshake(Clock::time_point deadline) {
+    out.clear();
+    proto::FrameWriter w(out);
+    w.u8(static_cast<uint8_t>(Command::Hello)).u32(proto::kMagic).u16(proto::kVersion).bytes(token).i32(rank);
+    w.u8(worker ? proto::kHelloWorker : 0);
+    w.finish();
+    std::string_view body;
+    try {
+      sendAll();
+      body = readFrame(std::max(deadline, Clock::now() + Ms(5000)), "handshake");
+    } catch (const NetworkError& e) {
+      // Reset during the handshake: the server is starting, stopping or its
+      // accept queue overflowed. Worth another try.
+      throw RetryableConnectError{e.what()};
+    }
+    proto::FrameReader r(body);
+    const auto status = static_cast<Status>(r.u8());
+    if (status == Status::Ok) return;
+    const uint16_t serverVersion = r.u16();
+    const std::string message = r.bytes(1 << 20, "message");
+    if (status == Status::VersionMismatch) {
+      throw NetworkError(str("store protocol version mismatch with ", address(), ": this client speaks version ",
+                             proto::kVersion, ", the server version ", serverVersion, " (", message, ")"));
+    }
+    if (status == Status::AuthFailed) throw NetworkError(message);
+    throw NetworkError(str("the store at ", address(), " refused the handshake: ", message));
+  }
+
+  // --- one request ----------------------------------------------------------
+  [[noreturn]] void connectionLost(const std::string& what) {
+    closeFd();
+    lost = what;
+    throw NetworkError(what);
+  }
+
+  void sendAll() {
+    size_t sent = 0;
+    while (sent < out.size()) {
+      const ssize_t n = ::send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+      if (n > 0) {
+        sent += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        pollfd p{fd, POLLOUT, 0};
+        ::poll(&p, 1, 1000);
+        continue;
+      }
+      connectionLost(str("lost the connection to the store at ", address(), " while sending (",
+                         std::strerror(errno), "); the server is gone"));
+    }
+  }
+
+  // Reads one frame; the returned view lives until the next read.
+  std::string_view readFrame(Clock::time_point deadline, const char* op) {
+    auto have = [&] { return inEnd - inBegin; };
+    size_t need = proto::kHeaderBytes;
+    bool haveHeader = false;
+    while (true) {
+      if (!haveHeader && have() >= proto::kHeaderBytes) {
+        const uint32_t length = proto::readLength(in.data() + inBegin);
+        if (length == 0 || length > maxValue + proto::kFrameSlack) {
+          connectionLost(str("bad reply frame of ", length, " bytes from the store at ", address()));
+        }
+        need = proto::kHeaderBytes + length;
+        haveHeader = true;
+      }
+      if (haveHeader && have() >= need) {
+        std::string_view body(in.data() + inBegin + proto::kHeaderBytes, need - proto::kHeaderBytes);
+        inBegin += need;
+        if (inBegin == inEnd) inBegin = inEnd = 0;
+        return body;
+      }
+      // Room for the rest of the frame.
+      if (in.size() - inBegin < need || in.size() - inEnd < 4096) {
+        if (inBegin > 0) {
+          std::memmove(in.data(), in.data() + inBegin, have());
+          inEnd -= inBegin;
+          inBegin = 0;
+        }
+        if (in.size() < std::max<size_t>(need, 64 * 1024)) in.resize(std::max<size_t>(need, 64 * 1024));
+        if (in.size() - inEnd < 4096) in.resize(in.size() * 2);
+      }
+      // poll first: EINTR (a signal) just polls again with the time left.
+      pollfd p{fd, POLLIN, 0};
+      const int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(remainingUntil(deadline).count(), INT32_MAX)));
+      if (rc < 0) {
+        if (errno == EINTR) continue;
+        connectionLost(str("poll on the store connection failed: ", std::strerror(errno)));
+      }
+      if (rc == 0) {
+        if (Clock::now() < deadline) continue;
+        // The stream may still carry our reply later: start over on a new connection.
+        closeFd();
+        reconnect = true;
+        throw TimeoutError(str("store ", op, ": no reply from the store at ", address(),
+                               " by the deadline (", where(), "); the connection will be re-established"));
+      }
+      const ssize_t n = ::recv(fd, in.data() + inEnd, in.size() - inEnd, MSG_DONTWAIT);
+      if (n > 0) {
+        inEnd += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      connectionLost(str("the store at ", address(), " closed the connection during ", op, " (",
+                         n == 0 ? "server gone" : std::strerror(errno), "; ", where(), ")"));
+    }
+  }
+
+  void ensureConnected() {
+    if (fd >= 0) return;
+    if (reconnect) {
+      reconnect = false;
+      connect();
+      return;
+    }
+    throw NetworkError(str("the connection to the store at ", address(), " was lost earlier: ", lost));
+  }
+
+  // Sends `out` (already framed) and returns the reply body after its status,
+  // throwing for Timeout / InvalidArgument / Error replies.
+  proto::FrameReader roundTrip(const char* op, const std::vector<std::string>& keys, Ms clientTimeout,
+                               Ms requestTimeout = Ms(0)) {
+    ensureConnected();
+    sendAll();
+    std::string_view body = readFrame(Clock::now() + clientTimeout, op);
+    proto::FrameReader r(body);
+    try {
+      const auto status = static_cast<Status>(r.u8());
+      switch (status) {
+        case Status::Ok:
+          return r;
+        case Status::Timeout: {
+          std::vector<std::string> missing = r.keys(SIZE_MAX);
+          if (std::string(op) == "queuePop") {
+            throw TimeoutError(str("store queuePop(\"", keys.at(0), "\") timed out after ", requestTimeout.count(),
+                                   " ms (", where(), "): the queue stayed empty. Is the producer running?"));
+          }
+          detail::throwWaitTimeout(op, keys, missing, requestTimeout, where());
+        }
+        case Status::InvalidArgument:
+          throw InvalidArgument(r.bytes(SIZE_MAX, "message"));
+        default:
+          throw Error(str("store ", op, " failed on the server ", address(), ": ", r.bytes(SIZE_MAX, "message")));
+      }
+    } catch (const proto::ProtocolError& e) {
+      connectionLost(str("malformed reply to ", op, " from the store at ", address(), ": ", e.what()));
+    }
+  }
+
+  void checkKey(const char* op, const std::string& key) const {
+    if (key.size() > maxKey) {
+      throw InvalidArgument(str("store ", op, ": key of ", key.size(), " bytes (", quoteBytes(key, 32),
+                                ") exceeds DT_STORE_MAX_KEY_BYTES=", maxKey));
+    }
+  }
+  void checkValue(const char* op, const std::string& key, size_t size) const {
+    if (size > maxValue) {
+      throw InvalidArgument(str("store ", op, "(\"", key, "\"): value of ", size,
+                                " bytes exceeds DT_STORE_MAX_VALUE_BYTES=", maxValue));
+    }
+  }
+  proto::FrameWriter request(Command command) {
+    out.clear();
+    proto::FrameWriter w(out);
+    w.u8(static_cast<uint8_t>(command));
+    return w;
+  }
+};
+
+
+Store::Duration TcpStoreOptions::defaultConnectTimeout() { return env::getDuration("DT_STORE_CONNECT_TIMEOUT"); }
+
+TcpStore::TcpStore(std::string host, uint16_t port, TcpStoreOptions options)
+    : host_(std::move(host)), port_(port), options_(std::move(options)) {
+  timeout_ = options_.timeout;
+  if (!options_.token) options_.token = env::getString("DT_STORE_TOKEN");
+  if (options_.isServer) {
+    TcpStoreServerOptions serverOptions;
+    serverOptions.bindAddress =
+        !options_.bindAddress.empty() ? options_.bindAddress
+                                      : (isLoopbackHost(host_) ? (host_.find(':') != std::string::npos ? "::1" : "127.0.0.1")
+                                                              : "0.0.0.0");
+    serverOptions.port = port_;
+    serverOptions.token = *options_.token;
+    server_ = TcpStoreServer::start(serverOptions);
+    port_ = server_->port();
+  }
+  client_ = Client::make(host_, port_, options_, /*worker=*/true);
+  client_->connect();
+  if (server_ && options_.waitForWorkers && options_.numWorkers) {
+    server_->waitForWorkers(*options_.numWorkers, options_.timeout);
+  }
+}
+
+TcpStore::TcpStore(CloneTag, const TcpStore& other)
+    : host_(other.host_), port_(other.port_), options_(other.options_), server_(other.server_) {
+  timeout_ = other.timeout();
+  client_ = Client::make(host_, port_, options_, /*worker=*/false);
+  client_->connect();
+}
+
+TcpStore::~TcpStore() = default;
+
+void TcpStore::set(const std::string& key, const Bytes& value) {
+  client_->checkKey("set", key);
+  client_->checkValue("set", key, value.size());
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::Set).bytes(key).bytes(value).finish();
+  client_->roundTrip("set", {key}, timeout());
+}
+
+Bytes TcpStore::get(const std::string& key) { return get(key, timeout()); }
+
+Bytes TcpStore::get(const std::string& key, Duration timeout) {
+  client_->checkKey("get", key);
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::Get).bytes(key).i64(timeout.count()).finish();
+  auto r = client_->roundTrip("get", {key}, timeout + kReplyGrace, timeout);
+  return r.bytes(SIZE_MAX, "value");
+}
+
+int64_t TcpStore::add(const std::string& key, int64_t delta) {
+  client_->checkKey("add", key);
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::Add).bytes(key).i64(delta).finish();
+  return client_->roundTrip("add", {key}, timeout()).i64();
+}
+
+Bytes TcpStore::compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) {
+  client_->checkKey("compareSet", key);
+  client_->checkValue("compareSet", key, std::max(expected.size(), desired.size()));
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::CompareSet).bytes(key).bytes(expected).bytes(desired).finish();
+  return client_->roundTrip("compareSet", {key}, timeout()).bytes(SIZE_MAX, "value");
+}
+
+void TcpStore::wait(const std::vector<std::string>& keys, Duration timeout) {
+  for (const auto& key : keys) client_->checkKey("wait", key);
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::Wait).keys(keys).i64(timeout.count()).finish();
+  client_->roundTrip("wait", keys, timeout + kReplyGrace, timeout);
+}
+
+bool TcpStore::check(const std::vector<std::string>& keys) {
+  for (const auto& key : keys) client_->checkKey("check", key);
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::Check).keys(keys).finish();
+  return client_->roundTrip("check", keys, timeout()).u8() != 0;
+}
+
+bool TcpStore::deleteKey(const std::string& key) {
+  client_->checkKey("deleteKey", key);
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::Delete).bytes(key).finish();
+  return client_->roundTrip("deleteKey", {key}, timeout()).u8() != 0;
+}
+
+int64_t TcpStore::numKeys() {
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::NumKeys).finish();
+  return client_->roundTrip("numKeys", {}, timeout()).i64();
+}
+
+void TcpStore::append(const std::string& key, const Bytes& value) {
+  client_->checkKey("append", key);
+  client_->checkValue("append", key, value.size());
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::Append).bytes(key).bytes(value).finish();
+  client_->roundTrip("append", {key}, timeout());
+}
+
+std::vector<Bytes> TcpStore::multiGet(const std::vector<std::string>& keys) {
+  for (const auto& key : keys) client_->checkKey("multiGet", key);
+  const Duration limit = timeout();
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::MultiGet).keys(keys).i64(limit.count()).finish();
+  auto r = client_->roundTrip("multiGet", keys, limit + kReplyGrace, limit);
+  const uint32_t count = r.u32();
+  std::vector<Bytes> values;
+  values.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) values.push_back(r.bytes(SIZE_MAX, "value"));
+  return values;
+}
+
+void TcpStore::multiSet(const std::vector<std::string>& keys, const std::vector<Bytes>& values) {
+  DT_CHECK_EQ(keys.size(), values.size(), "store multiSet: one value per key");
+  size_t total = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    client_->checkKey("multiSet", keys[i]);
+    client_->checkValue("multiSet", keys[i], values[i].size());
+    total += keys[i].size() + values[i].size() + 8;
+  }
+  if (total > client_->maxValue + proto::kFrameSlack / 2) {
+    throw InvalidArgument(str("store multiSet of ", keys.size(), " keys: ", total,
+                              " bytes in one request exceed DT_STORE_MAX_VALUE_BYTES=", client_->maxValue));
+  }
+  std::lock_guard lock(client_->mutex);
+  auto w = client_->request(Command::MultiSet);
+  w.u32(static_cast<uint32_t>(keys.size()));
+  for (size_t i = 0; i < keys.size(); ++i) w.bytes(keys[i]).bytes(values[i]);
+  w.finish();
+  client_->roundTrip("multiSet", keys, timeout());
+}
+
+void TcpStore::queuePush(const std::string& key, const Bytes& value) {
+  client_->checkKey("queuePush", key);
+  client_->checkValue("queuePush", key, value.size());
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::QueuePush).bytes(key).bytes(value).finish();
+  client_->roundTrip("queuePush", {key}, timeout());
+}
+
+std::optional<Bytes> TcpStore::queuePop(const std::string& key, bool block) { return queuePop(key, block, timeout()); }
+
+std::optional<Bytes> TcpStore::queuePop(const std::string& key, bool block, Duration timeout) {
+  client_->checkKey("queuePop", key);
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::QueuePop).bytes(key).u8(block ? 1 : 0).i64(timeout.count()).finish();
+  auto r = client_->roundTrip("queuePop", {key}, timeout + kReplyGrace, timeout);
+  if (r.u8() == 0) return std::nullopt;
+  return r.bytes(SIZE_MAX, "value");
+}
+
+int64_t TcpStore::queueLen(const std::string& key) {
+  client_->checkKey("queueLen", key);
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::QueueLen).bytes(key).finish();
+  return client_->roundTrip("queueLen", {key}, timeout()).i64();
+}
+
+std::shared_ptr<Store> TcpStore::clone() { return std::shared_ptr<TcpStore>(new TcpStore(CloneTag{}, *this)); }
+
+std::string TcpStore::describe() const { return str(host_, ":", port_); }
+uint16_t TcpStore::port() const { return port_; }
+const std::string& TcpStore::host() const { return host_; }
+bool TcpStore::isServer() const { return server_ != nullptr; }
+
+}  // namespace dt
