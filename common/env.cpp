@@ -29,9 +29,29 @@ constexpr std::array kKnobs = {
     Knob{"DT_PG_TIMEOUT", "10min", "Default timeout of collectives and of process-group set-up. Overridable per group and per op.", "user"},
     Knob{"DT_BACKEND", "", "Backend override for initProcessGroup: gloo or nccl. Default: gloo for CPU, nccl for CUDA.", "user"},
     // launcher (set by dtrun for its workers)
-    Knob{"DT_RUN_ID", "", "The job's run id.", "dtrun"},
+    Knob{"DT_RUN_ID", "", "The job's run id (also dtrun's --run-id fallback; default: random, or slurm-<job id>.<step id> under SLURM).", "dtrun, user"},
     Knob{"DT_RESTART_COUNT", "0", "How many times dtrun has restarted the worker group.", "dtrun"},
     Knob{"DT_MAX_RESTARTS", "0", "How many restarts dtrun allows (also dtrun's --max-restarts fallback).", "dtrun, user"},
+    // dtrun's options (each DT_<NAME> is the fallback of --<name>; see dtrun --help and docs/launcher.md)
+    Knob{"DT_NPROC", "1", "dtrun --nproc: workers per node: N, cpu, gpu or auto.", "user"},
+    Knob{"DT_NNODES", "1", "dtrun --nnodes: number of nodes, one dtrun each.", "user"},
+    Knob{"DT_NODE_RANK", "0", "dtrun --node-rank: this node's rank; node 0 hosts the store.", "user"},
+    Knob{"DT_MASTER_ADDR", "127.0.0.1", "dtrun --master-addr: address of node 0 (its store and the workers' MASTER_ADDR).", "user"},
+    Knob{"DT_MASTER_PORT", "29500", "dtrun --master-port: port of node 0's store; 0 picks a free one (one node only).", "user"},
+    Knob{"DT_WORKER_PORT", "0", "dtrun --worker-port: the MASTER_PORT given to workers (kept free for them); 0 picks a free one.", "user"},
+    Knob{"DT_MONITOR_INTERVAL", "500ms", "dtrun --monitor-interval: how often dtrun polls the store (other nodes, heartbeats, hang watchdog).", "user"},
+    Knob{"DT_LOG_DIR", "", "dtrun --log-dir: folder for per-rank, per-attempt stdout/stderr files.", "user"},
+    Knob{"DT_TEE", "off", "dtrun --tee: with --log-dir, also show worker output on the console.", "user"},
+    Knob{"DT_LOCAL_RANKS_FILTER", "", "dtrun --local-ranks-filter: local ranks whose output reaches the console (e.g. 0,2-3); unset: all.", "user"},
+    Knob{"DT_KILL_GRACE", "30s", "dtrun --kill-grace: delay between SIGTERM and SIGKILL when stopping workers.", "user"},
+    Knob{"DT_SIGNALS", "INT,TERM,HUP,QUIT,USR1,USR2", "dtrun --signals: signals dtrun forwards to every worker's process group.", "user"},
+    Knob{"DT_STANDALONE", "off", "dtrun --standalone: one node on loopback with a free store port.", "user"},
+    Knob{"DT_BIND", "", "dtrun --bind: address node 0's store listens on (default: loopback for a loopback master address, else all).", "user"},
+    Knob{"DT_HANG_TIMEOUT", "0", "dtrun --hang-timeout: fail the job when no rank completes a collective for this long; 0 = off.", "user"},
+    Knob{"DT_NODE_TIMEOUT", "10s", "dtrun --node-timeout: a node (or the store) silent for this long counts as failed.", "user"},
+    Knob{"DT_RDZV_TIMEOUT", "300s", "dtrun --rdzv-timeout: how long nodes wait for each other at start and at each restart.", "user"},
+    Knob{"DT_PREFIX", "[rank %r] ", "dtrun --prefix: console line prefix (%r rank, %l local rank, %n node, %h host); none disables.", "user"},
+    Knob{"DT_SLURM", "auto", "dtrun --slurm: take nodes from SLURM: auto (inside an srun step with one task per node), on, off.", "user"},
 };
 
 std::string_view trimView(std::string_view text) {

@@ -1,0 +1,568 @@
+#include "launcher/agent.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <optional>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "launcher/coordinator.h"
+#include "launcher/machine.h"
+#include "launcher/output.h"
+#include "launcher/summary.h"
+#include "launcher/worker_env.h"
+#include "store/tcp_store.h"
+
+namespace dt::launcher {
+namespace {
+
+bool isTermination(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT; }
+
+struct Worker {
+  int rank = 0;
+  int localRank = 0;
+  pid_t pid = -1;
+  bool reaped = false;
+  int fds[2] = {-1, -1};  // stdout, stderr read ends
+  std::unique_ptr<OutputStream> streams[2];
+  WorkerOutcome outcome;
+};
+
+struct Rendezvous {
+  int worldSize = 1;
+  int rankOffset = 0;
+};
+
+struct AttemptResult {
+  bool success = false;
+  int exitCode = 0;
+};
+
+}  // namespace
+
+struct Agent::Impl {
+  AgentConfig cfg;
+  LaunchOptions& o;
+  SignalChannel& signals;
+  std::string tag;
+  StorePtr store;
+  std::unique_ptr<Coordinator> coord;
+  int wakeFd = -1;
+  std::string token, runId, storeAddr;
+  int workerPort = 0;
+  int terminationSignal = 0;
+  int sigintCount = 0;
+  bool threadsNoticePrinted = false;
+  std::vector<CoordinatorEvent> pendingEvents;  // taken while waiting, handled later
+
+  Impl(AgentConfig config, SignalChannel& channel)
+      : cfg(std::move(config)), o(cfg.options), signals(channel) {
+    tag = o.nnodes > 1 ? str("dtrun (node ", o.nodeRank, "/", o.nnodes, "): ") : std::string("dtrun: ");
+    wakeFd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wakeFd < 0) throw Error(str("dtrun: eventfd failed: ", std::strerror(errno)));
+  }
+
+  void say(const std::string& line) const { writeAll(2, tag + line + "\n"); }
+
+  // ---- store ---------------------------------------------------------------
+
+  void setupStore() {
+    token = !cfg.userToken.empty() ? cfg.userToken : (o.nnodes == 1 ? randomHex(16) : std::string());
+    if (o.nnodes > 1 && token.empty() && o.nodeRank == 0) {
+      say("note: DT_STORE_TOKEN is not set, so the job's store accepts any client that reaches it; "
+          "set the same DT_STORE_TOKEN for every node's dtrun to require it");
+    }
+    TcpStoreOptions so;
+    so.token = token;
+    so.timeout = o.rdzvTimeout;
+    so.connectTimeout = o.rdzvTimeout;
+    if (o.nodeRank == 0) {
+      so.isServer = true;
+      so.waitForWorkers = false;
+      so.bindAddress = o.bind;
+      try {
+        store = std::make_shared<TcpStore>(o.masterAddr, static_cast<uint16_t>(o.masterPort), so);
+      } catch (const std::exception& e) {
+        throw Error(str("dtrun: cannot host the job's store on ", o.masterAddr, ":", o.masterPort, ": ", e.what(),
+                        ". Is another job using port ", o.masterPort,
+                        "? Pass --master-port with a free port, or --master-port 0 / --standalone on one node"));
+      }
+      const int storePort = static_cast<TcpStore&>(*store).port();
+      runId = o.runId.empty() ? randomHex(6) : o.runId;
+      workerPort = o.workerPort != 0 ? o.workerPort : pickFreePort("");
+      if (workerPort == storePort) workerPort = pickFreePort("");
+      storeAddr = str(o.masterAddr, ":", storePort);
+      store->set("dtrun/meta", str(runId, "\t", workerPort));
+    } else {
+      try {
+        store = std::make_shared<TcpStore>(o.masterAddr, static_cast<uint16_t>(o.masterPort), so);
+        const auto meta = split(store->get("dtrun/meta"), '\t');
+        runId = meta.at(0);
+        workerPort = std::stoi(meta.at(1));
+      } catch (const std::exception& e) {
+        throw Error(str("dtrun: cannot join the job's store at ", o.masterAddr, ":", o.masterPort,
+                        " (hosted by node 0's dtrun): ", e.what(),
+                        ". Is node 0's dtrun running with the same --master-addr/--master-port and DT_STORE_TOKEN?"));
+      }
+      if (!o.runId.empty() && o.runId != runId) {
+        say(str("note: using node 0's run id ", runId, " instead of ", o.runId));
+      }
+      storeAddr = str(o.masterAddr, ":", o.masterPort);
+    }
+    if (o.nnodes > 1 || o.hangTimeout.count() > 0) {
+      Coordinator::Config cc;
+      cc.nodeRank = o.nodeRank;
+      cc.nnodes = o.nnodes;
+      cc.interval = o.monitorInterval;
+      cc.nodeTimeout = o.nodeTimeout;
+      cc.hangTimeout = o.hangTimeout;
+      coord = std::make_unique<Coordinator>(store->clone(), cc, wakeFd);
+    }
+  }
+
+  // Waits on the signal channel and the coordinator for up to `ms`; handles
+  // termination signals by recording them. Returns false when dtrun must stop.
+  bool idleWait(int ms) {
+    pollfd fds[2] = {{signals.fd(), POLLIN, 0}, {wakeFd, POLLIN, 0}};
+    ::poll(fds, 2, ms);
+    std::vector<int> sigs;
+    signals.drain(sigs);
+    for (int sig : sigs) {
+      if (isTermination(sig) && terminationSignal == 0) terminationSignal = sig;
+    }
+    uint64_t counter = 0;
+    ssize_t ignored = ::read(wakeFd, &counter, sizeof(counter));
+    (void)ignored;
+    if (coord) {
+      for (auto& event : coord->takeEvents()) pendingEvents.push_back(std::move(event));
+    }
+    return terminationSignal == 0;
+  }
+
+  std::optional<Rendezvous> rendezvous(int attempt) {
+    if (o.nnodes == 1) return Rendezvous{cfg.nproc, 0};
+    store->set(str("dtrun/a", attempt, "/node/", o.nodeRank), str(cfg.nproc));
+    std::vector<std::string> keys;
+    for (int node = 0; node < o.nnodes; ++node) keys.push_back(str("dtrun/a", attempt, "/node/", node));
+    const int64_t deadline = wallMs() + o.rdzvTimeout.count();
+    while (!store->check(keys)) {
+      if (!idleWait(50)) return std::nullopt;
+      for (const auto& event : pendingEvents) {
+        if (event.kind == CoordinatorEvent::Kind::StoreLost) throw Error(str("dtrun: ", event.text));
+      }
+      if (wallMs() > deadline) {
+        std::vector<int> missing;
+        for (int node = 0; node < o.nnodes; ++node) {
+          if (!store->check({keys[static_cast<size_t>(node)]})) missing.push_back(node);
+        }
+        throw TimeoutError(str("dtrun: node(s) ", formatRanges(missing), " did not join attempt ", attempt + 1,
+                               " within ", formatDuration(o.rdzvTimeout), " (--rdzv-timeout; store ", storeAddr,
+                               ", run id ", runId, "). Are their dtruns running with --nnodes ", o.nnodes, "?"));
+      }
+    }
+    pendingEvents.clear();
+    const auto values = store->multiGet(keys);
+    Rendezvous out;
+    out.worldSize = 0;
+    for (int node = 0; node < o.nnodes; ++node) {
+      const int n = std::stoi(values[static_cast<size_t>(node)]);
+      if (node < o.nodeRank) out.rankOffset += n;
+      out.worldSize += n;
+    }
+    return out;
+  }
+
+  // ---- one attempt -----------------------------------------------------------
+
+  int openLog(int attempt, int rank, const char* stream) {
+    if (o.logDir.empty()) return -1;
+    const std::filesystem::path dir = std::filesystem::path(o.logDir) / runId / str("attempt", attempt);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const auto path = dir / str("rank", rank, ".", stream);
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) say(str("warning: cannot write ", path.string(), ": ", std::strerror(errno)));
+    return fd;
+  }
+
+  AttemptResult runAttempt(int attempt, const Rendezvous& rdv) {
+    std::vector<Worker> workers(static_cast<size_t>(cfg.nproc));
+    const bool multiNode = o.nnodes > 1;
+
+    if (o.hangTimeout.count() > 0 && o.nodeRank == 0) {
+      for (int r = 0; r < rdv.worldSize; ++r) store->deleteKey(str("dt/progress/", r));
+    }
+
+    bool stopping = false, killSent = false;
+    int64_t killAt = 0;
+    std::string externalCause;
+    int externalCode = 1;
+    bool published = false;       // we asked the coordinator to publish a failure
+    bool publishResolved = false;  // ... and heard back
+    bool waitingAllDone = false, allDone = false;
+    std::optional<DecodedFailure> globalFailure;
+
+    auto signalAll = [&](int sig, bool includeReaped) {
+      for (auto& w : workers) {
+        if (w.pid > 0 && (includeReaped || !w.reaped)) signalGroup(w.pid, sig);
+      }
+    };
+    auto beginStop = [&](int sig) {
+      if (stopping) return;
+      stopping = true;
+      killAt = wallMs() + o.killGrace.count();
+      if (sig != 0) signalAll(sig, true);
+      if (multiNode && (attempt >= o.maxRestarts || terminationSignal != 0)) coord->publishExit();
+    };
+    auto publish = [&](int code, int64_t timeMs, const std::string& description) {
+      if (!multiNode || published) return;
+      published = true;
+      coord->publishFailure(encodeFailure(code, timeMs, o.nodeRank, description));
+    };
+    auto external = [&](const std::string& cause, int code) {
+      if (stopping) return;
+      externalCause = cause;
+      externalCode = code;
+      publish(code, wallMs(), cause);
+      beginStop(SIGTERM);
+    };
+
+    // Spawn.
+    const int64_t startMs = wallMs();
+    if (coord) coord->beginAttempt(attempt, rdv.worldSize, startMs);
+    for (int i = 0; i < cfg.nproc; ++i) {
+      Worker& w = workers[static_cast<size_t>(i)];
+      w.localRank = i;
+      w.rank = rdv.rankOffset + i;
+      WorkerIdentity id;
+      id.rank = w.rank;
+      id.worldSize = rdv.worldSize;
+      id.localRank = i;
+      id.localWorldSize = cfg.nproc;
+      id.groupRank = o.nodeRank;
+      id.numNodes = o.nnodes;
+      id.masterAddr = o.masterAddr;
+      id.masterPort = workerPort;
+      id.storeAddr = storeAddr;
+      id.storeToken = token;
+      id.runId = runId;
+      id.restartCount = attempt;
+      id.maxRestarts = o.maxRestarts;
+      const WorkerEnv env = buildWorkerEnv(cfg.baseEnv, id);
+      if (env.threadsDefaulted && !threadsNoticePrinted) {
+        threadsNoticePrinted = true;
+        say(str(cfg.nproc, " workers share this machine: OMP_NUM_THREADS and DT_NUM_THREADS default to 1 (set them to override)"));
+      }
+      const bool console = (o.logDir.empty() || o.tee) &&
+                           (!o.localRanksFilter || std::binary_search(o.localRanksFilter->begin(), o.localRanksFilter->end(), i));
+      const std::string prefix = expandPrefix(o.prefix, w.rank, i, o.nodeRank, cfg.hostname);
+      w.streams[0] = std::make_unique<OutputStream>(StreamTarget{console ? 1 : -1, openLog(attempt, w.rank, "stdout"), prefix, false}, 20);
+      w.streams[1] = std::make_unique<OutputStream>(StreamTarget{console ? 2 : -1, openLog(attempt, w.rank, "stderr"), prefix, true}, 20);
+      try {
+        const SpawnedWorker sw = spawnWorker(cfg.programPath, o.program, env.entries, signals.originalMask());
+        w.pid = sw.pid;
+        w.fds[0] = sw.stdoutFd;
+        w.fds[1] = sw.stderrFd;
+      } catch (const std::exception& e) {
+        say(str("cannot start rank ", w.rank, ": ", e.what()));
+        w.reaped = true;
+        w.outcome = WorkerOutcome{w.rank, i, cfg.hostname, -1, false, 127, wallMs(), false, false, {}};
+        external(str("rank ", w.rank, " could not be started: ", e.what()), 127);
+        break;
+      }
+      w.outcome.pid = w.pid;
+    }
+    for (auto& w : workers) {
+      if (w.pid < 0 && !w.reaped) w.reaped = true;  // never started (spawn loop broke off)
+    }
+
+    auto reapAll = [&] {
+      std::vector<Worker*> failedNow;
+      int status = 0;
+      pid_t pid;
+      while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+        for (auto& w : workers) {
+          if (w.pid != pid || w.reaped) continue;
+          w.reaped = true;
+          WorkerOutcome& out = w.outcome;
+          out.rank = w.rank;
+          out.localRank = w.localRank;
+          out.host = cfg.hostname;
+          out.pid = pid;
+          out.timeMs = wallMs();
+          out.signaled = WIFSIGNALED(status);
+          out.code = out.signaled ? WTERMSIG(status) : WEXITSTATUS(status);
+          out.stoppedByLauncher = stopping;
+          out.killedByLauncher = killSent;
+          if (out.failed() && !stopping) failedNow.push_back(&w);
+        }
+      }
+      if (!failedNow.empty() && !stopping) {
+        const Worker* first = failedNow.front();
+        for (const Worker* w : failedNow) {
+          if (w->outcome.timeMs < first->outcome.timeMs) first = w;
+        }
+        publish(exitCodeOf(first->outcome), first->outcome.timeMs,
+                str("rank ", first->rank, " (host ", cfg.hostname, ", pid ", first->pid, ") ended with ",
+                    describeOutcome(first->outcome)));
+        beginStop(SIGTERM);
+      }
+    };
+
+    auto handleSignal = [&](int sig) {
+      if (sig == SIGINT && sigintCount > 0) {
+        say("second SIGINT: killing the workers (SIGKILL)");
+        signalAll(SIGKILL, true);
+        killSent = true;
+        return;
+      }
+      signalAll(sig, false);
+      if (!isTermination(sig)) return;
+      if (sig == SIGINT) ++sigintCount;
+      if (terminationSignal == 0) terminationSignal = sig;
+      if (!stopping) {
+        externalCause = str("dtrun received ", signalName(sig), " and forwarded it to the workers");
+        externalCode = 128 + sig;
+        publish(externalCode, wallMs(), str("node ", o.nodeRank, "'s dtrun received ", signalName(sig)));
+        beginStop(0);  // the forwarded signal is the stop request; SIGKILL follows after the grace period
+      }
+    };
+
+    auto handleEvent = [&](const CoordinatorEvent& event) {
+      using K = CoordinatorEvent::Kind;
+      switch (event.kind) {
+        case K::FailurePublished:
+          publishResolved = true;
+          globalFailure = decodeFailure(event.text);
+          break;
+        case K::RemoteFailure: {
+          publishResolved = true;
+          const DecodedFailure d = decodeFailure(event.text);
+          globalFailure = d;
+          if (d.node != o.nodeRank && !stopping) {
+            externalCause = str("node ", d.node, " reported: ", d.description);
+            externalCode = d.code;
+            beginStop(SIGTERM);
+          }
+          break;
+        }
+        case K::NodeLost:
+        case K::StoreLost:
+        case K::Hang:
+          if (!allDone) external(event.text, event.code);
+          break;
+        case K::AllDone:
+          allDone = true;
+          break;
+        default:
+          break;
+      }
+    };
+
+    for (auto& event : pendingEvents) handleEvent(event);
+    pendingEvents.clear();
+
+    char buffer[65536];
+    int64_t drainDeadline = 0;
+    while (true) {
+      const int64_t now = wallMs();
+      const bool allReaped = std::all_of(workers.begin(), workers.end(), [](const Worker& w) { return w.reaped; });
+      bool pipesOpen = false;
+      for (auto& w : workers) pipesOpen |= (w.fds[0] >= 0 || w.fds[1] >= 0);
+      if (allReaped && pipesOpen) {
+        // A worker's own children may hold its pipes open; do not wait for them long.
+        if (drainDeadline == 0) drainDeadline = now + 500;
+        if (now >= drainDeadline) {
+          for (auto& w : workers) {
+            for (int s = 0; s < 2; ++s) {
+              if (w.fds[s] >= 0) {
+                ::close(w.fds[s]);
+                w.fds[s] = -1;
+                w.streams[s]->finish();
+              }
+            }
+          }
+          pipesOpen = false;
+        }
+      }
+      if (allReaped && !pipesOpen) {
+        if (stopping) break;
+        if (!multiNode || allDone) break;
+        if (!waitingAllDone) {
+          waitingAllDone = true;
+          coord->publishDone();
+        }
+      }
+
+      std::vector<pollfd> fds;
+      fds.push_back({signals.fd(), POLLIN, 0});
+      fds.push_back({wakeFd, POLLIN, 0});
+      std::vector<std::pair<Worker*, int>> owners;
+      for (auto& w : workers) {
+        for (int s = 0; s < 2; ++s) {
+          if (w.fds[s] >= 0) {
+            fds.push_back({w.fds[s], POLLIN, 0});
+            owners.emplace_back(&w, s);
+          }
+        }
+      }
+      int64_t timeout = -1;
+      auto limit = [&](int64_t ms) { timeout = timeout < 0 ? std::max<int64_t>(ms, 0) : std::min(timeout, std::max<int64_t>(ms, 0)); };
+      if (stopping && !killSent) limit(killAt - now);
+      if (drainDeadline != 0) limit(drainDeadline - now);
+      if (coord) limit(o.monitorInterval.count());
+      const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(timeout));
+      if (ready < 0 && errno != EINTR) throw Error(str("dtrun: poll failed: ", std::strerror(errno)));
+
+      if (fds[0].revents) {
+        std::vector<int> sigs;
+        signals.drain(sigs);
+        bool child = false;
+        for (int sig : sigs) {
+          if (sig == SIGCHLD) child = true;
+          else handleSignal(sig);
+        }
+        if (child) reapAll();
+      }
+      if (fds[1].revents) {
+        uint64_t counter = 0;
+        ssize_t ignored = ::read(wakeFd, &counter, sizeof(counter));
+        (void)ignored;
+        if (coord) {
+          for (const auto& event : coord->takeEvents()) handleEvent(event);
+        }
+      }
+      for (size_t i = 0; i < owners.size(); ++i) {
+        const short revents = fds[i + 2].revents;
+        if (!revents) continue;
+        auto [w, s] = owners[i];
+        const ssize_t n = ::read(w->fds[s], buffer, sizeof(buffer));
+        if (n > 0) {
+          w->streams[s]->write(std::string_view(buffer, static_cast<size_t>(n)));
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+          ::close(w->fds[s]);
+          w->fds[s] = -1;
+          w->streams[s]->finish();
+        }
+      }
+      const int64_t after = wallMs();
+      if (coord && multiNode && !stopping && after - coord->lastContactMs() > o.nodeTimeout.count()) {
+        external(str("no answer from the job's store at ", storeAddr, " for ",
+                     formatDuration(Millis(after - coord->lastContactMs())), " (node timeout ",
+                     formatDuration(o.nodeTimeout), "): node 0's dtrun died, or the network to it is cut"),
+                 1);
+      }
+      if (stopping && !killSent && after >= killAt) {
+        bool any = false;
+        for (auto& w : workers) any |= !w.reaped;
+        if (any) say(str("workers still running ", formatDuration(o.killGrace), " after the stop request (--kill-grace): sending SIGKILL"));
+        signalAll(SIGKILL, true);
+        killSent = true;
+      }
+    }
+
+    if (!stopping && (!multiNode || allDone)) return AttemptResult{true, 0};
+
+    // Failure. With several nodes, learn which failure the job records as
+    // first (each node prints the same root cause and exits with its code).
+    if (multiNode && published && !publishResolved) {
+      const int64_t until = wallMs() + std::min<int64_t>(3000, o.nodeTimeout.count());
+      while (!publishResolved && wallMs() < until) {
+        idleWait(50);
+        for (const auto& event : pendingEvents) {
+          if (event.kind == CoordinatorEvent::Kind::FailurePublished || event.kind == CoordinatorEvent::Kind::RemoteFailure) {
+            publishResolved = true;
+            globalFailure = decodeFailure(event.text);
+          }
+        }
+        pendingEvents.clear();
+      }
+    }
+
+    SummaryInput summary;
+    summary.runId = runId;
+    summary.attempt = attempt;
+    summary.maxRestarts = o.maxRestarts;
+    summary.nodeRank = o.nodeRank;
+    summary.startMs = startMs;
+    for (auto& w : workers) {
+      w.outcome.stderrTail.assign(w.streams[1]->tail().begin(), w.streams[1]->tail().end());
+      summary.outcomes.push_back(w.outcome);
+    }
+    int code = externalCode;
+    summary.externalCause = externalCause;
+    if (globalFailure && globalFailure->node != o.nodeRank) {
+      summary.externalCause = str("node ", globalFailure->node, " reported: ", globalFailure->description);
+      code = globalFailure->code;
+    } else if (externalCause.empty()) {
+      const auto root = rootCause(summary.outcomes);
+      code = root ? exitCodeOf(summary.outcomes[*root]) : 1;
+    }
+    if (code == 0) code = 1;
+    writeAll(2, formatSummary(summary));
+    return AttemptResult{false, code};
+  }
+
+  void finishJob() {
+    if (!coord || o.nnodes == 1) return;
+    const int64_t until = wallMs() + std::min<int64_t>(o.nodeTimeout.count(), 10000);
+    if (o.nodeRank == 0) {
+      // Keep the store up until every other node has seen the outcome.
+      coord->awaitExits();
+      bool seen = false;
+      while (!seen && wallMs() < until) {
+        idleWait(50);
+        for (const auto& event : pendingEvents) seen |= event.kind == CoordinatorEvent::Kind::ExitsSeen;
+        pendingEvents.clear();
+      }
+    } else {
+      coord->publishExit();
+      bool published = false;
+      while (!published && wallMs() < until) {
+        idleWait(50);
+        for (const auto& event : pendingEvents) {
+          published |= event.kind == CoordinatorEvent::Kind::ExitPublished || event.kind == CoordinatorEvent::Kind::StoreLost;
+        }
+        pendingEvents.clear();
+      }
+    }
+  }
+
+  int run() {
+    setupStore();
+    for (int attempt = 0;; ++attempt) {
+      if (coord) coord->endAttempt();
+      const auto rdv = rendezvous(attempt);
+      if (!rdv) {
+        say(str("received ", signalName(terminationSignal), " while waiting for the other nodes; stopping"));
+        return 128 + terminationSignal;
+      }
+      const AttemptResult result = runAttempt(attempt, *rdv);
+      if (result.success) {
+        finishJob();
+        return 0;
+      }
+      if (terminationSignal != 0 || attempt >= o.maxRestarts) {
+        say(str("exit code ", result.exitCode,
+                terminationSignal != 0 ? "" : (o.maxRestarts > 0 ? str(" (no restarts left of ", o.maxRestarts, ")") : std::string())));
+        finishJob();
+        return result.exitCode;
+      }
+      say(str("restarting the worker group (restart ", attempt + 1, " of ", o.maxRestarts, ")"));
+    }
+  }
+};
+
+Agent::Agent(AgentConfig config, SignalChannel& signals) : impl_(std::make_unique<Impl>(std::move(config), signals)) {}
+Agent::~Agent() = default;
+int Agent::run() { return impl_->run(); }
+
+}  // namespace dt::launcher

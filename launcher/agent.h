@@ -1,0 +1,46 @@
+// The per-node agent: hosts or joins the job's store, meets the other nodes,
+// starts this node's workers, watches them, tears the job down on failure,
+// restarts it, and reports.
+//
+// Contract:
+//  * run() returns dtrun's exit code (0, the root-cause worker's code, 128 +
+//    signal, 124 for a hang, 1 for a lost node or store). It throws
+//    dt::InvalidArgument / dt::Error for set-up failures (bad program, port in
+//    use, rendezvous timeout) with a one-line message.
+//  * The caller must have created the SignalChannel (blocking the forwarded
+//    signals) before constructing the Agent, so that the store's threads
+//    inherit the blocked mask.
+//  * Single-threaded apart from the store's and the Coordinator's threads;
+//    workers are forked from the thread that calls run().
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "launcher/options.h"
+#include "launcher/process.h"
+
+namespace dt::launcher {
+
+struct AgentConfig {
+  LaunchOptions options;       // with SLURM applied
+  int nproc = 1;               // resolved --nproc
+  std::string programPath;     // resolved executable
+  std::vector<std::string> baseEnv;
+  std::string hostname;
+  std::string userToken;       // DT_STORE_TOKEN from dtrun's environment, if any
+};
+
+class Agent {
+ public:
+  Agent(AgentConfig config, SignalChannel& signals);
+  ~Agent();
+  int run();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dt::launcher

@@ -1,0 +1,346 @@
+#include "launcher/coordinator.h"
+
+#include <algorithm>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "launcher/machine.h"
+
+namespace dt::launcher {
+
+std::string encodeFailure(int code, int64_t timeMs, int node, const std::string& description) {
+  return str(code, "\t", timeMs, "\t", node, "\t", description);
+}
+
+DecodedFailure decodeFailure(const std::string& value) {
+  DecodedFailure out;
+  const auto parts = split(value, '\t');
+  if (parts.size() < 4) {
+    out.description = value;
+    return out;
+  }
+  try {
+    out.code = std::stoi(parts[0]);
+    out.timeMs = std::stoll(parts[1]);
+    out.node = std::stoi(parts[2]);
+  } catch (const std::exception&) {
+    out.description = value;
+    return out;
+  }
+  out.description = value.substr(parts[0].size() + parts[1].size() + parts[2].size() + 3);
+  return out;
+}
+
+namespace {
+
+// Leading sequence number of a "<seq> <op>" progress value; -1 when absent.
+int64_t progressSeq(const std::string& value) {
+  if (value.empty()) return -1;
+  try {
+    return std::stoll(value);
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+std::string formatHangReport(const std::vector<std::string>& progress) {
+  std::string out;
+  int64_t furthest = -1;
+  for (const auto& value : progress) furthest = std::max(furthest, progressSeq(value));
+  for (size_t r = 0; r < progress.size(); ++r) {
+    if (r) out += "; ";
+    out += str("rank ", r, ": ");
+    if (progress[r].empty()) {
+      out += "no collective completed";
+    } else {
+      out += '#';
+      out += progress[r];
+    }
+  }
+  std::vector<int> behind;
+  for (size_t r = 0; r < progress.size(); ++r) {
+    if (progressSeq(progress[r]) < furthest) behind.push_back(static_cast<int>(r));
+  }
+  if (behind.empty()) {
+    out += ". No rank is behind: all stopped after the same collective (a hang inside the next one, or outside collectives)";
+  } else {
+    out += str(". Behind: rank(s) ", formatRanges(behind), " (the furthest rank completed #", furthest, ")");
+  }
+  return out;
+}
+
+struct Coordinator::Shared {
+  StorePtr store;
+  Config config;
+  int wakeFd;
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool stop = false;
+  bool kick = false;
+  // Requests from the monitor loop.
+  std::vector<std::pair<std::string, std::string>> outboxSets;
+  std::string failureToPublish;
+  bool exitToPublish = false;
+  bool watchingExits = false;
+  bool waitingDone = false;
+  // Attempt being watched.
+  int attempt = -1;
+  int worldSize = 0;
+  int64_t attemptStartMs = 0;
+  bool failureSeen = false;
+  bool hangReported = false;
+  std::vector<std::string> lastProgress;
+  int64_t lastProgressChangeMs = 0;
+  // Node heartbeats: last value and when it changed.
+  std::map<int, std::pair<int64_t, int64_t>> heartbeats;
+  std::map<int, bool> lost;
+  bool storeLost = false;
+  std::vector<CoordinatorEvent> events;
+  std::atomic<int64_t> lastContact{0};
+
+  void post(CoordinatorEvent event) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      events.push_back(std::move(event));
+    }
+    const uint64_t one = 1;
+    ssize_t ignored = ::write(wakeFd, &one, sizeof(one));
+    (void)ignored;
+  }
+
+  std::string key(const std::string& suffix) const { return "dtrun/" + suffix; }
+
+  void tick() {
+    std::vector<std::pair<std::string, std::string>> sets;
+    std::string failure;
+    bool publishExit = false, exits = false, done = false;
+    int k = -1, world = 0;
+    int64_t startMs = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      sets.swap(outboxSets);
+      failure.swap(failureToPublish);
+      publishExit = exitToPublish;
+      exitToPublish = false;
+      exits = watchingExits;
+      done = waitingDone;
+      k = attempt;
+      world = worldSize;
+      startMs = attemptStartMs;
+    }
+    const int64_t now = wallMs();
+    for (const auto& [name, value] : sets) store->set(name, value);
+    if (!failure.empty() && k >= 0) {
+      const std::string stored = store->compareSet(key(str("a", k, "/failed")), "", failure);
+      failureSeen = true;
+      if (stored == failure) {
+        post({CoordinatorEvent::Kind::FailurePublished, failure, decodeFailure(failure).code});
+      } else {
+        post({CoordinatorEvent::Kind::RemoteFailure, stored, decodeFailure(stored).code});
+      }
+    }
+    if (publishExit) {
+      store->set(key(str("exit/", config.nodeRank)), "1");
+      post({CoordinatorEvent::Kind::ExitPublished, "", 0});
+    }
+    if (config.nnodes > 1) {
+      store->add(key(str("hb/", config.nodeRank)), 1);
+      for (int node = 0; node < config.nnodes; ++node) {
+        if (node == config.nodeRank || lost[node]) continue;
+        const std::string hb = key(str("hb/", node));
+        if (!store->check({hb})) continue;  // not started yet
+        const int64_t value = std::stoll(store->get(hb));
+        auto it = heartbeats.find(node);
+        if (it == heartbeats.end() || it->second.first != value) {
+          heartbeats[node] = {value, now};
+        } else if (now - it->second.second > config.nodeTimeout.count() && !exits) {
+          bool exited = store->check({key(str("exit/", node))});
+          if (!exited) {
+            lost[node] = true;
+            post({CoordinatorEvent::Kind::NodeLost,
+                  str("node ", node, " stopped sending heartbeats to the store (none for ",
+                      formatDuration(Millis(now - it->second.second)),
+                      ", node timeout ", formatDuration(config.nodeTimeout),
+                      "): its dtrun died, its machine is down, or the network to it is cut"),
+                  1});
+          }
+        }
+      }
+      if (k >= 0 && !failureSeen) {
+        const std::string failedKey = key(str("a", k, "/failed"));
+        if (store->check({failedKey})) {
+          failureSeen = true;
+          const std::string value = store->get(failedKey);
+          post({CoordinatorEvent::Kind::RemoteFailure, value, decodeFailure(value).code});
+        }
+      }
+      if (done && k >= 0) {
+        std::vector<std::string> keys;
+        for (int node = 0; node < config.nnodes; ++node) keys.push_back(key(str("a", k, "/done/", node)));
+        if (store->check(keys)) {
+          {
+            std::lock_guard<std::mutex> lock(mutex);
+            waitingDone = false;
+          }
+          post({CoordinatorEvent::Kind::AllDone, "", 0});
+        }
+      }
+      if (exits) {
+        std::vector<std::string> keys;
+        for (int node = 0; node < config.nnodes; ++node) {
+          if (node != config.nodeRank && !lost[node]) keys.push_back(key(str("exit/", node)));
+        }
+        if (keys.empty() || store->check(keys)) {
+          {
+            std::lock_guard<std::mutex> lock(mutex);
+            watchingExits = false;
+          }
+          post({CoordinatorEvent::Kind::ExitsSeen, "", 0});
+        }
+      }
+    }
+    if (config.hangTimeout.count() > 0 && config.nodeRank == 0 && k >= 0 && !hangReported && world > 0) {
+      std::vector<std::string> progress(static_cast<size_t>(world));
+      for (int r = 0; r < world; ++r) {
+        const std::string name = str("dt/progress/", r);
+        if (store->check({name})) progress[static_cast<size_t>(r)] = store->get(name);
+      }
+      if (progress != lastProgress) {
+        lastProgress = progress;
+        lastProgressChangeMs = now;
+      }
+      const int64_t since = std::max(lastProgressChangeMs, startMs);
+      if (now - since > config.hangTimeout.count()) {
+        hangReported = true;
+        post({CoordinatorEvent::Kind::Hang,
+              str("hang watchdog: no rank completed a collective for ", formatDuration(Millis(now - since)),
+                  " (--hang-timeout ", formatDuration(config.hangTimeout), "). Last completed collective: ",
+                  formatHangReport(progress)),
+              124});
+      }
+    }
+    lastContact.store(wallMs());
+  }
+
+  void run() {
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        cv.wait_for(lock, config.interval, [&] { return stop || kick; });
+        if (stop) return;
+        kick = false;
+      }
+      try {
+        tick();
+      } catch (const std::exception& e) {
+        if (!storeLost) {
+          storeLost = true;
+          post({CoordinatorEvent::Kind::StoreLost,
+                str("lost the job's store (", store->describe(), "): ", e.what(),
+                    config.nodeRank == 0 ? "" : "; node 0's dtrun died, or the network to it is cut"),
+                1});
+        }
+        // Back off: a dead store fails every call at once.
+        std::unique_lock<std::mutex> lock(mutex);
+        cv.wait_for(lock, config.interval * 4, [&] { return stop; });
+        if (stop) return;
+      }
+    }
+  }
+};
+
+Coordinator::Coordinator(StorePtr store, Config config, int wakeFd) : shared_(std::make_shared<Shared>()) {
+  shared_->store = std::move(store);
+  shared_->config = config;
+  shared_->wakeFd = wakeFd;
+  shared_->lastContact.store(wallMs());
+  auto shared = shared_;
+  thread_ = std::thread([shared] { shared->run(); });
+}
+
+Coordinator::~Coordinator() {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->stop = true;
+  }
+  shared_->cv.notify_all();
+  // A thread stuck in a store call (cut link) would block exit; it owns a
+  // reference to everything it touches, so it can be left behind.
+  if (wallMs() - shared_->lastContact.load() > 2 * shared_->config.interval.count() + 1000) {
+    thread_.detach();
+  } else {
+    thread_.join();
+  }
+}
+
+void Coordinator::beginAttempt(int attempt, int worldSize, int64_t startMs) {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  shared_->attempt = attempt;
+  shared_->worldSize = worldSize;
+  shared_->attemptStartMs = startMs;
+  shared_->failureSeen = false;
+  shared_->hangReported = false;
+  shared_->lastProgress.clear();
+  shared_->lastProgressChangeMs = startMs;
+  shared_->waitingDone = false;
+}
+
+void Coordinator::endAttempt() {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  shared_->attempt = -1;
+  shared_->waitingDone = false;
+}
+
+void Coordinator::publishFailure(const std::string& encoded) {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->failureToPublish = encoded;
+    shared_->kick = true;
+  }
+  shared_->cv.notify_all();
+}
+
+void Coordinator::publishDone() {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    if (shared_->attempt >= 0) {
+      shared_->outboxSets.emplace_back(str("dtrun/a", shared_->attempt, "/done/", shared_->config.nodeRank), "1");
+    }
+    shared_->waitingDone = true;
+    shared_->kick = true;
+  }
+  shared_->cv.notify_all();
+}
+
+void Coordinator::publishExit() {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->exitToPublish = true;
+    shared_->kick = true;
+  }
+  shared_->cv.notify_all();
+}
+
+void Coordinator::awaitExits() {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->watchingExits = true;
+    shared_->kick = true;
+  }
+  shared_->cv.notify_all();
+}
+
+std::vector<CoordinatorEvent> Coordinator::takeEvents() {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  std::vector<CoordinatorEvent> out;
+  out.swap(shared_->events);
+  return out;
+}
+
+int64_t Coordinator::lastContactMs() const { return shared_->lastContact.load(); }
+
+}  // namespace dt::launcher

@@ -1,0 +1,28 @@
+// What dtrun asks of the machine: device and core counts, host name, random
+// tokens and free ports. Each function is small and side-effect free apart
+// from what its name says.
+// Thread safety: all functions are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace dt::launcher {
+
+// CUDA devices without linking CUDA: /proc/driver/nvidia/gpus entries, else
+// the lines of `nvidia-smi -L`; CUDA_VISIBLE_DEVICES (when set) limits the
+// count to the devices it lists. 0 when there is none.
+int countGpus();
+// Cores this process may run on (sched_getaffinity).
+int countCpus();
+std::string hostName();
+// `bytes` random bytes from /dev/urandom as lowercase hex.
+std::string randomHex(size_t bytes);
+// Binds port 0 on `address` (empty: all interfaces), reads the port the kernel
+// chose and closes the socket: a port that is free right now, for the workers'
+// MASTER_PORT. Throws dt::NetworkError.
+uint16_t pickFreePort(const std::string& address);
+// Milliseconds since the epoch.
+int64_t wallMs();
+
+}  // namespace dt::launcher

@@ -1,0 +1,97 @@
+#include "launcher/summary.h"
+
+#include <csignal>
+#include <ctime>
+
+#include "common/strings.h"
+#include "launcher/options.h"
+
+namespace dt::launcher {
+
+std::string describeOutcome(const WorkerOutcome& o) {
+  if (!o.signaled) return str("exit code ", o.code);
+  std::string text = str("signal ", signalName(o.code));
+  if (o.code == SIGKILL && !o.killedByLauncher) {
+    text += " (not sent by dtrun: possibly the out-of-memory killer; check dmesg)";
+  }
+  return text;
+}
+
+int exitCodeOf(const WorkerOutcome& o) { return o.signaled ? 128 + o.code : o.code; }
+
+std::optional<size_t> rootCause(const std::vector<WorkerOutcome>& outcomes) {
+  std::optional<size_t> best;
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    const auto& o = outcomes[i];
+    if (!o.failed() || o.stoppedByLauncher) continue;
+    if (!best || o.timeMs < outcomes[*best].timeMs ||
+        (o.timeMs == outcomes[*best].timeMs && o.rank < outcomes[*best].rank)) {
+      best = i;
+    }
+  }
+  return best;
+}
+
+std::string formatWallTime(int64_t epochMs) {
+  const std::time_t seconds = static_cast<std::time_t>(epochMs / 1000);
+  std::tm tm{};
+  gmtime_r(&seconds, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tm);
+  char ms[8];
+  std::snprintf(ms, sizeof(ms), ".%03d", static_cast<int>(epochMs % 1000));
+  return str(buf, ms, " UTC");
+}
+
+namespace {
+
+std::string describeWorker(const WorkerOutcome& o, int64_t startMs) {
+  const double after = static_cast<double>(o.timeMs - startMs) / 1000.0;
+  char afterText[32];
+  std::snprintf(afterText, sizeof(afterText), "%.3f", after < 0 ? 0.0 : after);
+  return str("rank ", o.rank, " (local rank ", o.localRank, ", host ", o.host, ", pid ", o.pid, "): ",
+             describeOutcome(o), " at ", formatWallTime(o.timeMs), " (", afterText, " s after start)");
+}
+
+void appendTail(std::string& out, const WorkerOutcome& o, size_t lines) {
+  if (o.stderrTail.empty()) {
+    out += "      (no stderr output)\n";
+    return;
+  }
+  out += str("      last ", std::min(lines, o.stderrTail.size()), " stderr line(s):\n");
+  const size_t first = o.stderrTail.size() > lines ? o.stderrTail.size() - lines : 0;
+  for (size_t i = first; i < o.stderrTail.size(); ++i) out += str("      | ", o.stderrTail[i], "\n");
+}
+
+}  // namespace
+
+std::string formatSummary(const SummaryInput& in) {
+  std::string out = str("dtrun: job failed (run id ", in.runId, ", node ", in.nodeRank, ", attempt ", in.attempt + 1,
+                        " of ", in.maxRestarts + 1, ")\n");
+  const auto root = rootCause(in.outcomes);
+  if (!in.externalCause.empty()) {
+    out += str("  root cause: ", in.externalCause, "\n");
+  } else if (root) {
+    out += str("  root cause: ", describeWorker(in.outcomes[*root], in.startMs), "\n");
+    appendTail(out, in.outcomes[*root], in.tailLines);
+  }
+  std::vector<int> stopped;
+  for (size_t i = 0; i < in.outcomes.size(); ++i) {
+    const auto& o = in.outcomes[i];
+    if (root && i == *root && in.externalCause.empty()) continue;
+    if (o.stoppedByLauncher) {
+      stopped.push_back(o.rank);
+      continue;
+    }
+    if (!o.failed()) continue;
+    out += str("  also failed: ", describeWorker(o, in.startMs), "\n");
+    appendTail(out, o, in.tailLines);
+  }
+  if (!stopped.empty()) {
+    std::sort(stopped.begin(), stopped.end());
+    out += str("  stopped by dtrun: rank(s) ", formatRanges(stopped), "\n");
+  }
+  return out;
+}
+
+}  // namespace dt::launcher

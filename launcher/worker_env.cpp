@@ -1,0 +1,72 @@
+#include "launcher/worker_env.h"
+
+#include <map>
+
+#include "common/strings.h"
+
+namespace dt::launcher {
+
+WorkerEnv buildWorkerEnv(const std::vector<std::string>& base, const WorkerIdentity& id) {
+  // Keep the base order for inherited variables; ours replace theirs in place
+  // or are appended, so the result is deterministic.
+  std::vector<std::pair<std::string, std::string>> vars;
+  std::map<std::string, size_t> index;
+  auto put = [&](const std::string& name, const std::string& value) {
+    auto it = index.find(name);
+    if (it != index.end()) {
+      vars[it->second].second = value;
+    } else {
+      index[name] = vars.size();
+      vars.emplace_back(name, value);
+    }
+  };
+  for (const auto& entry : base) {
+    const auto eq = entry.find('=');
+    if (eq == std::string::npos || eq == 0) continue;
+    put(entry.substr(0, eq), entry.substr(eq + 1));
+  }
+
+  WorkerEnv out;
+  if (id.localWorldSize > 1) {
+    for (const char* name : {"OMP_NUM_THREADS", "DT_NUM_THREADS"}) {
+      auto it = index.find(name);
+      if (it == index.end() || vars[it->second].second.empty()) {
+        put(name, "1");
+        out.threadsDefaulted = true;
+      }
+    }
+  }
+
+  put("RANK", str(id.rank));
+  put("WORLD_SIZE", str(id.worldSize));
+  put("LOCAL_RANK", str(id.localRank));
+  put("LOCAL_WORLD_SIZE", str(id.localWorldSize));
+  put("GROUP_RANK", str(id.groupRank));
+  put("GROUP_WORLD_SIZE", str(id.numNodes));
+  put("ROLE_RANK", str(id.rank));
+  put("ROLE_WORLD_SIZE", str(id.worldSize));
+  put("MASTER_ADDR", id.masterAddr);
+  put("MASTER_PORT", str(id.masterPort));
+  put("TORCHELASTIC_RUN_ID", id.runId);
+  put("TORCHELASTIC_RESTART_COUNT", str(id.restartCount));
+  put("TORCHELASTIC_MAX_RESTARTS", str(id.maxRestarts));
+  put("DT_STORE_ADDR", id.storeAddr);
+  put("DT_STORE_TOKEN", id.storeToken);
+  put("DT_RUN_ID", id.runId);
+  put("DT_RESTART_COUNT", str(id.restartCount));
+  put("DT_MAX_RESTARTS", str(id.maxRestarts));
+
+  out.entries.reserve(vars.size());
+  for (const auto& [name, value] : vars) out.entries.push_back(name + "=" + value);
+  return out;
+}
+
+std::string lookupEntry(const std::vector<std::string>& entries, const std::string& name) {
+  const std::string prefix = name + "=";
+  for (const auto& entry : entries) {
+    if (entry.starts_with(prefix)) return entry.substr(prefix.size());
+  }
+  return {};
+}
+
+}  // namespace dt::launcher
