@@ -8,10 +8,7 @@
 #include <thread>
 
 #include "common/errors.h"
-#if __has_include("store/file_store.h")
 #include "store/file_store.h"
-#define DT_HAVE_FILE_STORE 1
-#endif
 #include "store/hash_store.h"
 #include "store/prefix_store.h"
 #include "store/tcp_store.h"
@@ -48,7 +45,6 @@ struct PrefixHarness : StoreHarness {
   std::string where() override { return "in-process"; }  // the wrapped store reports
 };
 
-#ifdef DT_HAVE_FILE_STORE
 struct FileHarness : StoreHarness {
   dt::testing::TempDir dir;
   std::string path = (dir.path() / "store").string();
@@ -58,7 +54,6 @@ struct FileHarness : StoreHarness {
   std::string where() override { return path; }
 };
 
-#endif
 
 struct TcpHarness : StoreHarness {
   std::shared_ptr<TcpStore> server;
@@ -381,6 +376,7 @@ std::string implName(const ::testing::TestParamInfo<Impl>& info) { return info.p
 INSTANTIATE_TEST_SUITE_P(Stores, StoreConformance,
                          ::testing::Values(Impl{"HashStore", [] { return std::make_unique<HashHarness>(); }},
                                            Impl{"PrefixStore", [] { return std::make_unique<PrefixHarness>(); }},
+                                           Impl{"FileStore", [] { return std::make_unique<FileHarness>(); }},
                                            Impl{"TcpStore", [] { return std::make_unique<TcpHarness>(); }}),
                          implName);
 
