@@ -149,6 +149,7 @@ struct Agent::Impl {
 
   std::optional<Rendezvous> rendezvous(int attempt) {
     if (o.nnodes == 1) return Rendezvous{cfg.nproc, 0};
+    store->add(str("dtrun/hb/", o.nodeRank), 1);  // beating before anyone can count on us
     store->set(str("dtrun/a", attempt, "/node/", o.nodeRank), str(cfg.nproc));
     std::vector<std::string> keys;
     for (int node = 0; node < o.nnodes; ++node) keys.push_back(str("dtrun/a", attempt, "/node/", node));

@@ -152,8 +152,11 @@ struct Coordinator::Shared {
       for (int node = 0; node < config.nnodes; ++node) {
         if (node == config.nodeRank || lost[node]) continue;
         const std::string hb = key(str("hb/", node));
-        if (!store->check({hb})) continue;  // not started yet
-        const int64_t value = std::stoll(store->get(hb));
+        // A node that joined the attempt but never beat (killed right after
+        // joining) is tracked from now on like one whose beats stopped.
+        const bool beating = store->check({hb});
+        if (!beating && k < 0) continue;
+        const int64_t value = beating ? std::stoll(store->get(hb)) : -1;
         auto it = heartbeats.find(node);
         if (it == heartbeats.end() || it->second.first != value) {
           heartbeats[node] = {value, now};
