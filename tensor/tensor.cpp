@@ -10,6 +10,7 @@
 #include "common/strings.h"
 #include "tensor/detail.h"
 #include "tensor/loop.h"
+#include "tensor/ops_internal.h"
 #include "tensor/parallel.h"
 
 namespace dt {
@@ -263,6 +264,16 @@ Shape broadcastStrides(const Tensor& src, const Shape& shape, const char* op) {
 
 Tensor& Tensor::copy_(const Tensor& src) {
   const char* op = "copy_";
+  if (gradModeEnabled() && (src.requiresGrad() || requiresGrad())) {
+    detail::inplaceNeedsGrad(*this, {src}, op);
+    {
+      NoGradGuard noGrad;
+      copy_(src);
+    }
+    detail::recordFn("CopyBackward", {src}, *this, nullptr,
+                     [](const detail::BackwardContext& c) -> TensorList { return {c.grads[0]}; });
+    return *this;
+  }
   checkCpu(*this, op);
   checkCpu(src, op);
   Shape srcStrides = broadcastStrides(src, sizes(), op);
@@ -290,7 +301,12 @@ Tensor Tensor::contiguous() const {
 Tensor Tensor::to(DType target) const {
   if (dtype() == target) return *this;
   Tensor out = empty(sizes(), target, device());
-  out.copy_(*this);
+  {
+    NoGradGuard noGrad;
+    out.copy_(*this);
+  }
+  detail::recordFn("ToBackward", {*this}, out, nullptr,
+                   [](const detail::BackwardContext& c) -> TensorList { return {c.grads[0]}; });
   return out;
 }
 
@@ -303,6 +319,10 @@ Tensor Tensor::to(Device target) const {
 
 Tensor& Tensor::fill_(double value) {
   checkCpu(*this, "fill_");
+  if (detail::inplaceNeedsGrad(*this, {}, "fill_")) {
+    throw NotSupportedError(str("fill_ on ", describe(), " which has autograd history (", gradFn()->name(),
+                                "); use zerosLike/full or detach() first"));
+  }
   dispatchDType(dtype(), [&]<typename T>() {
     const T v = convertScalar<T>(value);
     const int64_t item = static_cast<int64_t>(sizeof(T));
@@ -324,6 +344,7 @@ namespace detail {
 
 void readScalars(const Tensor& t, DType as, void* out) {
   checkCpu(t, "reading values");
+  NoGradGuard noGrad;
   Tensor dst = Tensor(makeImpl(Storage(DataPtr(out, nullptr, nullptr, Device::cpu()), t.numel() * itemSize(as)),
                                t.sizes(), contiguousStrides(t.sizes()), 0, as, nullptr));
   dst.copy_(t);

@@ -52,6 +52,7 @@ struct TensorImpl {
   DType dtype = DType::Float32;
   int64_t numel = 0;
   bool contiguous = true;
+  bool isView = false;  // a differentiable view of another tensor (autograd refuses in-place on it)
   std::shared_ptr<VersionCounter> version;
   std::unique_ptr<AutogradMeta, AutogradMetaDeleter> autograd;
 
@@ -90,6 +91,8 @@ class Tensor {
     return static_cast<const T*>(dataPtr());
   }
   TensorImpl* unsafeImpl() const { return impl_.get(); }
+  std::weak_ptr<TensorImpl> weakImpl() const { return impl_; }
+  long useCount() const { return impl_.use_count(); }
   bool isSameAs(const Tensor& other) const { return impl_ == other.impl_; }
   // Identity of the underlying implementation, for maps keyed by tensor.
   const void* id() const { return impl_.get(); }

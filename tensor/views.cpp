@@ -1,22 +1,57 @@
-// Tensor's view and copy members. With autograd on, views record a node so
-// gradients flow back to the base (see ops_views in ops.cpp).
+// Tensor's view and copy members. With autograd on, each view records a node
+// whose backward maps the gradient back onto the base's geometry.
 #include "common/check.h"
 #include "common/strings.h"
 #include "tensor/detail.h"
+#include "tensor/ops_internal.h"
 #include "tensor/tensor.h"
 
 namespace dt {
 
-Tensor Tensor::clone() const {
-  Tensor out = empty(sizes(), dtype(), device());
-  out.copy_(*this);
+using namespace detail;
+
+namespace {
+
+// Marks out as a differentiable view and records backward (g -> grad of base).
+Tensor recordView(const char* name, const Tensor& base, Tensor out, BackwardFn fn) {
+  if (autograd::needsGrad({&base})) {
+    recordFn(name, {base}, out, nullptr, std::move(fn));
+    out.unsafeImpl()->isView = true;
+  }
   return out;
 }
 
-Tensor Tensor::view(Shape newSizes) const { return detail::viewNoGrad(*this, std::move(newSizes)); }
+// Gradient of a strided view of base: zeros of base's shape with g written into the same view.
+TensorList scatterIntoView(const Shape& inShape, DType dtype, const Tensor& g,
+                           const std::function<Tensor(const Tensor&)>& makeView) {
+  Tensor z = zeros(inShape, dtype);
+  Tensor v = makeView(z);
+  v.copy_(g);
+  return {z};
+}
+
+}  // namespace
+
+Tensor Tensor::clone() const {
+  Tensor out = empty(sizes(), dtype(), device());
+  {
+    NoGradGuard ng;
+    out.copy_(*this);
+  }
+  recordFn("CloneBackward", {*this}, out, nullptr, [](const BackwardContext& c) -> TensorList { return {c.grads[0]}; });
+  return out;
+}
+
+Tensor Tensor::view(Shape newSizes) const {
+  Tensor out = viewNoGrad(*this, std::move(newSizes));
+  const Shape in = sizes();
+  return recordView("ViewBackward", *this, out, [in](const BackwardContext& c) -> TensorList {
+    return {c.grads[0].reshape(in)};
+  });
+}
 
 Tensor Tensor::reshape(Shape newSizes) const {
-  if (detail::canView(*this, newSizes)) return view(std::move(newSizes));
+  if (canView(*this, newSizes)) return view(std::move(newSizes));
   return clone().view(std::move(newSizes));
 }
 
@@ -35,19 +70,38 @@ Tensor Tensor::flatten(int64_t startDim, int64_t endDim) const {
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
-  return detail::narrowNoGrad(*this, d, start, length);
+  Tensor out = narrowNoGrad(*this, d, start, length);
+  const Shape in = sizes();
+  const DType t = dtype();
+  return recordView("NarrowBackward", *this, out, [in, t, d, start, length](const BackwardContext& c) -> TensorList {
+    return scatterIntoView(in, t, c.grads[0], [&](const Tensor& z) { return narrowNoGrad(z, d, start, length); });
+  });
 }
+
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
-  return detail::sliceNoGrad(*this, d, start, end, step);
+  Tensor out = sliceNoGrad(*this, d, start, end, step);
+  const Shape in = sizes();
+  const DType t = dtype();
+  return recordView("SliceBackward", *this, out, [in, t, d, start, end, step](const BackwardContext& c) -> TensorList {
+    return scatterIntoView(in, t, c.grads[0], [&](const Tensor& z) { return sliceNoGrad(z, d, start, end, step); });
+  });
 }
-Tensor Tensor::select(int64_t d, int64_t index) const { return detail::selectNoGrad(*this, d, index); }
+
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  Tensor out = selectNoGrad(*this, d, index);
+  const Shape in = sizes();
+  const DType t = dtype();
+  return recordView("SelectBackward", *this, out, [in, t, d, index](const BackwardContext& c) -> TensorList {
+    return scatterIntoView(in, t, c.grads[0], [&](const Tensor& z) { return selectNoGrad(z, d, index); });
+  });
+}
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   d0 = wrapDim(d0, dim(), "transpose");
   d1 = wrapDim(d1, dim(), "transpose");
   Shape perm(static_cast<size_t>(dim()));
   for (int64_t i = 0; i < dim(); ++i) perm[i] = i;
-  std::swap(perm[d0], perm[d1]);
+  if (dim() > 0) std::swap(perm[d0], perm[d1]);
   return permute(std::move(perm));
 }
 
@@ -57,13 +111,70 @@ Tensor Tensor::t() const {
   return transpose(0, 1);
 }
 
-Tensor Tensor::permute(Shape dims) const { return detail::permuteNoGrad(*this, dims); }
-Tensor Tensor::expand(Shape target) const { return detail::expandNoGrad(*this, target); }
-Tensor Tensor::squeeze() const { return detail::squeezeNoGrad(*this, std::nullopt); }
-Tensor Tensor::squeeze(int64_t d) const { return detail::squeezeNoGrad(*this, d); }
-Tensor Tensor::unsqueeze(int64_t d) const { return detail::unsqueezeNoGrad(*this, d); }
+Tensor Tensor::permute(Shape dims) const {
+  Tensor out = permuteNoGrad(*this, dims);
+  Shape inverse(dims.size());
+  for (size_t i = 0; i < dims.size(); ++i) inverse[wrapDim(dims[i], dim(), "permute")] = static_cast<int64_t>(i);
+  return recordView("PermuteBackward", *this, out, [inverse](const BackwardContext& c) -> TensorList {
+    return {permuteNoGrad(c.grads[0], inverse)};
+  });
+}
+
+Tensor Tensor::expand(Shape target) const {
+  Tensor out = expandNoGrad(*this, target);
+  // FnNode sums the gradient back to the input shape.
+  return recordView("ExpandBackward", *this, out, [](const BackwardContext& c) -> TensorList { return {c.grads[0]}; });
+}
+
+Tensor Tensor::squeeze() const {
+  Tensor out = squeezeNoGrad(*this, std::nullopt);
+  const Shape in = sizes();
+  return recordView("SqueezeBackward", *this, out,
+                    [in](const BackwardContext& c) -> TensorList { return {c.grads[0].reshape(in)}; });
+}
+
+Tensor Tensor::squeeze(int64_t d) const {
+  Tensor out = squeezeNoGrad(*this, d);
+  const Shape in = sizes();
+  return recordView("SqueezeBackward", *this, out,
+                    [in](const BackwardContext& c) -> TensorList { return {c.grads[0].reshape(in)}; });
+}
+
+Tensor Tensor::unsqueeze(int64_t d) const {
+  Tensor out = unsqueezeNoGrad(*this, d);
+  const Shape in = sizes();
+  return recordView("UnsqueezeBackward", *this, out,
+                    [in](const BackwardContext& c) -> TensorList { return {c.grads[0].reshape(in)}; });
+}
+
 Tensor Tensor::asStrided(Shape newSizes, Shape newStrides, int64_t offset) const {
-  return detail::asStridedNoGrad(*this, std::move(newSizes), std::move(newStrides), offset);
+  Tensor out = asStridedNoGrad(*this, newSizes, newStrides, offset);
+  const Shape inSizes = sizes(), inStrides = strides();
+  const int64_t inOffset = storageOffset(), outOffset = out.storageOffset();
+  const int64_t storageElems = static_cast<int64_t>(storage().nbytes() / itemsize());
+  return recordView("AsStridedBackward", *this, out,
+                    [=](const BackwardContext& c) -> TensorList {
+                      // Accumulate into a buffer with the storage's geometry (elements hit several
+                      // times by an overlapping view get every contribution), then read the input's view.
+                      Tensor buf = zeros({storageElems}, DType::Float64);
+                      Tensor g = c.grads[0].to(DType::Float64).contiguous();
+                      Tensor target = asStridedNoGrad(buf, newSizes, newStrides, outOffset);
+                      double* base = buf.data<double>();
+                      const double* gp = g.data<double>();
+                      const int64_t n = g.numel();
+                      std::vector<int64_t> idx(newSizes.size(), 0);
+                      for (int64_t i = 0; i < n; ++i) {
+                        int64_t off = outOffset;
+                        for (size_t d = 0; d < idx.size(); ++d) off += idx[d] * newStrides[d];
+                        base[off] += gp[i];
+                        for (size_t d = idx.size(); d-- > 0;) {
+                          if (++idx[d] < newSizes[d]) break;
+                          idx[d] = 0;
+                        }
+                      }
+                      (void)target;
+                      return {asStridedNoGrad(buf, inSizes, inStrides, inOffset).contiguous()};
+                    });
 }
 
 }  // namespace dt

@@ -1,7 +1,514 @@
 #include "tensor/autograd/autograd.h"
 
+#include <algorithm>
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "common/check.h"
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/detail.h"
+#include "tensor/ops.h"
+
 namespace dt {
 
 void AutogradMetaDeleter::operator()(AutogradMeta* meta) const { delete meta; }
+
+// ---- grad mode ----------------------------------------------------------------------------------
+
+namespace {
+thread_local bool tGradMode = true;
+std::atomic<uint64_t> gNextSequenceNr{0};
+std::atomic<int> gNextHookHandle{1};
+
+struct GraphTask {
+  std::vector<std::function<void()>> callbacks;
+};
+thread_local GraphTask* tCurrentTask = nullptr;
+}  // namespace
+
+bool gradModeEnabled() { return tGradMode; }
+void setGradMode(bool enabled) { tGradMode = enabled; }
+
+// ---- Node -------------------------------------------------------------------------------------------
+
+Node::Node() : sequenceNr_(gNextSequenceNr.fetch_add(1, std::memory_order_relaxed)) {}
+
+int Node::addPreHook(uint32_t outputNr, GradHook hook) {
+  const int handle = gNextHookHandle.fetch_add(1);
+  preHooks_.push_back(PreHook{handle, outputNr, std::move(hook)});
+  return handle;
+}
+
+void Node::removePreHook(int handle) {
+  std::erase_if(preHooks_, [&](const PreHook& h) { return h.handle == handle; });
+}
+
+Tensor Node::runPreHooks(uint32_t outputNr, Tensor grad) {
+  for (auto& h : preHooks_) {
+    if (h.outputNr != outputNr) continue;
+    Tensor replaced = h.fn(grad);
+    if (replaced.defined()) grad = std::move(replaced);
+  }
+  return grad;
+}
+
+// ---- SavedTensor ----------------------------------------------------------------------------------
+
+SavedTensor::SavedTensor(const Tensor& t, bool isOutput) {
+  if (!t.defined()) return;
+  wasDefined_ = true;
+  version_ = t.version();
+  if (t.autogradMeta() != nullptr) tensorName_ = t.autogradMeta()->name;
+  // Outputs are stored without autograd metadata to avoid the cycle
+  // output -> gradFn -> saved output; inputs likewise (no double backward).
+  data_ = detail::shallowCopy(t);
+  (void)isOutput;
+}
+
+Tensor SavedTensor::unpack(const Node& owner) const {
+  if (released_) {
+    throw InvalidArgument(str("Trying to backward through the graph a second time (", owner.name(),
+                              " already freed its saved tensors). Specify retainGraph=true on the first backward "
+                              "if you need to run backward twice."));
+  }
+  if (!wasDefined_) return Tensor();
+  if (data_.version() != version_) {
+    throw InvalidArgument(str("one of the variables needed for gradient computation has been modified by an "
+                              "inplace operation: [",
+                              data_.describe(), "]", tensorName_.empty() ? "" : " named '" + tensorName_ + "'",
+                              ", saved by ", owner.name(), ", is at version ", data_.version(), "; expected version ",
+                              version_, " instead. Hint: clone() the tensor before modifying it in place."));
+  }
+  return data_;
+}
+
+// ---- Tensor autograd members -------------------------------------------------------------------------
+
+AutogradMeta& Tensor::ensureAutogradMeta() const {
+  TensorImpl* i = unsafeImpl();
+  if (i == nullptr) throw InvalidArgument("autograd call on an undefined tensor");
+  if (!i->autograd) i->autograd.reset(new AutogradMeta());
+  return *i->autograd;
+}
+
+bool Tensor::requiresGrad() const {
+  AutogradMeta* m = autogradMeta();
+  return m != nullptr && (m->requiresGrad || m->gradFn != nullptr);
+}
+
+Tensor& Tensor::setRequiresGrad(bool flag) {
+  AutogradMeta* m = autogradMeta();
+  if (m != nullptr && m->gradFn) {
+    if (!flag) {
+      throw InvalidArgument(str("setRequiresGrad(false) on non-leaf tensor ", describe(), " (output of ",
+                                m->gradFn->name(), "); use detach()"));
+    }
+    return *this;
+  }
+  if (flag && !isFloatingPoint(dtype())) {
+    throw InvalidArgument(str("only floating point tensors can require gradients, got ", describe()));
+  }
+  ensureAutogradMeta().requiresGrad = flag;
+  return *this;
+}
+
+Tensor Tensor::grad() const {
+  AutogradMeta* m = autogradMeta();
+  return m ? m->grad : Tensor();
+}
+
+void Tensor::setGrad(const Tensor& g) {
+  if (g.defined() && (g.sizes() != sizes() || g.dtype() != dtype())) {
+    throw InvalidArgument(str("setGrad: gradient ", g.describe(), " does not match tensor ", describe()));
+  }
+  ensureAutogradMeta().grad = g;
+}
+
+std::shared_ptr<Node> Tensor::gradFn() const {
+  AutogradMeta* m = autogradMeta();
+  return m ? m->gradFn : nullptr;
+}
+
+bool Tensor::isLeaf() const { return gradFn() == nullptr; }
+
+Tensor Tensor::detach() const { return detail::shallowCopy(*this); }
+
+Tensor& Tensor::detach_() {
+  if (AutogradMeta* m = autogradMeta()) {
+    m->gradFn.reset();
+    m->requiresGrad = false;
+  }
+  return *this;
+}
+
+void Tensor::retainGrad() {
+  AutogradMeta& m = ensureAutogradMeta();
+  if (!m.gradFn) {
+    if (!m.requiresGrad) throw InvalidArgument(str("retainGrad() on ", describe(), " which does not require grad"));
+    return;  // leaves keep their grad anyway
+  }
+  if (m.retainsGrad) return;
+  m.retainsGrad = true;
+  // Weak reference: the hook lives in the node, which must not keep the tensor alive.
+  std::weak_ptr<TensorImpl> weak = weakImpl();
+  m.retainGradHook = m.gradFn->addPreHook(m.outputNr, [weak](const Tensor& g) -> Tensor {
+    std::shared_ptr<TensorImpl> raw = weak.lock();
+    if (raw && raw->autograd) {
+      Tensor& slot = raw->autograd->grad;
+      if (!slot.defined()) {
+        slot = g.clone();
+      } else {
+        NoGradGuard ng;
+        slot = add(slot, g);
+      }
+    }
+    return Tensor();
+  });
+}
+
+bool Tensor::retainsGrad() const {
+  AutogradMeta* m = autogradMeta();
+  return m != nullptr && m->retainsGrad;
+}
+
+int Tensor::registerHook(std::function<Tensor(const Tensor&)> hook) {
+  if (!requiresGrad()) {
+    throw InvalidArgument(str("registerHook on ", describe(), " which does not require grad"));
+  }
+  AutogradMeta& m = ensureAutogradMeta();
+  if (m.gradFn) return m.gradFn->addPreHook(m.outputNr, std::move(hook));
+  const int handle = gNextHookHandle.fetch_add(1);
+  m.hooks.push_back(AutogradMeta::Hook{handle, std::move(hook)});
+  return handle;
+}
+
+void Tensor::removeHook(int handle) {
+  AutogradMeta* m = autogradMeta();
+  if (m == nullptr) return;
+  std::erase_if(m->hooks, [&](const AutogradMeta::Hook& h) { return h.handle == handle; });
+  if (m->gradFn) m->gradFn->removePreHook(handle);
+}
+
+int Tensor::registerPostAccumulateGradHook(std::function<void(Tensor&)> hook) {
+  if (!isLeaf() || !requiresGrad()) {
+    throw InvalidArgument(str("registerPostAccumulateGradHook needs a leaf tensor that requires grad, got ",
+                              describe(), isLeaf() ? " (does not require grad)" : " (not a leaf)"));
+  }
+  AutogradMeta& m = ensureAutogradMeta();
+  const int handle = gNextHookHandle.fetch_add(1);
+  m.postAccumulateHooks.push_back(AutogradMeta::PostHook{handle, std::move(hook)});
+  return handle;
+}
+
+void Tensor::backward(const Tensor& g, bool retainGraph) const {
+  dt::backward({*this}, g.defined() ? TensorList{g} : TensorList{}, retainGraph);
+}
+
+void Tensor::setName(const std::string& n) { ensureAutogradMeta().name = n; }
+
+std::string Tensor::name() const {
+  AutogradMeta* m = autogradMeta();
+  return m ? m->name : std::string();
+}
+
+// ---- AccumulateGrad ----------------------------------------------------------------------------------
+
+AccumulateGrad::AccumulateGrad(Tensor leaf) : leaf_(std::move(leaf)) {}
+
+TensorList AccumulateGrad::apply(TensorList&& grads) {
+  Tensor g = std::move(grads.at(0));
+  if (!g.defined()) return {};
+  AutogradMeta& m = leaf_.ensureAutogradMeta();
+  for (auto& h : m.hooks) {
+    Tensor replaced = h.fn(g);
+    if (replaced.defined()) g = std::move(replaced);
+  }
+  NoGradGuard noGrad;
+  if (g.sizes() != leaf_.sizes()) {
+    throw InvalidArgument(str("AccumulateGrad: gradient ", g.describe(), " does not match parameter ",
+                              leaf_.describe()));
+  }
+  if (!m.grad.defined()) {
+    // Steal the incoming buffer when nobody else holds it (saves a copy per parameter).
+    if (g.isContiguous() && g.dtype() == leaf_.dtype() && g.useCount() == 1 &&
+        g.unsafeImpl()->storage.useCount() == 1 &&
+        g.storageOffset() == 0 && static_cast<size_t>(g.nbytes()) == g.storage().nbytes()) {
+      m.grad = detail::shallowCopy(g);
+    } else {
+      m.grad = g.to(leaf_.dtype()).clone();
+    }
+  } else {
+    addInPlace(m.grad, g);
+  }
+  for (auto& h : m.postAccumulateHooks) h.fn(leaf_);
+  return {};
+}
+
+// ---- recording helpers ---------------------------------------------------------------------------------
+
+namespace autograd {
+
+bool needsGrad(std::initializer_list<const Tensor*> inputs) {
+  if (!tGradMode) return false;
+  for (const Tensor* t : inputs) {
+    if (t != nullptr && t->defined() && t->requiresGrad()) return true;
+  }
+  return false;
+}
+
+bool needsGrad(const TensorList& inputs) {
+  if (!tGradMode) return false;
+  for (const Tensor& t : inputs) {
+    if (t.defined() && t.requiresGrad()) return true;
+  }
+  return false;
+}
+
+Edge edgeFor(const Tensor& t) {
+  if (!t.defined() || !t.requiresGrad()) return Edge{};
+  AutogradMeta& m = t.ensureAutogradMeta();
+  if (m.gradFn) return Edge{m.gradFn, m.outputNr};
+  std::shared_ptr<Node> acc = m.gradAccumulator.lock();
+  if (!acc) {
+    acc = std::make_shared<AccumulateGrad>(t);
+    m.gradAccumulator = acc;
+  }
+  return Edge{acc, 0};
+}
+
+namespace {
+void setHistory(Tensor& out, const std::shared_ptr<Node>& node, uint32_t nr) {
+  AutogradMeta& m = out.ensureAutogradMeta();
+  m.gradFn = node;
+  m.outputNr = nr;
+  m.requiresGrad = false;
+}
+}  // namespace
+
+void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std::initializer_list<Tensor*> outputs) {
+  auto& edges = node->nextEdges();
+  edges.clear();
+  edges.reserve(inputs.size());
+  for (const Tensor& t : inputs) edges.push_back(edgeFor(t));
+  node->setNumOutputs(static_cast<uint32_t>(outputs.size()));
+  uint32_t nr = 0;
+  for (Tensor* out : outputs) setHistory(*out, node, nr++);
+}
+
+void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std::vector<Tensor>& outputs) {
+  auto& edges = node->nextEdges();
+  edges.clear();
+  for (const Tensor& t : inputs) edges.push_back(edgeFor(t));
+  node->setNumOutputs(static_cast<uint32_t>(outputs.size()));
+  uint32_t nr = 0;
+  for (Tensor& out : outputs) setHistory(out, node, nr++);
+}
+
+void rebaseHistory(Tensor& self, const std::shared_ptr<Node>& node) { setHistory(self, node, 0); }
+
+}  // namespace autograd
+
+// ---- engine ---------------------------------------------------------------------------------------------
+
+namespace {
+
+struct NodeState {
+  int dependencies = 0;
+  TensorList inputs;  // gradient buffer per output of the node
+};
+
+void accumulateInto(Tensor& slot, Tensor g) {
+  if (!g.defined()) return;
+  if (!slot.defined()) {
+    slot = std::move(g);
+    return;
+  }
+  // The first gradient may be shared with someone else (e.g. a hook kept it): never modify it in place.
+  slot = add(slot, g);
+}
+
+struct CompareSeq {
+  bool operator()(const Node* a, const Node* b) const { return a->sequenceNr() < b->sequenceNr(); }
+};
+
+// Runs the graph from the root edges; captureFor (optional) collects the
+// gradients flowing into the given edges instead of running them.
+void runGraph(const std::vector<Edge>& rootEdges, TensorList rootGrads, bool retainGraph,
+              const std::vector<Edge>* captureFor, TensorList* captured) {
+  // Dependencies: how many edges point at each node among those reachable.
+  std::unordered_map<Node*, NodeState> state;
+  std::vector<Node*> stack;
+  std::unordered_set<Node*> seen;
+  for (const Edge& e : rootEdges) {
+    if (e.node && seen.insert(e.node.get()).second) stack.push_back(e.node.get());
+  }
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->nextEdges()) {
+      if (!e.node) continue;
+      state[e.node.get()].dependencies++;
+      if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
+    }
+  }
+  std::unordered_map<Node*, size_t> captureIndex;
+  if (captureFor != nullptr) {
+    captured->assign(captureFor->size(), Tensor());
+  }
+
+  std::priority_queue<Node*, std::vector<Node*>, CompareSeq> ready;
+  // Keep nodes alive while running even if a node releases its edges.
+  std::vector<std::shared_ptr<Node>> keepAlive;
+  auto deliver = [&](const Edge& e, Tensor g) {
+    NodeState& s = state[e.node.get()];
+    if (s.inputs.size() < e.node->numOutputs()) s.inputs.resize(e.node->numOutputs());
+    accumulateInto(s.inputs[e.inputNr], std::move(g));
+  };
+  for (size_t i = 0; i < rootEdges.size(); ++i) {
+    const Edge& e = rootEdges[i];
+    if (!e.node) continue;
+    deliver(e, rootGrads[i]);
+    keepAlive.push_back(e.node);
+  }
+  for (const Edge& e : rootEdges) {
+    if (e.node && state[e.node.get()].dependencies == 0) {
+      state[e.node.get()].dependencies = -1;  // queued
+      ready.push(e.node.get());
+    }
+  }
+
+  while (!ready.empty()) {
+    Node* node = ready.top();
+    ready.pop();
+    NodeState& s = state[node];
+    TensorList grads = std::move(s.inputs);
+    grads.resize(node->numOutputs());
+    if (node->hasPreHooks()) {
+      for (uint32_t i = 0; i < grads.size(); ++i) {
+        if (grads[i].defined()) grads[i] = node->runPreHooks(i, grads[i]);
+      }
+    }
+    // Capture mode: gradients requested for these edges are taken, not propagated.
+    bool capturedHere = false;
+    if (captureFor != nullptr) {
+      for (size_t c = 0; c < captureFor->size(); ++c) {
+        const Edge& ce = (*captureFor)[c];
+        if (ce.node.get() == node) {
+          (*captured)[c] = grads[ce.inputNr];
+          capturedHere = true;
+        }
+      }
+    }
+    if (capturedHere && dynamic_cast<AccumulateGrad*>(node) != nullptr) {
+      continue;  // grad(): do not touch .grad of the inputs
+    }
+    if (node->released()) {
+      throw InvalidArgument(str("Trying to backward through the graph a second time (", node->name(),
+                                " was already run and freed). Specify retainGraph=true on the first backward if "
+                                "you need to run backward twice."));
+    }
+    TensorList out;
+    {
+      NoGradGuard noGrad;
+      out = node->apply(std::move(grads));
+    }
+    if (!retainGraph) {
+      node->releaseVariables();
+      if (dynamic_cast<AccumulateGrad*>(node) == nullptr) node->markReleased();
+    }
+    const auto& edges = node->nextEdges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.node) continue;
+      if (i < out.size() && out[i].defined()) deliver(e, std::move(out[i]));
+      NodeState& ns = state[e.node.get()];
+      if (--ns.dependencies == 0) {
+        ns.dependencies = -1;
+        keepAlive.push_back(e.node);
+        ready.push(e.node.get());
+      }
+    }
+  }
+}
+
+void runWithCallbacks(const std::function<void()>& body) {
+  GraphTask task;
+  GraphTask* prev = tCurrentTask;
+  tCurrentTask = &task;
+  try {
+    body();
+  } catch (...) {
+    tCurrentTask = prev;
+    throw;
+  }
+  // Callbacks may queue further callbacks; run until none is left.
+  for (size_t i = 0; i < task.callbacks.size(); ++i) {
+    auto fn = std::move(task.callbacks[i]);
+    fn();
+  }
+  tCurrentTask = prev;
+}
+
+TensorList prepareRootGrads(const TensorList& roots, const TensorList& grads) {
+  if (!grads.empty() && grads.size() != roots.size()) {
+    throw InvalidArgument(str("backward: got ", grads.size(), " gradients for ", roots.size(), " outputs"));
+  }
+  TensorList out;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    if (!r.requiresGrad()) {
+      throw InvalidArgument(str("element ", i, " of tensors does not require grad and does not have a gradFn (",
+                                r.describe(), ")"));
+    }
+    if (i < grads.size() && grads[i].defined()) {
+      if (grads[i].sizes() != r.sizes()) {
+        throw InvalidArgument(str("backward: gradient ", grads[i].describe(), " does not match output ", r.describe()));
+      }
+      out.push_back(grads[i]);
+    } else {
+      if (r.numel() != 1) {
+        throw InvalidArgument(str("grad can be implicitly created only for scalar outputs, got ", r.describe()));
+      }
+      out.push_back(onesLike(r));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void backward(const TensorList& roots, const TensorList& grads, bool retainGraph) {
+  TensorList rootGrads = prepareRootGrads(roots, grads);
+  std::vector<Edge> edges;
+  for (const Tensor& r : roots) edges.push_back(autograd::edgeFor(r));
+  runWithCallbacks([&] { runGraph(edges, std::move(rootGrads), retainGraph, nullptr, nullptr); });
+}
+
+TensorList grad(const TensorList& outputs, const TensorList& inputs, const TensorList& gradOutputs,
+                bool retainGraph) {
+  TensorList rootGrads = prepareRootGrads(outputs, gradOutputs);
+  std::vector<Edge> edges;
+  for (const Tensor& r : outputs) edges.push_back(autograd::edgeFor(r));
+  std::vector<Edge> want;
+  for (const Tensor& t : inputs) {
+    if (!t.requiresGrad()) throw InvalidArgument(str("grad: input ", t.describe(), " does not require grad"));
+    want.push_back(autograd::edgeFor(t));
+  }
+  TensorList result;
+  runWithCallbacks([&] { runGraph(edges, std::move(rootGrads), retainGraph, &want, &result); });
+  return result;
+}
+
+void queueCallback(std::function<void()> fn) {
+  if (tCurrentTask == nullptr) {
+    throw InvalidArgument("queueCallback: no backward pass is running on this thread");
+  }
+  tCurrentTask->callbacks.push_back(std::move(fn));
+}
+
+bool inBackward() { return tCurrentTask != nullptr; }
 
 }  // namespace dt

@@ -1,0 +1,74 @@
+// Internal: how ops record autograd nodes, and kernel helpers shared by ops_*.cpp.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/autograd/autograd.h"
+#include "tensor/ops.h"
+
+namespace dt::detail {
+
+// What a backward function sees.
+struct BackwardContext {
+  const TensorList& grads;  // one per output (undefined = zero)
+  const TensorList& saved;  // unpacked saved tensors, in the order given
+  const std::vector<bool>& needs;  // needs[i]: input i wants a gradient
+};
+using BackwardFn = std::function<TensorList(const BackwardContext&)>;
+
+// A node defined by a lambda. Returned gradients are summed over broadcast
+// dims and converted to each input's dtype automatically.
+class FnNode final : public Node {
+ public:
+  FnNode(const char* name, std::vector<SavedTensor> saved, BackwardFn fn, std::vector<Shape> inputShapes,
+         std::vector<DType> inputTypes)
+      : name_(name), saved_(std::move(saved)), fn_(std::move(fn)), inputShapes_(std::move(inputShapes)),
+        inputTypes_(std::move(inputTypes)) {}
+  TensorList apply(TensorList&& grads) override;
+  std::string name() const override { return name_; }
+  void releaseVariables() override {
+    for (auto& s : saved_) s.reset();
+    fn_ = nullptr;
+  }
+
+ private:
+  const char* name_;
+  std::vector<SavedTensor> saved_;
+  BackwardFn fn_;
+  std::vector<Shape> inputShapes_;
+  std::vector<DType> inputTypes_;
+};
+
+// Records a node for outputs if any input requires grad (grad mode on).
+// `saved` is built only when needed.
+void recordFn(const char* name, const TensorList& inputs, std::vector<Tensor*> outputs,
+              const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn);
+inline void recordFn(const char* name, const TensorList& inputs, Tensor& out,
+                     const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn) {
+  recordFn(name, inputs, std::vector<Tensor*>{&out}, saved, std::move(fn));
+}
+
+// Throws NotSupportedError unless t is on the CPU.
+void requireCpu(const Tensor& t, const char* op);
+void requireSameDevice(const Tensor& a, const Tensor& b, const char* op);
+void requireFloat(const Tensor& t, const char* op);
+// float16/bfloat16 compute in float32.
+DType computeType(DType t);
+// In-place autograd bookkeeping: throws for leaves requiring grad and for views.
+// Returns true when the op must be recorded (then the caller computes out of place and rebases).
+bool inplaceNeedsGrad(const Tensor& self, const TensorList& others, const char* op);
+// Copies `result` into self (no autograd) and makes result's history self's.
+void commitInplace(Tensor& self, const Tensor& result);
+
+// Reduction helpers.
+std::vector<int64_t> normalizeDims(const std::vector<int64_t>& dims, int64_t ndim, const char* op);
+Shape reducedShape(const Shape& sizes, const std::vector<bool>& reduce, bool keepdim);
+
+// Fused kernels used by backward functions.
+Tensor reluBackward(const Tensor& grad, const Tensor& output);
+
+}  // namespace dt::detail

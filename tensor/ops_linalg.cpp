@@ -1,0 +1,233 @@
+// Matrix products through OpenBLAS. Transposed operands become CblasTrans
+// (no copies); only operands whose strides BLAS cannot express are copied.
+#include <cblas.h>
+
+#include <optional>
+
+#include "common/check.h"
+#include "tensor/detail.h"
+#include "tensor/ops_internal.h"
+#include "tensor/parallel.h"
+
+namespace dt {
+
+using namespace detail;
+
+namespace {
+
+struct BlasOperand {
+  Tensor keep;  // holds the data alive (a copy when the view was not BLAS-expressible)
+  const void* data;
+  CBLAS_TRANSPOSE trans;
+  int ld;
+};
+
+// How BLAS reads a 2-D [rows, cols] view: row-major as is, or as the transpose of a row-major matrix.
+BlasOperand blasOperand(const Tensor& t) {
+  const int64_t rows = t.sizes()[0], cols = t.sizes()[1];
+  const int64_t s0 = t.strides()[0], s1 = t.strides()[1];
+  if ((s1 == 1 || cols <= 1) && s0 >= std::max<int64_t>(1, cols)) {
+    return {t, t.dataPtr(), CblasNoTrans, static_cast<int>(std::max<int64_t>(1, s0))};
+  }
+  if ((s0 == 1 || rows <= 1) && s1 >= std::max<int64_t>(1, rows)) {
+    return {t, t.dataPtr(), CblasTrans, static_cast<int>(std::max<int64_t>(1, s1))};
+  }
+  Tensor c = t.contiguous();
+  return {c, c.dataPtr(), CblasNoTrans, static_cast<int>(std::max<int64_t>(1, cols))};
+}
+
+// out[m, n] (contiguous rows, any leading dim) = alpha * a[m, k] . b[k, n] + beta * out
+void gemm(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta) {
+  const int64_t m = a.sizes()[0], k = a.sizes()[1], n = b.sizes()[1];
+  if (m == 0 || n == 0) return;
+  DT_INTERNAL_CHECK(out.strides()[1] == 1 || n == 1, "gemm output must have unit column stride");
+  if (k == 0) {
+    if (beta == 0.0) {
+      out.zero_();
+    } else {
+      NoGradGuard ng;
+      mul_(out, beta);
+    }
+    return;
+  }
+  numThreads();  // makes sure OpenBLAS's thread count follows DT_NUM_THREADS
+  BlasOperand A = blasOperand(a), B = blasOperand(b);
+  const int ldc = static_cast<int>(std::max<int64_t>(out.strides()[0], std::max<int64_t>(1, n)));
+  if (out.dtype() == DType::Float32) {
+    cblas_sgemm(CblasRowMajor, A.trans, B.trans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                static_cast<float>(alpha), static_cast<const float*>(A.data), A.ld, static_cast<const float*>(B.data),
+                B.ld, static_cast<float>(beta), static_cast<float*>(out.dataPtr()), ldc);
+  } else {
+    cblas_dgemm(CblasRowMajor, A.trans, B.trans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha,
+                static_cast<const double*>(A.data), A.ld, static_cast<const double*>(B.data), B.ld, beta,
+                static_cast<double*>(out.dataPtr()), ldc);
+  }
+  out.bumpVersion();
+}
+
+DType gemmType(const Tensor& a, const Tensor& b, const char* op) {
+  requireSameDevice(a, b, op);
+  if (a.dtype() != b.dtype()) {
+    throw InvalidArgument(str(op, ": dtypes differ: ", a.describe(), " and ", b.describe()));
+  }
+  if (a.dtype() == DType::Float64) return DType::Float64;
+  if (a.dtype() == DType::Float32 || a.dtype() == DType::Float16 || a.dtype() == DType::BFloat16) return DType::Float32;
+  throw InvalidArgument(str(op, ": dtype ", a.dtype(), " is not supported (float32, float64, float16, bfloat16); got ",
+                            a.describe(), " and ", b.describe()));
+}
+
+Tensor mmNoGrad(const Tensor& a, const Tensor& b) {
+  NoGradGuard noGrad;
+  const DType ct = gemmType(a, b, "mm");
+  Tensor out = empty({a.sizes()[0], b.sizes()[1]}, ct);
+  gemm(a.to(ct), b.to(ct), out, 1.0, 0.0);
+  return out.to(a.dtype());
+}
+
+}  // namespace
+
+Tensor mm(const Tensor& a, const Tensor& b) {
+  if (a.dim() != 2 || b.dim() != 2 || a.sizes()[1] != b.sizes()[0]) {
+    throw InvalidArgument(str("mm: shapes ", a.describe(), " and ", b.describe(), " cannot be multiplied (expected [n, k] x [k, m])"));
+  }
+  Tensor out = mmNoGrad(a, b);
+  recordFn(
+      "MmBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a), SavedTensor(b)}; },
+      [](const BackwardContext& c) -> TensorList {
+        const Tensor& g = c.grads[0];
+        return {c.needs[0] ? mmNoGrad(g, c.saved[1].t()) : Tensor(), c.needs[1] ? mmNoGrad(c.saved[0].t(), g) : Tensor()};
+      });
+  return out;
+}
+
+namespace {
+Tensor bmmNoGrad(const Tensor& a, const Tensor& b) {
+  NoGradGuard noGrad;
+  const DType ct = gemmType(a, b, "bmm");
+  const Tensor A = a.to(ct), B = b.to(ct);
+  const int64_t batch = a.sizes()[0];
+  Tensor out = empty({batch, a.sizes()[1], b.sizes()[2]}, ct);
+  for (int64_t i = 0; i < batch; ++i) {
+    Tensor o = detail::selectNoGrad(out, 0, i);
+    gemm(detail::selectNoGrad(A, 0, i), detail::selectNoGrad(B, 0, i), o, 1.0, 0.0);
+  }
+  return out.to(a.dtype());
+}
+}  // namespace
+
+Tensor bmm(const Tensor& a, const Tensor& b) {
+  if (a.dim() != 3 || b.dim() != 3 || a.sizes()[0] != b.sizes()[0] || a.sizes()[2] != b.sizes()[1]) {
+    throw InvalidArgument(str("bmm: shapes ", a.describe(), " and ", b.describe(),
+                              " cannot be multiplied (expected [B, n, k] x [B, k, m])"));
+  }
+  Tensor out = bmmNoGrad(a, b);
+  recordFn(
+      "BmmBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a), SavedTensor(b)}; },
+      [](const BackwardContext& c) -> TensorList {
+        const Tensor& g = c.grads[0];
+        return {c.needs[0] ? bmmNoGrad(g, detail::permuteNoGrad(c.saved[1], {0, 2, 1})) : Tensor(),
+                c.needs[1] ? bmmNoGrad(detail::permuteNoGrad(c.saved[0], {0, 2, 1}), g) : Tensor()};
+      });
+  return out;
+}
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  const int64_t da = a.dim(), db = b.dim();
+  if (da == 0 || db == 0) {
+    throw InvalidArgument(str("matmul: both arguments need at least 1 dim, got ", a.describe(), " and ", b.describe()));
+  }
+  auto mismatch = [&] {
+    return InvalidArgument(str("matmul: shapes ", a.describe(), " and ", b.describe(), " cannot be multiplied"));
+  };
+  if (a.sizes()[da - 1] != b.sizes()[db == 1 ? 0 : db - 2]) throw mismatch();
+  if (da == 1 && db == 1) return mm(a.unsqueeze(0), b.unsqueeze(1)).reshape({});
+  if (da == 2 && db == 1) return mm(a, b.unsqueeze(1)).squeeze(1);
+  if (da == 1 && db == 2) return mm(a.unsqueeze(0), b).squeeze(0);
+  if (da == 2 && db == 2) return mm(a, b);
+  if (da >= 3 && db <= 2) {
+    // Fold the batch into rows: one big gemm.
+    Shape outShape(a.sizes().begin(), a.sizes().end() - 1);
+    Tensor bm = db == 1 ? b.unsqueeze(1) : b;
+    Tensor r = mm(a.reshape({-1, a.sizes()[da - 1]}), bm);
+    if (db == 2) outShape.push_back(b.sizes()[1]);
+    return r.reshape(outShape);
+  }
+  // General batched case with broadcast batch dims.
+  Tensor A = da == 1 ? a.unsqueeze(0) : a;
+  Tensor B = db == 1 ? b.unsqueeze(1) : b;
+  const Shape batchA(A.sizes().begin(), A.sizes().end() - 2), batchB(B.sizes().begin(), B.sizes().end() - 2);
+  const Shape batch = broadcastShapes(batchA, batchB, "matmul");
+  const int64_t n = A.sizes()[A.dim() - 2], k = A.sizes()[A.dim() - 1], m = B.sizes()[B.dim() - 1];
+  Shape ea = batch, eb = batch;
+  ea.insert(ea.end(), {n, k});
+  eb.insert(eb.end(), {k, m});
+  const int64_t nb = shapeNumel(batch);
+  Tensor r = bmm(A.expand(ea).reshape({nb, n, k}), B.expand(eb).reshape({nb, k, m}));
+  Shape outShape = batch;
+  if (da > 1) outShape.push_back(n);
+  if (db > 1) outShape.push_back(m);
+  return r.reshape(outShape);
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  const char* op = "linear";
+  requireSameDevice(x, weight, op);
+  if (weight.dim() != 2 || x.dim() < 1 || x.sizes().back() != weight.sizes()[1]) {
+    throw InvalidArgument(str("linear: input ", x.describe(), " does not match weight ", weight.describe(),
+                              " (expected input [*, ", weight.dim() == 2 ? weight.sizes()[1] : -1, "])"));
+  }
+  const int64_t in = weight.sizes()[1], outF = weight.sizes()[0];
+  if (bias.defined() && (bias.dim() != 1 || bias.sizes()[0] != outF)) {
+    throw InvalidArgument(str("linear: bias ", bias.describe(), " does not match weight ", weight.describe()));
+  }
+  const DType ct = gemmType(x, weight, op);
+  if (bias.defined() && bias.dtype() != x.dtype()) {
+    throw InvalidArgument(str("linear: bias ", bias.describe(), " and input ", x.describe(), " differ in dtype"));
+  }
+  const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
+  std::optional<NoGradGuard> noGrad(std::in_place);
+  Tensor x2 = detail::canView(x, {rows, in}) ? detail::viewNoGrad(x, {rows, in}) : detail::viewNoGrad(x.contiguous(), {rows, in});
+  x2 = x2.to(ct);
+  const Tensor w = weight.to(ct);
+  Tensor out = empty({rows, outF}, ct);
+  double beta = 0.0;
+  if (bias.defined()) {
+    // Bias rows first, then the gemm accumulates onto them (beta = 1): no separate add pass.
+    out.copy_(bias.to(ct));
+    beta = 1.0;
+  }
+  gemm(x2, w.t(), out, 1.0, beta);
+  Shape outShape(x.sizes().begin(), x.sizes().end() - 1);
+  outShape.push_back(outF);
+  Tensor result = detail::viewNoGrad(out, outShape);
+  if (result.dtype() != x.dtype()) result = result.to(x.dtype());
+  noGrad.reset();
+  const Shape xShape = x.sizes();
+  const bool hasBias = bias.defined();
+  recordFn(
+      "LinearBackward", {x, weight, bias}, result,
+      [&] { return std::vector<SavedTensor>{SavedTensor(x2), SavedTensor(w)}; },
+      [xShape, rows, outF, ct, hasBias](const BackwardContext& c) -> TensorList {
+        Tensor g = c.grads[0];
+        if (g.dtype() != ct) g = g.to(ct);
+        Tensor g2 = detail::canView(g, {rows, outF}) ? detail::viewNoGrad(g, {rows, outF})
+                                                       : detail::viewNoGrad(g.contiguous(), {rows, outF});
+        const Tensor& xs = c.saved[0];
+        const Tensor& ws = c.saved[1];
+        Tensor gx, gw, gb;
+        if (c.needs[0]) {
+          gx = empty({rows, ws.sizes()[1]}, ct);
+          gemm(g2, ws, gx, 1.0, 0.0);  // [rows, out] . [out, in]
+          gx = detail::viewNoGrad(gx, xShape);
+        }
+        if (c.needs[1]) {
+          gw = empty(ws.sizes(), ct);
+          gemm(g2.t(), xs, gw, 1.0, 0.0);  // [out, rows] . [rows, in]
+        }
+        if (hasBias && c.needs[2]) gb = sum(g2, {0}, false);
+        return {gx, gw, gb};
+      });
+  return result;
+}
+
+}  // namespace dt
