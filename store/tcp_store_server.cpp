@@ -484,6 +484,14 @@ void Session::handle(std::string_view body) {
         return;
     }
     fail(str("unknown command ", int(command)));
+  } catch (const proto::LimitError& e) {
+    if (!handshaken) {
+      fail(str("malformed handshake: ", e.what()));
+      return;
+    }
+    replyError(Status::InvalidArgument,
+               str("store ", proto::commandName(command), " refused by the server ", server.addressText, ": ",
+                   e.what(), " (its DT_STORE_MAX_KEY_BYTES / DT_STORE_MAX_VALUE_BYTES)"));
   } catch (const proto::ProtocolError& e) {
     fail(str("malformed ", proto::commandName(command), " request: ", e.what()));
   } catch (const InvalidArgument& e) {

@@ -40,11 +40,11 @@ void FrameReader::raw(void* p, size_t n) {
 
 std::string FrameReader::bytes(size_t maxBytes, const char* what) {
   const uint32_t length = u32();
-  if (length > maxBytes) {
-    throw ProtocolError(str(what, " of ", length, " bytes exceeds the limit of ", maxBytes, " bytes"));
-  }
   if (remaining() < length) {
     throw ProtocolError(str("truncated frame: ", what, " claims ", length, " bytes, ", remaining(), " left"));
+  }
+  if (length > maxBytes) {
+    throw LimitError(str(what, " of ", length, " bytes exceeds the limit of ", maxBytes, " bytes"));
   }
   std::string out(body_.substr(pos_, length));
   pos_ += length;

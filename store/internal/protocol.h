@@ -71,6 +71,13 @@ class ProtocolError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A well-formed frame with a key or value over the server's limits: refused
+// with an InvalidArgument reply, the connection stays up.
+class LimitError : public ProtocolError {
+ public:
+  using ProtocolError::ProtocolError;
+};
+
 // Appends one frame to `out`; fill the body with the put* calls, then finish().
 class FrameWriter {
  public:

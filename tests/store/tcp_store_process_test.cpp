@@ -1,0 +1,652 @@
+// TcpStore specifics with the server in a separate process (forked before
+// the test process starts any thread), and raw sockets that speak the wire
+// format of store/internal/protocol.h to split, corrupt and fuzz requests.
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "store/file_store.h"
+#include "store/internal/protocol.h"
+#include "store/tcp_store.h"
+#include "tests/testing/testing.h"
+
+namespace dt {
+namespace {
+
+using namespace std::chrono_literals;
+namespace proto = store_proto;
+using dt::testing::expectThrowsWith;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kToken = "process-test-token";
+
+// A forked child running fn; killed (SIGKILL) and reaped on destruction.
+class Child {
+ public:
+  explicit Child(const std::function<void()>& fn) {
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+      int code = 0;
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "child %d failed: %s\n", ::getpid(), e.what());
+        code = 1;
+      }
+      std::fflush(stderr);
+      ::_exit(code);
+    }
+  }
+  ~Child() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+  bool alive() const { return ::waitpid(pid_, nullptr, WNOHANG) == 0; }
+  // Exit code, or -signal; -1000 on timeout.
+  int join(std::chrono::milliseconds timeout = 60s) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+    return -1000;
+  }
+  void kill() {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// A store server in its own process; the constructor returns once it listens.
+class ServerProcess {
+ public:
+  explicit ServerProcess(std::vector<std::pair<std::string, std::string>> env = {}, std::string stderrPath = "",
+                         uint16_t port = 0, std::chrono::milliseconds startDelay = 0ms) {
+    int fds[2];
+    if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
+    child_ = std::make_unique<Child>([&] {
+      ::close(fds[0]);
+      ::signal(SIGPIPE, SIG_IGN);  // the parent may not read the port
+      if (!stderrPath.empty()) {
+        const int fd = ::open(stderrPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        ::dup2(fd, 2);
+      }
+      for (auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+      std::this_thread::sleep_for(startDelay);
+      TcpStoreOptions options;
+      options.isServer = true;
+      options.waitForWorkers = false;
+      options.token = kToken;
+      TcpStore server("127.0.0.1", port, options);
+      const uint16_t bound = server.port();
+      // Fails (EPIPE) when the parent knew the port and did not wait to read it.
+      [[maybe_unused]] const ssize_t ignored = ::write(fds[1], &bound, sizeof(bound));
+      while (true) ::pause();
+    });
+    ::close(fds[1]);
+    if (port == 0) {
+      if (::read(fds[0], &port_, sizeof(port_)) != sizeof(port_)) throw std::runtime_error("server child died");
+    } else {
+      port_ = port;
+    }
+    ::close(fds[0]);
+  }
+  uint16_t port() const { return port_; }
+  Child& child() { return *child_; }
+
+ private:
+  std::unique_ptr<Child> child_;
+  uint16_t port_ = 0;
+};
+
+std::shared_ptr<TcpStore> client(uint16_t port, std::string token = kToken, int rank = -1) {
+  TcpStoreOptions options;
+  options.token = std::move(token);
+  options.rank = rank;
+  options.connectTimeout = 20s;
+  return std::make_shared<TcpStore>("127.0.0.1", port, options);
+}
+
+// --- raw sockets ---------------------------------------------------------------
+int rawConnect(uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+void rawSend(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
+    if (n <= 0) return;  // the server may have closed us; the caller checks
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+// Reads one frame body; nullopt on EOF/reset/timeout.
+std::optional<std::string> rawReadFrame(int fd, std::chrono::milliseconds timeout = 10s) {
+  std::string data;
+  const auto deadline = Clock::now() + timeout;
+  size_t need = 4;
+  while (data.size() < need) {
+    pollfd p{fd, POLLIN, 0};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) return std::nullopt;
+    char buffer[4096];
+    const ssize_t n = ::recv(fd, buffer, std::min(sizeof(buffer), need - data.size()), 0);
+    if (n <= 0) return std::nullopt;
+    data.append(buffer, static_cast<size_t>(n));
+    if (data.size() == 4 && need == 4) need = 4 + proto::readLength(data.data());
+  }
+  return data.substr(4);
+}
+
+// True when the server closes the connection within the timeout.
+bool closedByPeer(int fd, std::chrono::milliseconds timeout = 10s) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) > 0) {
+      char buffer[4096];
+      const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+      if (n <= 0) return true;
+    }
+  }
+  return false;
+}
+
+std::string helloFrame(const std::string& token = kToken, uint16_t version = proto::kVersion) {
+  std::string out;
+  proto::FrameWriter w(out);
+  w.u8(static_cast<uint8_t>(proto::Command::Hello)).u32(proto::kMagic).u16(version).bytes(token).i32(-1).u8(0);
+  w.finish();
+  return out;
+}
+
+std::string setFrame(const std::string& key, const std::string& value) {
+  std::string out;
+  proto::FrameWriter w(out);
+  w.u8(static_cast<uint8_t>(proto::Command::Set)).bytes(key).bytes(value);
+  w.finish();
+  return out;
+}
+
+uint8_t statusOf(const std::string& body) { return static_cast<uint8_t>(body.at(0)); }
+
+std::string readFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+uint16_t freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t length = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// --- tests ---------------------------------------------------------------------
+
+TEST(TcpStoreProcess, AddressAlreadyInUseNamesTheAddress) {
+  ServerProcess server;
+  TcpStoreOptions options;
+  options.isServer = true;
+  options.waitForWorkers = false;
+  expectThrowsWith<NetworkError>([&] { TcpStore second("127.0.0.1", server.port(), options); },
+                                 {str("127.0.0.1:", server.port()), "in use", "port 0"});
+}
+
+TEST(TcpStoreProcess, ManyProcessesHammeringAddGetExactCount) {
+  ServerProcess server;
+  constexpr int kProcs = 6, kThreads = 3, kAdds = 200;
+  std::vector<std::unique_ptr<Child>> children;
+  for (int p = 0; p < kProcs; ++p) {
+    children.push_back(std::make_unique<Child>([&] {
+      std::vector<std::thread> threads;
+      std::atomic<bool> ok{true};
+      for (int t = 0; t < kThreads; ++t) {
+        threads.emplace_back([&] {
+          try {
+            auto store = client(server.port());
+            for (int i = 0; i < kAdds; ++i) store->add("hammer", 1);
+          } catch (const std::exception& e) {
+            std::fprintf(stderr, "%s\n", e.what());
+            ok = false;
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      if (!ok) throw std::runtime_error("a client failed");
+    }));
+  }
+  for (auto& child : children) EXPECT_EQ(child->join(), 0);
+  EXPECT_EQ(client(server.port())->get("hammer"), std::to_string(kProcs * kThreads * kAdds));
+}
+
+TEST(TcpStoreProcess, BlockedGetFailsFastWhenTheServerDies) {
+  ServerProcess server;
+  auto store = client(server.port());
+  store->set("alive", "1");
+  std::thread killer([&] {
+    std::this_thread::sleep_for(300ms);
+    server.child().kill();
+  });
+  const auto start = Clock::now();
+  expectThrowsWith<NetworkError>([&] { store->get("never-set", 300s); },
+                                 {"closed the connection", "get", str("127.0.0.1:", server.port())});
+  const auto took = Clock::now() - start;
+  killer.join();
+  EXPECT_LT(took, 20s) << "the client should notice the server is gone long before its 300 s timeout";
+  // Later calls fail at once with the reason.
+  expectThrowsWith<NetworkError>([&] { store->get("alive"); }, {"lost earlier"});
+}
+
+TEST(TcpStoreProcess, RequestSplitAcrossManyWritesIsServed) {
+  ServerProcess server;
+  const int fd = rawConnect(server.port());
+  ASSERT_GE(fd, 0);
+  const std::string bytes = helloFrame() + setFrame("split/key", "split value");
+  // Byte by byte for the first 12 bytes, then chunks, with pauses between writes.
+  size_t pos = 0;
+  while (pos < bytes.size()) {
+    const size_t n = pos < 12 ? 1 : std::min<size_t>(7, bytes.size() - pos);
+    rawSend(fd, std::string_view(bytes).substr(pos, n));
+    pos += n;
+    std::this_thread::sleep_for(pos < 12 ? 2ms : 30ms);
+  }
+  auto hello = rawReadFrame(fd);
+  ASSERT_TRUE(hello.has_value());
+  EXPECT_EQ(statusOf(*hello), static_cast<uint8_t>(proto::Status::Ok));
+  auto setReply = rawReadFrame(fd);
+  ASSERT_TRUE(setReply.has_value());
+  EXPECT_EQ(statusOf(*setReply), static_cast<uint8_t>(proto::Status::Ok));
+  ::close(fd);
+  EXPECT_EQ(client(server.port())->get("split/key"), "split value");
+}
+
+TEST(TcpStoreProcess, WrongTokenIsRefusedAndLogged) {
+  dt::testing::TempDir dir;
+  const std::string log = (dir.path() / "server.log").string();
+  ServerProcess server({}, log);
+  expectThrowsWith<NetworkError>([&] { client(server.port(), "not-the-token"); },
+                                 {"refused", "wrong token", "DT_STORE_TOKEN"});
+  expectThrowsWith<NetworkError>([&] { client(server.port(), ""); }, {"no token"});
+  // The server logged both with the peer address, and still serves good clients.
+  auto good = client(server.port());
+  good->set("k", "v");
+  EXPECT_EQ(good->get("k"), "v");
+  const std::string text = readFile(log);
+  EXPECT_NE(text.find("refusing 127.0.0.1:"), std::string::npos) << text;
+  EXPECT_NE(text.find("wrong token"), std::string::npos) << text;
+  EXPECT_NE(text.find("missing token"), std::string::npos) << text;
+}
+
+TEST(TcpStoreProcess, VersionMismatchIsClearOnTheServerSide) {
+  ServerProcess server;
+  const int fd = rawConnect(server.port());
+  rawSend(fd, helloFrame(kToken, 99));
+  auto reply = rawReadFrame(fd);
+  ASSERT_TRUE(reply.has_value());
+  proto::FrameReader r(*reply);
+  EXPECT_EQ(r.u8(), static_cast<uint8_t>(proto::Status::VersionMismatch));
+  EXPECT_EQ(r.u16(), proto::kVersion);
+  const std::string message = r.bytes(1 << 16, "message");
+  EXPECT_NE(message.find("version 99"), std::string::npos) << message;
+  EXPECT_NE(message.find(str("version ", proto::kVersion)), std::string::npos) << message;
+  EXPECT_TRUE(closedByPeer(fd));
+  ::close(fd);
+}
+
+TEST(TcpStoreProcess, VersionMismatchIsClearOnTheClientSide) {
+  // A fake server from the future: answers every handshake with VersionMismatch.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::listen(listener, 4);
+  socklen_t length = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length);
+  std::thread fake([&] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    rawReadFrame(fd);
+    std::string out;
+    proto::FrameWriter w(out);
+    w.u8(static_cast<uint8_t>(proto::Status::VersionMismatch)).u16(7).bytes("client speaks version 1, server 7");
+    w.finish();
+    rawSend(fd, out);
+    ::close(fd);
+  });
+  expectThrowsWith<NetworkError>([&] { client(ntohs(addr.sin_port)); },
+                                 {"version mismatch", "this client speaks version 1", "server version 7"});
+  fake.join();
+  ::close(listener);
+}
+
+TEST(TcpStoreProcess, StalledClientIsDisconnectedWithoutBlockingOthers) {
+  dt::testing::TempDir dir;
+  const std::string log = (dir.path() / "server.log").string();
+  ServerProcess server({{"DT_STORE_STALL_TIMEOUT", "400ms"}}, log);
+  const int fd = rawConnect(server.port());
+  rawSend(fd, helloFrame());
+  ASSERT_TRUE(rawReadFrame(fd).has_value());
+  const std::string frame = setFrame("half", std::string(1000, 'x'));
+  rawSend(fd, frame.substr(0, 100));  // and then nothing
+  // Meanwhile others are served.
+  auto other = client(server.port());
+  other->set("meanwhile", "ok");
+  EXPECT_EQ(other->get("meanwhile"), "ok");
+  EXPECT_TRUE(closedByPeer(fd, 10s));
+  ::close(fd);
+  EXPECT_FALSE(other->check({"half"}));
+  EXPECT_NE(readFile(log).find("stalled in the middle of a request"), std::string::npos) << readFile(log);
+}
+
+TEST(TcpStoreProcess, OversizedLengthAndUnknownCommandCloseOnlyThatConnection) {
+  dt::testing::TempDir dir;
+  const std::string log = (dir.path() / "server.log").string();
+  ServerProcess server({{"DT_STORE_MAX_VALUE_BYTES", "1024"}}, log);
+  auto good = client(server.port());
+  good->set("precious", "data");
+
+  const int big = rawConnect(server.port());
+  rawSend(big, helloFrame());
+  ASSERT_TRUE(rawReadFrame(big).has_value());
+  const uint32_t huge = 0x7fffffff;
+  rawSend(big, std::string(reinterpret_cast<const char*>(&huge), 4));
+  EXPECT_TRUE(closedByPeer(big));
+  ::close(big);
+
+  const int unknown = rawConnect(server.port());
+  rawSend(unknown, helloFrame());
+  ASSERT_TRUE(rawReadFrame(unknown).has_value());
+  std::string out;
+  proto::FrameWriter(out).u8(200).finish();
+  rawSend(unknown, out);
+  EXPECT_TRUE(closedByPeer(unknown));
+  ::close(unknown);
+
+  // A value over the server's limit (this client's own limit is the default)
+  // is refused with InvalidArgument, and the connection stays usable.
+  expectThrowsWith<InvalidArgument>([&] { good->set("big", std::string(5000, 'x')); },
+                                    {"value of 5000 bytes exceeds", "DT_STORE_MAX_VALUE_BYTES"});
+  {
+    dt::testing::ScopedEnv limit("DT_STORE_MAX_VALUE_BYTES", "1024");
+    auto limited = client(server.port());
+    expectThrowsWith<InvalidArgument>([&] { limited->set("big", std::string(5000, 'x')); },
+                                      {"DT_STORE_MAX_VALUE_BYTES=1024"});
+  }
+  EXPECT_EQ(good->get("precious"), "data");
+  const std::string text = readFile(log);
+  EXPECT_NE(text.find("frame length 2147483647"), std::string::npos) << text;
+  EXPECT_NE(text.find("unknown command 200"), std::string::npos) << text;
+}
+
+TEST(TcpStoreProcess, FuzzedFramesNeverCrashTheServerOrLoseData) {
+  dt::testing::TempDir dir;
+  ServerProcess server({{"DT_STORE_STALL_TIMEOUT", "300ms"}, {"DT_STORE_MAX_VALUE_BYTES", "65536"}},
+                       (dir.path() / "server.log").string());
+  auto good = client(server.port());
+  good->set("precious", "data");
+  good->add("counter", 41);
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  SCOPED_TRACE(str("fuzz seed ", seed));
+  auto randomBytes = [&](size_t n) {
+    std::string s(n, '\0');
+    for (auto& c : s) c = static_cast<char>(rng());
+    return s;
+  };
+  const auto deadline = Clock::now() + 3s;
+  int connections = 0;
+  while (Clock::now() < deadline) {
+    const int fd = rawConnect(server.port());
+    ASSERT_GE(fd, 0) << "the server stopped accepting";
+    ++connections;
+    const int mode = static_cast<int>(rng() % 5);
+    if (mode != 0) rawSend(fd, helloFrame());
+    for (int i = 0; i < 4; ++i) {
+      std::string frame;
+      switch (mode) {
+        case 0:  // garbage instead of a handshake
+        case 1:  // garbage after it
+          frame = randomBytes(rng() % 64);
+          break;
+        case 2: {  // a valid header with a random command and random body
+          proto::FrameWriter w(frame);
+          w.u8(static_cast<uint8_t>(rng() % 20));
+          frame += randomBytes(rng() % 40);
+          w.finish();
+          break;
+        }
+        case 3: {  // well-formed command, lying string lengths
+          proto::FrameWriter w(frame);
+          w.u8(static_cast<uint8_t>(1 + rng() % proto::kMaxCommand)).u32(static_cast<uint32_t>(rng()));
+          frame += randomBytes(rng() % 16);
+          w.finish();
+          break;
+        }
+        default: {  // a valid set of an unrelated key, then a truncated frame
+          frame = setFrame(str("fuzz/", rng() % 8), randomBytes(rng() % 32));
+          std::string truncated = setFrame("fuzz/t", randomBytes(64));
+          frame += truncated.substr(0, rng() % truncated.size());
+          break;
+        }
+      }
+      rawSend(fd, frame);
+    }
+    ::close(fd);
+  }
+  EXPECT_TRUE(server.child().alive());
+  auto after = client(server.port());
+  EXPECT_EQ(after->get("precious"), "data");
+  EXPECT_EQ(after->add("counter", 1), 42);
+  EXPECT_EQ(good->get("precious"), "data") << "an established client keeps working";
+  std::printf("fuzz: %d connections, seed %u\n", connections, seed);
+}
+
+TEST(TcpStoreProcess, ClientWaitsForALateServer) {
+  const uint16_t port = freePort();
+  ServerProcess late({}, "", port, 700ms);
+  const auto start = Clock::now();
+  auto store = client(port);
+  EXPECT_GE(Clock::now() - start, 300ms);
+  store->set("k", "v");
+  EXPECT_EQ(store->get("k"), "v");
+}
+
+TEST(TcpStoreProcess, ConnectTimeoutNamesTheAddress) {
+  const uint16_t port = freePort();
+  TcpStoreOptions options;
+  options.connectTimeout = 300ms;
+  const auto start = Clock::now();
+  expectThrowsWith<TimeoutError>([&] { TcpStore s("127.0.0.1", port, options); },
+                                 {"could not connect to the store at", str("127.0.0.1:", port), "300 ms",
+                                  "refused"});
+  EXPECT_LT(Clock::now() - start, 10s);
+  expectThrowsWith<TimeoutError>([&] { TcpStore s("no-such-host.invalid", port, options); },
+                                 {"no-such-host.invalid", "resolve"});
+}
+
+TEST(TcpStoreProcess, WaitForWorkersTimeoutNamesMissingRanks) {
+  const uint16_t port = freePort();
+  std::vector<std::unique_ptr<Child>> workers;
+  for (int rank : {1, 3}) {
+    workers.push_back(std::make_unique<Child>([port, rank] {
+      auto store = client(port, kToken, rank);
+      std::this_thread::sleep_for(5s);
+    }));
+  }
+  TcpStoreOptions options;
+  options.isServer = true;
+  options.numWorkers = 4;
+  options.rank = 0;
+  options.token = kToken;
+  options.timeout = 1500ms;
+  expectThrowsWith<TimeoutError>([&] { TcpStore server("127.0.0.1", port, options); },
+                                 {"waitForWorkers", "3/4 joined; missing: rank 2", str("127.0.0.1:", port)});
+}
+
+TEST(TcpStoreProcess, WaitForWorkersReturnsWhenAllJoined) {
+  const uint16_t port = freePort();
+  std::vector<std::unique_ptr<Child>> workers;
+  for (int rank = 1; rank < 4; ++rank) {
+    workers.push_back(std::make_unique<Child>([port, rank] {
+      auto store = client(port, kToken, rank);
+      store->add("joined", 1);
+      store->get("release", 30s);
+    }));
+  }
+  TcpStoreOptions options;
+  options.isServer = true;
+  options.numWorkers = 4;
+  options.rank = 0;
+  options.token = kToken;
+  options.timeout = 30s;
+  TcpStore server("127.0.0.1", port, options);
+  server.set("release", "1");
+  for (auto& w : workers) EXPECT_EQ(w->join(), 0);
+}
+
+void ignoreSignal(int) {}
+
+TEST(TcpStoreProcess, SignalsDoNotBreakABlockingWait) {
+  ServerProcess server;
+  struct sigaction action{};
+  action.sa_handler = ignoreSignal;  // no SA_RESTART: syscalls see EINTR
+  ::sigaction(SIGUSR1, &action, nullptr);
+  auto store = client(server.port());
+  auto writer = client(server.port());
+  std::atomic<bool> done{false};
+  std::string value;
+  std::thread waiter([&] {
+    value = store->get("eventually", 30s);
+    done = true;
+  });
+  const pthread_t handle = waiter.native_handle();
+  for (int i = 0; i < 20 && !done; ++i) {
+    ::pthread_kill(handle, SIGUSR1);
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_FALSE(done.load());
+  writer->set("eventually", "arrived");
+  waiter.join();
+  EXPECT_EQ(value, "arrived");
+}
+
+TEST(TcpStoreProcess, ThousandConcurrentClientsRendezvous) {
+  ServerProcess server;
+  constexpr int kClients = 1000, kThreads = 20;
+  std::vector<std::shared_ptr<TcpStore>> clients(kClients);
+  dt::testing::runRanks(kThreads, [&](int t) {
+    for (int i = t; i < kClients; i += kThreads) {
+      clients[i] = client(server.port());
+      clients[i]->add("arrived", 1);
+    }
+  }, 120s);
+  // All 1000 connections are open at once; now all of them wait on one key.
+  std::atomic<int> released{0};
+  dt::testing::runRanks(kThreads, [&](int t) {
+    if (t == 0) {
+      clients[0]->wait({"arrived"});
+      EXPECT_EQ(clients[0]->get("arrived"), std::to_string(kClients));
+      clients[0]->set("go", "1");
+    }
+    for (int i = t; i < kClients; i += kThreads) {
+      EXPECT_EQ(clients[i]->get("go", 60s), "1");
+      ++released;
+    }
+  }, 120s);
+  EXPECT_EQ(released.load(), kClients);
+}
+
+TEST(TcpStoreProcess, LoopbackHostBindsLoopbackOnly) {
+  TcpStoreOptions options;
+  options.isServer = true;
+  options.waitForWorkers = false;
+  TcpStore server("127.0.0.1", 0, options);
+  // /proc/net/tcp lists listeners as hex "local_address:port" with state 0A.
+  std::ifstream tcp("/proc/net/tcp");
+  if (!tcp) GTEST_SKIP() << "no /proc/net/tcp to inspect the listening address";
+  char portHex[8];
+  std::snprintf(portHex, sizeof(portHex), "%04X", server.port());
+  std::string line, found;
+  while (std::getline(tcp, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state;
+    fields >> slot >> local >> remote >> state;
+    if (state == "0A" && local.size() > 5 && local.substr(local.size() - 4) == portHex) found = local;
+  }
+  EXPECT_EQ(found, str("0100007F:", portHex)) << "the server should listen on 127.0.0.1 only";
+}
+
+TEST(FileStoreProcess, ProcessesShareCountersAndBarriers) {
+  dt::testing::TempDir dir;
+  const std::string path = (dir.path() / "rendezvous").string();
+  constexpr int kProcs = 4, kAdds = 50;
+  std::vector<std::unique_ptr<Child>> children;
+  for (int rank = 0; rank < kProcs; ++rank) {
+    children.push_back(std::make_unique<Child>([&, rank] {
+      FileStore store(path);
+      for (int i = 0; i < kAdds; ++i) store.add("count", 1);
+      store.set(str("rank/", rank), std::to_string(rank * 10));
+      storeBarrier(store, "after-adds", rank, kProcs, 30s);
+      // After the barrier every rank sees every add and every rank's key.
+      if (store.get("count") != std::to_string(kProcs * kAdds)) throw std::runtime_error("count mismatch");
+      for (int r = 0; r < kProcs; ++r) {
+        if (store.get(str("rank/", r)) != std::to_string(r * 10)) throw std::runtime_error("value mismatch");
+      }
+    }));
+  }
+  for (auto& child : children) EXPECT_EQ(child->join(), 0);
+  EXPECT_EQ(FileStore(path).get("count"), std::to_string(kProcs * kAdds));
+}
+
+}  // namespace
+}  // namespace dt
