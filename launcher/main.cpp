@@ -66,7 +66,9 @@ int main(int argc, char** argv) {
     finish(2);
   }
   for (char** e = environ; *e != nullptr; ++e) config.baseEnv.emplace_back(*e);
-  config.hostname = hostName();
+  // Emulated SLURM nodes share one kernel hostname; SLURM's node name tells them apart.
+  const char* slurmNode = std::getenv("SLURMD_NODENAME");
+  config.hostname = slurmNode && *slurmNode ? slurmNode : hostName();
   if (auto token = env::getRaw("DT_STORE_TOKEN")) config.userToken = *token;
 
   try {

@@ -1,0 +1,112 @@
+// dtrun under a real SLURM cluster (two emulated nodes, started by the ctest
+// fixture slurm_fixture.sh): one dtrun per node through srun, failures across
+// nodes, and an sbatch script. Skipped with the reason when the cluster is not up.
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sys/stat.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/hostlist.h"
+#include "common/strings.h"
+#include "tests/launcher/dtrun_process.h"
+#include "tests/testing/testing.h"
+
+namespace dt::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+const std::string kDtrun = DTRUN_PATH;
+const std::string kWorker = WORKER_PATH;
+const std::string kConf = "/tmp/slurm-dtrun-launcher/slurm.conf";
+const std::vector<std::string> kEnv = {"SLURM_CONF=" + kConf};
+
+std::string clusterProblem() {
+  if (!std::filesystem::exists(kConf)) return "no cluster at " + kConf + " (the slurm_cluster fixture did not start one; see its output)";
+  const auto ping = runProcess({"/bin/sh", "-c", "scontrol ping"}, 30s, kEnv);
+  if (ping.exitCode != 0 || ping.out.find("UP") == std::string::npos) return "scontrol ping failed: " + ping.out + ping.err;
+  return "";
+}
+
+#define REQUIRE_CLUSTER()                                                   \
+  do {                                                                      \
+    if (const std::string why = clusterProblem(); !why.empty()) {           \
+      GTEST_SKIP() << "SLURM cluster unavailable: " << why;                 \
+    }                                                                       \
+  } while (0)
+
+ProcessResult shell(const std::string& command, std::chrono::milliseconds timeout = 120s) {
+  return runProcess({"/bin/bash", "-c", command}, timeout, kEnv);
+}
+
+TEST(DtrunSlurm, OneDtrunPerNodeReadsSlurmAndExchangesData) {
+  REQUIRE_CLUSTER();
+  // Prints the job id first so that the derived store port can be checked.
+  const auto r = shell(str("srun -N2 --ntasks-per-node=1 --immediate=30 bash -c 'echo JOB=$SLURM_JOB_ID NODEID=$SLURM_NODEID; exec ",
+                           kDtrun, " --nproc 2 /bin/sh -c \"", kWorker, " env && ", kWorker, " exchange\"'"));
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(JOB=(\d+))"))) << r.out;
+  const std::string jobId = m[1].str();
+  const std::string storeAddr = str("node1:", slurmDerivedPort(jobId));
+  std::map<int, std::map<std::string, std::string>> env;
+  const std::regex line(R"(\[rank (\d+)\] ENV ([A-Z_]+)=(.*))");
+  for (const auto& l : split(r.out, '\n')) {
+    if (std::regex_match(l, m, line)) env[std::stoi(m[1])][m[2]] = m[3];
+  }
+  ASSERT_EQ(env.size(), 4u) << r.out;
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(env[rank]["WORLD_SIZE"], "4");
+    EXPECT_EQ(env[rank]["GROUP_RANK"], std::to_string(rank / 2)) << "ranks are node-major";
+    EXPECT_EQ(env[rank]["LOCAL_RANK"], std::to_string(rank % 2));
+    EXPECT_EQ(env[rank]["MASTER_ADDR"], "node1") << "first host of SLURM_JOB_NODELIST";
+    EXPECT_EQ(env[rank]["DT_STORE_ADDR"], storeAddr) << "store port derived from SLURM_JOB_ID";
+    EXPECT_THAT(env[rank]["DT_RUN_ID"], HasSubstr(str("slurm-", jobId, "."))) << "run id from the SLURM job and step";
+    EXPECT_THAT(r.out, HasSubstr(str("[rank ", rank, "] rank ", rank, " group ", rank / 2, " sum 10 expected 10")));
+  }
+}
+
+TEST(DtrunSlurm, FailureOnOneNodeStopsTheOtherWithTheSameRootCause) {
+  REQUIRE_CLUSTER();
+  const auto r = shell(str("srun -N2 --ntasks-per-node=1 --immediate=30 ", kDtrun,
+                           " --nproc 2 --monitor-interval 100ms --kill-grace 2s ", kWorker, " exit 6 3 300"));
+  EXPECT_NE(r.exitCode, 0);
+  EXPECT_LT(r.seconds, 60);
+  const std::string all = r.out + r.err;
+  EXPECT_THAT(all, HasSubstr("root cause: rank 3 (local rank 1, host node2"));
+  EXPECT_THAT(all, HasSubstr("root cause: node 1 reported: rank 3"));
+  EXPECT_EQ(countOccurrences(all, "dtrun: job failed"), 2) << all;
+}
+
+TEST(DtrunSlurm, SbatchScriptWithSrunAndDirectDtrun) {
+  REQUIRE_CLUSTER();
+  TempDir dir;
+  const auto script = dir.path() / "job.sh";
+  const auto output = dir.path() / "job.out";
+  {
+    std::ofstream out(script);
+    out << "#!/bin/bash\n"
+        << "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --output=" << output.string() << "\n"
+        << "set -e\n"
+        << "# one dtrun per node\n"
+        << "srun " << kDtrun << " --nproc 2 " << kWorker << " exchange\n"
+        << "# a dtrun started by the batch script itself runs a single-node job (SLURM mode stays off)\n"
+        << kDtrun << " --nproc 2 --master-port 0 --prefix 'batch %r: ' " << kWorker << " env\n";
+  }
+  chmod(script.c_str(), 0755);
+  const auto r = shell(str("sbatch --wait ", script.string()), 150s);
+  std::ifstream in(output);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err << text;
+  for (int rank = 0; rank < 4; ++rank) EXPECT_THAT(text, HasSubstr(str("rank ", rank, " group ", rank / 2, " sum 10 expected 10")));
+  EXPECT_THAT(text, HasSubstr("batch 1: ENV WORLD_SIZE=2"));
+  EXPECT_THAT(text, HasSubstr("batch 0: ENV GROUP_RANK=0"));
+}
+
+}  // namespace
+}  // namespace dt::testing
