@@ -27,6 +27,7 @@ constexpr std::array kKnobs = {
     Knob{"DT_STORE_MAX_VALUE_BYTES", "67108864", "Largest value (and largest request) a TcpStore server accepts.", "user"},
     // process groups
     Knob{"DT_PG_TIMEOUT", "10min", "Default timeout of collectives and of process-group set-up. Overridable per group and per op.", "user"},
+    Knob{"DT_GLOO_HOSTNAME", "", "Address Gloo's TCP transport binds and advertises. Default: 127.0.0.1 when the store is on loopback, else this machine's host name.", "user"},
     Knob{"DT_BACKEND", "", "Backend override for initProcessGroup: gloo or nccl. Default: gloo for CPU, nccl for CUDA.", "user"},
     // launcher (set by dtrun for its workers)
     Knob{"DT_RUN_ID", "", "The job's run id (also dtrun's --run-id fallback; default: random, or slurm-<job id>.<step id> under SLURM).", "dtrun, user"},

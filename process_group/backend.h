@@ -1,0 +1,75 @@
+// Backend: one communication library (Gloo, NCCL) bound to one group of ranks.
+//
+// Contract:
+//  * Every op returns a Work at once; ops execute in issue order on the
+//    backend's own thread(s), so every rank runs the collectives of a group
+//    in the same order. Tensors passed in must stay alive and untouched until
+//    the Work completes (the backend keeps handles, not copies, except where
+//    it must make a contiguous copy of a strided tensor; it copies results
+//    back before completing the Work).
+//  * An op the backend lacks throws NotSupportedError naming the backend and
+//    the op (the default implementations below). Input errors (wrong dtype,
+//    device, shape, rank) throw InvalidArgument at the call, before anything is
+//    queued.
+//  * Errors during an op fail its Work with TimeoutError / BackendError /
+//    DesyncError naming group, op, sequence number and peer ranks. After such
+//    a failure the backend is broken: later calls return Works failed with
+//    the original cause, at once.
+//  * Thread safety: ops may be issued from any thread; concurrent issue from
+//    several threads is serialised in an unspecified order, so issue
+//    collectives from one thread (or order them yourself) as every rank must
+//    issue them in the same order.
+//  * Shapes: allreduce/broadcast/reduce take a list of tensors, each reduced
+//    elementwise with the same tensor on the other ranks. allgather takes one
+//    input and `size()` outputs of its shape; reduceScatter one output and
+//    `size()` inputs of its shape; allToAll `size()` inputs and `size()`
+//    outputs (input j goes to rank j, output i comes from rank i; sizes may
+//    differ per peer but must match pairwise).
+#pragma once
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/options.h"
+#include "process_group/work.h"
+#include "tensor/tensor.h"
+
+namespace dt {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "gloo", "nccl".
+  virtual std::string name() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  virtual WorkPtr allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options = {});
+  virtual WorkPtr broadcast(const std::vector<Tensor>& tensors, const BroadcastOptions& options = {});
+  virtual WorkPtr allgather(const std::vector<Tensor>& outputs, const Tensor& input,
+                            const AllgatherOptions& options = {});
+  virtual WorkPtr reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
+                                const ReduceScatterOptions& options = {});
+  virtual WorkPtr reduce(const std::vector<Tensor>& tensors, const ReduceOptions& options = {});
+  virtual WorkPtr barrier(const BarrierOptions& options = {});
+  virtual WorkPtr send(const std::vector<Tensor>& tensors, int dstRank, const SendOptions& options = {});
+  virtual WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, const RecvOptions& options = {});
+  virtual WorkPtr allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                           const AllToAllOptions& options = {});
+
+  // The error that broke the backend, or nullptr while healthy.
+  virtual std::exception_ptr brokenCause() const { return nullptr; }
+  // Stops the worker(s), failing queued work with an error saying the group
+  // was shut down, and closes connections. Idempotent; the destructor calls it.
+  virtual void shutdown() {}
+
+ protected:
+  [[noreturn]] void throwNotSupported(const std::string& op) const;
+};
+
+using BackendPtr = std::shared_ptr<Backend>;
+
+}  // namespace dt

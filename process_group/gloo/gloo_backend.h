@@ -1,0 +1,91 @@
+// GlooBackend: collectives on CPU tensors over Gloo's TCP transport.
+//
+// Contract (in addition to backend.h):
+//  * The constructor rendezvouses through `store` (already scoped to the
+//    group; Gloo's keys go under "<that scope>/gloo/") and connects a full
+//    mesh; it blocks until every rank of the group has arrived or the group
+//    timeout passes (TimeoutError naming the missing ranks' keys).
+//  * Collectives run on one worker thread per backend, in issue order; send
+//    and recv are posted to the transport at issue time and waited for on a
+//    second thread, so p2p exchanges cannot deadlock behind each other.
+//    Several backends (groups) progress independently.
+//  * Dtypes float32, float64, float16, bfloat16, int32, int64 (and bool for
+//    sum/min/max/product); reduce ops sum, avg, min, max, product, reduced
+//    with collectives/reduce_kernels (Gloo itself only moves bytes here).
+//  * Failure: a timeout fails the Work with TimeoutError saying which ranks
+//    never started the collective and which are waiting in it (read from the
+//    ranks' progress keys); a lost peer fails it with BackendError naming the
+//    ranks that stopped responding. The backend then closes its connections
+//    (so peers fail promptly instead of waiting for their timeout) and is
+//    broken: every later call fails at once with the original cause.
+//  * DT_DEBUG=detail (options.checkFingerprints): before every collective the
+//    ranks exchange fingerprints through the store; a mismatch raises
+//    DesyncError on every rank naming what each side called.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "process_group/backend.h"
+#include "store/store.h"
+
+namespace dt {
+
+struct GlooBackendOptions {
+  std::string groupName = "default";
+  // Default timeout of every op and of the rendezvous. nullopt: DT_PG_TIMEOUT.
+  std::optional<std::chrono::milliseconds> timeout;
+  // Address the TCP transport binds and advertises to peers.
+  std::string hostname = "127.0.0.1";
+  // nullopt: DT_DEBUG=detail.
+  std::optional<bool> checkFingerprints;
+  // Group rank -> global rank, only for messages ("rank 2 (global 5)").
+  std::vector<int> globalRanks;
+  // The launcher's hang watchdog: when set, the last completed collective is
+  // written to watchdogStore[watchdogKey] as "<seq> <op>" (throttled).
+  StorePtr watchdogStore;
+  std::string watchdogKey;
+  std::chrono::milliseconds progressInterval = std::chrono::seconds(1);
+  // How long a failed rank waits for its peers' failure reports before
+  // naming the ones that did not answer.
+  std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
+  // Allreduce payloads of at least this many bytes use the bandwidth-optimal
+  // ring-chunked algorithm; below, Gloo's latency-friendlier default.
+  size_t largeAllreduceBytes = 256 * 1024;
+};
+
+class GlooBackend final : public Backend {
+ public:
+  GlooBackend(StorePtr store, int rank, int size, GlooBackendOptions options = {});
+  ~GlooBackend() override;
+
+  std::string name() const override { return "gloo"; }
+  int rank() const override;
+  int size() const override;
+
+  WorkPtr allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options = {}) override;
+  WorkPtr broadcast(const std::vector<Tensor>& tensors, const BroadcastOptions& options = {}) override;
+  WorkPtr allgather(const std::vector<Tensor>& outputs, const Tensor& input,
+                    const AllgatherOptions& options = {}) override;
+  WorkPtr reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
+                        const ReduceScatterOptions& options = {}) override;
+  WorkPtr reduce(const std::vector<Tensor>& tensors, const ReduceOptions& options = {}) override;
+  WorkPtr barrier(const BarrierOptions& options = {}) override;
+  WorkPtr send(const std::vector<Tensor>& tensors, int dstRank, const SendOptions& options = {}) override;
+  WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, const RecvOptions& options = {}) override;
+  WorkPtr allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                   const AllToAllOptions& options = {}) override;
+
+  std::exception_ptr brokenCause() const override;
+  void shutdown() override;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dt

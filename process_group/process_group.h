@@ -1,0 +1,126 @@
+// ProcessGroup: a set of ranks that run collectives together.
+//
+// Contract:
+//  * Creating a group is collective: every rank of it calls create() (or
+//    newGroup() on the parent) with the same name/ranks, and it returns once
+//    all have connected (or throws TimeoutError after the group timeout).
+//  * Every collective gets the next sequence number of the group (1, 2, ...),
+//    assigned at issue; it appears in every error about that call. A call
+//    rejected at issue (bad input) consumes no number. send/recv are not
+//    collectives and are not numbered.
+//  * Routing: each call goes to the backend for its tensors' device: CPU ->
+//    gloo, CUDA -> nccl (NotSupportedError in a build without NCCL), unless
+//    options.backend forces one.
+//  * Store keys live under "pg/<name>/<instance>/..." (instance counts
+//    re-creations of the same name, so destroy() + create() in one process
+//    works); a subgroup's under "<parent's scope>/sub<k>/".
+//  * newGroup(ranks) must be called by every rank of the parent, in the same
+//    order. Ranks outside `ranks` get a non-member handle: isMember() is false
+//    and every op throws InvalidArgument saying so.
+//  * Thread safety: ops may be issued from several threads, but ranks must
+//    agree on the order, so issue one group's collectives from one thread.
+//    Different groups are independent. destroy() is idempotent; the
+//    destructor calls it.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "collectives/options.h"
+#include "process_group/backend.h"
+#include "store/store.h"
+#include "tensor/tensor.h"
+
+namespace dt {
+
+struct ProcessGroupOptions {
+  std::string name = "default";
+  // Default op and set-up timeout; nullopt: DT_PG_TIMEOUT (10 min).
+  std::optional<std::chrono::milliseconds> timeout;
+  // "" routes by device; "gloo" or "nccl" forces one backend for all tensors.
+  std::string backend;
+  // Address Gloo's TCP transport binds/advertises; "" -> 127.0.0.1.
+  std::string glooHostname;
+  // nullopt: DT_DEBUG=detail.
+  std::optional<bool> checkFingerprints;
+  // Launcher hang watchdog (see docs/process_group.md): "<seq> <op>" of the
+  // last completed collective goes to watchdogStore[watchdogKey].
+  StorePtr watchdogStore;
+  std::string watchdogKey;
+  std::chrono::milliseconds progressInterval = std::chrono::seconds(1);
+};
+
+class ProcessGroup {
+ public:
+  static std::shared_ptr<ProcessGroup> create(StorePtr store, int rank, int size, ProcessGroupOptions options = {});
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  // Rank and size in this group (-1 and the member count for a non-member).
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return options_.name; }
+  bool isMember() const { return rank_ >= 0; }
+  // Ranks of this group in the parent's (for the default group: global) numbering.
+  const std::vector<int>& parentRanks() const { return parentRanks_; }
+  // The sequence number of the last collective issued.
+  uint64_t lastSeq() const;
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  WorkPtr allreduce(const std::vector<Tensor>& tensors, AllreduceOptions options = {});
+  WorkPtr allreduce(const Tensor& tensor, AllreduceOptions options = {}) {
+    return allreduce(std::vector<Tensor>{tensor}, options);
+  }
+  WorkPtr broadcast(const std::vector<Tensor>& tensors, BroadcastOptions options = {});
+  WorkPtr broadcast(const Tensor& tensor, BroadcastOptions options = {}) {
+    return broadcast(std::vector<Tensor>{tensor}, options);
+  }
+  WorkPtr allgather(const std::vector<Tensor>& outputs, const Tensor& input, AllgatherOptions options = {});
+  WorkPtr reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs, ReduceScatterOptions options = {});
+  WorkPtr reduce(const std::vector<Tensor>& tensors, ReduceOptions options = {});
+  WorkPtr reduce(const Tensor& tensor, ReduceOptions options = {}) {
+    return reduce(std::vector<Tensor>{tensor}, options);
+  }
+  WorkPtr barrier(BarrierOptions options = {});
+  WorkPtr send(const std::vector<Tensor>& tensors, int dstRank, SendOptions options = {});
+  WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, RecvOptions options = {});
+  WorkPtr allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                   AllToAllOptions options = {});
+
+  // A subgroup of `ranks` (ranks of this group, any order, no duplicates;
+  // group ranks follow ascending order). Collective over this group.
+  std::shared_ptr<ProcessGroup> newGroup(std::vector<int> ranks, ProcessGroupOptions options = {});
+
+  // The backend that serves `device` (NotSupportedError if none can).
+  Backend& backendFor(const Device& device);
+  // Shuts the backends down; later calls fail with "destroyed".
+  void destroy();
+
+ private:
+  ProcessGroup() = default;
+  void requireMember(const char* op) const;
+  std::string who() const;
+  template <typename Fn>
+  WorkPtr numbered(const char* op, const Device& device, uint64_t& seqField, Fn&& call);
+
+  StorePtr store_;  // this group's scope
+  int rank_ = -1;
+  int size_ = 0;
+  ProcessGroupOptions options_;
+  std::chrono::milliseconds timeout_{0};
+  std::vector<int> parentRanks_;
+  BackendPtr cpuBackend_;
+  mutable std::mutex mutex_;
+  uint64_t seq_ = 0;
+  int subgroups_ = 0;
+  bool destroyed_ = false;
+};
+
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+}  // namespace dt

@@ -1,0 +1,39 @@
+// The Backend conformance suite: written once against process_group/backend.h
+// and instantiated per backend (gloo_conformance_test.cpp; the NCCL backend
+// adds its own instantiation with device cuda).
+//
+//   INSTANTIATE_TEST_SUITE_P(Gloo, BackendConformance, ::testing::Values(myFactory()),
+//                            [](const auto& info) { return info.param.name; });
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "process_group/backend.h"
+#include "store/store.h"
+#include "tensor/device.h"
+
+namespace dt::testing {
+
+struct BackendTestOptions {
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+  std::chrono::milliseconds progressInterval = std::chrono::milliseconds(100);
+  bool checkFingerprints = false;
+  std::string groupName = "test";
+};
+
+struct BackendFactory {
+  std::string name;
+  Device device = Device::cpu();
+  // Called concurrently on every rank's thread with a store scoped to the group.
+  std::function<BackendPtr(StorePtr store, int rank, int size, const BackendTestOptions& options)> make;
+};
+
+class BackendConformance : public ::testing::TestWithParam<BackendFactory> {};
+
+}  // namespace dt::testing

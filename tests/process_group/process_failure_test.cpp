@@ -1,0 +1,285 @@
+// Processes as ranks: forked children over a TcpStore the parent hosts on
+// port 0. Failure semantics that threads cannot show: a rank that is killed,
+// ranks that disagree across address spaces, initProcessGroup from the
+// environment.
+#include <gtest/gtest.h>
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/config.h"
+#include "common/errors.h"
+#include "common/strings.h"
+#include "process_group/init.h"
+#include "process_group/process_group.h"
+#include "store/tcp_store.h"
+
+namespace dt {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+struct ChildResult {
+  std::string text;   // what the child wrote ("" if nothing)
+  bool killed = false;
+  int exitCode = -1;
+};
+
+void writeAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n <= 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
+
+std::string readAll(int fd) {
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  return out;
+}
+
+// Forks `n` children before any thread exists in this process, then hosts
+// the store; child(rank, port) returns its report line. Children that hang
+// are killed after `deadline`.
+std::vector<ChildResult> runProcesses(int n, const std::function<std::string(int rank, uint16_t port)>& child,
+                                      std::chrono::seconds deadline = 60s,
+                                      const std::function<void(TcpStore&)>& afterChildren = nullptr) {
+  std::vector<int> portPipes(n), resultPipes(n);
+  std::vector<pid_t> pids(n);
+  for (int r = 0; r < n; ++r) {
+    int toChild[2], fromChild[2];
+    EXPECT_EQ(::pipe(toChild), 0);
+    EXPECT_EQ(::pipe(fromChild), 0);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(toChild[1]);
+      ::close(fromChild[0]);
+      uint16_t port = 0;
+      if (::read(toChild[0], &port, sizeof port) != sizeof port) ::_exit(90);
+      std::string report;
+      try {
+        report = child(r, port);
+      } catch (const std::exception& e) {
+        report = str("EXCEPTION ", e.what());
+      }
+      writeAll(fromChild[1], report);
+      ::close(fromChild[1]);
+      std::fflush(nullptr);
+      ::_exit(0);
+    }
+    ::close(toChild[0]);
+    ::close(fromChild[1]);
+    portPipes[r] = toChild[1];
+    resultPipes[r] = fromChild[0];
+    pids[r] = pid;
+  }
+  TcpStoreOptions so;
+  so.isServer = true;
+  so.waitForWorkers = false;
+  auto server = std::make_shared<TcpStore>("127.0.0.1", 0, so);
+  const uint16_t port = server->port();
+  for (int r = 0; r < n; ++r) {
+    writeAll(portPipes[r], std::string(reinterpret_cast<const char*>(&port), sizeof port));
+    ::close(portPipes[r]);
+  }
+  // A watchdog so a hung child fails the test instead of hanging it.
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    const auto end = Clock::now() + deadline;
+    while (!done && Clock::now() < end) std::this_thread::sleep_for(50ms);
+    if (!done) {
+      for (pid_t p : pids) ::kill(p, SIGKILL);
+    }
+  });
+  std::vector<ChildResult> results(n);
+  for (int r = 0; r < n; ++r) {
+    results[r].text = readAll(resultPipes[r]);
+    ::close(resultPipes[r]);
+    int status = 0;
+    ::waitpid(pids[r], &status, 0);
+    results[r].killed = WIFSIGNALED(status);
+    results[r].exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  done = true;
+  watchdog.join();
+  if (afterChildren) afterChildren(*server);
+  return results;
+}
+
+std::shared_ptr<TcpStore> clientStore(uint16_t port, int rank) {
+  TcpStoreOptions o;
+  o.rank = rank;
+  return std::make_shared<TcpStore>("127.0.0.1", port, o);
+}
+
+#if DT_HAVE_GLOO
+
+TEST(ProcessFailure, KilledRankFailsEverySurvivorPromptlyAndIsNamed) {
+  constexpr int kWorld = 3;
+  constexpr auto kTimeout = 20s;
+  const auto results = runProcesses(kWorld, [&](int rank, uint16_t port) -> std::string {
+    ProcessGroupOptions o;
+    o.timeout = kTimeout;
+    o.progressInterval = 200ms;
+    auto pg = ProcessGroup::create(clientStore(port, rank), rank, kWorld, o);
+    Tensor t = ones({4 << 20});  // 16 MiB
+    pg->allreduce(t)->wait();     // everyone is connected and running
+    if (rank == 2) {
+      auto work = pg->allreduce(t);
+      std::this_thread::sleep_for(30ms);  // in the middle of it
+      ::kill(::getpid(), SIGKILL);
+    }
+    for (int i = 0; i < 1000; ++i) {
+      const auto start = Clock::now();
+      auto work = pg->allreduce(t);
+      try {
+        work->wait();
+      } catch (const BackendError& e) {
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+        return str("FAILED ", ms, " ", e.what());
+      } catch (const std::exception& e) {
+        return str("WRONG-TYPE ", e.what());
+      }
+    }
+    return "NO-FAILURE";
+  }, 90s);
+  ASSERT_TRUE(results[2].killed) << results[2].text;
+  for (int r = 0; r < 2; ++r) {
+    const auto& text = results[r].text;
+    ASSERT_EQ(text.rfind("FAILED ", 0), 0u) << "rank " << r << ": " << text;
+    const long ms = std::stol(text.substr(7));
+    EXPECT_LT(ms, std::chrono::duration_cast<std::chrono::milliseconds>(kTimeout + 5s).count()) << text;
+    EXPECT_NE(text.find("Rank 2 stopped responding"), std::string::npos) << text;
+    EXPECT_NE(text.find("allreduce"), std::string::npos) << text;
+    EXPECT_NE(text.find(str("rank ", r, "/3")), std::string::npos) << text;
+    std::printf("survivor %d after %ld ms: %s\n", r, ms, text.c_str());
+  }
+}
+
+TEST(ProcessFailure, DesyncAcrossProcessesRaisesOnEveryRank) {
+  const auto results = runProcesses(2, [&](int rank, uint16_t port) -> std::string {
+    ProcessGroupOptions o;
+    o.timeout = 30s;
+    o.checkFingerprints = true;
+    auto pg = ProcessGroup::create(clientStore(port, rank), rank, 2, o);
+    Tensor small = ones({16});
+    pg->allreduce(small)->wait();
+    WorkPtr work;
+    if (rank == 0) {
+      work = pg->allreduce(ones({1 << 20}));
+    } else {
+      BroadcastOptions bo;
+      bo.root = 0;
+      work = pg->broadcast(ones({4096}), bo);
+    }
+    try {
+      work->wait();
+      return "NO-ERROR";
+    } catch (const DesyncError& e) {
+      return str("DESYNC ", e.what());
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    const auto& text = results[r].text;
+    ASSERT_EQ(text.rfind("DESYNC ", 0), 0u) << "rank " << r << ": " << text;
+    EXPECT_NE(text.find("collective #2 mismatch"), std::string::npos) << text;
+    EXPECT_NE(text.find("allreduce(float32[1048576], sum)"), std::string::npos) << text;
+    EXPECT_NE(text.find("broadcast(float32[4096], root 0)"), std::string::npos) << text;
+  }
+}
+
+uint16_t freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(ProcessFailure, InitFromTorchrunEnvironmentRankZeroHostsTheStore) {
+  const uint16_t masterPort = freePort();
+  const auto results = runProcesses(3, [&](int rank, uint16_t) -> std::string {
+    ::setenv("RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("WORLD_SIZE", "3", 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(masterPort).c_str(), 1);
+    ::unsetenv("DT_STORE_ADDR");
+    InitOptions io;
+    io.timeout = 30s;
+    auto pg = initProcessGroup(io);
+    Tensor t = full({10}, rank);
+    pg->allreduce(t)->wait();
+    pg->barrier()->wait();
+    return str("SUM ", t.toVector<float>()[0]);
+  });
+  for (const auto& r : results) EXPECT_EQ(r.text, "SUM 3");
+}
+
+TEST(ProcessFailure, InitFromLauncherStoreWritesTheWatchdogKeys) {
+  const auto results = runProcesses(
+      2,
+      [&](int rank, uint16_t port) -> std::string {
+        ::setenv("RANK", std::to_string(rank).c_str(), 1);
+        ::setenv("WORLD_SIZE", "2", 1);
+        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+        ::setenv("MASTER_PORT", "1", 1);  // must not be used: the launcher's store wins
+        ::setenv("DT_STORE_ADDR", str("127.0.0.1:", port).c_str(), 1);
+        auto pg = initProcessGroup();
+        Tensor t = ones({10});
+        for (int i = 0; i < 3; ++i) pg->allreduce(t)->wait();
+        pg->destroy();  // flushes the last progress value
+        return "OK";
+      },
+      60s,
+      [](TcpStore& store) {
+        for (int r = 0; r < 2; ++r) {
+          const std::string key = str("dt/progress/", r);
+          ASSERT_TRUE(store.check({key})) << key;
+          EXPECT_EQ(store.get(key), "3 allreduce") << key;
+        }
+      });
+  for (const auto& r : results) EXPECT_EQ(r.text, "OK");
+}
+
+#endif  // DT_HAVE_GLOO
+
+TEST(ProcessFailure, MissingEnvironmentVariableIsNamed) {
+  const auto results = runProcesses(1, [&](int, uint16_t) -> std::string {
+    ::unsetenv("RANK");
+    ::unsetenv("SLURM_PROCID");
+    ::unsetenv("DT_STORE_ADDR");
+    try {
+      initProcessGroup();
+      return "NO-ERROR";
+    } catch (const InvalidArgument& e) {
+      return str("INVALID ", e.what());
+    }
+  });
+  const auto& text = results[0].text;
+  EXPECT_EQ(text.rfind("INVALID ", 0), 0u) << text;
+  EXPECT_NE(text.find("RANK is not set"), std::string::npos) << text;
+  EXPECT_NE(text.find("dtrun and torchrun set it"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace dt

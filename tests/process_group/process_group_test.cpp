@@ -1,0 +1,201 @@
+#include "process_group/process_group.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "common/config.h"
+#include "common/errors.h"
+#include "common/hostlist.h"
+#include "process_group/init.h"
+#include "store/hash_store.h"
+#include "tests/testing/testing.h"
+
+namespace dt {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::expectThrowsWith;
+using testing::runRanks;
+using testing::ScopedEnv;
+
+#if DT_HAVE_GLOO
+
+ProcessGroupOptions fastOptions() {
+  ProcessGroupOptions o;
+  o.timeout = 30s;
+  o.progressInterval = 100ms;
+  return o;
+}
+
+TEST(ProcessGroup, NumbersCollectivesAndRoutesByDevice) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto pg = ProcessGroup::create(store, rank, 2, fastOptions());
+    EXPECT_EQ(pg->rank(), rank);
+    EXPECT_EQ(pg->size(), 2);
+    EXPECT_EQ(pg->name(), "default");
+    Tensor t = full({8}, rank + 1);
+    pg->allreduce(t)->wait();
+    pg->barrier()->wait();
+    EXPECT_EQ(pg->lastSeq(), 2u);
+    EXPECT_EQ(t.toVector<float>(), std::vector<float>(8, 3));
+    // Bad input consumes no number and says which number it would have had.
+    expectThrowsWith<InvalidArgument>([&] { pg->allgather({t}, t); }, {"allgather #3 (not issued)"});
+    EXPECT_EQ(pg->lastSeq(), 2u);
+    // CUDA tensors go to the nccl backend, which this build lacks. (A CUDA
+    // tensor cannot be allocated here, so ask the router directly.)
+    expectThrowsWith<NotSupportedError>([&] { pg->backendFor(Device::cuda(0)); }, {"cuda:0", "nccl"});
+    EXPECT_EQ(pg->backendFor(Device::cpu()).name(), "gloo");
+    // Point to point is not numbered.
+    if (rank == 0) pg->send({t}, 1)->wait();
+    else pg->recv({t}, 0)->wait();
+    EXPECT_EQ(pg->lastSeq(), 2u);
+    pg->destroy();
+    expectThrowsWith<InvalidArgument>([&] { pg->barrier(); }, {"destroyed"});
+  });
+}
+
+TEST(ProcessGroup, NewGroupMembersAndNonMembers) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(4, [&](int rank) {
+    auto world = ProcessGroup::create(store, rank, 4, fastOptions());
+    auto odd = world->newGroup({3, 1});
+    auto even = world->newGroup({0, 2});
+    const bool isOdd = rank % 2 == 1;
+    EXPECT_EQ(odd->isMember(), isOdd);
+    EXPECT_EQ(even->isMember(), !isOdd);
+    auto& mine = isOdd ? odd : even;
+    auto& other = isOdd ? even : odd;
+    EXPECT_EQ(mine->rank(), rank / 2);
+    EXPECT_EQ(mine->size(), 2);
+    // Both subgroups and the world group run at the same time.
+    Tensor s = full({5}, rank);
+    auto w1 = mine->allreduce(s);
+    Tensor w = full({5}, 1);
+    auto w2 = world->allreduce(w);
+    w1->wait();
+    w2->wait();
+    EXPECT_EQ(s.toVector<float>(), std::vector<float>(5, isOdd ? 4 : 2));
+    EXPECT_EQ(w.toVector<float>(), std::vector<float>(5, 4));
+    expectThrowsWith<InvalidArgument>([&] { other->allreduce(s); }, {"not a member", other->name()});
+    // Keys of a subgroup live under its own scope.
+    EXPECT_TRUE(store->check({"pg/default/0/sub1/gloo/0"}) || store->check({"pg/default/0/sub1/dt_progress/0"}));
+    world->barrier()->wait();
+  });
+}
+
+TEST(ProcessGroup, DestroyAndRecreateInTheSameProcess) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(3, [&](int rank) {
+    for (int round = 0; round < 3; ++round) {
+      auto pg = ProcessGroup::create(store, rank, 3, fastOptions());
+      Tensor t = full({4}, round);
+      pg->allreduce(t)->wait();
+      EXPECT_EQ(t.toVector<float>(), std::vector<float>(4, 3.0f * round));
+      EXPECT_EQ(pg->lastSeq(), 1u);  // numbering restarts with the group
+      pg->destroy();
+    }
+  });
+}
+
+TEST(ProcessGroup, WatchdogKeyFollowsTheLastCompletedCollective) {
+  auto store = std::make_shared<HashStore>();
+  auto launcherStore = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto o = fastOptions();
+    o.watchdogStore = launcherStore;
+    o.watchdogKey = "dt/progress/" + std::to_string(rank);
+    auto pg = ProcessGroup::create(store, rank, 2, o);
+    Tensor t = ones({3});
+    for (int i = 0; i < 5; ++i) pg->allreduce(t)->wait();
+    pg->barrier()->wait();
+    // Throttled to one write per interval (100 ms here), but the latest
+    // value always arrives.
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    std::string value;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (launcherStore->check({o.watchdogKey})) value = launcherStore->get(o.watchdogKey);
+      if (value == "6 barrier") break;
+      std::this_thread::sleep_for(20ms);
+    }
+    EXPECT_EQ(value, "6 barrier");
+    pg->destroy();
+  });
+}
+
+#endif  // DT_HAVE_GLOO
+
+TEST(InitProcessGroup, ReadsTorchrunStyleEnvironment) {
+  ScopedEnv r("RANK", "2"), w("WORLD_SIZE", "4"), a("MASTER_ADDR", "10.0.0.5"), p("MASTER_PORT", "29511");
+  ScopedEnv s("DT_STORE_ADDR", "");
+  const auto init = resolveInit({});
+  EXPECT_EQ(init.rank, 2);
+  EXPECT_EQ(init.worldSize, 4);
+  EXPECT_EQ(init.storeHost, "10.0.0.5");
+  EXPECT_EQ(init.storePort, 29511);
+  EXPECT_FALSE(init.hostStore);
+  EXPECT_FALSE(init.launcherStore);
+}
+
+TEST(InitProcessGroup, LauncherStoreMakesEveryRankAClient) {
+  ScopedEnv r("RANK", "0"), w("WORLD_SIZE", "2"), a("MASTER_ADDR", "127.0.0.1"), p("MASTER_PORT", "29511");
+  ScopedEnv s("DT_STORE_ADDR", "node7:40001"), t("DT_STORE_TOKEN", "secret");
+  const auto init = resolveInit({});
+  EXPECT_TRUE(init.launcherStore);
+  EXPECT_FALSE(init.hostStore);
+  EXPECT_EQ(init.storeHost, "node7");
+  EXPECT_EQ(init.storePort, 40001);
+  EXPECT_EQ(init.token, "secret");
+  ScopedEnv bad("DT_STORE_ADDR", "node7");
+  expectThrowsWith<InvalidArgument>([] { resolveInit({}); }, {"DT_STORE_ADDR", "host:port"});
+}
+
+TEST(InitProcessGroup, SlurmWithoutLauncher) {
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  ::unsetenv("MASTER_ADDR");
+  ::unsetenv("MASTER_PORT");
+  ScopedEnv s("DT_STORE_ADDR", "");
+  ScopedEnv a("SLURM_PROCID", "5"), b("SLURM_NTASKS", "8"), c("SLURM_LOCALID", "1"),
+      d("SLURM_JOB_NODELIST", "gpu-a[07-09,12],gpu-b3"), e("SLURM_JOB_ID", "123456");
+  const auto init = resolveInit({});
+  EXPECT_EQ(init.source, "slurm");
+  EXPECT_EQ(init.rank, 5);
+  EXPECT_EQ(init.worldSize, 8);
+  EXPECT_EQ(init.localRank, 1);
+  EXPECT_EQ(init.storeHost, "gpu-a07");
+  EXPECT_EQ(init.storePort, slurmDerivedPort("123456"));
+  EXPECT_EQ(init.storePort, 23456);
+  EXPECT_FALSE(init.hostStore);
+  {
+    ScopedEnv r0("SLURM_PROCID", "0");
+    EXPECT_TRUE(resolveInit({}).hostStore);
+  }
+  ::unsetenv("SLURM_JOB_ID");
+  expectThrowsWith<InvalidArgument>([] { resolveInit({}); }, {"SLURM_JOB_ID", "MASTER_PORT"});
+}
+
+TEST(InitProcessGroup, MissingVariablesAreNamedWithWhatSetsThem) {
+  ::unsetenv("RANK");
+  ::unsetenv("SLURM_PROCID");
+  ScopedEnv s("DT_STORE_ADDR", "");
+  expectThrowsWith<InvalidArgument>([] { resolveInit({}); }, {"RANK is not set", "dtrun", "torchrun"});
+  ScopedEnv r("RANK", "1");
+  ::unsetenv("WORLD_SIZE");
+  expectThrowsWith<InvalidArgument>([] { resolveInit({}); }, {"WORLD_SIZE is not set"});
+  ScopedEnv w("WORLD_SIZE", "2");
+  ::unsetenv("MASTER_ADDR");
+  expectThrowsWith<InvalidArgument>([] { resolveInit({}); }, {"MASTER_ADDR is not set"});
+  ScopedEnv a("MASTER_ADDR", "localhost");
+  ::unsetenv("MASTER_PORT");
+  expectThrowsWith<InvalidArgument>([] { resolveInit({}); }, {"MASTER_PORT is not set"});
+  ScopedEnv p("MASTER_PORT", "99999");
+  expectThrowsWith<InvalidArgument>([] { resolveInit({}); }, {"MASTER_PORT", "99999"});
+  ScopedEnv rr("RANK", "2");
+  ScopedEnv p2("MASTER_PORT", "1234");
+  expectThrowsWith<InvalidArgument>([] { resolveInit({}); }, {"rank 2", "outside"});
+}
+
+}  // namespace
+}  // namespace dt
