@@ -20,6 +20,7 @@
 #include <optional>
 #include <vector>
 
+#include "tensor/autograd/autograd.h"
 #include "tensor/generator.h"
 #include "tensor/tensor.h"
 

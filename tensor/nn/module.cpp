@@ -1,0 +1,195 @@
+#include "tensor/nn/module.h"
+
+#include <cmath>
+#include <set>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/autograd/autograd.h"
+
+namespace dt::nn {
+
+Tensor Module::forward(const Tensor&) {
+  throw NotSupportedError(str(typeName(), " has no single-tensor forward()"));
+}
+
+void Module::checkName(const std::string& name) const {
+  if (name.empty() || name.find('.') != std::string::npos) {
+    throw InvalidArgument(str(typeName(), ": invalid name \"", name, "\" (non-empty, no '.')"));
+  }
+  auto taken = [&](const auto& list) {
+    for (auto& [n, v] : list) {
+      if (n == name) return true;
+    }
+    return false;
+  };
+  if (taken(params_) || taken(buffers_) || taken(children_)) {
+    throw InvalidArgument(str(typeName(), ": name \"", name, "\" is already registered"));
+  }
+}
+
+Tensor Module::registerParameter(const std::string& name, Tensor value, bool requiresGrad) {
+  checkName(name);
+  if (!value.defined()) throw InvalidArgument(str(typeName(), ": parameter \"", name, "\" is undefined"));
+  if (requiresGrad) value.setRequiresGrad(true);
+  value.setName(name);
+  params_.emplace_back(name, value);
+  return value;
+}
+
+Tensor Module::registerBuffer(const std::string& name, Tensor value) {
+  checkName(name);
+  buffers_.emplace_back(name, value);
+  return value;
+}
+
+void Module::registerChild(const std::string& name, std::shared_ptr<Module> module) {
+  checkName(name);
+  if (!module) throw InvalidArgument(str(typeName(), ": submodule \"", name, "\" is null"));
+  children_.emplace_back(name, std::move(module));
+}
+
+void Module::collect(const std::string& prefix, bool params, bool recurse, NamedTensors& out) const {
+  for (auto& [n, t] : params ? params_ : buffers_) out.emplace_back(prefix + n, t);
+  if (!recurse) return;
+  for (auto& [n, c] : children_) c->collect(prefix + n + ".", params, true, out);
+}
+
+NamedTensors Module::namedParameters(bool recurse) const {
+  NamedTensors out;
+  collect("", true, recurse, out);
+  return out;
+}
+
+std::vector<Tensor> Module::parameters(bool recurse) const {
+  std::vector<Tensor> out;
+  for (auto& [n, t] : namedParameters(recurse)) out.push_back(t);
+  return out;
+}
+
+NamedTensors Module::namedBuffers(bool recurse) const {
+  NamedTensors out;
+  collect("", false, recurse, out);
+  return out;
+}
+
+std::shared_ptr<Module> Module::child(const std::string& name) const {
+  for (auto& [n, c] : children_) {
+    if (n == name) return c;
+  }
+  throw InvalidArgument(str(typeName(), ": no submodule named \"", name, "\""));
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (auto& [n, c] : children_) c->train(on);
+}
+
+void Module::zeroGrad(bool setToNone) {
+  for (Tensor& p : parameters()) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (setToNone) {
+      p.setGrad(Tensor());
+    } else {
+      NoGradGuard ng;
+      g.zero_();
+    }
+  }
+}
+
+NamedTensors Module::stateDict() const {
+  NamedTensors out = namedParameters();
+  for (auto& b : namedBuffers()) out.push_back(b);
+  return out;
+}
+
+void Module::loadStateDict(const NamedTensors& state, bool strict) {
+  NamedTensors mine = stateDict();
+  std::set<std::string> used;
+  std::vector<std::string> missing;
+  for (auto& [name, t] : mine) {
+    const Tensor* src = nullptr;
+    for (auto& [n, v] : state) {
+      if (n == name) {
+        src = &v;
+        break;
+      }
+    }
+    if (src == nullptr) {
+      missing.push_back(name);
+      continue;
+    }
+    used.insert(name);
+    if (src->sizes() != t.sizes()) {
+      throw InvalidArgument(str("loadStateDict: \"", name, "\" has shape ", describeShape(src->sizes()), " in the state dict but ",
+                                describeShape(t.sizes()), " in the module"));
+    }
+    NoGradGuard ng;
+    Tensor dst = t;
+    dst.copy_(*src);
+  }
+  std::vector<std::string> unexpected;
+  for (auto& [n, v] : state) {
+    if (!used.count(n)) unexpected.push_back(n);
+  }
+  if (strict && (!missing.empty() || !unexpected.empty())) {
+    throw InvalidArgument(str("loadStateDict: keys do not match. Missing: [", join(missing, ", "), "]. Unexpected: [",
+                              join(unexpected, ", "), "]"));
+  }
+}
+
+void Module::save(const std::filesystem::path& path) const {
+  saveSafetensors(path, stateDict(), {{"format", "pt"}, {"producer", "dtrain"}});
+}
+
+void Module::load(const std::filesystem::path& path, bool strict) { loadStateDict(loadSafetensors(path).tensors, strict); }
+
+// ---- layers ------------------------------------------------------------------------------------------------
+
+Linear::Linear(int64_t in, int64_t out, bool hasBias, Generator& generator) {
+  if (in <= 0 || out <= 0) throw InvalidArgument(str("Linear: sizes must be positive, got in=", in, " out=", out));
+  // kaiming_uniform(a = sqrt(5)): gain = sqrt(2 / (1 + 5)), bound = gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in).
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  Tensor w = empty({out, in});
+  uniform_(w, -bound, bound, generator);
+  weight = registerParameter("weight", w);
+  if (hasBias) {
+    Tensor b = empty({out});
+    uniform_(b, -bound, bound, generator);
+    bias = registerParameter("bias", b);
+  }
+}
+
+Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
+
+LayerNorm::LayerNorm(std::vector<int64_t> normalizedShape, double eps, bool elementwiseAffine)
+    : shape_(std::move(normalizedShape)), eps_(eps) {
+  if (elementwiseAffine) {
+    weight = registerParameter("weight", ones(shape_));
+    bias = registerParameter("bias", zeros(shape_));
+  }
+}
+
+Tensor LayerNorm::forward(const Tensor& x) { return layerNorm(x, shape_, weight, bias, eps_); }
+
+Embedding::Embedding(int64_t num, int64_t dim, Generator& generator) {
+  if (num <= 0 || dim <= 0) throw InvalidArgument(str("Embedding: sizes must be positive, got ", num, " x ", dim));
+  weight = registerParameter("weight", randn({num, dim}, generator));
+}
+
+Sequential::Sequential(std::vector<std::shared_ptr<Module>> modules) {
+  for (auto& m : modules) pushBack(std::move(m));
+}
+
+void Sequential::pushBack(std::shared_ptr<Module> module) {
+  registerChild(std::to_string(namedChildren().size()), std::move(module));
+}
+
+Tensor Sequential::forward(const Tensor& x) {
+  Tensor h = x;
+  for (auto& [n, m] : namedChildren()) h = m->forward(h);
+  return h;
+}
+
+}  // namespace dt::nn

@@ -1,0 +1,145 @@
+// nn::Module: named parameters, buffers and submodules; train/eval; state dicts.
+//
+// Contract:
+//  * Names are registered once per module; namedParameters() lists a module's
+//    own parameters in registration order, then each child's (depth first, in
+//    registration order), as PyTorch does: "0.weight", "0.bias", "1.weight".
+//    DDP buckets parameters in this order, so it is stable.
+//  * A registered tensor is shared: the module and the caller hold handles to
+//    the same TensorImpl. loadStateDict copies values in place (parameters
+//    keep their identity, hooks and optimizer references stay valid).
+//  * Modules are not thread-safe; forward on one module from several threads
+//    is fine only if no one mutates it concurrently.
+//  * State dicts save/load as safetensors (tensor/nn/safetensors.h).
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tensor/generator.h"
+#include "tensor/nn/safetensors.h"
+#include "tensor/ops.h"
+
+namespace dt::nn {
+
+class Module : public std::enable_shared_from_this<Module> {
+ public:
+  Module() = default;
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // Single-tensor forward; modules with other signatures add their own.
+  virtual Tensor forward(const Tensor& input);
+  Tensor operator()(const Tensor& input) { return forward(input); }
+  virtual std::string typeName() const { return "Module"; }
+
+  NamedTensors namedParameters(bool recurse = true) const;
+  std::vector<Tensor> parameters(bool recurse = true) const;
+  NamedTensors namedBuffers(bool recurse = true) const;
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& namedChildren() const { return children_; }
+  std::shared_ptr<Module> child(const std::string& name) const;
+
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool isTraining() const { return training_; }
+  // setToNone drops the gradient tensors (like PyTorch's default); otherwise zeroes them.
+  void zeroGrad(bool setToNone = true);
+
+  // Parameters then buffers, each in registration order.
+  NamedTensors stateDict() const;
+  // strict: every key must match a parameter/buffer and vice versa, shapes equal.
+  void loadStateDict(const NamedTensors& state, bool strict = true);
+  void save(const std::filesystem::path& path) const;
+  void load(const std::filesystem::path& path, bool strict = true);
+
+ protected:
+  Tensor registerParameter(const std::string& name, Tensor value, bool requiresGrad = true);
+  Tensor registerBuffer(const std::string& name, Tensor value);
+  template <typename M>
+  std::shared_ptr<M> registerModule(const std::string& name, std::shared_ptr<M> module) {
+    registerChild(name, module);
+    return module;
+  }
+  void registerChild(const std::string& name, std::shared_ptr<Module> module);
+
+ private:
+  void collect(const std::string& prefix, bool params, bool recurse, NamedTensors& out) const;
+  void checkName(const std::string& name) const;
+  NamedTensors params_;
+  NamedTensors buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+// y = x W^T + b, initialised like PyTorch: kaiming-uniform(a = sqrt(5)) for W,
+// uniform(+-1/sqrt(in)) for b.
+class Linear : public Module {
+ public:
+  Linear(int64_t in, int64_t out, bool bias = true, Generator& generator = defaultGenerator());
+  Tensor forward(const Tensor& x) override;
+  std::string typeName() const override { return "Linear"; }
+  Tensor weight;
+  Tensor bias;
+};
+
+class ReLU : public Module {
+ public:
+  Tensor forward(const Tensor& x) override { return relu(x); }
+  std::string typeName() const override { return "ReLU"; }
+};
+
+class GELU : public Module {
+ public:
+  Tensor forward(const Tensor& x) override { return gelu(x); }
+  std::string typeName() const override { return "GELU"; }
+};
+
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(std::vector<int64_t> normalizedShape, double eps = 1e-5, bool elementwiseAffine = true);
+  Tensor forward(const Tensor& x) override;
+  std::string typeName() const override { return "LayerNorm"; }
+  Tensor weight;
+  Tensor bias;
+
+ private:
+  std::vector<int64_t> shape_;
+  double eps_;
+};
+
+// Rows initialised from N(0, 1) like PyTorch.
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num, int64_t dim, Generator& generator = defaultGenerator());
+  Tensor forward(const Tensor& indices) override { return embedding(weight, indices); }
+  std::string typeName() const override { return "Embedding"; }
+  Tensor weight;
+};
+
+class Dropout : public Module {
+ public:
+  explicit Dropout(double p = 0.5, Generator& generator = defaultGenerator()) : p_(p), generator_(&generator) {}
+  Tensor forward(const Tensor& x) override { return dropout(x, p_, isTraining(), *generator_); }
+  std::string typeName() const override { return "Dropout"; }
+
+ private:
+  double p_;
+  Generator* generator_;
+};
+
+// Children named "0", "1", ...; forward chains them.
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  explicit Sequential(std::vector<std::shared_ptr<Module>> modules);
+  void pushBack(std::shared_ptr<Module> module);
+  size_t size() const { return namedChildren().size(); }
+  Tensor forward(const Tensor& x) override;
+  std::string typeName() const override { return "Sequential"; }
+};
+
+}  // namespace dt::nn

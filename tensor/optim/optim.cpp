@@ -1,0 +1,189 @@
+#include "tensor/optim/optim.h"
+
+#include <cmath>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/autograd/autograd.h"
+#include "tensor/ops.h"
+#include "tensor/parallel.h"
+
+namespace dt::optim {
+
+Optimizer::Optimizer(std::vector<Tensor> params) : params_(std::move(params)), state_(params_.size()) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].defined() || !params_[i].requiresGrad() || !params_[i].isLeaf()) {
+      throw InvalidArgument(str("optimizer: parameter ", i, " (", params_[i].describe(),
+                                ") must be a leaf tensor that requires grad"));
+    }
+  }
+}
+
+void Optimizer::zeroGrad(bool setToNone) {
+  for (Tensor& p : params_) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (setToNone) {
+      p.setGrad(Tensor());
+    } else {
+      NoGradGuard ng;
+      g.zero_();
+    }
+  }
+}
+
+Tensor& Optimizer::state(size_t param, const std::string& name) { return state_.at(param)[name]; }
+
+bool Optimizer::hasState(size_t param, const std::string& name) const {
+  auto it = state_.at(param).find(name);
+  return it != state_.at(param).end() && it->second.defined();
+}
+
+NamedTensors Optimizer::stateDict() const {
+  NamedTensors out;
+  for (size_t i = 0; i < state_.size(); ++i) {
+    for (auto& [name, t] : state_[i]) {
+      if (t.defined()) out.emplace_back(str("state.", i, ".", name), t);
+    }
+  }
+  return out;
+}
+
+void Optimizer::loadStateDict(const NamedTensors& state) {
+  std::vector<std::map<std::string, Tensor>> fresh(params_.size());
+  for (auto& [key, t] : state) {
+    // "state.<i>.<name>"
+    const auto parts = split(key, '.');
+    if (parts.size() != 3 || parts[0] != "state") {
+      throw InvalidArgument(str("optimizer loadStateDict: unexpected key \"", key, "\" (expected state.<index>.<name>)"));
+    }
+    size_t idx = 0;
+    try {
+      idx = std::stoul(std::string(parts[1]));
+    } catch (const std::exception&) {
+      throw InvalidArgument(str("optimizer loadStateDict: bad index in key \"", key, "\""));
+    }
+    if (idx >= params_.size()) {
+      throw InvalidArgument(str("optimizer loadStateDict: key \"", key, "\" names parameter ", idx, " but the optimizer has ",
+                                params_.size()));
+    }
+    const std::string name(parts[2]);
+    if (name != "step" && t.sizes() != params_[idx].sizes()) {
+      throw InvalidArgument(str("optimizer loadStateDict: \"", key, "\" is ", t.describe(), " but parameter ", idx, " is ",
+                                params_[idx].describe()));
+    }
+    fresh[idx][name] = t.clone();
+  }
+  state_ = std::move(fresh);
+}
+
+// ---- SGD ----------------------------------------------------------------------------------------------------
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions options) : Optimizer(std::move(params)), options_(options) {
+  lr_ = options.lr;
+  if (options.lr < 0 || options.momentum < 0 || options.weightDecay < 0) {
+    throw InvalidArgument(str("SGD: lr ", options.lr, ", momentum ", options.momentum, ", weightDecay ",
+                              options.weightDecay, " must be non-negative"));
+  }
+  if (options.nesterov && (options.momentum <= 0 || options.dampening != 0)) {
+    throw InvalidArgument("SGD: nesterov momentum requires a momentum and zero dampening");
+  }
+}
+
+void SGD::step() {
+  NoGradGuard ng;
+  const SGDOptions& o = options_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i];
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (o.momentum == 0.0 && o.weightDecay == 0.0) {
+      addInPlace(p, g, -lr_);  // one fused pass: p -= lr * g
+      continue;
+    }
+    Tensor d = g;
+    if (o.weightDecay != 0.0) d = add(d, p, o.weightDecay);
+    if (o.momentum != 0.0) {
+      Tensor& buf = state(i, "momentum_buffer");
+      if (!buf.defined()) {
+        buf = d.clone();
+      } else {
+        mul_(buf, o.momentum);
+        addInPlace(buf, d, 1.0 - o.dampening);
+      }
+      d = o.nesterov ? add(d, buf, o.momentum) : buf;
+    }
+    addInPlace(p, d, -lr_);
+  }
+}
+
+// ---- AdamW ------------------------------------------------------------------------------------------------
+
+AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options) : Optimizer(std::move(params)), options_(options) {
+  lr_ = options.lr;
+  if (options.lr < 0 || options.eps < 0 || options.beta1 < 0 || options.beta1 >= 1 || options.beta2 < 0 ||
+      options.beta2 >= 1) {
+    throw InvalidArgument(str("AdamW: invalid options lr=", options.lr, " betas=(", options.beta1, ", ", options.beta2,
+                              ") eps=", options.eps));
+  }
+}
+
+namespace {
+
+template <typename T>
+void adamwKernel(T* p, const T* g, T* m, T* v, int64_t n, double lr, double b1, double b2, double eps, double wd,
+                 double bc1, double bc2Sqrt) {
+  const T decay = static_cast<T>(1.0 - lr * wd);
+  const T tb1 = static_cast<T>(b1), tb2 = static_cast<T>(b2);
+  const T ob1 = static_cast<T>(1.0 - b1), ob2 = static_cast<T>(1.0 - b2);
+  const T stepSize = static_cast<T>(lr / bc1);
+  const T invBc2 = static_cast<T>(1.0 / bc2Sqrt);
+  const T te = static_cast<T>(eps);
+  parallelFor(0, n, 32768, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      p[i] *= decay;
+      m[i] = tb1 * m[i] + ob1 * g[i];
+      v[i] = tb2 * v[i] + ob2 * g[i] * g[i];
+      p[i] -= stepSize * m[i] / (std::sqrt(v[i]) * invBc2 + te);
+    }
+  });
+}
+
+}  // namespace
+
+void AdamW::step() {
+  NoGradGuard ng;
+  const AdamWOptions& o = options_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i];
+    Tensor gradient = p.grad();
+    if (!gradient.defined()) continue;
+    if (p.dtype() != DType::Float32 && p.dtype() != DType::Float64) {
+      throw InvalidArgument(str("AdamW: parameter ", i, " is ", p.describe(), "; only float32/float64 are supported"));
+    }
+    if (!p.isContiguous()) throw InvalidArgument(str("AdamW: parameter ", i, " ", p.describe(), " is not contiguous"));
+    Tensor g = gradient.to(p.dtype()).contiguous();
+    Tensor& m = state(i, "exp_avg");
+    Tensor& v = state(i, "exp_avg_sq");
+    Tensor& stepT = state(i, "step");
+    if (!m.defined()) m = zerosLike(p);
+    if (!v.defined()) v = zerosLike(p);
+    if (!stepT.defined()) stepT = zeros({}, DType::Float64);
+    const double t = stepT.item<double>() + 1.0;
+    stepT.fill_(t);
+    const double bc1 = 1.0 - std::pow(o.beta1, t);
+    const double bc2Sqrt = std::sqrt(1.0 - std::pow(o.beta2, t));
+    if (p.dtype() == DType::Float32) {
+      adamwKernel(p.data<float>(), g.data<float>(), m.data<float>(), v.data<float>(), p.numel(), lr_, o.beta1, o.beta2,
+                  o.eps, o.weightDecay, bc1, bc2Sqrt);
+    } else {
+      adamwKernel(p.data<double>(), g.data<double>(), m.data<double>(), v.data<double>(), p.numel(), lr_, o.beta1,
+                  o.beta2, o.eps, o.weightDecay, bc1, bc2Sqrt);
+    }
+    p.bumpVersion();
+    m.bumpVersion();
+    v.bumpVersion();
+  }
+}
+
+}  // namespace dt::optim

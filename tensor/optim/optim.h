@@ -1,0 +1,83 @@
+// Optimizers: SGD and AdamW with PyTorch's update rules.
+//
+// Contract: an optimizer holds handles to the parameters it updates (in the
+// order given, usually module.parameters()). step() reads each parameter's
+// .grad (skipping parameters without one) and updates the values in place
+// without autograd, bumping their version counters. Per-parameter state is
+// created lazily on the first step. stateDict() holds that state as named
+// tensors ("state.<index>.<name>", plus "state.<index>.step" for AdamW) so it
+// saves with saveSafetensors; loadStateDict restores it (shapes must match).
+// Not thread-safe.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tensor/nn/safetensors.h"
+#include "tensor/tensor.h"
+
+namespace dt::optim {
+
+class Optimizer {
+ public:
+  explicit Optimizer(std::vector<Tensor> params);
+  virtual ~Optimizer() = default;
+  virtual void step() = 0;
+  void zeroGrad(bool setToNone = true);
+  const std::vector<Tensor>& params() const { return params_; }
+  double lr() const { return lr_; }
+  void setLr(double lr) { lr_ = lr; }
+
+  NamedTensors stateDict() const;
+  void loadStateDict(const NamedTensors& state);
+
+ protected:
+  Tensor& state(size_t param, const std::string& name);  // creates an undefined slot
+  bool hasState(size_t param, const std::string& name) const;
+  std::vector<Tensor> params_;
+  std::vector<std::map<std::string, Tensor>> state_;
+  double lr_ = 0.0;
+};
+
+struct SGDOptions {
+  double lr = 0.01;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weightDecay = 0.0;
+  bool nesterov = false;
+};
+
+// g += wd * p; buf = momentum * buf + (1 - dampening) * g (buf = g on the first step);
+// g = nesterov ? g + momentum * buf : buf; p -= lr * g.
+class SGD : public Optimizer {
+ public:
+  SGD(std::vector<Tensor> params, SGDOptions options);
+  void step() override;
+  const SGDOptions& options() const { return options_; }
+
+ private:
+  SGDOptions options_;
+};
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weightDecay = 1e-2;
+};
+
+// p *= 1 - lr * wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps).
+class AdamW : public Optimizer {
+ public:
+  AdamW(std::vector<Tensor> params, AdamWOptions options = {});
+  void step() override;
+  const AdamWOptions& options() const { return options_; }
+
+ private:
+  AdamWOptions options_;
+};
+
+}  // namespace dt::optim
