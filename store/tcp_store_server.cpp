@@ -163,7 +163,7 @@ struct Session : std::enable_shared_from_this<Session> {
   // Handles every complete frame in the buffer, unless a request is parked.
   void process() {
     processPosted = false;
-    while (!closed && !pending && out.size() + writing.size() < kMaxQueuedReplyBytes) {
+    while (!closed && !pending && !closeAfterWrite && out.size() + writing.size() < kMaxQueuedReplyBytes) {
       const size_t available = end - begin;
       if (available < proto::kHeaderBytes) break;
       const uint32_t length = proto::readLength(in.data() + begin);
