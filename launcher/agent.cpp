@@ -61,6 +61,7 @@ struct Agent::Impl {
   int terminationSignal = 0;
   int sigintCount = 0;
   bool threadsNoticePrinted = false;
+  bool storeGone = false;  // the store is unreachable: skip waits that need it
   std::vector<CoordinatorEvent> pendingEvents;  // taken while waiting, handled later
 
   Impl(AgentConfig config, SignalChannel& channel)
@@ -355,8 +356,11 @@ struct Agent::Impl {
           }
           break;
         }
-        case K::NodeLost:
         case K::StoreLost:
+          storeGone = true;
+          if (!allDone) external(event.text, event.code);
+          break;
+        case K::NodeLost:
         case K::Hang:
           if (!allDone) external(event.text, event.code);
           break;
@@ -456,6 +460,7 @@ struct Agent::Impl {
       }
       const int64_t after = wallMs();
       if (coord && multiNode && !stopping && after - coord->lastContactMs() > o.nodeTimeout.count()) {
+        storeGone = true;
         external(str("no answer from the job's store at ", storeAddr, " for ",
                      formatDuration(Millis(after - coord->lastContactMs())), " (node timeout ",
                      formatDuration(o.nodeTimeout), "): node 0's dtrun died, or the network to it is cut"),
@@ -474,7 +479,7 @@ struct Agent::Impl {
 
     // Failure. With several nodes, learn which failure the job records as
     // first (each node prints the same root cause and exits with its code).
-    if (multiNode && published && !publishResolved) {
+    if (multiNode && published && !publishResolved && !storeGone) {
       const int64_t until = wallMs() + std::min<int64_t>(3000, o.nodeTimeout.count());
       while (!publishResolved && wallMs() < until) {
         idleWait(50);
@@ -513,7 +518,7 @@ struct Agent::Impl {
   }
 
   void finishJob() {
-    if (!coord || o.nnodes == 1) return;
+    if (!coord || o.nnodes == 1 || storeGone) return;
     const int64_t until = wallMs() + std::min<int64_t>(o.nodeTimeout.count(), 10000);
     if (o.nodeRank == 0) {
       // Keep the store up until every other node has seen the outcome.
