@@ -3,7 +3,10 @@
 #include <array>
 #include <atomic>
 #include <cstdlib>
+#include <mutex>
 #include <new>
+#include <unordered_map>
+#include <vector>
 
 #include "common/errors.h"
 #include "common/strings.h"
@@ -34,24 +37,91 @@ void DataPtr::reset() {
 namespace {
 
 constexpr size_t kCpuAlignment = 64;
+// Blocks at least this big are cached on free and reused for the next request of
+// the same rounded size. Training loops allocate the same shapes every step
+// (activations, gradients); handing those pages back to the OS and faulting
+// them in again costs more than the arithmetic on them.
+constexpr size_t kCacheMinBytes = 64 * 1024;
+constexpr size_t kCacheMaxBytes = size_t{512} << 20;  // idle bytes kept at most
 
 class CpuAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t bytes) override {
-    // Round up so aligned_alloc's size rule holds; never hand out null, even for 0 bytes.
-    const size_t rounded = (bytes + kCpuAlignment - 1) / kCpuAlignment * kCpuAlignment;
-    void* p = std::aligned_alloc(kCpuAlignment, rounded == 0 ? kCpuAlignment : rounded);
+    const size_t rounded = roundSize(bytes);
+    if (rounded >= kCacheMinBytes) {
+      std::lock_guard lock(mu_);
+      auto it = cache_.find(rounded);
+      if (it != cache_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        cachedBytes_ -= rounded;
+        return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
+      }
+    }
+    void* p = std::aligned_alloc(kCpuAlignment, rounded);
+    if (p == nullptr) {
+      emptyCache();
+      p = std::aligned_alloc(kCpuAlignment, rounded);
+    }
     if (p == nullptr) {
       throw Error(str("cpu allocator: out of memory allocating ", bytes, " bytes"));
     }
-    return DataPtr(p, nullptr, [](void*, void* ptr) { std::free(ptr); }, Device::cpu());
+    if (rounded >= kCacheMinBytes) {
+      std::lock_guard lock(mu_);
+      sizes_[p] = rounded;
+    }
+    return DataPtr(p, this, rounded >= kCacheMinBytes ? &CpuAllocator::release : &CpuAllocator::freeSmall,
+                   Device::cpu());
   }
   DeviceType deviceType() const override { return DeviceType::CPU; }
+
+  void emptyCache() {
+    std::lock_guard lock(mu_);
+    for (auto& [size, blocks] : cache_) {
+      for (void* p : blocks) {
+        sizes_.erase(p);
+        std::free(p);
+      }
+    }
+    cache_.clear();
+    cachedBytes_ = 0;
+  }
+  size_t cachedBytes() {
+    std::lock_guard lock(mu_);
+    return cachedBytes_;
+  }
+
+ private:
+  static size_t roundSize(size_t bytes) {
+    // Never hand out null, even for 0 bytes; big blocks round to pages so sizes repeat.
+    const size_t unit = bytes >= (size_t{1} << 20) ? 4096 : kCpuAlignment;
+    const size_t r = (bytes + unit - 1) / unit * unit;
+    return r == 0 ? kCpuAlignment : r;
+  }
+  static void freeSmall(void*, void* ptr) { std::free(ptr); }
+  static void release(void* ctx, void* ptr) { static_cast<CpuAllocator*>(ctx)->cacheBlock(ptr); }
+  void cacheBlock(void* p) {
+    std::lock_guard lock(mu_);
+    const size_t size = sizes_.at(p);
+    if (cachedBytes_ + size > kCacheMaxBytes) {
+      sizes_.erase(p);
+      std::free(p);
+      return;
+    }
+    cache_[size].push_back(p);
+    cachedBytes_ += size;
+  }
+
+  std::mutex mu_;
+  std::unordered_map<size_t, std::vector<void*>> cache_;
+  std::unordered_map<void*, size_t> sizes_;
+  size_t cachedBytes_ = 0;
 };
 
 CpuAllocator& cpuAllocator() {
-  static CpuAllocator instance;
-  return instance;
+  // Leaked on purpose: tensors in static objects may be freed after main returns.
+  static CpuAllocator* instance = new CpuAllocator();
+  return *instance;
 }
 
 std::array<std::atomic<Allocator*>, 2>& registry() {
@@ -69,6 +139,9 @@ Allocator& allocatorFor(Device device) {
   }
   return *a;
 }
+
+void emptyCpuCache() { cpuAllocator().emptyCache(); }
+size_t cpuCachedBytes() { return cpuAllocator().cachedBytes(); }
 
 void registerAllocator(DeviceType type, Allocator* allocator) {
   registry()[static_cast<size_t>(type)].store(allocator, std::memory_order_release);

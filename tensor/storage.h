@@ -4,6 +4,11 @@
 //  * An Allocator hands out DataPtrs that own their bytes and free them through
 //    the allocator's deleter when destroyed. Allocators are process-wide,
 //    thread-safe, and live until exit.
+//  * The CPU allocator caches freed blocks of 64 KiB and more (up to 512 MiB
+//    idle) and reuses them for requests of the same rounded size: training
+//    steps allocate the same shapes every step, and re-faulting fresh pages
+//    from the OS each time costs more than the math. emptyCpuCache() returns
+//    the idle blocks to the system.
 //  * allocatorFor(device) returns the allocator registered for that device
 //    type. The CPU allocator is built in (64-byte aligned, so BLAS and SIMD get
 //    aligned rows). CUDA has no allocator in a build without GPU support and
@@ -57,6 +62,10 @@ Allocator& allocatorFor(Device device);
 // Installs the allocator for a device type (tensor/cuda does this for CUDA).
 // The allocator must outlive every allocation made from it.
 void registerAllocator(DeviceType type, Allocator* allocator);
+
+// Frees the CPU allocator's idle cached blocks; cpuCachedBytes() reports them.
+void emptyCpuCache();
+size_t cpuCachedBytes();
 
 // Ref-counted bytes on one device.
 class Storage {

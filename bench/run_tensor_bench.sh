@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Runs dtrain's tensor benchmark side by side with the LibTorch peer
+# (../shared/peers/libtorch_mlp.cpp), interleaved REPS times in the same run,
+# both on OpenBLAS with one thread, and prints medians and dtrain/LibTorch
+# ratios (../shared/peers/summarize.py). Peak RSS of each process is measured
+# the same way for both (/usr/bin/time -f %M, whole process) and printed as
+# `RESULT peak_rss impl=... rss_mb=`.
+#
+# Env: REPS (3), DT_BUILD_DIR (build-tensor-bench), PEERS_DIR (../shared/peers next
+# to the repository), PEERS_BUILD (/tmp/peers-build), OUT (results file).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+REPS=${REPS:-3}
+build_dir=${DT_BUILD_DIR:-build-tensor-bench}
+peers=${PEERS_DIR:-$(cd "$repo/.." && pwd)/shared/peers}
+peers_build=${PEERS_BUILD:-/tmp/peers-build}
+out=${OUT:-/tmp/tensor-bench-$(date +%Y%m%d-%H%M%S).txt}
+py=/usr/bin/python3
+
+# Same BLAS for both: OpenBLAS (pthread build), one thread (see peers/README.md).
+openblas_dir=/usr/lib/x86_64-linux-gnu/openblas-pthread
+if [ -d "$openblas_dir" ]; then export LD_LIBRARY_PATH="$openblas_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 DT_NUM_THREADS=1
+
+echo "== building dtrain tensor_bench in $build_dir" >&2
+cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF \
+  -DDT_BUILD_BENCH=ON -DDT_BUILD_EXAMPLES=OFF >/dev/null
+cmake --build "$build_dir" -j "${DT_JOBS:-2}" --target tensor_bench >/dev/null
+
+have_libtorch=0
+if dpkg -s libtorch-dev >/dev/null 2>&1 || [ -n "${Torch_DIR:-}" ]; then
+  echo "== building the LibTorch peer in $peers_build" >&2
+  if cmake -S "$peers" -B "$peers_build" -DCMAKE_BUILD_TYPE=Release >"$peers_build.log" 2>&1 &&
+     cmake --build "$peers_build" -j "${DT_JOBS:-2}" --target libtorch_mlp >>"$peers_build.log" 2>&1; then
+    have_libtorch=1
+  else
+    echo "   LibTorch peer did not build (see $peers_build.log); skipping it" >&2
+  fi
+else
+  echo "== libtorch-dev is not installed: no LibTorch peer (scripts/setup.sh --peers installs it)" >&2
+fi
+
+# Runs a command, appends its RESULT lines, and a peak_rss line for the whole process.
+run_measured() {
+  local impl=$1
+  shift
+  local tmp
+  tmp=$(mktemp)
+  /usr/bin/time -f "%M" -o "$tmp.rss" "$@" >"$tmp" 2>"$tmp.err" || { cat "$tmp.err" >&2; rm -f "$tmp"*; return 1; }
+  grep '^RESULT' "$tmp" | tee -a "$out"
+  awk -v impl="$impl" '{ printf "RESULT peak_rss impl=%s world=1 batch=32 threads=1 rss_mb=%.1f\n", impl, $1 / 1024 }' \
+    "$tmp.rss" | tee -a "$out"
+  grep -v '^RESULT' "$tmp.err" >&2 || true
+  rm -f "$tmp" "$tmp.rss" "$tmp.err"
+}
+
+echo "# tensor bench $(date -u +%FT%TZ) host=$(hostname) cores=$(nproc) reps=$REPS" >"$out"
+for rep in $(seq "$REPS"); do
+  echo "== rep $rep/$REPS: dtrain" >&2
+  run_measured dtrain "$build_dir/bench/tensor_bench" --threads 1
+  if [ "$have_libtorch" = 1 ]; then
+    echo "== rep $rep/$REPS: libtorch" >&2
+    run_measured libtorch "$peers_build/libtorch_mlp" --threads 1
+  fi
+done
+
+echo "== medians ($out)" >&2
+"$py" "$peers/summarize.py" "$out"
+if [ "$have_libtorch" = 1 ]; then
+  echo "== ratios dtrain / libtorch (time: < 1 is faster; gflops, samples_per_s: > 1 is faster; rss: < 1 is smaller)" >&2
+  # peak_rss_mb (dtrain's own getrusage figure) is not a summarize.py metric: leave it out of the identity.
+  "$py" "$peers/summarize.py" "$out" --ratio dtrain:libtorch --ignore peak_rss_mb
+  awk '/^RESULT peak_rss /{ for (i = 3; i <= NF; i++) { split($i, kv, "="); if (kv[1] == "impl") impl = kv[2]; if (kv[1] == "rss_mb") v[impl] = v[impl] " " kv[2] } }
+       function med(s,   a, n, i, j, t) { n = split(s, a, " "); for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] + 0 < a[i] + 0) { t = a[i]; a[i] = a[j]; a[j] = t }
+                                    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 }
+       END { d = med(v["dtrain"]); l = med(v["libtorch"]); if (l > 0) printf "RATIO peak_rss a=dtrain b=libtorch dtrain_mb=%.1f libtorch_mb=%.1f ratio_rss=%.3f\n", d, l, d / l }' "$out"
+fi
+echo "== ratio dtrain / direct cblas_sgemm (goal gflops >= 0.95)" >&2
+"$py" "$peers/summarize.py" "$out" --ratio dtrain:cblas

@@ -1,0 +1,154 @@
+// Tensor benchmark: float32 GEMM through dtrain vs OpenBLAS called directly,
+// and the training step of the peers' MLP (8 x [Linear(1024,1024)+ReLU] then
+// Linear(1024,10), batch 32, cross-entropy, SGD lr 0.01), measured the way
+// ../shared/peers/libtorch_mlp.cpp measures LibTorch: 5 warm-up + 30 timed
+// steps, median; GEMM 3 warm-up + 10 timed, median. Prints a table on stderr
+// and RESULT lines on stdout (format of ../shared/peers/README.md).
+//
+// Usage: tensor_bench [--threads N] [--warmup W] [--steps S]
+#include <cblas.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tensor/nn/module.h"
+#include "tensor/ops.h"
+#include "tensor/optim/optim.h"
+#include "tensor/parallel.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string blasName() {
+  std::ifstream f("/proc/self/maps");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string maps = ss.str();
+  const std::pair<const char*, const char*> probes[] = {
+      {"openblas", "openblas"}, {"libblis", "blis"}, {"libmkl", "mkl"}, {"/blas/libblas.so", "reference"},
+      {"libblas.so", "libblas"}};
+  for (auto& [needle, name] : probes) {
+    if (maps.find(needle) != std::string::npos) return name;
+  }
+  return "unknown";
+}
+
+double peakRssMb() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 1, warmup = 5, steps = 30;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--threads")) {
+      threads = std::atoi(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--warmup")) {
+      warmup = std::atoi(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--steps")) {
+      steps = std::atoi(argv[i + 1]);
+    } else {
+      std::fprintf(stderr, "unknown arg %s\n", argv[i]);
+      return 2;
+    }
+  }
+  dt::setNumThreads(threads);
+  const std::string blas = blasName();
+
+  // ---- MLP training step (first, as in the LibTorch peer, so peak RSS is comparable) ----
+  constexpr int64_t kBatch = 32, kWidth = 1024, kDepth = 8, kClasses = 10;
+  dt::Generator gen(1234);
+  auto model = std::make_shared<dt::nn::Sequential>();
+  for (int i = 0; i < kDepth; ++i) {
+    model->pushBack(std::make_shared<dt::nn::Linear>(kWidth, kWidth, true, gen));
+    model->pushBack(std::make_shared<dt::nn::ReLU>());
+  }
+  model->pushBack(std::make_shared<dt::nn::Linear>(kWidth, kClasses, true, gen));
+  dt::optim::SGD opt(model->parameters(), {0.01});
+  std::vector<dt::Tensor> xs, ys;
+  for (int i = 0; i < 4; ++i) {
+    xs.push_back(dt::randn({kBatch, kWidth}, gen));
+    ys.push_back(dt::randint(0, kClasses, {kBatch}, gen));
+  }
+  double lastLoss = 0;
+  auto step = [&](int i) {
+    opt.zeroGrad(/*setToNone=*/true);
+    dt::Tensor out = model->forward(xs[i % 4]);
+    dt::Tensor loss = dt::crossEntropy(out, ys[i % 4]);
+    loss.backward();
+    opt.step();
+    lastLoss = loss.item<float>();
+  };
+  for (int i = 0; i < warmup; ++i) step(i);
+  std::vector<double> durs;
+  for (int i = 0; i < steps; ++i) {
+    const auto t0 = Clock::now();
+    step(warmup + i);
+    durs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  const double med = median(durs);
+  const double mean = std::accumulate(durs.begin(), durs.end(), 0.0) / static_cast<double>(durs.size());
+  const double minD = *std::min_element(durs.begin(), durs.end());
+
+  // ---- GEMM: dtrain mm vs cblas_sgemm on the same buffers ----
+  const int n = 1024;
+  dt::Tensor a = dt::randn({n, n}, gen), b = dt::randn({n, n}, gen);
+  dt::Tensor c = dt::empty({n, n});
+  auto timeIt = [&](auto&& fn) {
+    for (int i = 0; i < 3; ++i) fn();
+    std::vector<double> ts;
+    for (int i = 0; i < 10; ++i) {
+      const auto t0 = Clock::now();
+      fn();
+      ts.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    return median(ts);
+  };
+  // Interleave so that frequency/noise drifts hit both sides alike.
+  std::vector<double> dtTimes, blasTimes;
+  for (int round = 0; round < 3; ++round) {
+    dtTimes.push_back(timeIt([&] { dt::Tensor r = dt::mm(a, b); }));
+    blasTimes.push_back(timeIt([&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data<float>(), n, b.data<float>(), n, 0.0f,
+                  c.data<float>(), n);
+    }));
+  }
+  const double tDt = median(dtTimes), tBlas = median(blasTimes);
+  const double flops = 2.0 * n * n * n;
+  const double rss = peakRssMb();
+
+  std::fprintf(stderr, "\n%-34s %12s %12s\n", "benchmark (threads=1, blas)", "time", "rate");
+  std::fprintf(stderr, "%-34s %9.2f ms %8.1f GF/s\n", "sgemm 1024^3 dtrain mm", tDt * 1e3, flops / tDt / 1e9);
+  std::fprintf(stderr, "%-34s %9.2f ms %8.1f GF/s\n", "sgemm 1024^3 cblas_sgemm direct", tBlas * 1e3, flops / tBlas / 1e9);
+  std::fprintf(stderr, "%-34s %9.2f ms %8.1f samples/s\n", "MLP step (median of 30)", med * 1e3, kBatch / med);
+  std::fprintf(stderr, "%-34s %9.2f ms   min %.2f ms\n", "MLP step (mean)", mean * 1e3, minD * 1e3);
+  std::fprintf(stderr, "%-34s %9.1f MB   (last loss %.4f)\n\n", "peak RSS", rss, lastLoss);
+
+  std::printf("RESULT sgemm impl=dtrain m=%d n=%d k=%d threads=%d blas=%s time_ms=%.3f gflops=%.2f\n", n, n, n, threads,
+              blas.c_str(), tDt * 1e3, flops / tDt / 1e9);
+  std::printf("RESULT sgemm impl=cblas m=%d n=%d k=%d threads=%d blas=%s time_ms=%.3f gflops=%.2f\n", n, n, n, threads,
+              blas.c_str(), tBlas * 1e3, flops / tBlas / 1e9);
+  std::printf(
+      "RESULT ddp_mlp impl=dtrain world=1 batch=%lld threads=%d blas=%s steps=%d step_ms=%.2f min_ms=%.2f mean_ms=%.2f "
+      "samples_per_s=%.1f peak_rss_mb=%.1f\n",
+      static_cast<long long>(kBatch), threads, blas.c_str(), steps, med * 1e3, minD * 1e3, mean * 1e3, kBatch / med, rss);
+  return 0;
+}
