@@ -64,8 +64,9 @@ void softmaxRows(const T* x, T* y, int64_t rows, int64_t n, bool logMode) {
       double s = 0;
       for (int64_t j = 0; j < n; ++j) s += std::exp(static_cast<double>(xr[j] - mx));
       if (logMode) {
-        const T lse = static_cast<T>(std::log(s)) + mx;
-        for (int64_t j = 0; j < n; ++j) yr[j] = xr[j] - lse;
+        // Subtract the max first (exact for nearby values), then log(sum): no cancellation at large magnitudes.
+        const T logSum = static_cast<T>(std::log(s));
+        for (int64_t j = 0; j < n; ++j) yr[j] = (xr[j] - mx) - logSum;
       } else {
         const double inv = 1.0 / s;
         for (int64_t j = 0; j < n; ++j) yr[j] = static_cast<T>(std::exp(static_cast<double>(xr[j] - mx)) * inv);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "common/errors.h"
 
 namespace dt {
 
@@ -20,14 +21,6 @@ namespace {
 std::atomic<int> gThreads{0};
 thread_local bool tInsideParallel = false;
 
-int defaultThreads() {
-  const std::string v = env::getString("DT_NUM_THREADS");
-  if (!v.empty()) {
-    const int64_t n = env::parseInt(v, "DT_NUM_THREADS");
-    if (n >= 1) return static_cast<int>(n);
-  }
-  return std::max(1u, std::thread::hardware_concurrency());
-}
 
 class Pool {
  public:
@@ -87,10 +80,22 @@ Pool& pool(int wanted) {
 
 }  // namespace
 
+int defaultNumThreads() {
+  const std::string v = env::getString("DT_NUM_THREADS");
+  if (!v.empty()) {
+    const int64_t n = env::parseInt(v, "DT_NUM_THREADS");
+    if (n < 1 || n > 4096) {
+      throw InvalidArgument("DT_NUM_THREADS=" + v + " is out of range: expected a thread count between 1 and 4096");
+    }
+    return static_cast<int>(n);
+  }
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 int numThreads() {
   int n = gThreads.load(std::memory_order_relaxed);
   if (n == 0) {
-    n = defaultThreads();
+    n = defaultNumThreads();
     gThreads.store(n, std::memory_order_relaxed);
     openblas_set_num_threads(n);
   }

@@ -15,6 +15,9 @@
 namespace dt {
 
 int numThreads();
+// What numThreads() starts from: DT_NUM_THREADS if set (InvalidArgument naming the
+// variable if it is not a positive integer), else the machine's cores.
+int defaultNumThreads();
 // Overrides DT_NUM_THREADS for this process (also sets OpenBLAS threads).
 void setNumThreads(int n);
 
