@@ -127,7 +127,8 @@ struct GlooBackend::Impl {
   std::unique_ptr<ProgressTracker> progress;
 
   std::mutex mutex;  // guards everything below
-  std::condition_variable wake;
+  std::condition_variable wake;     // the collective worker
+  std::condition_variable p2pWake;  // the p2p waiter (separate: a collective must not wake it)
   std::deque<Task> queue;
   std::deque<P2PTask> p2pQueue;
   bool stopping = false;
@@ -198,7 +199,7 @@ struct GlooBackend::Impl {
     task.work = std::make_shared<Work>(description);
     WorkPtr work = task.work;
     queue.push_back(std::move(task));
-    wake.notify_all();
+    wake.notify_one();
     return work;
   }
 
@@ -249,7 +250,7 @@ struct GlooBackend::Impl {
   void p2pLoop() {
     std::unique_lock<std::mutex> lock(mutex);
     while (true) {
-      wake.wait(lock, [&] { return stopping || !p2pQueue.empty(); });
+      p2pWake.wait(lock, [&] { return stopping || !p2pQueue.empty(); });
       if (p2pQueue.empty()) return;
       P2PTask task = std::move(p2pQueue.front());
       p2pQueue.pop_front();
@@ -607,6 +608,7 @@ void GlooBackend::shutdown() {
     if (d.running || !d.p2pQueue.empty()) d.closeConnections();
   }
   d.wake.notify_all();
+  d.p2pWake.notify_all();
   if (d.worker.joinable()) d.worker.join();
   if (d.p2pWorker.joinable()) d.p2pWorker.join();
   if (d.progress) d.progress->stop();
@@ -914,7 +916,7 @@ WorkPtr postP2P(GlooBackend::Impl& d, bool isSend, const std::vector<Tensor>& te
   }
   WorkPtr work = task.work;
   d.p2pQueue.push_back(std::move(task));
-  d.wake.notify_all();
+  d.p2pWake.notify_one();
   return work;
 }
 

@@ -52,9 +52,6 @@ struct GlooBackendOptions {
   // How long a failed rank waits for its peers' failure reports before
   // naming the ones that did not answer.
   std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
-  // Allreduce payloads of at least this many bytes use the bandwidth-optimal
-  // ring-chunked algorithm; below, Gloo's latency-friendlier default.
-  size_t largeAllreduceBytes = 256 * 1024;
 };
 
 class GlooBackend final : public Backend {

@@ -1,0 +1,219 @@
+// collectives_bench: allreduce (sum) and broadcast (root 0) of float32 CPU
+// tensors through dtrain's ProcessGroup + Gloo backend, with the methodology
+// of ../shared/peers/torch_allreduce.py so the numbers pair up:
+//   * per size: warm-up max(2, reps/10) ops, then `reps` timed ops (200 up to
+//     64 KiB, 50 at 1 MiB, 15 at 16 MiB, 7 at 64 MiB), each preceded by a
+//     barrier; a rep's time is the slowest rank's (one allreduce(max) over the
+//     per-rank duration vectors after the loop); time_us is the median;
+//   * algbw = bytes/time, busbw = algbw*2(n-1)/n (allreduce) or algbw
+//     (broadcast); GB = 1e9 bytes; the allreduce buffer is reset to ones every
+//     8 reps outside the timed region.
+//
+// Usage:
+//   collectives_bench --nproc 4 [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R]
+//     forks 4 ranks on this machine (rank 0 hosts the store on a free port);
+//   collectives_bench (with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT or dtrun's
+//     variables set) runs as one rank of an externally launched job.
+// Rank 0 prints an nccl-tests style table on stderr and RESULT lines on stdout:
+//   RESULT allreduce impl=dtrain-gloo world=4 bytes=1048576 reps=50 threads=1 time_us=... min_us=... algbw_GBps=... busbw_GBps=...
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "process_group/init.h"
+#include "tensor/tensor.h"
+
+namespace {
+
+struct Args {
+  int nproc = 0;
+  std::vector<size_t> sizes = {4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20};
+  std::vector<std::string> ops = {"allreduce", "broadcast"};
+  int reps = 0;
+  int warmup = 0;
+  std::string impl = "dtrain-gloo";
+};
+
+size_t parseSize(const std::string& s) {
+  const char last = s.empty() ? '0' : static_cast<char>(std::toupper(static_cast<unsigned char>(s.back())));
+  const double mult = last == 'K' ? 1024.0 : last == 'M' ? 1048576.0 : last == 'G' ? 1073741824.0 : 1.0;
+  const std::string number = mult == 1.0 ? s : s.substr(0, s.size() - 1);
+  return static_cast<size_t>(std::stod(number) * mult);
+}
+
+Args parseArgs(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", arg.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (arg == "--nproc") a.nproc = std::stoi(next());
+    else if (arg == "--sizes") {
+      a.sizes.clear();
+      for (const auto& s : dt::split(next(), ',')) a.sizes.push_back(parseSize(s));
+    } else if (arg == "--ops") a.ops = dt::split(next(), ',');
+    else if (arg == "--reps") a.reps = std::stoi(next());
+    else if (arg == "--warmup") a.warmup = std::stoi(next());
+    else if (arg == "--impl") a.impl = next();
+    else {
+      std::fprintf(stderr, "unknown argument %s\nusage: collectives_bench [--nproc N] [--sizes 4K,1M] "
+                           "[--ops allreduce,broadcast] [--reps R] [--warmup W] [--impl NAME]\n", arg.c_str());
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+int defaultReps(size_t bytes) {
+  if (bytes <= (64u << 10)) return 200;
+  if (bytes <= (1u << 20)) return 50;
+  if (bytes <= (16u << 20)) return 15;
+  return 7;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+std::string human(size_t bytes) {
+  if (bytes >= (1u << 20)) return dt::str(bytes >> 20, " MiB");
+  if (bytes >= (1u << 10)) return dt::str(bytes >> 10, " KiB");
+  return dt::str(bytes, " B");
+}
+
+int runRank(const Args& args) {
+  using Clock = std::chrono::steady_clock;
+  auto pg = dt::initProcessGroup();
+  const int rank = pg->rank(), world = pg->size();
+  if (rank == 0) {
+    std::fprintf(stderr, "# collectives_bench: %s, world %d, float32, threads=1\n", args.impl.c_str(), world);
+    std::fprintf(stderr, "# %-10s %12s %10s %12s %12s %10s %10s %6s\n", "op", "size", "count", "time(us)", "min(us)",
+                 "algbw", "busbw", "reps");
+  }
+  for (const auto& op : args.ops) {
+    for (size_t bytes : args.sizes) {
+      const int64_t count = static_cast<int64_t>(bytes / 4);
+      dt::Tensor buf = dt::ones({count});
+      const int reps = args.reps > 0 ? args.reps : defaultReps(bytes);
+      const int warmup = args.warmup > 0 ? args.warmup : std::max(2, reps / 10);
+      const bool isAllreduce = op == "allreduce";
+      if (!isAllreduce && op != "broadcast") {
+        std::fprintf(stderr, "unknown op %s\n", op.c_str());
+        return 2;
+      }
+      auto run = [&] {
+        if (isAllreduce) {
+          pg->allreduce(buf)->wait();
+        } else {
+          pg->broadcast(buf)->wait();
+        }
+      };
+      for (int i = 0; i < warmup; ++i) run();
+      buf.fill_(1.0);
+      dt::Tensor durations = dt::zeros({reps}, dt::DType::Float64);
+      double* d = durations.data<double>();
+      for (int i = 0; i < reps; ++i) {
+        pg->barrier()->wait();
+        const auto t0 = Clock::now();
+        run();
+        d[i] = std::chrono::duration<double>(Clock::now() - t0).count();
+        if (isAllreduce && (i & 7) == 7) buf.fill_(1.0);  // outside the timed region
+      }
+      dt::AllreduceOptions maxOpts;
+      maxOpts.reduceOp = dt::ReduceOp::Max;
+      pg->allreduce(durations, maxOpts)->wait();  // per-rep slowest rank
+      if (rank == 0) {
+        std::vector<double> v(d, d + reps);
+        const double med = median(v);
+        const double mn = *std::min_element(v.begin(), v.end());
+        const double algbw = static_cast<double>(bytes) / med / 1e9;
+        const double busbw = isAllreduce ? algbw * 2.0 * (world - 1) / world : algbw;
+        std::fprintf(stderr, "  %-10s %12s %10lld %12.1f %12.1f %10.3f %10.3f %6d\n", op.c_str(),
+                     human(bytes).c_str(), static_cast<long long>(count), med * 1e6, mn * 1e6, algbw, busbw, reps);
+        std::printf("RESULT %s impl=%s world=%d bytes=%zu reps=%d threads=1 time_us=%.1f min_us=%.1f "
+                    "algbw_GBps=%.3f busbw_GBps=%.3f\n",
+                    op.c_str(), args.impl.c_str(), world, bytes, reps, med * 1e6, mn * 1e6, algbw, busbw);
+        std::fflush(stdout);
+      }
+    }
+  }
+  pg->barrier()->wait();
+  pg->destroy();
+  return 0;
+}
+
+uint16_t freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Forks nproc ranks with torchrun's variables; rank 0 hosts the store.
+int launch(const Args& args) {
+  const uint16_t port = freePort();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < args.nproc; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(args.nproc).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::unsetenv("DT_STORE_ADDR");
+      int rc = 1;
+      try {
+        rc = runRank(args);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+      }
+      std::fflush(nullptr);
+      ::_exit(rc);
+    }
+    pids.push_back(pid);
+  }
+  int worst = 0;
+  for (pid_t p : pids) {
+    int status = 0;
+    ::waitpid(p, &status, 0);
+    const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+    worst = std::max(worst, rc);
+  }
+  return worst;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parseArgs(argc, argv);
+  if (args.nproc > 0) return launch(args);
+  try {
+    return runRank(args);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "collectives_bench: %s\n", e.what());
+    return 1;
+  }
+}

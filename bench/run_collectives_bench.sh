@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Side-by-side allreduce/broadcast benchmark, float32, world 2 and 4, one run:
+#   dtrain-gloo  bench/collectives_bench (ProcessGroup + Gloo backend, forked ranks)
+#   torch-gloo   PyTorch 1.13 gloo via ../shared/peers/torch_allreduce.py (same methodology)
+#   mpi-sm       OpenMPI MPI_Allreduce/MPI_Bcast over shared memory (../shared/peers/cpu/mpi_bench)
+# Runs are interleaved (dtrain, torch, mpi per world and repetition) so machine
+# load hits all alike. Prints the RESULT lines, per-configuration medians and
+# ratios dtrain-gloo:torch-gloo (busbw ratio > 1 means dtrain is faster).
+#
+# usage: bench/run_collectives_bench.sh [build-dir]   (env: WORLDS="2 4" REPS=1 SIZES=4K,64K,1M,16M,64M OUT=file)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-${DT_BUILD_DIR:-build}}
+worlds=${WORLDS:-"2 4"}
+reps=${REPS:-1}
+sizes=${SIZES:-4K,64K,1M,16M,64M}
+peers=${PEERS:-/work/shared/peers}
+out=${OUT:-$(mktemp /tmp/collectives-bench.XXXXXX.txt)}
+bench="$build/bench/collectives_bench"
+[ -x "$bench" ] || { echo "missing $bench: cmake --build $build --target collectives_bench" >&2; exit 2; }
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 DT_NUM_THREADS=1
+
+have_torch=1; /usr/bin/python3 -c "import torch" 2>/dev/null || { have_torch=0; echo "# torch peer skipped: /usr/bin/python3 cannot import torch (apt-get install python3-torch)" >&2; }
+have_mpi=1
+if command -v mpirun >/dev/null; then
+  make -s -C "$peers/cpu" BUILD=/tmp/peers-cpu /tmp/peers-cpu/mpi_bench >/dev/null 2>&1 || make -s -C "$peers/cpu" BUILD=/tmp/peers-cpu >/dev/null 2>&1 || have_mpi=0
+  [ -x /tmp/peers-cpu/mpi_bench ] || have_mpi=0
+else
+  have_mpi=0
+fi
+[ $have_mpi = 1 ] || echo "# mpi peer skipped: no mpirun / mpi_bench (apt-get install libopenmpi-dev openmpi-bin)" >&2
+
+echo "# run_collectives_bench: worlds=[$worlds] reps=$reps sizes=$sizes $(date -u +%FT%TZ) $(nproc) cpus" | tee "$out"
+for ((rep = 1; rep <= reps; rep++)); do
+  for n in $worlds; do
+    echo "## world $n, repetition $rep: dtrain-gloo" >&2
+    "$bench" --nproc "$n" --sizes "$sizes" | tee -a "$out"
+    if [ $have_torch = 1 ]; then
+      echo "## world $n, repetition $rep: torch-gloo" >&2
+      /usr/bin/python3 "$peers/torchrun_py311.py" --nproc_per_node "$n" --standalone \
+        "$peers/torch_allreduce.py" --threads 1 --sizes "$sizes" 2>/dev/null | grep '^RESULT' | tee -a "$out"
+    fi
+    if [ $have_mpi = 1 ]; then
+      for op in allreduce broadcast; do
+        echo "## world $n, repetition $rep: mpi-sm $op" >&2
+        # mpi_bench prints columns: RESULT impl op n bytes k samples med_us min_us algbw busbw
+        timeout 600 mpirun --oversubscribe --allow-run-as-root --bind-to none -np "$n" --mca pml ob1 \
+          --mca btl vader,self /tmp/peers-cpu/mpi_bench --op "$op" --label mpi-sm --sizes "$sizes" 2>/dev/null |
+          awk '$1 == "RESULT" && NF >= 11 { printf "RESULT %s impl=%s world=%s bytes=%s reps=%s threads=1 time_us=%s min_us=%s algbw_GBps=%s busbw_GBps=%s\n", $3, $2, $4, $5, $7, $8, $9, $10, $11 }' |
+          tee -a "$out"
+      done
+    fi
+  done
+done
+
+echo
+echo "# medians ($out)"
+/usr/bin/python3 "$peers/summarize.py" "$out"
+echo
+echo "# ratios dtrain-gloo : torch-gloo (time <1 and busbw >1 mean dtrain is faster)"
+/usr/bin/python3 "$peers/summarize.py" "$out" --ratio dtrain-gloo:torch-gloo
+if [ $have_mpi = 1 ]; then
+  echo
+  echo "# ratios dtrain-gloo : mpi-sm (shared memory; Gloo has no shared-memory transport)"
+  /usr/bin/python3 "$peers/summarize.py" "$out" --ratio dtrain-gloo:mpi-sm
+fi
