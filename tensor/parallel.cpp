@@ -1,6 +1,7 @@
 #include "tensor/parallel.h"
 
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -24,6 +25,7 @@ thread_local bool tInsideParallel = false;
 
 class Pool {
  public:
+  const pid_t owner = getpid();  // a forked child has none of these threads
   explicit Pool(int workers) {
     for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { loop(); });
   }
@@ -71,6 +73,11 @@ Pool& pool(int wanted) {
   static std::mutex mu;
   static std::unique_ptr<Pool> instance;
   std::lock_guard lock(mu);
+  if (instance && instance->owner != getpid()) {
+    // After fork the workers do not exist in this process: forget (leak) the old pool
+    // rather than joining threads that are not there.
+    (void)instance.release();
+  }
   if (!instance || static_cast<int>(instance->size()) < wanted - 1) {
     instance.reset();  // joins the old workers (idle: no parallelFor is in flight from this caller)
     instance = std::make_unique<Pool>(std::max(0, wanted - 1));

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
+#include <pthread.h>
 #include <new>
 #include <unordered_map>
 #include <vector>
@@ -86,6 +87,8 @@ class CpuAllocator final : public Allocator {
     cache_.clear();
     cachedBytes_ = 0;
   }
+  void lockForFork() { mu_.lock(); }
+  void unlockAfterFork() { mu_.unlock(); }
   size_t cachedBytes() {
     std::lock_guard lock(mu_);
     return cachedBytes_;
@@ -120,7 +123,13 @@ class CpuAllocator final : public Allocator {
 
 CpuAllocator& cpuAllocator() {
   // Leaked on purpose: tensors in static objects may be freed after main returns.
-  static CpuAllocator* instance = new CpuAllocator();
+  static CpuAllocator* instance = [] {
+    auto* a = new CpuAllocator();
+    // Keep the cache lock consistent across fork (a child must not inherit it held).
+    pthread_atfork([] { cpuAllocator().lockForFork(); }, [] { cpuAllocator().unlockAfterFork(); },
+                   [] { cpuAllocator().unlockAfterFork(); });
+    return a;
+  }();
   return *instance;
 }
 

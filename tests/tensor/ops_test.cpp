@@ -1,5 +1,8 @@
 // Forward values of the ops per dtype, broadcasting, BLAS paths, error
 // messages, device checks, threads and the generator.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -378,6 +381,26 @@ TEST(Threads, KnobAndParallelForCoverage) {
   Tensor r1 = add(exp(a), a.t());
   EXPECT_EQ(vals(r4), vals(r1));
   EXPECT_THROW(parallelFor(0, 100000, 10, [](int64_t, int64_t) { throw InvalidArgument("boom"); }), InvalidArgument);
+  setNumThreads(before);
+}
+
+TEST(Threads, ParallelKernelsWorkAfterFork) {
+  // The pool's workers do not survive fork(); a child must still run big kernels.
+  const int before = numThreads();
+  setNumThreads(2);
+  Tensor big = ones({1 << 18});
+  EXPECT_EQ(sum(add(big, big)).item<float>(), 2.0f * (1 << 18));  // starts the pool
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    alarm(20);  // a hang becomes a failure
+    Tensor r = add(big, big);
+    _exit(sum(r).item<float>() == 2.0f * (1 << 18) ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status)) << "child did not exit normally (status " << status << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
   setNumThreads(before);
 }
 
