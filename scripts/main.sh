@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sets everything up, builds, and runs the main job on embedded defaults.
+# Sets everything up, builds, and runs the main job on embedded defaults:
+# four ranks of data-parallel training under dtrun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-DT_BUILD_TESTS=OFF scripts/build.sh -DDT_BUILD_TESTS=OFF
+scripts/build.sh -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=OFF
 build_dir=${DT_BUILD_DIR:-build}
-exec "$build_dir/examples/store_demo" "$@"
+exec "$build_dir/launcher/dtrun" --nproc 4 "$build_dir/examples/trainer" "$@"
