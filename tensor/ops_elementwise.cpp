@@ -3,9 +3,9 @@
 #include <cstring>
 
 #include "common/check.h"
-#include "tensor/detail.h"
-#include "tensor/loop.h"
-#include "tensor/ops_internal.h"
+#include "tensor/internal/detail.h"
+#include "tensor/internal/loop.h"
+#include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
 
 namespace dt {

@@ -5,8 +5,8 @@
 #include <optional>
 
 #include "common/check.h"
-#include "tensor/detail.h"
-#include "tensor/ops_internal.h"
+#include "tensor/internal/detail.h"
+#include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
 
 namespace dt {

@@ -79,7 +79,9 @@ Pool& pool(int wanted) {
     (void)instance.release();
   }
   if (!instance || static_cast<int>(instance->size()) < wanted - 1) {
-    instance.reset();  // joins the old workers (idle: no parallelFor is in flight from this caller)
+    // Another thread may still be submitting to the old pool: retire it without
+    // destroying it (its idle workers just stay parked).
+    (void)instance.release();
     instance = std::make_unique<Pool>(std::max(0, wanted - 1));
   }
   return *instance;

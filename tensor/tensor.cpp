@@ -8,9 +8,9 @@
 #include "common/check.h"
 #include "common/errors.h"
 #include "common/strings.h"
-#include "tensor/detail.h"
-#include "tensor/loop.h"
-#include "tensor/ops_internal.h"
+#include "tensor/internal/detail.h"
+#include "tensor/internal/loop.h"
+#include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
 
 namespace dt {

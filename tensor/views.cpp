@@ -2,8 +2,8 @@
 // whose backward maps the gradient back onto the base's geometry.
 #include "common/check.h"
 #include "common/strings.h"
-#include "tensor/detail.h"
-#include "tensor/ops_internal.h"
+#include "tensor/internal/detail.h"
+#include "tensor/internal/ops_internal.h"
 #include "tensor/tensor.h"
 
 namespace dt {

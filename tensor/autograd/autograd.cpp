@@ -9,7 +9,7 @@
 #include "common/check.h"
 #include "common/errors.h"
 #include "common/strings.h"
-#include "tensor/detail.h"
+#include "tensor/internal/detail.h"
 #include "tensor/ops.h"
 
 namespace dt {
