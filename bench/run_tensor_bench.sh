@@ -65,16 +65,20 @@ for rep in $(seq "$REPS"); do
   fi
 done
 
+# peak_rss_mb (dtrain's own getrusage figure) and the peak_rss lines are not summarize.py
+# metrics (no unit suffix it knows): keep them out of its identities; the RSS ratio is computed below.
+medians_in=$(mktemp)
+grep -v '^RESULT peak_rss ' "$out" >"$medians_in"
 echo "== medians ($out)" >&2
-"$py" "$peers/summarize.py" "$out"
+"$py" "$peers/summarize.py" "$medians_in" --ignore peak_rss_mb
 if [ "$have_libtorch" = 1 ]; then
   echo "== ratios dtrain / libtorch (time: < 1 is faster; gflops, samples_per_s: > 1 is faster; rss: < 1 is smaller)" >&2
-  # peak_rss_mb (dtrain's own getrusage figure) is not a summarize.py metric: leave it out of the identity.
-  "$py" "$peers/summarize.py" "$out" --ratio dtrain:libtorch --ignore peak_rss_mb
+  "$py" "$peers/summarize.py" "$medians_in" --ratio dtrain:libtorch --ignore peak_rss_mb
   awk '/^RESULT peak_rss /{ for (i = 3; i <= NF; i++) { split($i, kv, "="); if (kv[1] == "impl") impl = kv[2]; if (kv[1] == "rss_mb") v[impl] = v[impl] " " kv[2] } }
        function med(s,   a, n, i, j, t) { n = split(s, a, " "); for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] + 0 < a[i] + 0) { t = a[i]; a[i] = a[j]; a[j] = t }
                                     return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 }
        END { d = med(v["dtrain"]); l = med(v["libtorch"]); if (l > 0) printf "RATIO peak_rss a=dtrain b=libtorch dtrain_mb=%.1f libtorch_mb=%.1f ratio_rss=%.3f\n", d, l, d / l }' "$out"
 fi
 echo "== ratio dtrain / direct cblas_sgemm (goal gflops >= 0.95)" >&2
-"$py" "$peers/summarize.py" "$out" --ratio dtrain:cblas
+"$py" "$peers/summarize.py" "$medians_in" --ratio dtrain:cblas --ignore peak_rss_mb
+rm -f "$medians_in"

@@ -166,6 +166,23 @@ const std::vector<Case>& cases() {
          return y;
        },
        [] { return TensorList{leaf({2, 3}), leaf({3})}; });
+  add2("inplace_chain_on_nonleaf", [](const TensorList& x) {
+         Tensor y = mul(x[0], 1.0);
+         mul_(y, x[1]);
+         div_(y, x[2]);
+         sub_(y, x[1], 0.5);
+         clamp_(y, -0.8, 0.8);
+         return y;
+       },
+       [] { return TensorList{leaf({3, 2}), leaf({2}), leaf({3, 1}, 0.5, 2.0)}; });
+  add2("copy_into_fresh_tensor", [](const TensorList& x) {
+         Tensor y = zeros({2, 3}, DType::Float64);
+         y.copy_(x[0]);  // broadcasts [3] -> [2, 3]
+         return mul(y, y);
+       },
+       [] { return TensorList{leaf({3})}; });
+  add2("rsub_and_operators", [](const TensorList& x) { return (rsub(x[0], 2.0) * x[1] - x[0] / 3.0) + (-x[1]); },
+       [] { return TensorList{leaf({2, 2}), leafT(2, 2)}; });
   return c;
 }
 
