@@ -399,12 +399,25 @@ Tensor unaryKernel(const Tensor& a, Un op, double p0 = 0, double p1 = 0, Tensor 
   return target;
 }
 
+bool isHalfLike(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
+
 Tensor scalarLike(double v, const Tensor& like) {
-  // Python-scalar semantics: a float scalar with an int tensor promotes to float32.
+  // Python-scalar semantics: a scalar does not promote a float tensor; a float scalar
+  // with an int tensor promotes to float32. 16-bit tensors get a float32 scalar (their
+  // math runs in float32 anyway); callers convert the result back (withScalar).
   DType t = like.dtype();
   if (!isFloatingPoint(t) && v != std::floor(v)) t = DType::Float32;
   if (t == DType::Bool) t = DType::Int64;
+  if (isHalfLike(t)) t = DType::Float32;
   return scalarTensor(v, t);
+}
+
+// op(a, scalar) keeping a's dtype for float16/bfloat16 (the scalar is not rounded to 16 bits).
+template <typename F>
+Tensor withScalar(const Tensor& a, double v, F op) {
+  Tensor r = op(a, scalarLike(v, a));
+  if (isHalfLike(a.dtype()) && r.dtype() != a.dtype()) return r.to(a.dtype());
+  return r;
 }
 
 }  // namespace
@@ -495,14 +508,28 @@ Tensor minmaxBinary(const Tensor& a, const Tensor& b, Bin op, const char* name) 
 Tensor maximum(const Tensor& a, const Tensor& b) { return minmaxBinary(a, b, Bin::Max, "MaximumBackward"); }
 Tensor minimum(const Tensor& a, const Tensor& b) { return minmaxBinary(a, b, Bin::Min, "MinimumBackward"); }
 
-Tensor add(const Tensor& a, double b) { return add(a, scalarLike(b, a)); }
-Tensor sub(const Tensor& a, double b) { return sub(a, scalarLike(b, a)); }
-Tensor mul(const Tensor& a, double b) { return mul(a, scalarLike(b, a)); }
-Tensor div(const Tensor& a, double b) { return div(a, scalarLike(b, a)); }
-Tensor rsub(const Tensor& a, double b) { return sub(scalarLike(b, a), a); }
+Tensor add(const Tensor& a, double b) {
+  return withScalar(a, b, [](const Tensor& x, const Tensor& s) { return add(x, s); });
+}
+Tensor sub(const Tensor& a, double b) {
+  return withScalar(a, b, [](const Tensor& x, const Tensor& s) { return sub(x, s); });
+}
+Tensor mul(const Tensor& a, double b) {
+  return withScalar(a, b, [](const Tensor& x, const Tensor& s) { return mul(x, s); });
+}
+Tensor div(const Tensor& a, double b) {
+  return withScalar(a, b, [](const Tensor& x, const Tensor& s) { return div(x, s); });
+}
+Tensor rsub(const Tensor& a, double b) {
+  return withScalar(a, b, [](const Tensor& x, const Tensor& s) { return sub(s, x); });
+}
 
 Tensor pow(const Tensor& a, double e) {
   Tensor out = binaryKernel(a, scalarLike(e, a), Bin::Pow);
+  if (isHalfLike(a.dtype()) && out.dtype() != a.dtype()) {
+    NoGradGuard ng;
+    out = out.to(a.dtype());
+  }
   recordFn(
       "PowBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a)}; },
       [e](const BackwardContext& c) -> TensorList {
@@ -614,8 +641,8 @@ Tensor lt(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Lt)
 Tensor le(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Le); }
 Tensor gt(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Gt); }
 Tensor ge(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Ge); }
-Tensor gt(const Tensor& a, double b) { return gt(a, scalarTensor(b, DType::Float64)); }
-Tensor lt(const Tensor& a, double b) { return lt(a, scalarTensor(b, DType::Float64)); }
+Tensor gt(const Tensor& a, double b) { return gt(a, scalarLike(b, a)); }
+Tensor lt(const Tensor& a, double b) { return lt(a, scalarLike(b, a)); }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   requireSameDevice(cond, a, "where");
@@ -705,8 +732,9 @@ Tensor& sub_(Tensor& self, const Tensor& other, double alpha) {
 }
 Tensor& mul_(Tensor& self, const Tensor& other) { return binaryInplace(self, other, Bin::Mul, 1.0, "mul_", mulAlpha); }
 Tensor& div_(Tensor& self, const Tensor& other) { return binaryInplace(self, other, Bin::Div, 1.0, "div_", divAlpha); }
-Tensor& add_(Tensor& self, double value) { return add_(self, scalarTensor(value, DType::Float64)); }
-Tensor& mul_(Tensor& self, double value) { return mul_(self, scalarTensor(value, DType::Float64)); }
+// A scalar does not promote the tensor (PyTorch's rule): float32 stays float32, no temporary.
+Tensor& add_(Tensor& self, double value) { return add_(self, scalarLike(value, self)); }
+Tensor& mul_(Tensor& self, double value) { return mul_(self, scalarLike(value, self)); }
 
 Tensor& relu_(Tensor& self) {
   if (inplaceNeedsGrad(self, {}, "relu_")) {

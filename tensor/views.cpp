@@ -158,7 +158,6 @@ Tensor Tensor::asStrided(Shape newSizes, Shape newStrides, int64_t offset) const
                       // times by an overlapping view get every contribution), then read the input's view.
                       Tensor buf = zeros({storageElems}, DType::Float64);
                       Tensor g = c.grads[0].to(DType::Float64).contiguous();
-                      Tensor target = asStridedNoGrad(buf, newSizes, newStrides, outOffset);
                       double* base = buf.data<double>();
                       const double* gp = g.data<double>();
                       const int64_t n = g.numel();
@@ -172,7 +171,6 @@ Tensor Tensor::asStrided(Shape newSizes, Shape newStrides, int64_t offset) const
                           idx[d] = 0;
                         }
                       }
-                      (void)target;
                       return {asStridedNoGrad(buf, inSizes, inStrides, inOffset).contiguous()};
                     });
 }

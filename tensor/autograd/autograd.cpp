@@ -411,7 +411,8 @@ void runGraph(const std::vector<Edge>& rootEdges, TensorList rootGrads, bool ret
                                 "you need to run backward twice."));
     }
     TensorList out;
-    {
+    const bool anyGrad = std::any_of(grads.begin(), grads.end(), [](const Tensor& t) { return t.defined(); });
+    if (anyGrad) {  // all-zero (undefined) gradients contribute nothing downstream
       NoGradGuard noGrad;
       out = node->apply(std::move(grads));
     }

@@ -45,6 +45,7 @@ TEST(Ops, BinaryBroadcastAndPromotion) {
   EXPECT_EQ(add(fromVector<float>({1}), fromVector<double>({1})).dtype(), DType::Float64);
   EXPECT_EQ(add(i, 2.5).dtype(), DType::Float32);  // float scalar with int tensor
   EXPECT_EQ(add(i, 2.0).dtype(), DType::Int64);
+  EXPECT_EQ(mul(a, 2.0).dtype(), DType::Float32);  // float64 scalar does not promote float32
   expectThrowsWith<InvalidArgument>([&] { add(a, fromVector<float>({1, 2})); }, {"[2, 3]", "[2]", "broadcast"});
 }
 
@@ -55,6 +56,13 @@ TEST(Ops, HalfAndBFloat16ComputeInFloatAndRoundOnce) {
     EXPECT_EQ(r.dtype(), t);
     EXPECT_EQ(vals(r), (std::vector<double>{2, 4, 6}));
     EXPECT_EQ(vals(mul(a, 0.5)), (std::vector<double>{0.5, 1, 1.5}));
+    EXPECT_EQ(mul(a, 0.5).dtype(), t);  // a scalar does not promote
+    EXPECT_EQ(gt(a, 1.5).toVector<bool>(), (std::vector<bool>{false, true, true}));
+    Tensor c = a.clone();
+    mul_(c, 2.0);
+    add_(c, 0.5);
+    EXPECT_EQ(c.dtype(), t);
+    EXPECT_EQ(vals(c), (std::vector<double>{2.5, 4.5, 6.5}));
     EXPECT_EQ(sum(a).dtype(), t);
     EXPECT_EQ(sum(a).item<float>(), 6.0f);
     EXPECT_NEAR(exp(a).toVector<float>()[0], 2.71875, 0.02);
