@@ -6,9 +6,11 @@
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -61,8 +63,93 @@ struct Agent::Impl {
   int terminationSignal = 0;
   int sigintCount = 0;
   bool threadsNoticePrinted = false;
-  bool storeGone = false;  // the store is unreachable: skip waits that need it
+  bool storeGone = false;
+  const std::string nonce = randomHex(4);  // tells this dtrun from another claiming the same node rank  // the store is unreachable: skip waits that need it
   std::vector<CoordinatorEvent> pendingEvents;  // taken while waiting, handled later
+  // Watch connections: every node k keeps one TCP connection to node 0's
+  // dtrun. The kernel closes it when either dtrun dies, even by SIGKILL, so a
+  // dead dtrun is noticed at once (a cut link still needs the heartbeats).
+  int watchListenFd = -1;                // node 0
+  std::map<int, std::pair<int, std::string>> watchPeers;  // node 0: fd -> (node or -1, partial line)
+  int watchFd = -1;                      // node k: its connection to node 0
+  std::string watchPort;                 // node k: where node 0 listens
+  bool watchTried = false;
+
+  void addWatchFds(std::vector<pollfd>& fds) const {
+    if (watchListenFd >= 0) fds.push_back({watchListenFd, POLLIN, 0});
+    for (const auto& [fd, peer] : watchPeers) fds.push_back({fd, POLLIN, 0});
+    if (watchFd >= 0) fds.push_back({watchFd, POLLIN, 0});
+  }
+
+  bool nodeExited(int node) {
+    try {
+      return store->check({str("dtrun/exit/", node)});
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+
+  // Handles a readable watch descriptor; what it learns goes to pendingEvents.
+  void onWatchFd(int fd) {
+    char buf[256];
+    if (fd == watchListenFd) {
+      const int peer = ::accept4(watchListenFd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (peer >= 0) watchPeers[peer] = {-1, ""};
+      return;
+    }
+    if (fd == watchFd) {
+      const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        ::close(watchFd);
+        watchFd = -1;
+        pendingEvents.push_back({CoordinatorEvent::Kind::StoreLost,
+                                 "node 0's dtrun closed its watch connection: it died or was killed", 1});
+      }
+      return;
+    }
+    auto it = watchPeers.find(fd);
+    if (it == watchPeers.end()) return;
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n > 0) {
+      auto& [node, line] = it->second;
+      line.append(buf, static_cast<size_t>(n));
+      const auto nl = line.find('\n');
+      if (node < 0 && nl != std::string::npos) {
+        // "<token> <node>": a stranger must not be able to fake a node's death.
+        const auto parts = split(line.substr(0, nl), ' ');
+        if (parts.size() == 2 && parts[0] == (token.empty() ? "-" : token)) {
+          node = std::atoi(parts[1].c_str());
+        } else {
+          ::close(fd);
+          watchPeers.erase(it);
+        }
+      }
+      return;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    const int node = it->second.first;
+    ::close(fd);
+    watchPeers.erase(it);
+    if (node > 0 && !nodeExited(node)) {
+      pendingEvents.push_back({CoordinatorEvent::Kind::NodeLost,
+                               str("node ", node, "'s dtrun closed its watch connection without finishing: it died or was killed (SIGKILL, OOM killer, machine reboot)"),
+                               1});
+    }
+  }
+
+  // Node k, once its node rank is its own: opens the watch connection.
+  void setupWatch() {
+    if (o.nnodes == 1 || o.nodeRank == 0 || watchTried) return;
+    watchTried = true;
+    std::string error;
+    watchFd = connectTcp(o.masterAddr, static_cast<uint16_t>(std::stoi(watchPort)), error);
+    if (watchFd < 0) {
+      say(str("warning: no watch connection to node 0 (", error, "); relying on store heartbeats only"));
+      return;
+    }
+    writeAll(watchFd, str(token.empty() ? "-" : token, " ", o.nodeRank, "\n"));
+    ::fcntl(watchFd, F_SETFL, ::fcntl(watchFd, F_GETFL) | O_NONBLOCK);
+  }
 
   Impl(AgentConfig config, SignalChannel& channel)
       : cfg(std::move(config)), o(cfg.options), signals(channel) {
@@ -101,13 +188,16 @@ struct Agent::Impl {
       workerPort = o.workerPort != 0 ? o.workerPort : pickFreePort("");
       if (workerPort == storePort) workerPort = pickFreePort("");
       storeAddr = str(o.masterAddr, ":", storePort);
-      store->set("dtrun/meta", str(runId, "\t", workerPort));
+      uint16_t watchPort = 0;
+      if (o.nnodes > 1) watchListenFd = listenTcp(o.bind, watchPort);
+      store->set("dtrun/meta", str(runId, "\t", workerPort, "\t", watchPort));
     } else {
       try {
         store = std::make_shared<TcpStore>(o.masterAddr, static_cast<uint16_t>(o.masterPort), so);
         const auto meta = split(store->get("dtrun/meta"), '\t');
         runId = meta.at(0);
         workerPort = std::stoi(meta.at(1));
+        watchPort = meta.at(2);
       } catch (const std::exception& e) {
         throw Error(str("dtrun: cannot join the job's store at ", o.masterAddr, ":", o.masterPort,
                         " (hosted by node 0's dtrun): ", e.what(),
@@ -132,8 +222,12 @@ struct Agent::Impl {
   // Waits on the signal channel and the coordinator for up to `ms`; handles
   // termination signals by recording them. Returns false when dtrun must stop.
   bool idleWait(int ms) {
-    pollfd fds[2] = {{signals.fd(), POLLIN, 0}, {wakeFd, POLLIN, 0}};
-    ::poll(fds, 2, ms);
+    std::vector<pollfd> fds = {{signals.fd(), POLLIN, 0}, {wakeFd, POLLIN, 0}};
+    addWatchFds(fds);
+    ::poll(fds.data(), fds.size(), ms);
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents) onWatchFd(fds[i].fd);
+    }
     std::vector<int> sigs;
     signals.drain(sigs);
     for (int sig : sigs) {
@@ -151,14 +245,25 @@ struct Agent::Impl {
   std::optional<Rendezvous> rendezvous(int attempt) {
     if (o.nnodes == 1) return Rendezvous{cfg.nproc, 0};
     store->add(str("dtrun/hb/", o.nodeRank), 1);  // beating before anyone can count on us
-    store->set(str("dtrun/a", attempt, "/node/", o.nodeRank), str(cfg.nproc));
+    // compareSet: a second dtrun claiming the same --node-rank is caught here
+    // instead of silently duplicating ranks.
+    const std::string mine = str(cfg.nproc, "\t", cfg.hostname, "\t", nonce);
+    const std::string claimed = store->compareSet(str("dtrun/a", attempt, "/node/", o.nodeRank), "", mine);
+    if (claimed != mine) {
+      const auto parts = split(claimed, '\t');
+      throw InvalidArgument(str("dtrun: --node-rank ", o.nodeRank, " is already taken by another dtrun (host ",
+                                parts.size() > 1 ? parts[1] : "?", "); give each node its own --node-rank"));
+    }
+    setupWatch();
     std::vector<std::string> keys;
     for (int node = 0; node < o.nnodes; ++node) keys.push_back(str("dtrun/a", attempt, "/node/", node));
     const int64_t deadline = wallMs() + o.rdzvTimeout.count();
     while (!store->check(keys)) {
       if (!idleWait(50)) return std::nullopt;
       for (const auto& event : pendingEvents) {
-        if (event.kind == CoordinatorEvent::Kind::StoreLost) throw Error(str("dtrun: ", event.text));
+        if (event.kind == CoordinatorEvent::Kind::StoreLost || event.kind == CoordinatorEvent::Kind::NodeLost) {
+          throw Error(str("dtrun: while waiting for the other nodes: ", event.text));
+        }
       }
       if (wallMs() > deadline) {
         std::vector<int> missing;
@@ -340,6 +445,9 @@ struct Agent::Impl {
 
     auto handleEvent = [&](const CoordinatorEvent& event) {
       using K = CoordinatorEvent::Kind;
+      const bool aboutAttempt = event.kind == K::RemoteFailure || event.kind == K::FailurePublished ||
+                                event.kind == K::Hang || event.kind == K::AllDone;
+      if (aboutAttempt && event.attempt != attempt) return;  // late news about an earlier attempt
       switch (event.kind) {
         case K::FailurePublished:
           publishResolved = true;
@@ -419,6 +527,8 @@ struct Agent::Impl {
           }
         }
       }
+      const size_t watchFrom = fds.size();
+      addWatchFds(fds);
       int64_t timeout = -1;
       auto limit = [&](int64_t ms) { timeout = timeout < 0 ? std::max<int64_t>(ms, 0) : std::min(timeout, std::max<int64_t>(ms, 0)); };
       if (stopping && !killSent) limit(killAt - now);
@@ -457,6 +567,14 @@ struct Agent::Impl {
           w->fds[s] = -1;
           w->streams[s]->finish();
         }
+      }
+      for (size_t i = watchFrom; i < fds.size(); ++i) {
+        if (fds[i].revents) onWatchFd(fds[i].fd);
+      }
+      if (!pendingEvents.empty()) {
+        std::vector<CoordinatorEvent> events;
+        events.swap(pendingEvents);
+        for (const auto& event : events) handleEvent(event);
       }
       const int64_t after = wallMs();
       if (coord && multiNode && !stopping && after - coord->lastContactMs() > o.nodeTimeout.count()) {

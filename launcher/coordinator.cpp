@@ -105,6 +105,7 @@ struct Coordinator::Shared {
   void post(CoordinatorEvent event) {
     {
       std::lock_guard<std::mutex> lock(mutex);
+      event.attempt = attempt;
       events.push_back(std::move(event));
     }
     const uint64_t one = 1;
@@ -149,30 +150,10 @@ struct Coordinator::Shared {
     }
     if (config.nnodes > 1) {
       store->add(key(str("hb/", config.nodeRank)), 1);
-      for (int node = 0; node < config.nnodes; ++node) {
-        if (node == config.nodeRank || lost[node]) continue;
-        const std::string hb = key(str("hb/", node));
-        // A node that joined the attempt but never beat (killed right after
-        // joining) is tracked from now on like one whose beats stopped.
-        const bool beating = store->check({hb});
-        if (!beating && k < 0) continue;
-        const int64_t value = beating ? std::stoll(store->get(hb)) : -1;
-        auto it = heartbeats.find(node);
-        if (it == heartbeats.end() || it->second.first != value) {
-          heartbeats[node] = {value, now};
-        } else if (now - it->second.second > config.nodeTimeout.count() && !exits) {
-          bool exited = store->check({key(str("exit/", node))});
-          if (!exited) {
-            lost[node] = true;
-            post({CoordinatorEvent::Kind::NodeLost,
-                  str("node ", node, " stopped sending heartbeats to the store (none for ",
-                      formatDuration(Millis(now - it->second.second)),
-                      ", node timeout ", formatDuration(config.nodeTimeout),
-                      "): its dtrun died, its machine is down, or the network to it is cut"),
-                  1});
-          }
-        }
-      }
+      // Node 0 watches everyone's heartbeats (one multiGet per tick) and
+      // records a lost node as the attempt's failure; the other nodes learn
+      // it from there, and notice node 0's own death as a store failure.
+      if (config.nodeRank == 0) watchHeartbeats(k, exits, now);
       if (k >= 0 && !failureSeen) {
         const std::string failedKey = key(str("a", k, "/failed"));
         if (store->check({failedKey})) {
@@ -227,6 +208,45 @@ struct Coordinator::Shared {
       }
     }
     lastContact.store(wallMs());
+  }
+
+  void watchHeartbeats(int k, bool exits, int64_t now) {
+    std::vector<std::string> keys;
+    std::vector<int> nodes;
+    for (int node = 1; node < config.nnodes; ++node) {
+      if (lost[node]) continue;
+      keys.push_back(key(str("hb/", node)));
+      nodes.push_back(node);
+    }
+    if (keys.empty()) return;
+    std::vector<int64_t> values(keys.size(), -1);
+    if (store->check(keys)) {
+      const auto raw = store->multiGet(keys);
+      for (size_t i = 0; i < raw.size(); ++i) values[i] = std::stoll(raw[i]);
+    } else {
+      // Before the first rendezvous a node may not have started; after it, a
+      // node that joined but never beat is tracked like one whose beats stopped.
+      if (k < 0) return;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (store->check({keys[i]})) values[i] = std::stoll(store->get(keys[i]));
+      }
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const int node = nodes[i];
+      auto it = heartbeats.find(node);
+      if (it == heartbeats.end() || it->second.first != values[i]) {
+        heartbeats[node] = {values[i], now};
+      } else if (now - it->second.second > config.nodeTimeout.count() && !exits &&
+                 !store->check({key(str("exit/", node))})) {
+        lost[node] = true;
+        post({CoordinatorEvent::Kind::NodeLost,
+              str("node ", node, " stopped sending heartbeats to the store (none for ",
+                  formatDuration(Millis(now - it->second.second)), ", node timeout ",
+                  formatDuration(config.nodeTimeout),
+                  "): its dtrun died, its machine is down, or the network to it is cut"),
+              1});
+      }
+    }
   }
 
   void run() {

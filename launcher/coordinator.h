@@ -46,6 +46,7 @@ struct CoordinatorEvent {
   Kind kind;
   std::string text;
   int code = 1;
+  int attempt = -1;  // the attempt being watched when it was posted
 };
 
 // "<code>\t<ms>\t<node>\t<description>" and back.

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -115,6 +116,48 @@ uint16_t pickFreePort(const std::string& address) {
   ::close(fd);
   return ntohs(v6 ? reinterpret_cast<sockaddr_in6*>(&storage)->sin6_port
                   : reinterpret_cast<sockaddr_in*>(&storage)->sin_port);
+}
+
+int listenTcp(const std::string& address, uint16_t& port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) throw NetworkError(str("dtrun: socket() failed: ", std::strerror(errno)));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (!address.empty() && ::inet_pton(AF_INET, address.c_str(), &a.sin_addr) != 1) a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t length = sizeof(a);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), length) != 0 || ::listen(fd, 128) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &length) != 0) {
+    const int saved = errno;
+    ::close(fd);
+    throw NetworkError(str("dtrun: cannot listen on ", address.empty() ? "0.0.0.0" : address, ": ", std::strerror(saved)));
+  }
+  port = ntohs(a.sin_port);
+  return fd;
+}
+
+int connectTcp(const std::string& host, uint16_t port, std::string& error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* list = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &list);
+  if (rc != 0) {
+    error = str("cannot resolve ", host, ": ", ::gai_strerror(rc));
+    return -1;
+  }
+  int fd = -1;
+  for (addrinfo* ai = list; ai != nullptr && fd < 0; ai = ai->ai_next) {
+    fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) continue;
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+      error = str("cannot connect to ", host, ":", port, ": ", std::strerror(errno));
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(list);
+  return fd;
 }
 
 int64_t wallMs() {

@@ -22,6 +22,12 @@ std::string randomHex(size_t bytes);
 // chose and closes the socket: a port that is free right now, for the workers'
 // MASTER_PORT. Throws dt::NetworkError.
 uint16_t pickFreePort(const std::string& address);
+// A listening TCP socket (non-blocking, close-on-exec) on `address` (empty:
+// all interfaces) and port 0; `port` receives the bound port. Throws NetworkError.
+int listenTcp(const std::string& address, uint16_t& port);
+// A connected TCP socket (close-on-exec) to host:port, trying each address the
+// name resolves to; -1 on failure (`error` says why).
+int connectTcp(const std::string& host, uint16_t port, std::string& error);
 // Milliseconds since the epoch.
 int64_t wallMs();
 

@@ -339,6 +339,22 @@ TEST(DtrunE2E, TwoNodesOnLoopbackRanksNodeMajorAndExchangeData) {
   EXPECT_THAT(r1.out, HasSubstr("[rank 3] rank 3 group 1 sum 10 expected 10"));
 }
 
+TEST(DtrunE2E, TwoNodesSameNodeRankIsRejected) {
+  const std::string port = std::to_string(freePort());
+  auto node = [&](int rank) {
+    return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--nproc", "1",
+                  "--rdzv-timeout", "5s", kWorker, "sleep", "3000"});
+  };
+  ChildProcess n0(node(0));
+  ChildProcess first(node(1));
+  std::this_thread::sleep_for(1s);  // node 1's first dtrun claims the rank
+  const auto duplicate = runProcess(node(1), 30s);
+  EXPECT_NE(duplicate.exitCode, 0);
+  EXPECT_THAT(duplicate.err, HasSubstr("--node-rank 1 is already taken by another dtrun"));
+  EXPECT_EQ(n0.wait(30s).exitCode, 0);
+  EXPECT_EQ(first.wait(30s).exitCode, 0);
+}
+
 TEST(DtrunE2E, TwoNodesFailureOnOneNodeStopsBoth) {
   const std::string port = std::to_string(freePort());
   auto node = [&](int rank) {
@@ -371,9 +387,10 @@ TEST(DtrunE2E, TwoNodesKilledDtrunIsNoticedByTheOther) {
   const auto killedAt = std::chrono::steady_clock::now();
   const auto r0 = n0.wait(30s);
   EXPECT_NE(r0.exitCode, 0);
-  EXPECT_THAT(r0.err, HasSubstr("node 1 stopped sending heartbeats"));
+  // The watch connection closes with the killed dtrun: noticed at once, not after --node-timeout.
+  EXPECT_THAT(r0.err, HasSubstr("root cause: node 1's dtrun closed its watch connection without finishing: it died or was killed"));
   EXPECT_THAT(r0.err, HasSubstr("stopped by dtrun: rank(s) 0"));
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - killedAt).count(), 20);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - killedAt).count(), 10);
 }
 
 TEST(DtrunE2E, TwoNodesKilledNodeZeroIsNoticedPromptly) {
@@ -390,9 +407,9 @@ TEST(DtrunE2E, TwoNodesKilledNodeZeroIsNoticedPromptly) {
   const auto killedAt = std::chrono::steady_clock::now();
   const auto r1 = n1.wait(30s);
   EXPECT_NE(r1.exitCode, 0);
-  EXPECT_THAT(r1.err, HasSubstr("lost the job's store"));
-  EXPECT_THAT(r1.err, HasSubstr("node 0's dtrun died"));
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - killedAt).count(), 20);
+  EXPECT_THAT(r1.err, HasSubstr("root cause: node 0's dtrun"));
+  EXPECT_THAT(r1.err, ::testing::AnyOf(HasSubstr("died or was killed"), HasSubstr("lost the job's store")));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - killedAt).count(), 10);
 }
 
 TEST(DtrunE2E, TorchrunStyleDdpScriptRunsUnchanged) {

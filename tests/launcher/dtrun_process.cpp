@@ -132,6 +132,7 @@ ProcessResult runProcess(const std::vector<std::string>& argv, std::chrono::mill
 }
 
 int countOccurrences(const std::string& text, const std::string& needle) {
+  if (needle.empty()) return 0;
   int count = 0;
   for (size_t pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + needle.size())) ++count;
   return count;
