@@ -98,7 +98,7 @@ struct Task {
   const char* op = "";
   CollectiveFingerprint fingerprint;
   Millis timeout{0};
-  std::function<void(Millis)> run;  // does the transfer; throws on failure
+  std::function<void(GlooBackend::Impl&, Millis)> run;  // does the transfer; throws on failure
   WorkPtr work;
 };
 
@@ -132,7 +132,7 @@ struct GlooBackend::Impl {
   std::deque<Task> queue;
   std::deque<P2PTask> p2pQueue;
   bool stopping = false;
-  bool running = false;  // the worker is inside a task
+  bool running = false;  // the worker is inside a task (shutdown closes connections then)
   std::exception_ptr broken;
   uint64_t localSeq = 0;
   std::thread worker;
@@ -176,7 +176,7 @@ struct GlooBackend::Impl {
 
   // ---- issue -----------------------------------------------------------------
   WorkPtr enqueue(uint64_t requestedSeq, const char* op, CollectiveFingerprint fingerprint,
-                  const OpTimeout& opTimeout, std::function<void(Millis)> run) {
+                  const OpTimeout& opTimeout, std::function<void(Impl&, Millis)> run) {
     std::lock_guard<std::mutex> lock(mutex);
     const uint64_t seq = requestedSeq != 0 ? requestedSeq : ++localSeq;
     fingerprint.seq = seq;
@@ -204,46 +204,52 @@ struct GlooBackend::Impl {
   }
 
   // ---- worker ------------------------------------------------------------------
+  // Runs one dequeued task and completes its Work. Called with `mutex` held
+  // and `running` set; returns with `mutex` held.
+  void runTask(Task& task, std::unique_lock<std::mutex>& lock) {
+    if (broken || stopping) {
+      auto cause = broken ? withPrefix(broken, str("[", who(), "] ", task.op, " #", task.seq,
+                                                   " not started: the group is broken since "))
+                          : std::make_exception_ptr(BackendError(
+                                str("[", who(), "] ", task.op, " #", task.seq, ": the group was shut down")));
+      lock.unlock();
+      task.work->markFailed(cause);
+      lock.lock();
+      return;
+    }
+    lock.unlock();
+    std::exception_ptr failure;
+    progress->started(task.seq, task.op);
+    try {
+      if (checkFingerprints) verifyFingerprint(task);
+      task.run(*this, task.timeout);
+      progress->completed(task.seq, task.op);
+    } catch (...) {
+      failure = explainFailure(std::current_exception(), task.op, task.seq, task.fingerprint.describe(),
+                               task.timeout);
+    }
+    lock.lock();
+    if (failure && !broken) broken = failure;
+    lock.unlock();
+    if (failure) {
+      closeConnections();
+      task.work->markFailed(failure);
+    } else {
+      task.work->markCompleted();
+    }
+    lock.lock();
+  }
+
   void workerLoop() {
     std::unique_lock<std::mutex> lock(mutex);
     while (true) {
-      wake.wait(lock, [&] { return stopping || !queue.empty(); });
+      wake.wait(lock, [&] { return !running && (stopping || !queue.empty()); });
       if (queue.empty()) return;  // stopping and drained
       Task task = std::move(queue.front());
       queue.pop_front();
-      if (broken || stopping) {
-        auto cause = broken ? withPrefix(broken, str("[", who(), "] ", task.op, " #", task.seq,
-                                                     " not started: the group is broken since "))
-                            : std::make_exception_ptr(BackendError(
-                                  str("[", who(), "] ", task.op, " #", task.seq, ": the group was shut down")));
-        lock.unlock();
-        task.work->markFailed(cause);
-        lock.lock();
-        continue;
-      }
       running = true;
-      lock.unlock();
-      std::exception_ptr failure;
-      progress->started(task.seq, task.op);
-      try {
-        if (checkFingerprints) verifyFingerprint(task);
-        task.run(task.timeout);
-        progress->completed(task.seq, task.op);
-      } catch (...) {
-        failure = explainFailure(std::current_exception(), task.op, task.seq, task.fingerprint.describe(),
-                                 task.timeout);
-      }
-      lock.lock();
+      runTask(task, lock);
       running = false;
-      if (failure && !broken) broken = failure;
-      lock.unlock();
-      if (failure) {
-        closeConnections();
-        task.work->markFailed(failure);
-      } else {
-        task.work->markCompleted();
-      }
-      lock.lock();
     }
   }
 
@@ -625,8 +631,7 @@ WorkPtr GlooBackend::allreduce(const std::vector<Tensor>& tensors, const Allredu
   fp.tensors = signatures(tensors);
   fp.reduceOp = options.reduceOp;
   const ReduceOp op = options.reduceOp;
-  return d.enqueue(options.seq, "allreduce", fp, options.timeout, [this, tensors, op](Millis timeout) {
-    auto& impl = *impl_;
+  return d.enqueue(options.seq, "allreduce", fp, options.timeout, [tensors, op](Impl& impl, Millis timeout) {
     Staged staged = stage(tensors);
     const uint64_t tagBase = impl.progress->lastStarted();
     for (size_t i = 0; i < staged.buffers.size(); ++i) {
@@ -648,8 +653,7 @@ WorkPtr GlooBackend::broadcast(const std::vector<Tensor>& tensors, const Broadca
   fp.tensors = signatures(tensors);
   fp.root = options.root;
   const int root = options.root;
-  return d.enqueue(options.seq, "broadcast", fp, options.timeout, [this, tensors, root](Millis timeout) {
-    auto& impl = *impl_;
+  return d.enqueue(options.seq, "broadcast", fp, options.timeout, [tensors, root](Impl& impl, Millis timeout) {
     Staged staged = stage(tensors);
     const uint32_t tag = impl.tagFor(impl.progress->lastStarted());
     for (size_t i = 0; i < staged.buffers.size(); ++i) {
@@ -678,8 +682,7 @@ WorkPtr GlooBackend::allgather(const std::vector<Tensor>& outputs, const Tensor&
   }
   CollectiveFingerprint fp;
   fp.tensors = {{input.dtype(), input.sizes()}};
-  return d.enqueue(options.seq, "allgather", fp, options.timeout, [this, outputs, input](Millis timeout) {
-    auto& impl = *impl_;
+  return d.enqueue(options.seq, "allgather", fp, options.timeout, [outputs, input](Impl& impl, Millis timeout) {
     const size_t bytes = input.nbytes();
     if (bytes == 0) return;
     std::vector<uint8_t> gathered(bytes * impl.size);
@@ -715,8 +718,7 @@ WorkPtr GlooBackend::reduceScatter(const Tensor& output, const std::vector<Tenso
   fp.reduceOp = options.reduceOp;
   const ReduceOp op = options.reduceOp;
   return d.enqueue(options.seq, "reduceScatter", fp, options.timeout,
-                   [this, output, inputs, op, fn](Millis timeout) {
-                     auto& impl = *impl_;
+                   [output, inputs, op, fn](Impl& impl, Millis timeout) {
                      const size_t bytes = output.nbytes();
                      const size_t count = static_cast<size_t>(output.numel());
                      if (bytes == 0) return;
@@ -756,8 +758,7 @@ WorkPtr GlooBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOpti
   fp.root = options.root;
   const ReduceOp op = options.reduceOp;
   const int root = options.root;
-  return d.enqueue(options.seq, "reduce", fp, options.timeout, [this, tensors, op, root](Millis timeout) {
-    auto& impl = *impl_;
+  return d.enqueue(options.seq, "reduce", fp, options.timeout, [tensors, op, root](Impl& impl, Millis timeout) {
     // Non-root ranks reduce from a copy so that their tensors stay unchanged.
     Staged staged;
     if (impl.rank == root) {
@@ -801,8 +802,7 @@ WorkPtr GlooBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOpti
 WorkPtr GlooBackend::barrier(const BarrierOptions& options) {
   auto& d = *impl_;
   CollectiveFingerprint fp;
-  return d.enqueue(options.seq, "barrier", fp, options.timeout, [this](Millis timeout) {
-    auto& impl = *impl_;
+  return d.enqueue(options.seq, "barrier", fp, options.timeout, [](Impl& impl, Millis timeout) {
     if (impl.size == 1) return;
     gloo::BarrierOptions opts(impl.context);
     opts.setTag(impl.tagFor(impl.progress->lastStarted()));
@@ -827,8 +827,7 @@ WorkPtr GlooBackend::allToAll(const std::vector<Tensor>& outputs, const std::vec
   }
   CollectiveFingerprint fp;
   fp.tensors = signatures(inputs);
-  return d.enqueue(options.seq, "allToAll", fp, options.timeout, [this, outputs, inputs](Millis timeout) {
-    auto& impl = *impl_;
+  return d.enqueue(options.seq, "allToAll", fp, options.timeout, [outputs, inputs](Impl& impl, Millis timeout) {
     std::vector<int64_t> sendCounts, recvCounts;
     size_t sendTotal = 0, recvTotal = 0;
     for (int r = 0; r < impl.size; ++r) {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <ostream>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -33,6 +34,9 @@ struct BackendFactory {
   // Called concurrently on every rank's thread with a store scoped to the group.
   std::function<BackendPtr(StorePtr store, int rank, int size, const BackendTestOptions& options)> make;
 };
+
+// So test names read "... # GetParam() = gloo" instead of a byte dump.
+inline void PrintTo(const BackendFactory& factory, std::ostream* out) { *out << factory.name; }
 
 class BackendConformance : public ::testing::TestWithParam<BackendFactory> {};
 
