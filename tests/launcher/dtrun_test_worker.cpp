@@ -84,6 +84,8 @@ int main(int argc, char** argv) {
     if (rank == std::atoi(argv[3])) {
       sleepMs(100);
       std::fprintf(stderr, "worker rank %d: raising signal %s\n", rank, argv[2]);
+      // The default action, even under a sanitizer that installs its own handler.
+      std::signal(std::atoi(argv[2]), SIG_DFL);
       std::raise(std::atoi(argv[2]));
     }
     sleepMs(60000);
