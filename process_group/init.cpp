@@ -9,6 +9,7 @@
 #include "common/errors.h"
 #include "common/hostlist.h"
 #include "common/strings.h"
+#include "store/prefix_store.h"
 #include "store/tcp_store.h"
 
 namespace dt {
@@ -145,6 +146,10 @@ std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
     pg.watchdogStore = store->clone();
     pg.watchdogKey = str("dt/progress/", init.rank);
   }
+  // The launcher's store outlives a restart of the workers; each incarnation
+  // gets its own key space so counters of a crashed one cannot misalign it.
+  const int64_t restart = env::getInt("DT_RESTART_COUNT");
+  if (restart > 0) store = std::make_shared<PrefixStore>(str("restart", restart), store);
   return ProcessGroup::create(store, init.rank, init.worldSize, std::move(pg));
 }
 

@@ -17,6 +17,8 @@
 //  * initProcessGroup() blocks until every rank joined (group timeout:
 //    options.timeout or DT_PG_TIMEOUT). With DT_STORE_ADDR it also makes the
 //    group write the launcher's hang-watchdog key dt/progress/<rank>.
+//  * With DT_RESTART_COUNT > 0 (dtrun restarted the workers) the group's keys
+//    live under "restart<n>/" in the store, apart from the crashed incarnation's.
 //  * No global state: the caller owns the returned group (destroy() it, or
 //    let it go, before initialising again in the same process).
 #pragma once

@@ -244,6 +244,7 @@ TEST(ProcessFailure, InitFromLauncherStoreWritesTheWatchdogKeys) {
         ::setenv("MASTER_ADDR", "127.0.0.1", 1);
         ::setenv("MASTER_PORT", "1", 1);  // must not be used: the launcher's store wins
         ::setenv("DT_STORE_ADDR", str("127.0.0.1:", port).c_str(), 1);
+        ::setenv("DT_RESTART_COUNT", "1", 1);  // a restarted incarnation gets its own key space
         auto pg = initProcessGroup();
         Tensor t = ones({10});
         for (int i = 0; i < 3; ++i) pg->allreduce(t)->wait();
@@ -252,6 +253,8 @@ TEST(ProcessFailure, InitFromLauncherStoreWritesTheWatchdogKeys) {
       },
       60s,
       [](TcpStore& store) {
+        EXPECT_TRUE(store.check({"restart1/pg/default/instances"}));
+        EXPECT_FALSE(store.check({"pg/default/instances"}));
         for (int r = 0; r < 2; ++r) {
           const std::string key = str("dt/progress/", r);
           ASSERT_TRUE(store.check({key})) << key;
