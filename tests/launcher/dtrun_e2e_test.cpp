@@ -301,6 +301,11 @@ TEST(DtrunE2E, UsageErrorsAreOneLineWithExitCode2) {
   r = runProcess(dtrun({"--help"}), 30s);
   EXPECT_EQ(r.exitCode, 0);
   EXPECT_THAT(r.out, HasSubstr("DT_KILL_GRACE; default: 30s"));
+  if (!std::filesystem::exists("/proc/driver/nvidia/gpus")) {
+    r = runProcess(dtrun({"--standalone", "--nproc", "gpu", "/bin/true"}), 30s);
+    EXPECT_EQ(r.exitCode, 2);
+    EXPECT_THAT(r.err, HasSubstr("--nproc=gpu but no CUDA device was found"));
+  }
   r = runProcess(dtrun({"--standalone", "/bin/true"}), 30s, {"DT_NPROC=banana"});
   EXPECT_EQ(r.exitCode, 2);
   EXPECT_THAT(r.err, HasSubstr("DT_NPROC=\"banana\""));
