@@ -38,6 +38,8 @@ using Ms = std::chrono::milliseconds;
 // Extra time a client gives the server beyond a blocking request's own
 // timeout before it stops waiting for the (server-side) Timeout reply.
 constexpr Ms kReplyGrace{10'000};
+// How often a client blocked on its socket wakes up to check its deadline.
+constexpr Ms kWakeup{1000};
 
 bool isLoopbackHost(const std::string& host) {
   return host == "localhost" || host.starts_with("127.") || host == "::1" || host == "[::1]";
@@ -190,6 +192,14 @@ struct TcpStore::Client {
       }
       const int one = 1;
       ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      // From here on the socket blocks, with a periodic wake-up (kWakeup) to
+      // check deadlines: one recv per reply instead of poll + recv.
+      ::fcntl(s, F_SETFL, ::fcntl(s, F_GETFL) & ~O_NONBLOCK);
+      timeval tick{};
+      tick.tv_sec = kWakeup.count() / 1000;
+      tick.tv_usec = (kWakeup.count() % 1000) * 1000;
+      ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof(tick));
+      ::setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tick, sizeof(tick));
       fd = s;
       inBegin = inEnd = 0;
       try {
@@ -215,8 +225,9 @@ struct TcpStore::Client {
     w.finish();
     std::string_view body;
     try {
-      sendAll();
-      body = readFrame(std::max(deadline, Clock::now() + Ms(5000)), "handshake");
+      const auto replyDeadline = std::max(deadline, Clock::now() + Ms(5000));
+      sendAll(replyDeadline);
+      body = readFrame(replyDeadline, "handshake");
     } catch (const NetworkError& e) {
       // Reset during the handshake: the server is starting, stopping or its
       // accept queue overflowed. Worth another try.
@@ -242,7 +253,7 @@ struct TcpStore::Client {
     throw NetworkError(what);
   }
 
-  void sendAll() {
+  void sendAll(Clock::time_point deadline) {
     size_t sent = 0;
     while (sent < out.size()) {
       const ssize_t n = ::send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
@@ -252,9 +263,11 @@ struct TcpStore::Client {
       }
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        pollfd p{fd, POLLOUT, 0};
-        ::poll(&p, 1, 1000);
-        continue;
+        if (Clock::now() < deadline) continue;  // the server is slow to read: keep at it
+        closeFd();
+        reconnect = true;
+        throw TimeoutError(str("store: could not send a request to the store at ", address(),
+                               " before the deadline (", where(), "); the connection will be re-established"));
       }
       connectionLost(str("lost the connection to the store at ", address(), " while sending (",
                          std::strerror(errno), "); the server is gone"));
@@ -282,23 +295,25 @@ struct TcpStore::Client {
         return body;
       }
       // Room for the rest of the frame.
-      if (in.size() - inBegin < need || in.size() - inEnd < 4096) {
+      // Room for the rest of the frame (small to start: thousands of clients
+      // may live in one process).
+      if (in.size() - inBegin < need || in.size() - inEnd < 1024) {
         if (inBegin > 0) {
           std::memmove(in.data(), in.data() + inBegin, have());
           inEnd -= inBegin;
           inBegin = 0;
         }
-        if (in.size() < std::max<size_t>(need, 64 * 1024)) in.resize(std::max<size_t>(need, 64 * 1024));
-        if (in.size() - inEnd < 4096) in.resize(in.size() * 2);
+        if (in.size() < std::max<size_t>(need, 4096)) in.resize(std::max<size_t>(need, 4096));
+        if (in.size() - inEnd < 1024) in.resize(in.size() * 2);
       }
-      // poll first: EINTR (a signal) just polls again with the time left.
-      pollfd p{fd, POLLIN, 0};
-      const int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(remainingUntil(deadline).count(), INT32_MAX)));
-      if (rc < 0) {
-        if (errno == EINTR) continue;
-        connectionLost(str("poll on the store connection failed: ", std::strerror(errno)));
+      // Blocking recv; EINTR (a signal) and the periodic wake-up just try again.
+      const ssize_t n = ::recv(fd, in.data() + inEnd, in.size() - inEnd, 0);
+      if (n > 0) {
+        inEnd += static_cast<size_t>(n);
+        continue;
       }
-      if (rc == 0) {
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         if (Clock::now() < deadline) continue;
         // The stream may still carry our reply later: start over on a new connection.
         closeFd();
@@ -306,12 +321,6 @@ struct TcpStore::Client {
         throw TimeoutError(str("store ", op, ": no reply from the store at ", address(),
                                " by the deadline (", where(), "); the connection will be re-established"));
       }
-      const ssize_t n = ::recv(fd, in.data() + inEnd, in.size() - inEnd, MSG_DONTWAIT);
-      if (n > 0) {
-        inEnd += static_cast<size_t>(n);
-        continue;
-      }
-      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       connectionLost(str("the store at ", address(), " closed the connection during ", op, " (",
                          n == 0 ? "server gone" : std::strerror(errno), "; ", where(), ")"));
     }
@@ -332,8 +341,9 @@ struct TcpStore::Client {
   proto::FrameReader roundTrip(const char* op, const std::vector<std::string>& keys, Ms clientTimeout,
                                Ms requestTimeout = Ms(0)) {
     ensureConnected();
-    sendAll();
-    std::string_view body = readFrame(Clock::now() + clientTimeout, op);
+    const auto deadline = Clock::now() + clientTimeout;
+    sendAll(deadline);
+    std::string_view body = readFrame(deadline, op);
     proto::FrameReader r(body);
     try {
       const auto status = static_cast<Status>(r.u8());

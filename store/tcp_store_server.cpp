@@ -108,7 +108,7 @@ struct Session : std::enable_shared_from_this<Session> {
   TcpStoreServer::Impl& server;
   tcp::socket socket;
   std::string peer = "?";
-  std::vector<char> in = std::vector<char>(16 * 1024);
+  std::vector<char> in = std::vector<char>(4096);
   size_t begin = 0, end = 0;
   std::string out, writing;
   bool writeInFlight = false, closed = false, closeAfterWrite = false, handshaken = false;
@@ -129,13 +129,13 @@ struct Session : std::enable_shared_from_this<Session> {
 
   void read() {
     if (closed) return;
-    if (in.size() - end < 4096) {
+    if (in.size() - end < 1024) {
       if (begin > 0) {
         std::memmove(in.data(), in.data() + begin, end - begin);
         end -= begin;
         begin = 0;
       }
-      if (in.size() - end < 4096) in.resize(in.size() * 2);
+      if (in.size() - end < 1024) in.resize(in.size() * 2);
     }
     socket.async_read_some(asio::buffer(in.data() + end, in.size() - end),
                            [self = shared_from_this()](std::error_code ec, size_t n) { self->onRead(ec, n); });
@@ -175,11 +175,11 @@ struct Session : std::enable_shared_from_this<Session> {
       if (available < proto::kHeaderBytes + length) {
         // Make room for the whole frame so the next reads complete it.
         const size_t need = proto::kHeaderBytes + length;
-        if (in.size() - begin < need + 4096) {
+        if (in.size() - begin < need + 1024) {
           std::memmove(in.data(), in.data() + begin, available);
           begin = 0;
           end = available;
-          if (in.size() < need + 4096) in.resize(need + 4096);
+          if (in.size() < need + 1024) in.resize(need + 1024);
         }
         break;
       }

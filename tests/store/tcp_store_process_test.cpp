@@ -499,12 +499,35 @@ TEST(TcpStoreProcess, FuzzedFramesNeverCrashTheServerOrLoseData) {
 
 TEST(TcpStoreProcess, ClientWaitsForALateServer) {
   const uint16_t port = freePort();
-  ServerProcess late({}, "", port, 700ms);
+  // Attempts are at most 1.5 s apart, so some attempt fails between 1 s (when
+  // the client starts to log) and the server's start.
+  ServerProcess late({}, "", port, 3000ms);
+  // Capture this process's stderr (the store logger's sink) while connecting.
+  dt::testing::TempDir dir;
+  const std::string logPath = (dir.path() / "client.log").string();
+  std::fflush(stderr);
+  const int savedStderr = ::dup(2);
+  const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ::dup2(logFd, 2);
   const auto start = Clock::now();
-  auto store = client(port);
-  EXPECT_GE(Clock::now() - start, 300ms);
+  std::shared_ptr<TcpStore> store;
+  try {
+    store = client(port);
+  } catch (...) {
+    ::dup2(savedStderr, 2);
+    throw;
+  }
+  std::fflush(stderr);
+  ::dup2(savedStderr, 2);
+  ::close(savedStderr);
+  ::close(logFd);
+  EXPECT_GE(Clock::now() - start, 1000ms);
   store->set("k", "v");
   EXPECT_EQ(store->get("k"), "v");
+  const std::string log = readFile(logPath);
+  EXPECT_NE(log.find(str("waiting for the store at 127.0.0.1:", port)), std::string::npos) << log;
+  EXPECT_EQ(log.find("waiting for the store", log.find("waiting for the store") + 1), std::string::npos)
+      << "logged more than once within 30 s: " << log;
 }
 
 TEST(TcpStoreProcess, ConnectTimeoutNamesTheAddress) {
