@@ -51,6 +51,19 @@ struct RetryableConnectError {
   std::string reason;
 };
 
+// Thousands of clients may live in one process (tests, benchmarks, a
+// launcher's agents): let them use every descriptor the hard limit allows.
+void raiseFileLimitOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    rlimit limit{};
+    if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+      limit.rlim_cur = limit.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &limit);
+    }
+  });
+}
+
 Ms remainingUntil(Clock::time_point deadline) {
   return std::max(Ms(0), std::chrono::duration_cast<Ms>(deadline - Clock::now()));
 }
@@ -406,6 +419,7 @@ TcpStore::TcpStore(std::string host, uint16_t port, TcpStoreOptions options)
     server_ = TcpStoreServer::start(serverOptions);
     port_ = server_->port();
   }
+  raiseFileLimitOnce();
   client_ = Client::make(host_, port_, options_, /*worker=*/true);
   client_->connect();
   if (server_ && options_.waitForWorkers && options_.numWorkers) {
