@@ -253,7 +253,9 @@ struct Coordinator::Shared {
     while (true) {
       {
         std::unique_lock<std::mutex> lock(mutex);
-        cv.wait_for(lock, config.interval, [&] { return stop || kick; });
+        // At the end of a job nodes wait on each other: poll faster then.
+        const Millis wait = (waitingDone || watchingExits) ? std::min(config.interval, Millis(50)) : config.interval;
+        cv.wait_for(lock, wait, [&] { return stop || kick; });
         if (stop) return;
         kick = false;
       }
