@@ -151,8 +151,10 @@ struct Agent::Impl {
     ::fcntl(watchFd, F_SETFL, ::fcntl(watchFd, F_GETFL) | O_NONBLOCK);
   }
 
-  Impl(AgentConfig config, SignalChannel& channel)
-      : cfg(std::move(config)), o(cfg.options), signals(channel) {
+  Guardian* guardian;
+
+  Impl(AgentConfig config, SignalChannel& channel, Guardian* guard)
+      : cfg(std::move(config)), o(cfg.options), signals(channel), guardian(guard) {
     tag = o.nnodes > 1 ? str("dtrun (node ", o.nodeRank, "/", o.nnodes, "): ") : std::string("dtrun: ");
     wakeFd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wakeFd < 0) throw Error(str("dtrun: eventfd failed: ", std::strerror(errno)));
@@ -376,6 +378,7 @@ struct Agent::Impl {
       try {
         const SpawnedWorker sw = spawnWorker(cfg.programPath, o.program, env.entries, signals.originalMask());
         w.pid = sw.pid;
+        if (guardian) guardian->watch(w.pid);
         w.fds[0] = sw.stdoutFd;
         w.fds[1] = sw.stderrFd;
       } catch (const std::exception& e) {
@@ -593,6 +596,13 @@ struct Agent::Impl {
       }
     }
 
+    // Every worker is reaped and its group signalled where needed: nothing
+    // left for the guardian to clean up should dtrun die from here on.
+    if (guardian) {
+      for (const auto& w : workers) {
+        if (w.pid > 0) guardian->release(w.pid);
+      }
+    }
     if (!stopping && (!multiNode || allDone)) return AttemptResult{true, 0};
 
     // Failure. With several nodes, learn which failure the job records as
@@ -685,7 +695,8 @@ struct Agent::Impl {
   }
 };
 
-Agent::Agent(AgentConfig config, SignalChannel& signals) : impl_(std::make_unique<Impl>(std::move(config), signals)) {}
+Agent::Agent(AgentConfig config, SignalChannel& signals, Guardian* guardian)
+    : impl_(std::make_unique<Impl>(std::move(config), signals, guardian)) {}
 Agent::~Agent() = default;
 int Agent::run() { return impl_->run(); }
 

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "launcher/guardian.h"
 #include "launcher/options.h"
 #include "launcher/process.h"
 
@@ -34,7 +35,8 @@ struct AgentConfig {
 
 class Agent {
  public:
-  Agent(AgentConfig config, SignalChannel& signals);
+  // guardian may be null (no clean-up of worker process groups if dtrun dies).
+  Agent(AgentConfig config, SignalChannel& signals, Guardian* guardian);
   ~Agent();
   int run();
 

@@ -1,6 +1,7 @@
 // dtrun: the launcher's executable. Parses the command line, applies SLURM,
 // and runs the agent. Usage errors exit 2 with one line; see dtrun --help.
 #include <cstdio>
+#include <memory>
 #include <cstdlib>
 #include <string>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "launcher/agent.h"
+#include "launcher/guardian.h"
 #include "launcher/machine.h"
 #include "launcher/options.h"
 #include "launcher/output.h"
@@ -71,14 +73,21 @@ int main(int argc, char** argv) {
   config.hostname = slurmNode && *slurmNode ? slurmNode : hostName();
   if (auto token = env::getRaw("DT_STORE_TOKEN")) config.userToken = *token;
 
+  // Before any thread exists: the guardian is forked, then the forwarded
+  // signals are blocked (the store's threads inherit the mask), so they
+  // arrive only through the channel.
+  std::unique_ptr<Guardian> guardian = Guardian::start();
+  int code = 1;
   try {
-    // Block the forwarded signals before any thread exists (the store's
-    // threads inherit the mask), so they arrive only through the channel.
     SignalChannel signals(config.options.signals);
-    Agent agent(std::move(config), signals);
-    finish(agent.run());
+    Agent agent(std::move(config), signals, guardian.get());
+    code = agent.run();
+    // Every attempt released its groups; after an error the guardian still
+    // cleans up whatever a dying attempt left.
+    if (guardian) guardian->goodbye();
   } catch (const std::exception& e) {
     writeAll(2, str("dtrun: error: ", e.what(), "\n"));
-    finish(1);
+    code = 1;
   }
+  finish(code);
 }

@@ -205,17 +205,19 @@ TEST(DtrunE2E, NoOrphansWhenDtrunIsKilled) {
   std::vector<pid_t> pids;
   for (int rank = 0; rank < 3; ++rank) {
     std::ifstream in(dir.path() / str("rank", rank, ".pid"));
-    pid_t pid = 0;
-    in >> pid;
+    pid_t pid = 0, grandchild = 0;
+    in >> pid >> grandchild;
     ASSERT_GT(pid, 0);
+    ASSERT_GT(grandchild, 0);
     pids.push_back(pid);
+    pids.push_back(grandchild);  // cleaned up by dtrun's guardian process
   }
   p.signal(SIGKILL);
   p.wait(10s);
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   for (pid_t pid : pids) {
     while (!processGone(pid) && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(20ms);
-    EXPECT_TRUE(processGone(pid)) << "worker " << pid << " outlived a SIGKILLed dtrun";
+    EXPECT_TRUE(processGone(pid)) << "worker or worker's child " << pid << " outlived a SIGKILLed dtrun";
     if (!processGone(pid)) kill(pid, SIGKILL);
   }
 }

@@ -111,7 +111,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "pidfile" && argc >= 3) {
-    std::ofstream(dt::str(argv[2], "/rank", rank, ".pid")) << getpid() << "\n";
+    // A grandchild in the worker's process group, like a data-loader process:
+    // it has no parent-death signal of its own.
+    const pid_t child = fork();
+    if (child == 0) {
+      sleepMs(120000);
+      _exit(0);
+    }
+    std::ofstream(dt::str(argv[2], "/rank", rank, ".pid")) << getpid() << " " << child << "\n";
     std::printf("pid written rank %d\n", rank);
     sleepMs(120000);
     return 0;
