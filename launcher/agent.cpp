@@ -304,6 +304,12 @@ struct Agent::Impl {
 
   AttemptResult runAttempt(int attempt, const Rendezvous& rdv) {
     std::vector<Worker> workers(static_cast<size_t>(cfg.nproc));
+    for (int i = 0; i < cfg.nproc; ++i) {
+      Worker& w = workers[static_cast<size_t>(i)];
+      w.localRank = w.outcome.localRank = i;
+      w.rank = w.outcome.rank = rdv.rankOffset + i;
+      w.outcome.host = cfg.hostname;
+    }
     const bool multiNode = o.nnodes > 1;
 
     if (o.hangTimeout.count() > 0 && o.nodeRank == 0) {
@@ -391,7 +397,11 @@ struct Agent::Impl {
       w.outcome.pid = w.pid;
     }
     for (auto& w : workers) {
-      if (w.pid < 0 && !w.reaped) w.reaped = true;  // never started (spawn loop broke off)
+      if (w.pid < 0 && !w.reaped) {  // never started (the spawn loop broke off)
+        w.reaped = true;
+        w.outcome.stoppedByLauncher = true;
+        w.outcome.timeMs = wallMs();
+      }
     }
 
     auto reapAll = [&] {
@@ -628,7 +638,7 @@ struct Agent::Impl {
     summary.nodeRank = o.nodeRank;
     summary.startMs = startMs;
     for (auto& w : workers) {
-      w.outcome.stderrTail.assign(w.streams[1]->tail().begin(), w.streams[1]->tail().end());
+      if (w.streams[1]) w.outcome.stderrTail.assign(w.streams[1]->tail().begin(), w.streams[1]->tail().end());
       summary.outcomes.push_back(w.outcome);
     }
     int code = externalCode;
