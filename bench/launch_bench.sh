@@ -56,6 +56,9 @@ if [ "${SKIP_PEERS:-0}" != 1 ]; then
     for peer in torchrun-monitor0.1 torchrun; do
       "$PY" "$PEERS/summarize.py" "$out" --ratio "dtrun:$peer" | grep RATIO || true
     done
+    awk '$1 == "RESULT" { for (i = 3; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] } t[v["impl"] "/" v["nproc"]] = v["time_ms"] }
+         END { for (k in t) { split(k, p, "/"); if (p[1] != "dtrun" && p[1] != "python3-import-torch" && t["dtrun/" p[2]] > 0)
+                 printf "# nproc=%s: dtrun is %.0fx faster than %s (%.1f ms vs %.1f ms)\n", p[2], t[k] / t["dtrun/" p[2]], p[1], t["dtrun/" p[2]], t[k] } }' "$out"
   else
     echo "# peers skipped: $PEERS/launch_overhead.sh missing or torch not importable by $PY"
   fi
