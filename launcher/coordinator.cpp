@@ -189,9 +189,14 @@ struct Coordinator::Shared {
     }
     if (config.hangTimeout.count() > 0 && config.nodeRank == 0 && k >= 0 && !hangReported && world > 0) {
       std::vector<std::string> progress(static_cast<size_t>(world));
-      for (int r = 0; r < world; ++r) {
-        const std::string name = str("dt/progress/", r);
-        if (store->check({name})) progress[static_cast<size_t>(r)] = store->get(name);
+      std::vector<std::string> names;
+      for (int r = 0; r < world; ++r) names.push_back(str("dt/progress/", r));
+      if (store->check(names)) {
+        progress = store->multiGet(names);  // the usual case once every rank has run a collective
+      } else {
+        for (int r = 0; r < world; ++r) {
+          if (store->check({names[static_cast<size_t>(r)]})) progress[static_cast<size_t>(r)] = store->get(names[static_cast<size_t>(r)]);
+        }
       }
       if (progress != lastProgress) {
         lastProgress = progress;

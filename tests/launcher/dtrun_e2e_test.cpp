@@ -380,6 +380,26 @@ TEST(DtrunE2E, TwoNodesFailureOnOneNodeStopsBoth) {
   EXPECT_LT(r0.seconds, 20);
 }
 
+TEST(DtrunE2E, TwoNodesRestartTogether) {
+  // Rank 0 (node 0) fails in attempt 0; both nodes restart, attempt 1 succeeds everywhere.
+  const std::string port = std::to_string(freePort());
+  auto node = [&](int rank) {
+    return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--nproc", "2",
+                  "--max-restarts", "2", "--monitor-interval", "100ms", "--rdzv-timeout", "30s", "--kill-grace", "5s",
+                  kWorker, "restart", "1"});
+  };
+  ChildProcess n0(node(0));
+  ChildProcess n1(node(1));
+  const auto r0 = n0.wait(90s);
+  const auto r1 = n1.wait(90s);
+  EXPECT_EQ(r0.exitCode, 0) << r0.err;
+  EXPECT_EQ(r1.exitCode, 0) << r1.err;
+  EXPECT_THAT(r0.out, HasSubstr("attempts seen 2 restart count 1"));
+  EXPECT_THAT(r1.err, HasSubstr("root cause: node 0 reported: rank 0"));
+  EXPECT_THAT(r0.err, HasSubstr("restarting the worker group (restart 1 of 2)"));
+  EXPECT_THAT(r1.err, HasSubstr("restarting the worker group (restart 1 of 2)"));
+}
+
 TEST(DtrunE2E, TwoNodesKilledDtrunIsNoticedByTheOther) {
   const std::string port = std::to_string(freePort());
   auto node = [&](int rank) {
