@@ -307,7 +307,8 @@ std::string helpText() {
       "options (each also read from the environment variable shown):\n";
   for (const auto& spec : optionSpecs()) {
     std::string left = str("  --", spec.name, spec.takesValue ? " VALUE" : "");
-    out += str(left, std::string(left.size() < 26 ? 26 - left.size() : 1, ' '), spec.help, "\n",
+    const std::string gap = left.size() < 26 ? std::string(26 - left.size(), ' ') : "\n" + std::string(26, ' ');
+    out += str(left, gap, spec.help, "\n",
                std::string(26, ' '), "[", spec.envName, "; default: ", spec.defaultText, "]\n");
   }
   out +=
