@@ -27,6 +27,7 @@
 #include "store/file_store.h"
 #include "store/internal/protocol.h"
 #include "store/tcp_store.h"
+#include "store/tcp_store_server.h"
 #include "tests/testing/testing.h"
 
 // GCC 12 with -fsanitize=address reports copies of TcpStoreOptions'
@@ -635,24 +636,48 @@ TEST(TcpStoreProcess, ThousandConcurrentClientsRendezvous) {
   EXPECT_EQ(released.load(), kClients);
 }
 
-TEST(TcpStoreProcess, LoopbackHostBindsLoopbackOnly) {
-  TcpStoreOptions options;
-  options.isServer = true;
-  options.waitForWorkers = false;
-  TcpStore server("127.0.0.1", 0, options);
-  // /proc/net/tcp lists listeners as hex "local_address:port" with state 0A.
+// The address a listener on `port` is bound to, from /proc/net/tcp ("0100007F"
+// for 127.0.0.1, "00000000" for all interfaces); "" when not found.
+std::string listeningAddress(uint16_t port) {
   std::ifstream tcp("/proc/net/tcp");
-  if (!tcp) GTEST_SKIP() << "no /proc/net/tcp to inspect the listening address";
   char portHex[8];
-  std::snprintf(portHex, sizeof(portHex), "%04X", server.port());
-  std::string line, found;
+  std::snprintf(portHex, sizeof(portHex), "%04X", port);
+  std::string line;
   while (std::getline(tcp, line)) {
     std::istringstream fields(line);
     std::string slot, local, remote, state;
     fields >> slot >> local >> remote >> state;
-    if (state == "0A" && local.size() > 5 && local.substr(local.size() - 4) == portHex) found = local;
+    if (state == "0A" && local.size() == 13 && local.substr(9) == portHex) return local.substr(0, 8);
   }
-  EXPECT_EQ(found, str("0100007F:", portHex)) << "the server should listen on 127.0.0.1 only";
+  return "";
+}
+
+TEST(TcpStoreProcess, LoopbackHostBindsLoopbackOnly) {
+  if (!std::ifstream("/proc/net/tcp")) GTEST_SKIP() << "no /proc/net/tcp to inspect the listening address";
+  TcpStoreOptions options;
+  options.isServer = true;
+  options.waitForWorkers = false;
+  TcpStore server("127.0.0.1", 0, options);
+  EXPECT_EQ(listeningAddress(server.port()), "0100007F") << "the server should listen on 127.0.0.1 only";
+  // An explicit bind address wins.
+  options.bindAddress = "0.0.0.0";
+  TcpStore everywhere("127.0.0.1", 0, options);
+  EXPECT_EQ(listeningAddress(everywhere.port()), "00000000");
+}
+
+TEST(TcpStoreProcess, ClonesDoNotCountAsWorkers) {
+  TcpStoreServerOptions serverOptions;
+  serverOptions.token = kToken;
+  auto server = TcpStoreServer::start(serverOptions);
+  auto worker = client(server->port(), kToken, 0);
+  auto extra = worker->clone();
+  extra->set("k", "v");
+  EXPECT_EQ(server->joinedWorkers(), 1);
+  auto second = client(server->port(), kToken, 1);
+  EXPECT_EQ(server->joinedWorkers(), 2);
+  server->waitForWorkers(2, 1s);
+  expectThrowsWith<TimeoutError>([&] { server->waitForWorkers(3, 100ms); },
+                                 {"2/3 joined; missing: rank 2", server->address()});
 }
 
 TEST(FileStoreProcess, ProcessesShareCountersAndBarriers) {
