@@ -202,5 +202,30 @@ TEST(Autograd, AccumulateGradStealsFreshGradient) {
   EXPECT_EQ(w.grad().storage().useCount(), 1);
 }
 
+TEST(Autograd, IndependentGraphsOnSeveralThreadsAtOnce) {
+  // Threads as ranks: each thread trains its own copy; kernels share the intra-op pool.
+  auto run = [](std::vector<float>* out) {
+    Generator g(5);
+    Tensor w = randn({256, 256}, g).setRequiresGrad(true);
+    Tensor x = randn({64, 256}, g);
+    std::vector<std::string> order;
+    w.registerPostAccumulateGradHook([&](Tensor&) { queueCallback([&] { order.push_back("callback"); }); });
+    for (int step = 0; step < 3; ++step) {
+      Tensor loss = mean(mul(relu(linear(x, w)), 2.0));
+      loss.backward();
+      NoGradGuard ng;
+      addInPlace(w, w.grad(), -0.1);
+      w.setGrad(Tensor());
+    }
+    EXPECT_EQ(order.size(), 3u);
+    *out = w.toVector<float>();
+  };
+  std::vector<float> serial;
+  run(&serial);
+  std::vector<std::vector<float>> results(4);
+  testing::runRanks(4, [&](int rank) { run(&results[rank]); });
+  for (auto& r : results) EXPECT_EQ(r, serial);
+}
+
 }  // namespace
 }  // namespace dt

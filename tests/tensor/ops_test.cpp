@@ -393,6 +393,9 @@ TEST(Threads, KnobAndParallelForCoverage) {
 }
 
 TEST(Threads, ParallelKernelsWorkAfterFork) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer cannot start threads in a child forked from a multi-threaded process";
+#endif
   // The pool's workers do not survive fork(); a child must still run big kernels.
   const int before = numThreads();
   setNumThreads(2);
