@@ -91,6 +91,9 @@ struct Coordinator::Shared {
   int attempt = -1;
   int worldSize = 0;
   int64_t attemptStartMs = 0;
+  uint64_t epoch = 0;  // bumped by beginAttempt (under the mutex)
+  // Owned by the coordinator thread; reset when it sees a new epoch.
+  uint64_t seenEpoch = 0;
   bool failureSeen = false;
   bool hangReported = false;
   std::vector<std::string> lastProgress;
@@ -132,6 +135,13 @@ struct Coordinator::Shared {
       k = attempt;
       world = worldSize;
       startMs = attemptStartMs;
+      if (epoch != seenEpoch) {
+        seenEpoch = epoch;
+        failureSeen = false;
+        hangReported = false;
+        lastProgress.clear();
+        lastProgressChangeMs = startMs;
+      }
     }
     const int64_t now = wallMs();
     for (const auto& [name, value] : sets) store->set(name, value);
@@ -312,10 +322,7 @@ void Coordinator::beginAttempt(int attempt, int worldSize, int64_t startMs) {
   shared_->attempt = attempt;
   shared_->worldSize = worldSize;
   shared_->attemptStartMs = startMs;
-  shared_->failureSeen = false;
-  shared_->hangReported = false;
-  shared_->lastProgress.clear();
-  shared_->lastProgressChangeMs = startMs;
+  ++shared_->epoch;
   shared_->waitingDone = false;
 }
 
