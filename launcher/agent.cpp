@@ -178,10 +178,24 @@ struct Agent::Impl {
       so.isServer = true;
       so.waitForWorkers = false;
       so.bindAddress = o.bind;
+      std::string failure;
       try {
         store = std::make_shared<TcpStore>(o.masterAddr, static_cast<uint16_t>(o.masterPort), so);
       } catch (const std::exception& e) {
-        throw Error(str("dtrun: cannot host the job's store on ", o.masterAddr, ":", o.masterPort, ": ", e.what(),
+        failure = e.what();
+      }
+      // One node on the default port, which another job on this machine
+      // holds: nobody else needs to find this store, so any free port will do.
+      if (!store && o.nnodes == 1 && !o.masterPortSet && o.masterPort != 0) {
+        try {
+          store = std::make_shared<TcpStore>(o.masterAddr, 0, so);
+          say(str("note: the default store port ", o.masterPort, " is busy (another job?); using free port ",
+                  static_cast<TcpStore&>(*store).port(), " instead (pass --master-port to insist on one)"));
+        } catch (const std::exception&) {
+        }
+      }
+      if (!store) {
+        throw Error(str("dtrun: cannot host the job's store on ", o.masterAddr, ":", o.masterPort, ": ", failure,
                         ". Is another job using port ", o.masterPort,
                         "? Pass --master-port with a free port, or --master-port 0 / --standalone on one node"));
       }

@@ -98,7 +98,7 @@ const std::vector<OptionSpec>& optionSpecs() {
          o.masterAddr = v;
          o.masterAddrSet = true;
        }},
-      {"master-port", "DT_MASTER_PORT", true, "29500", "port of the job's store on node 0; 0 picks a free one (single node only)",
+      {"master-port", "DT_MASTER_PORT", true, "29500", "port of the job's store on node 0; 0 picks a free one (single node only; there a busy default port also falls back to a free one)",
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.masterPort = parseCount(v, what, 0, 65535, "a port number from 0 to 65535 (0: any free port)");
          o.masterPortSet = true;

@@ -328,6 +328,21 @@ TEST(DtrunE2E, StorePortInUseIsAClearError) {
   holder.wait(30s);
 }
 
+TEST(DtrunE2E, BusyDefaultPortFallsBackToAFreeOneOnASingleNode) {
+  // Hold the default port (if someone else already holds it, it is busy all the same).
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(29500);
+  const bool held = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 && listen(fd, 1) == 0;
+  const auto r = runProcess(dtrun({kWorker, "env"}), 30s, {"DT_MASTER_PORT=", "DT_STANDALONE="});
+  close(fd);
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("note: the default store port 29500 is busy")) << "held by this test: " << held;
+  EXPECT_THAT(parseEnvDump(r.out)[0]["DT_STORE_ADDR"], Not(HasSubstr(":29500")));
+}
+
 TEST(DtrunE2E, TwoNodesOnLoopbackRanksNodeMajorAndExchangeData) {
   const std::string port = std::to_string(freePort());
   auto node = [&](int rank, const std::string& mode) {
