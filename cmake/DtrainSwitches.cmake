@@ -35,6 +35,9 @@ macro(dt_resolve_switches)
         set(CMAKE_CUDA_ARCHITECTURES 80 90)
       endif()
       enable_language(CUDA)
+      # CMake 3.25 predates CUDA 13 and does not know its C++20 flag, so
+      # CMAKE_CUDA_STANDARD would be ignored; our headers need C++20.
+      add_compile_options($<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
       find_package(CUDAToolkit REQUIRED)
       set(DT_HAVE_CUDA 1)
       set(DT_CUDA_REASON "nvcc ${CMAKE_CUDA_COMPILER_VERSION} at ${CMAKE_CUDA_COMPILER}")

@@ -11,6 +11,10 @@
 
 #include "common/errors.h"
 #include "common/strings.h"
+#include "common/config.h"
+#if DT_HAVE_CUDA
+#include "tensor/cuda/cuda.h"
+#endif
 
 namespace dt {
 
@@ -142,6 +146,15 @@ std::array<std::atomic<Allocator*>, 2>& registry() {
 
 Allocator& allocatorFor(Device device) {
   Allocator* a = registry()[static_cast<size_t>(device.type)].load(std::memory_order_acquire);
+#if DT_HAVE_CUDA
+  if (a == nullptr && device.isCuda()) {
+    // Installed lazily so that a CPU-only program never initialises CUDA
+    // (and may fork freely).
+    Allocator* expected = nullptr;
+    registry()[static_cast<size_t>(device.type)].compare_exchange_strong(expected, &cuda::cudaAllocator());
+    a = registry()[static_cast<size_t>(device.type)].load(std::memory_order_acquire);
+  }
+#endif
   if (a == nullptr) {
     throw NotSupportedError(str("no allocator for device ", device.str(),
                                 ": this build of dtrain has no GPU support (tensor/cuda); use Device::cpu()"));
@@ -157,7 +170,7 @@ void registerAllocator(DeviceType type, Allocator* allocator) {
 }
 
 Storage::Storage(size_t nbytes, Device device) : impl_(std::make_shared<Impl>()) {
-  impl_->data = allocatorFor(device).allocate(nbytes);
+  impl_->data = allocatorFor(device).allocateOn(device, nbytes);
   impl_->nbytes = nbytes;
 }
 

@@ -11,9 +11,10 @@
 //    the idle blocks to the system.
 //  * allocatorFor(device) returns the allocator registered for that device
 //    type. The CPU allocator is built in (64-byte aligned, so BLAS and SIMD get
-//    aligned rows). CUDA has no allocator in a build without GPU support and
-//    throws NotSupportedError naming the device; tensor/cuda registers one
-//    through registerAllocator().
+//    aligned rows). In a build with CUDA (DT_HAVE_CUDA) the CUDA allocator of
+//    tensor/cuda/cuda.h serves CUDA devices; without it allocatorFor(CUDA)
+//    throws NotSupportedError naming the device. registerAllocator() replaces
+//    either (tests use it for fakes).
 //  * Storage is a cheap, shared handle (copies share the bytes). Its contents
 //    are not synchronised: concurrent writers must coordinate themselves.
 #pragma once
@@ -54,6 +55,9 @@ class Allocator {
   virtual ~Allocator() = default;
   // Never returns null for bytes > 0; throws dt::Error when out of memory.
   virtual DataPtr allocate(size_t bytes) = 0;
+  // On a specific device of this type (CUDA has several); the default ignores
+  // the index, which is right for the CPU.
+  virtual DataPtr allocateOn(Device device, size_t bytes) { return allocate(bytes); }
   virtual DeviceType deviceType() const = 0;
 };
 

@@ -1,0 +1,117 @@
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/cuda/cuda.h"
+
+namespace dt::cuda {
+namespace {
+
+void throwIfFailed(cudaError_t status, const char* what, Device device) {
+  if (status != cudaSuccess) {
+    throw BackendError(str("CUDA ", what, " on ", device.str(), " failed: ", cudaGetErrorString(status),
+                           " (", static_cast<int>(status), ")"));
+  }
+}
+
+struct Probe {
+  int count = 0;
+  std::string reason;
+};
+
+const Probe& probe() {
+  static const Probe result = [] {
+    Probe p;
+    const cudaError_t status = cudaGetDeviceCount(&p.count);
+    if (status != cudaSuccess) {
+      p.count = 0;
+      p.reason = status == cudaErrorInsufficientDriver || status == cudaErrorNoDevice
+                     ? str("no usable CUDA device: ", cudaGetErrorString(status))
+                     : str("CUDA is unavailable: ", cudaGetErrorString(status));
+      cudaGetLastError();  // clear the sticky error so later calls start clean
+    } else if (p.count == 0) {
+      p.reason = "no CUDA device on this machine";
+    }
+    return p;
+  }();
+  return result;
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(Device device) {
+    cudaGetDevice(&previous_);
+    throwIfFailed(cudaSetDevice(device.index), "set device", device);
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+class CudaAllocator final : public Allocator {
+ public:
+  // The current device, when the caller does not name one.
+  DataPtr allocate(size_t bytes) override {
+    int current = 0;
+    cudaGetDevice(&current);
+    return allocateOn(Device::cuda(current), bytes);
+  }
+  DeviceType deviceType() const override { return DeviceType::CUDA; }
+
+  DataPtr allocateOn(Device device, size_t bytes) override {
+    if (deviceCount() == 0) {
+      throw NotSupportedError(str("cannot allocate ", bytes, " bytes on ", device.str(), ": ", unavailableReason()));
+    }
+    if (device.index < 0 || device.index >= deviceCount()) {
+      throw InvalidArgument(str("device ", device.str(), " does not exist; this machine has ", deviceCount(),
+                                " CUDA device(s)"));
+    }
+    if (bytes == 0) return DataPtr(nullptr, nullptr, nullptr, device);
+    DeviceGuard guard(device);
+    void* ptr = nullptr;
+    throwIfFailed(cudaMalloc(&ptr, bytes), str("malloc of ", bytes, " bytes").c_str(), device);
+    return DataPtr(ptr, nullptr, [](void*, void* p) { cudaFree(p); }, device);
+  }
+};
+
+__global__ void fillKernel(float* dst, size_t n, float value) {
+  const size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  if (i < n) dst[i] = value;
+}
+
+}  // namespace
+
+int deviceCount() { return probe().count; }
+std::string unavailableReason() { return probe().reason; }
+
+Allocator& cudaAllocator() {
+  static CudaAllocator allocator;
+  return allocator;
+}
+
+void copyBytes(void* dst, Device dstDevice, const void* src, Device srcDevice, size_t bytes) {
+  if (bytes == 0) return;
+  const Device active = dstDevice.isCuda() ? dstDevice : srcDevice;
+  if (active.isCuda() && deviceCount() == 0) {
+    throw NotSupportedError(str("cannot copy to ", dstDevice.str(), " from ", srcDevice.str(), ": ",
+                                unavailableReason()));
+  }
+  throwIfFailed(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "memcpy", active);
+}
+
+void fillFloat32(void* dst, Device device, size_t n, float value) {
+  if (n == 0) return;
+  DeviceGuard guard(device);
+  constexpr unsigned kThreads = 256;
+  const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+  fillKernel<<<blocks, kThreads>>>(static_cast<float*>(dst), n, value);
+  throwIfFailed(cudaGetLastError(), "fill kernel launch", device);
+  throwIfFailed(cudaDeviceSynchronize(), "fill kernel", device);
+}
+
+}  // namespace dt::cuda
