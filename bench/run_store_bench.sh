@@ -11,7 +11,9 @@
 # Env: REPS (3), DT_BUILD_DIR (build-bench), PEERS_DIR (../shared/peers next to the
 # repository), PEERS_BUILD (/tmp/peers-build), OUT (results file; default in /tmp),
 # RDZV (256,1024,4096), LIBTORCH_RDZV (256,1024: LibTorch needs ~6 fds and 2 threads
-# per client, so 4096 exceeds common limits), REQS (redis requests per test, 200000).
+# per client, so 4096 exceeds common limits), REQS (redis requests per test, 200000),
+# TOTAL (ops per kv phase for dtrain and LibTorch alike, 40000 as in the peer; raise it on
+# a noisy machine so that each phase lasts longer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -22,6 +24,7 @@ peers_build=${PEERS_BUILD:-/tmp/peers-build}
 out=${OUT:-/tmp/store-bench-$(date +%Y%m%d-%H%M%S).txt}
 rdzv=${RDZV:-256,1024,4096}
 libtorch_rdzv=${LIBTORCH_RDZV:-256,1024}
+total=${TOTAL:-40000}
 py=/usr/bin/python3
 
 echo "== building dtrain store_bench in $build_dir" >&2
@@ -51,10 +54,10 @@ fi
 echo "# store bench $(date -u +%FT%TZ) host=$(hostname) cores=$(nproc) reps=$REPS" >"$out"
 for rep in $(seq "$REPS"); do
   echo "== rep $rep/$REPS: dtrain" >&2
-  "$build_dir/bench/store_bench" --rdzv "$rdzv" --reps 3 | tee -a "$out" | grep -v '^RESULT' >&2 || true
+  "$build_dir/bench/store_bench" --total "$total" --rdzv "$rdzv" --reps 3 | tee -a "$out" | grep -v '^RESULT' >&2 || true
   if [ "$have_libtorch" = 1 ]; then
     echo "== rep $rep/$REPS: libtorch-tcpstore" >&2
-    "$peers_build/libtorch_store" --rdzv "$libtorch_rdzv" --reps 3 2>/dev/null >>"$out" || echo "   libtorch_store failed" >&2
+    "$peers_build/libtorch_store" --total "$total" --rdzv "$libtorch_rdzv" --reps 3 2>/dev/null >>"$out" || echo "   libtorch_store failed" >&2
   fi
   if [ "$have_redis" = 1 ]; then
     echo "== rep $rep/$REPS: redis" >&2
