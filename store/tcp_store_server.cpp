@@ -116,6 +116,7 @@ struct Session : std::enable_shared_from_this<Session> {
   WaiterPtr pending;
   asio::steady_timer stallTimer;
   bool stallArmed = false;
+  bool progressed = false;  // bytes arrived since the stall clock was last set
   uint64_t stallGeneration = 0;
 
   void start() {
@@ -156,6 +157,7 @@ struct Session : std::enable_shared_from_this<Session> {
       return;
     }
     end += n;
+    progressed = true;
     process();
     read();
   }
@@ -192,7 +194,8 @@ struct Session : std::enable_shared_from_this<Session> {
       return;
     }
     if (begin == end) begin = end = 0;
-    updateStall();
+    updateStall(progressed);
+    progressed = false;
     flush();
   }
 
@@ -204,9 +207,10 @@ struct Session : std::enable_shared_from_this<Session> {
 
   // A client stalls when it has sent part of a request (or not yet its
   // handshake) and nothing more for stallTimeout.
-  void updateStall() {
+  // Bytes arriving restart the clock: a large value on a slow link is fine.
+  void updateStall(bool gotBytes = false) {
     const bool stalled = !closed && !pending && (!handshaken || end > begin);
-    if (stalled == stallArmed) return;
+    if (stalled == stallArmed && !(stalled && gotBytes)) return;
     stallArmed = stalled;
     ++stallGeneration;
     if (!stalled) {
@@ -216,7 +220,8 @@ struct Session : std::enable_shared_from_this<Session> {
     stallTimer.expires_after(server.options.stallTimeout);
     stallTimer.async_wait([self = shared_from_this(), generation = stallGeneration](std::error_code ec) {
       if (ec || self->closed || generation != self->stallGeneration) return;
-      self->fail(str(self->handshaken ? "stalled in the middle of a request" : "sent no handshake", " for ",
+      self->fail(str(self->handshaken ? "stalled in the middle of a request" : "sent no complete handshake",
+                     ": nothing received for ",
                      self->server.options.stallTimeout.count(), " ms (", self->end - self->begin,
                      " bytes buffered; DT_STORE_STALL_TIMEOUT)"));
     });

@@ -395,6 +395,25 @@ TEST(TcpStoreProcess, StalledClientIsDisconnectedWithoutBlockingOthers) {
   EXPECT_NE(readFile(log).find("stalled in the middle of a request"), std::string::npos) << readFile(log);
 }
 
+TEST(TcpStoreProcess, SlowButSteadyClientIsNotCutOff) {
+  ServerProcess server({{"DT_STORE_STALL_TIMEOUT", "500ms"}}, "");
+  const int fd = rawConnect(server.port());
+  rawSend(fd, helloFrame());
+  ASSERT_TRUE(rawReadFrame(fd).has_value());
+  // 40 bytes every 150 ms: the whole request takes ~2 s, each gap is well
+  // under the stall timeout.
+  const std::string frame = setFrame("slow", std::string(560, 's'));
+  for (size_t pos = 0; pos < frame.size(); pos += 40) {
+    rawSend(fd, std::string_view(frame).substr(pos, 40));
+    std::this_thread::sleep_for(150ms);
+  }
+  auto reply = rawReadFrame(fd);
+  ASSERT_TRUE(reply.has_value()) << "the server cut off a client that kept sending";
+  EXPECT_EQ(statusOf(*reply), static_cast<uint8_t>(proto::Status::Ok));
+  ::close(fd);
+  EXPECT_EQ(client(server.port())->get("slow"), std::string(560, 's'));
+}
+
 TEST(TcpStoreProcess, OversizedLengthAndUnknownCommandCloseOnlyThatConnection) {
   dt::testing::TempDir dir;
   const std::string log = (dir.path() / "server.log").string();
