@@ -444,9 +444,13 @@ struct Agent::Impl {
         for (const Worker* w : failedNow) {
           if (w->outcome.timeMs < first->outcome.timeMs) first = w;
         }
-        publish(exitCodeOf(first->outcome), first->outcome.timeMs,
-                str("rank ", first->rank, " (host ", cfg.hostname, ", pid ", first->pid, ") ended with ",
-                    describeOutcome(first->outcome)));
+        // Other nodes print this as their root cause: with its last stderr lines.
+        std::string description = str("rank ", first->rank, " (host ", cfg.hostname, ", pid ", first->pid,
+                                      ") ended with ", describeOutcome(first->outcome));
+        const auto& tail = first->streams[1]->tail();
+        const size_t from = tail.size() > 5 ? tail.size() - 5 : 0;
+        for (size_t i = from; i < tail.size(); ++i) description += str("\n      | ", tail[i]);
+        publish(exitCodeOf(first->outcome), first->outcome.timeMs, description);
         beginStop(SIGTERM);
       }
     };
@@ -564,6 +568,21 @@ struct Agent::Impl {
       const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(timeout));
       if (ready < 0 && errno != EINTR) throw Error(str("dtrun: poll failed: ", std::strerror(errno)));
 
+      // Output first: what a worker wrote before exiting is in its pipe by
+      // the time its SIGCHLD arrives, and the failure report quotes it.
+      for (size_t i = 0; i < owners.size(); ++i) {
+        const short revents = fds[i + 2].revents;
+        if (!revents) continue;
+        auto [w, s] = owners[i];
+        const ssize_t n = ::read(w->fds[s], buffer, sizeof(buffer));
+        if (n > 0) {
+          w->streams[s]->write(std::string_view(buffer, static_cast<size_t>(n)));
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+          ::close(w->fds[s]);
+          w->fds[s] = -1;
+          w->streams[s]->finish();
+        }
+      }
       if (fds[0].revents) {
         std::vector<int> sigs;
         signals.drain(sigs);
@@ -580,19 +599,6 @@ struct Agent::Impl {
         (void)ignored;
         if (coord) {
           for (const auto& event : coord->takeEvents()) handleEvent(event);
-        }
-      }
-      for (size_t i = 0; i < owners.size(); ++i) {
-        const short revents = fds[i + 2].revents;
-        if (!revents) continue;
-        auto [w, s] = owners[i];
-        const ssize_t n = ::read(w->fds[s], buffer, sizeof(buffer));
-        if (n > 0) {
-          w->streams[s]->write(std::string_view(buffer, static_cast<size_t>(n)));
-        } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
-          ::close(w->fds[s]);
-          w->fds[s] = -1;
-          w->streams[s]->finish();
         }
       }
       for (size_t i = watchFrom; i < fds.size(); ++i) {

@@ -391,6 +391,7 @@ TEST(DtrunE2E, TwoNodesFailureOnOneNodeStopsBoth) {
   EXPECT_EQ(r0.exitCode, 5) << r0.err;
   EXPECT_THAT(r1.err, HasSubstr("root cause: rank 3"));
   EXPECT_THAT(r0.err, HasSubstr("root cause: node 1 reported: rank 3"));
+  EXPECT_THAT(r0.err, HasSubstr("| worker rank 3: failing on purpose with code 5")) << "the remote root cause's stderr";
   EXPECT_THAT(r0.err, HasSubstr("exit code 5"));
   EXPECT_LT(r0.seconds, 20);
 }
