@@ -114,6 +114,12 @@ ResolvedInit resolveInit(const InitOptions& options) {
   return out;
 }
 
+// GCC 12 with -fsanitize=address reports a false -Wmaybe-uninitialized for
+// the std::optional<std::string> inside TcpStoreOptions when it is copied.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
   const ResolvedInit init = resolveInit(options);
   const auto timeout = options.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
@@ -125,7 +131,7 @@ std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
     storeOptions.waitForWorkers = false;
     storeOptions.timeout = timeout;
     storeOptions.rank = init.rank;
-    if (!init.token.empty()) storeOptions.token = init.token;
+    if (!init.token.empty()) storeOptions.token.emplace(init.token);
     store = std::make_shared<TcpStore>(init.storeHost, init.storePort, storeOptions);
   }
   ProcessGroupOptions pg;
@@ -152,5 +158,8 @@ std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
   if (restart > 0) store = std::make_shared<PrefixStore>(str("restart", restart), store);
   return ProcessGroup::create(store, init.rank, init.worldSize, std::move(pg));
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace dt
