@@ -361,6 +361,21 @@ TEST(DtrunE2E, TwoNodesOnLoopbackRanksNodeMajorAndExchangeData) {
   EXPECT_THAT(r1.out, HasSubstr("[rank 3] rank 3 group 1 sum 10 expected 10"));
 }
 
+TEST(DtrunE2E, MissingNodeIsARendezvousTimeoutAndSignalsStopTheWait) {
+  const std::string port = std::to_string(freePort());
+  auto r = runProcess(dtrun({"--nnodes", "3", "--master-port", port, "--rdzv-timeout", "1s", kWorker, "env"}), 30s);
+  EXPECT_EQ(r.exitCode, 1);
+  EXPECT_THAT(r.err, HasSubstr("node(s) 1-2 did not join attempt 1 within 1000 ms (--rdzv-timeout"));
+  ChildProcess waiting(dtrun({"--nnodes", "2", "--master-port", std::to_string(freePort()), kWorker, "env"}),
+                       {"DT_STORE_TOKEN="});
+  // The note is printed once the store is up, i.e. while dtrun waits for node 1.
+  ASSERT_TRUE(waiting.waitForOutput("DT_STORE_TOKEN is not set", 20s)) << waiting.output();
+  waiting.signal(SIGINT);
+  r = waiting.wait(20s);
+  EXPECT_EQ(r.exitCode, 128 + SIGINT);
+  EXPECT_THAT(r.err, HasSubstr("received SIGINT while waiting for the other nodes"));
+}
+
 TEST(DtrunE2E, TwoNodesSameNodeRankIsRejected) {
   const std::string port = std::to_string(freePort());
   auto node = [&](int rank) {
