@@ -380,11 +380,11 @@ TEST(DtrunE2E, TwoNodesSameNodeRankIsRejected) {
   const std::string port = std::to_string(freePort());
   auto node = [&](int rank) {
     return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--nproc", "1",
-                  "--rdzv-timeout", "5s", kWorker, "sleep", "3000"});
+                  "--rdzv-timeout", "5s", kWorker, "exchange"});
   };
-  ChildProcess n0(node(0));
-  ChildProcess first(node(1));
-  std::this_thread::sleep_for(1s);  // node 1's first dtrun claims the rank
+  ChildProcess n0(node(0), {"TEST_LINGER_MS=3000"});
+  ChildProcess first(node(1), {"TEST_LINGER_MS=3000"});
+  ASSERT_TRUE(first.waitForOutput("lingering rank 1", 30s)) << first.output();  // node 1's rank is claimed
   const auto duplicate = runProcess(node(1), 30s);
   EXPECT_NE(duplicate.exitCode, 0);
   EXPECT_THAT(duplicate.err, HasSubstr("--node-rank 1 is already taken by another dtrun"));
