@@ -315,11 +315,9 @@ TEST(DtrunE2E, UsageErrorsAreOneLineWithExitCode2) {
 
 TEST(DtrunE2E, StorePortInUseIsAClearError) {
   // Node 0 of one job holds a port; a second job on the same port says so.
-  ChildProcess first(dtrun({"--master-port", "0", "--nproc", "1", kWorker, "env"}));
-  first.wait(30s);
   const int port = freePort();
-  ChildProcess holder(dtrun({"--master-port", std::to_string(port), "--nproc", "1", kWorker, "sleep", "5000"}));
-  std::this_thread::sleep_for(500ms);
+  ChildProcess holder(dtrun({"--master-port", std::to_string(port), "--nproc", "1", kWorker, "trap"}));
+  ASSERT_TRUE(holder.waitForOutput("ready rank 0", 30s)) << holder.output();
   const auto r = runProcess(dtrun({"--master-port", std::to_string(port), kWorker, "env"}), 30s);
   EXPECT_EQ(r.exitCode, 1);
   EXPECT_THAT(r.err, HasSubstr(str("cannot host the job's store on 127.0.0.1:", port)));
