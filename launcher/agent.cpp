@@ -465,6 +465,8 @@ struct Agent::Impl {
       signalAll(sig, false);
       if (!isTermination(sig)) return;
       if (sig == SIGINT) ++sigintCount;
+      say(str("received ", signalName(sig), ": forwarded to the workers; stopping",
+              sig == SIGINT ? " (a second SIGINT kills them at once)" : ""));
       if (terminationSignal == 0) terminationSignal = sig;
       if (!stopping) {
         externalCause = str("dtrun received ", signalName(sig), " and forwarded it to the workers");
