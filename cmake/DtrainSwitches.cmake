@@ -35,9 +35,15 @@ macro(dt_resolve_switches)
         set(CMAKE_CUDA_ARCHITECTURES 80 90)
       endif()
       enable_language(CUDA)
-      # CMake 3.25 predates CUDA 13 and does not know its C++20 flag, so
-      # CMAKE_CUDA_STANDARD would be ignored; our headers need C++20.
-      add_compile_options($<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
+      # CMake 3.25 predates CUDA 13 and does not know nvcc's C++20 flag; our
+      # headers need C++20 in .cu files too.
+      if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+        set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+        set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+        list(APPEND CMAKE_CUDA_COMPILE_FEATURES cuda_std_20)
+      endif()
+      set(CMAKE_CUDA_STANDARD 20)
+      set(CMAKE_CUDA_STANDARD_REQUIRED ON)
       find_package(CUDAToolkit REQUIRED)
       set(DT_HAVE_CUDA 1)
       set(DT_CUDA_REASON "nvcc ${CMAKE_CUDA_COMPILER_VERSION} at ${CMAKE_CUDA_COMPILER}")
