@@ -170,7 +170,7 @@ void FileStore::set(const std::string& key, const Bytes& value) {
 
 Bytes FileStore::get(const std::string& key, Duration timeout) {
   Bytes value;
-  const bool found = pollUntil(Clock::now() + timeout, [&] {
+  const bool found = pollUntil(detail::deadlineAfter(timeout), [&] {
     return locked(false, [&](detail::KvState& s) {
       const Bytes* v = s.find(key);
       if (v) value = *v;
@@ -200,7 +200,7 @@ Bytes FileStore::compareSet(const std::string& key, const Bytes& expected, const
 
 void FileStore::wait(const std::vector<std::string>& keys, Duration timeout) {
   std::vector<std::string> missing;
-  const bool ok = pollUntil(Clock::now() + timeout, [&] {
+  const bool ok = pollUntil(detail::deadlineAfter(timeout), [&] {
     return locked(false, [&](detail::KvState& s) {
       missing = s.missing(keys);
       return missing.empty();
@@ -236,7 +236,7 @@ std::vector<Bytes> FileStore::multiGet(const std::vector<std::string>& keys) {
   const Duration limit = timeout();
   std::vector<Bytes> values;
   std::vector<std::string> missing;
-  const bool ok = pollUntil(Clock::now() + limit, [&] {
+  const bool ok = pollUntil(detail::deadlineAfter(limit), [&] {
     return locked(false, [&](detail::KvState& s) {
       missing = s.missing(keys);
       if (!missing.empty()) return false;
@@ -276,7 +276,7 @@ std::optional<Bytes> FileStore::queuePop(const std::string& key, bool block, Dur
   };
   if (!block) return tryPop();
   std::optional<Bytes> item;
-  const bool ok = pollUntil(Clock::now() + timeout, [&] {
+  const bool ok = pollUntil(detail::deadlineAfter(timeout), [&] {
     // Peek under the shared lock first so idle consumers do not serialise writers.
     if (locked(false, [&](detail::KvState& s) { return s.queueLen(key); }) == 0) return false;
     item = tryPop();

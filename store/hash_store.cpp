@@ -31,7 +31,7 @@ void HashStore::set(const std::string& key, const Bytes& value) {
 Bytes HashStore::get(const std::string& key, Duration timeout) {
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock lock(shared_->mutex);
-  if (!shared_->changed.wait_until(lock, start + timeout, [&] { return shared_->state.contains(key); })) {
+  if (!shared_->changed.wait_until(lock, detail::deadlineAfter(timeout, start), [&] { return shared_->state.contains(key); })) {
     detail::throwWaitTimeout("get", {key}, {key}, timeout, describe());
   }
   return *shared_->state.find(key);
@@ -61,7 +61,7 @@ Bytes HashStore::compareSet(const std::string& key, const Bytes& expected, const
 void HashStore::wait(const std::vector<std::string>& keys, Duration timeout) {
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock lock(shared_->mutex);
-  if (!shared_->changed.wait_until(lock, start + timeout, [&] { return shared_->state.hasAll(keys); })) {
+  if (!shared_->changed.wait_until(lock, detail::deadlineAfter(timeout, start), [&] { return shared_->state.hasAll(keys); })) {
     detail::throwWaitTimeout("wait", keys, shared_->state.missing(keys), timeout, describe());
   }
 }
@@ -93,7 +93,7 @@ std::vector<Bytes> HashStore::multiGet(const std::vector<std::string>& keys) {
   const Duration limit = timeout();
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock lock(shared_->mutex);
-  if (!shared_->changed.wait_until(lock, start + limit, [&] { return shared_->state.hasAll(keys); })) {
+  if (!shared_->changed.wait_until(lock, detail::deadlineAfter(limit, start), [&] { return shared_->state.hasAll(keys); })) {
     detail::throwWaitTimeout("multiGet", keys, shared_->state.missing(keys), limit, describe());
   }
   std::vector<Bytes> values;
@@ -123,7 +123,7 @@ std::optional<Bytes> HashStore::queuePop(const std::string& key, bool block, Dur
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock lock(shared_->mutex);
   if (!block) return shared_->state.queuePop(key);
-  if (!shared_->changed.wait_until(lock, start + timeout, [&] { return shared_->state.queueLen(key) > 0; })) {
+  if (!shared_->changed.wait_until(lock, detail::deadlineAfter(timeout, start), [&] { return shared_->state.queueLen(key) > 0; })) {
     throw TimeoutError(str("store queuePop(\"", key, "\") timed out after ", timeout.count(), " ms (",
                            describe(), "): the queue stayed empty. Is the producer running?"));
   }

@@ -118,7 +118,7 @@ struct TcpStore::Client {
   // --- connecting -------------------------------------------------------------
   void connect() {
     const auto start = Clock::now();
-    const auto deadline = start + connectTimeout;
+    const auto deadline = detail::deadlineAfter(connectTimeout, start);
     Ms backoff{10};
     std::mt19937 rng(std::random_device{}());
     auto lastLog = start - std::chrono::hours(1);
@@ -354,7 +354,7 @@ struct TcpStore::Client {
   proto::FrameReader roundTrip(const char* op, const std::vector<std::string>& keys, Ms clientTimeout,
                                Ms requestTimeout = Ms(0)) {
     ensureConnected();
-    const auto deadline = Clock::now() + clientTimeout;
+    const auto deadline = detail::deadlineAfter(clientTimeout);
     sendAll(deadline);
     std::string_view body = readFrame(deadline, op);
     proto::FrameReader r(body);
@@ -450,7 +450,7 @@ Bytes TcpStore::get(const std::string& key, Duration timeout) {
   client_->checkKey("get", key);
   std::lock_guard lock(client_->mutex);
   client_->request(Command::Get).bytes(key).i64(timeout.count()).finish();
-  auto r = client_->roundTrip("get", {key}, timeout + kReplyGrace, timeout);
+  auto r = client_->roundTrip("get", {key}, detail::addTimeouts(timeout, kReplyGrace), timeout);
   return r.bytes(SIZE_MAX, "value");
 }
 
@@ -473,7 +473,7 @@ void TcpStore::wait(const std::vector<std::string>& keys, Duration timeout) {
   for (const auto& key : keys) client_->checkKey("wait", key);
   std::lock_guard lock(client_->mutex);
   client_->request(Command::Wait).keys(keys).i64(timeout.count()).finish();
-  client_->roundTrip("wait", keys, timeout + kReplyGrace, timeout);
+  client_->roundTrip("wait", keys, detail::addTimeouts(timeout, kReplyGrace), timeout);
 }
 
 bool TcpStore::check(const std::vector<std::string>& keys) {
@@ -509,7 +509,7 @@ std::vector<Bytes> TcpStore::multiGet(const std::vector<std::string>& keys) {
   const Duration limit = timeout();
   std::lock_guard lock(client_->mutex);
   client_->request(Command::MultiGet).keys(keys).i64(limit.count()).finish();
-  auto r = client_->roundTrip("multiGet", keys, limit + kReplyGrace, limit);
+  auto r = client_->roundTrip("multiGet", keys, detail::addTimeouts(limit, kReplyGrace), limit);
   const uint32_t count = r.u32();
   std::vector<Bytes> values;
   values.reserve(count);
@@ -551,7 +551,7 @@ std::optional<Bytes> TcpStore::queuePop(const std::string& key, bool block, Dura
   client_->checkKey("queuePop", key);
   std::lock_guard lock(client_->mutex);
   client_->request(Command::QueuePop).bytes(key).u8(block ? 1 : 0).i64(timeout.count()).finish();
-  auto r = client_->roundTrip("queuePop", {key}, timeout + kReplyGrace, timeout);
+  auto r = client_->roundTrip("queuePop", {key}, detail::addTimeouts(timeout, kReplyGrace), timeout);
   if (r.u8() == 0) return std::nullopt;
   return r.bytes(SIZE_MAX, "value");
 }

@@ -1,5 +1,6 @@
 #include "store/internal/kv_state.h"
 
+#include <algorithm>
 #include <charconv>
 #include <limits>
 
@@ -84,6 +85,21 @@ std::optional<Bytes> KvState::queuePop(const std::string& key) {
 int64_t KvState::queueLen(const std::string& key) const {
   auto it = queues_.find(key);
   return it == queues_.end() ? 0 : static_cast<int64_t>(it->second.size());
+}
+
+std::chrono::steady_clock::time_point deadlineAfter(Store::Duration timeout,
+                                                    std::chrono::steady_clock::time_point now) {
+  using Clock = std::chrono::steady_clock;
+  // A century is "forever" for a store wait and far from overflowing.
+  constexpr auto kForever = std::chrono::hours(24 * 365 * 100);
+  const auto bounded = std::clamp<Store::Duration>(timeout, Store::Duration(0), kForever);
+  return now + std::chrono::duration_cast<Clock::duration>(bounded);
+}
+
+Store::Duration addTimeouts(Store::Duration a, Store::Duration b) {
+  int64_t sum = 0;
+  if (__builtin_add_overflow(a.count(), b.count(), &sum)) return Store::Duration::max();
+  return Store::Duration(sum);
 }
 
 std::string quoteKeys(const std::vector<std::string>& keys, size_t maxKeys) {

@@ -42,6 +42,14 @@ class KvState {
   std::unordered_map<std::string, std::deque<Bytes>> queues_;
 };
 
+// now + timeout, saturated: a timeout of hours, Duration::max() or a negative
+// one must neither overflow the clock nor wrap into the past.
+std::chrono::steady_clock::time_point deadlineAfter(Store::Duration timeout,
+                                                    std::chrono::steady_clock::time_point now =
+                                                        std::chrono::steady_clock::now());
+// a + b for timeouts, saturated the same way.
+Store::Duration addTimeouts(Store::Duration a, Store::Duration b);
+
 // One-line messages shared by all stores.
 std::string quoteKeys(const std::vector<std::string>& keys, size_t maxKeys = 8);
 [[noreturn]] void throwWaitTimeout(const std::string& op, const std::vector<std::string>& keys,

@@ -130,6 +130,27 @@ TEST_P(StoreConformance, GetTimesOutNamingKeyAndStore) {
   expectThrowsWith<TimeoutError>([&] { store()->get("never", 50ms); }, {"timed out after 50 ms"});
 }
 
+TEST_P(StoreConformance, ZeroAndHugeTimeoutsAreSafe) {
+  expectThrowsWith<TimeoutError>([&] { store()->get("absent", Store::Duration(0)); }, {"absent"});
+  expectThrowsWith<TimeoutError>([&] { store()->wait({"absent"}, Store::Duration(-5)); }, {"absent"});
+  store()->set("present", "1");
+  EXPECT_EQ(store()->get("present", Store::Duration::max()), "1");
+  store()->wait({"present"}, Store::Duration::max());
+  store()->setTimeout(Store::Duration::max());
+  EXPECT_EQ(store()->get("present"), "1");
+  EXPECT_EQ(store()->multiGet({"present"}), std::vector<Bytes>{"1"});
+  store()->queuePush("q", "item");
+  EXPECT_EQ(store()->queuePop("q", true), "item");
+  // A huge timeout still wakes up when the key arrives.
+  auto writer = harness_->newClient();
+  std::thread t([&] {
+    std::this_thread::sleep_for(50ms);
+    writer->set("later", "2");
+  });
+  EXPECT_EQ(store()->get("later", std::chrono::hours(24 * 365 * 1000)), "2");
+  t.join();
+}
+
 TEST_P(StoreConformance, TimedOutCallLeavesStoreUsable) {
   expectThrowsWith<TimeoutError>([&] { store()->get("x", 50ms); }, {"x"});
   expectThrowsWith<TimeoutError>([&] { store()->wait({"y"}, 50ms); }, {"y"});
