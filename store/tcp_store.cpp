@@ -343,6 +343,7 @@ struct TcpStore::Client {
     if (fd >= 0) return;
     if (reconnect) {
       reconnect = false;
+      worker = false;  // this client was counted when it first joined
       connect();
       return;
     }
