@@ -376,6 +376,52 @@ TEST(TcpStoreProcess, VersionMismatchIsClearOnTheClientSide) {
   ::close(listener);
 }
 
+TEST(TcpStoreProcess, SilentServerTimesOutAndTheClientReconnects) {
+  // A fake server: answers both handshakes, ignores every request on the first
+  // connection, answers check() on the second.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::listen(listener, 4);
+  socklen_t length = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length);
+  auto okFrame = [](auto&& fill) {
+    std::string out;
+    proto::FrameWriter w(out);
+    w.u8(static_cast<uint8_t>(proto::Status::Ok));
+    fill(w);
+    w.finish();
+    return out;
+  };
+  std::atomic<int> ignored{0};
+  std::thread fake([&] {
+    const int first = ::accept(listener, nullptr, nullptr);
+    rawReadFrame(first);
+    rawSend(first, okFrame([](proto::FrameWriter& w) { w.u16(proto::kVersion); }));
+    if (rawReadFrame(first)) ++ignored;  // the check that never gets an answer
+    const int second = ::accept(listener, nullptr, nullptr);
+    rawReadFrame(second);
+    rawSend(second, okFrame([](proto::FrameWriter& w) { w.u16(proto::kVersion); }));
+    if (rawReadFrame(second)) rawSend(second, okFrame([](proto::FrameWriter& w) { w.u8(1); }));
+    rawReadFrame(second, 2s);
+    ::close(first);
+    ::close(second);
+  });
+  auto store = client(ntohs(addr.sin_port));
+  store->setTimeout(300ms);
+  const auto start = Clock::now();
+  expectThrowsWith<TimeoutError>([&] { store->check({"k"}); }, {"no reply", "re-established"});
+  EXPECT_LT(Clock::now() - start, 10s);
+  store->setTimeout(10s);
+  EXPECT_TRUE(store->check({"k"}));  // on a fresh connection, in step again
+  EXPECT_EQ(ignored.load(), 1);
+  store.reset();
+  fake.join();
+  ::close(listener);
+}
+
 TEST(TcpStoreProcess, StalledClientIsDisconnectedWithoutBlockingOthers) {
   dt::testing::TempDir dir;
   const std::string log = (dir.path() / "server.log").string();
