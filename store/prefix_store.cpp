@@ -7,7 +7,7 @@ namespace dt {
 
 PrefixStore::PrefixStore(std::string prefix, StorePtr store) : prefix_(std::move(prefix)), store_(std::move(store)) {
   DT_CHECK(store_ != nullptr, "PrefixStore(\"", prefix_, "\"): the wrapped store is null");
-  timeout_ = store_->timeout();
+  setTimeout(store_->timeout());
 }
 
 std::vector<std::string> PrefixStore::prefixed(const std::vector<std::string>& keys) const {

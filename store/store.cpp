@@ -11,7 +11,7 @@ namespace dt {
 Store::Duration Store::defaultTimeout() { return env::getDuration("DT_STORE_TIMEOUT"); }
 
 Bytes Store::get(const std::string& key, Duration timeout) {
-  const Duration saved = timeout_;
+  const Duration saved = this->timeout();
   setTimeout(timeout);
   try {
     Bytes value = get(key);
@@ -24,7 +24,7 @@ Bytes Store::get(const std::string& key, Duration timeout) {
 }
 
 std::optional<Bytes> Store::queuePop(const std::string& key, bool block, Duration timeout) {
-  const Duration saved = timeout_;
+  const Duration saved = this->timeout();
   setTimeout(timeout);
   try {
     auto value = queuePop(key, block);

@@ -31,6 +31,7 @@
 // Ownership: stores are held by std::shared_ptr; clone() returns a new one.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -73,8 +74,9 @@ class Store {
   virtual std::optional<Bytes> queuePop(const std::string& key, bool block, Duration timeout);
   virtual int64_t queueLen(const std::string& key) = 0;
 
-  virtual void setTimeout(Duration timeout) { timeout_ = timeout; }
-  Duration timeout() const { return timeout_; }
+  // Atomic: one thread may change the timeout while others are in calls.
+  virtual void setTimeout(Duration timeout) { timeoutMs_.store(timeout.count(), std::memory_order_relaxed); }
+  Duration timeout() const { return Duration(timeoutMs_.load(std::memory_order_relaxed)); }
 
   // An independent handle to the same data (for TcpStore, a new connection).
   virtual std::shared_ptr<Store> clone() = 0;
@@ -82,7 +84,7 @@ class Store {
   virtual std::string describe() const = 0;
 
  protected:
-  Duration timeout_ = defaultTimeout();
+  std::atomic<int64_t> timeoutMs_{defaultTimeout().count()};
 };
 
 using StorePtr = std::shared_ptr<Store>;

@@ -407,7 +407,7 @@ Store::Duration TcpStoreOptions::defaultConnectTimeout() { return env::getDurati
 
 TcpStore::TcpStore(std::string host, uint16_t port, TcpStoreOptions options)
     : host_(std::move(host)), port_(port), options_(std::move(options)) {
-  timeout_ = options_.timeout;
+  setTimeout(options_.timeout);
   if (!options_.token) options_.token = env::getString("DT_STORE_TOKEN");
   if (options_.isServer) {
     TcpStoreServerOptions serverOptions;
@@ -430,7 +430,7 @@ TcpStore::TcpStore(std::string host, uint16_t port, TcpStoreOptions options)
 
 TcpStore::TcpStore(CloneTag, const TcpStore& other)
     : host_(other.host_), port_(other.port_), options_(other.options_), server_(other.server_) {
-  timeout_ = other.timeout();
+  setTimeout(other.timeout());
   client_ = Client::make(host_, port_, options_, /*worker=*/false);
   client_->connect();
 }
