@@ -114,12 +114,6 @@ ResolvedInit resolveInit(const InitOptions& options) {
   return out;
 }
 
-// GCC 12 with -fsanitize=address reports a false -Wmaybe-uninitialized for
-// the std::optional<std::string> inside TcpStoreOptions when it is copied.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
   const ResolvedInit init = resolveInit(options);
   const auto timeout = options.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
@@ -158,8 +152,5 @@ std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
   if (restart > 0) store = std::make_shared<PrefixStore>(str("restart", restart), store);
   return ProcessGroup::create(store, init.rank, init.worldSize, std::move(pg));
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 }  // namespace dt

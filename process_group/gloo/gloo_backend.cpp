@@ -228,14 +228,21 @@ struct GlooBackend::Impl {
       failure = explainFailure(std::current_exception(), task.op, task.seq, task.fingerprint.describe(),
                                task.timeout);
     }
+    settle(*task.work, failure, lock);
+  }
+
+  // Completes a task's Work; the first failure becomes the group's cause and
+  // closes the connections, so that a timed-out posted buffer can no longer be
+  // written by the transport. Called with `mutex` released; returns holding it.
+  void settle(Work& work, std::exception_ptr failure, std::unique_lock<std::mutex>& lock) {
     lock.lock();
     if (failure && !broken) broken = failure;
     lock.unlock();
     if (failure) {
       closeConnections();
-      task.work->markFailed(failure);
+      work.markFailed(failure);
     } else {
-      task.work->markCompleted();
+      work.markCompleted();
     }
     lock.lock();
   }
@@ -279,18 +286,7 @@ struct GlooBackend::Impl {
       } catch (const std::exception& e) {
         failure = std::make_exception_ptr(BackendError(str("[", who(), "] ", task.what, " failed: ", e.what())));
       }
-      lock.lock();
-      if (failure && !broken) broken = failure;
-      lock.unlock();
-      if (failure) {
-        // A timed-out posted buffer may still be written by the transport
-        // later; closing the connections makes that impossible.
-        closeConnections();
-        task.work->markFailed(failure);
-      } else {
-        task.work->markCompleted();
-      }
-      lock.lock();
+      settle(*task.work, failure, lock);
     }
   }
 

@@ -32,6 +32,19 @@ thread_local GraphTask* tCurrentTask = nullptr;
 bool gradModeEnabled() { return tGradMode; }
 void setGradMode(bool enabled) { tGradMode = enabled; }
 
+void zeroGrads(std::vector<Tensor>& params, bool setToNone) {
+  for (Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (setToNone) {
+      p.setGrad(Tensor());
+    } else {
+      NoGradGuard noGrad;
+      g.zero_();
+    }
+  }
+}
+
 // ---- Node -------------------------------------------------------------------------------------------
 
 Node::Node() : sequenceNr_(gNextSequenceNr.fetch_add(1, std::memory_order_relaxed)) {}

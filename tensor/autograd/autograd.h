@@ -154,6 +154,10 @@ class NoGradGuard {
   bool prev_;
 };
 
+// Clears the gradients of `params` (Module::zeroGrad and Optimizer::zeroGrad):
+// setToNone drops them, otherwise they are zeroed in place.
+void zeroGrads(std::vector<Tensor>& params, bool setToNone);
+
 class EnableGradGuard {
  public:
   EnableGradGuard() : prev_(gradModeEnabled()) { setGradMode(true); }

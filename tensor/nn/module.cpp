@@ -86,16 +86,8 @@ void Module::train(bool on) {
 }
 
 void Module::zeroGrad(bool setToNone) {
-  for (Tensor& p : parameters()) {
-    Tensor g = p.grad();
-    if (!g.defined()) continue;
-    if (setToNone) {
-      p.setGrad(Tensor());
-    } else {
-      NoGradGuard ng;
-      g.zero_();
-    }
-  }
+  std::vector<Tensor> params = parameters();
+  zeroGrads(params, setToNone);
 }
 
 NamedTensors Module::stateDict() const {

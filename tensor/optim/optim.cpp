@@ -20,16 +20,7 @@ Optimizer::Optimizer(std::vector<Tensor> params) : params_(std::move(params)), s
 }
 
 void Optimizer::zeroGrad(bool setToNone) {
-  for (Tensor& p : params_) {
-    Tensor g = p.grad();
-    if (!g.defined()) continue;
-    if (setToNone) {
-      p.setGrad(Tensor());
-    } else {
-      NoGradGuard ng;
-      g.zero_();
-    }
-  }
+  zeroGrads(params_, setToNone);
 }
 
 Tensor& Optimizer::state(size_t param, const std::string& name) { return state_.at(param)[name]; }

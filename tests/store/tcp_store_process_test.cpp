@@ -30,12 +30,6 @@
 #include "store/tcp_store_server.h"
 #include "tests/testing/testing.h"
 
-// GCC 12 with -fsanitize=address reports copies of TcpStoreOptions'
-// std::optional<std::string> as "maybe uninitialized" (a known false positive).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
 namespace dt {
 namespace {
 
