@@ -430,14 +430,17 @@ TEST(DtrunE2E, TwoNodesRestartTogether) {
   EXPECT_THAT(r1.err, HasSubstr("restarting the worker group (restart 1 of 2)"));
 }
 
+// One node of a two-node job whose worker waits for a signal; short node
+// timeouts so that a lost node is noticed quickly.
+std::vector<std::string> trappingNode(const std::string& port, int nodeRank) {
+  return dtrun({"--nnodes", "2", "--node-rank", std::to_string(nodeRank), "--master-port", port, "--nproc", "1",
+                "--monitor-interval", "200ms", "--node-timeout", "3s", "--rdzv-timeout", "30s", kWorker, "trap"});
+}
+
 TEST(DtrunE2E, TwoNodesKilledDtrunIsNoticedByTheOther) {
   const std::string port = std::to_string(freePort());
-  auto node = [&](int rank) {
-    return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--nproc", "1",
-                  "--monitor-interval", "200ms", "--node-timeout", "3s", "--rdzv-timeout", "30s", kWorker, "trap"});
-  };
-  ChildProcess n0(node(0));
-  ChildProcess n1(node(1));
+  ChildProcess n0(trappingNode(port, 0));
+  ChildProcess n1(trappingNode(port, 1));
   ASSERT_TRUE(n0.waitForOutput("ready rank 0", 30s)) << n0.output();
   ASSERT_TRUE(n1.waitForOutput("ready rank 1", 30s)) << n1.output();
   n1.signal(SIGKILL);
@@ -452,12 +455,8 @@ TEST(DtrunE2E, TwoNodesKilledDtrunIsNoticedByTheOther) {
 
 TEST(DtrunE2E, TwoNodesKilledNodeZeroIsNoticedPromptly) {
   const std::string port = std::to_string(freePort());
-  auto node = [&](int rank) {
-    return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--nproc", "1",
-                  "--monitor-interval", "200ms", "--node-timeout", "3s", "--rdzv-timeout", "30s", kWorker, "trap"});
-  };
-  ChildProcess n0(node(0));
-  ChildProcess n1(node(1));
+  ChildProcess n0(trappingNode(port, 0));
+  ChildProcess n1(trappingNode(port, 1));
   ASSERT_TRUE(n0.waitForOutput("ready rank 0", 30s)) << n0.output();
   ASSERT_TRUE(n1.waitForOutput("ready rank 1", 30s)) << n1.output();
   n0.signal(SIGKILL);
