@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-scripts/build.sh -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=OFF
+scripts/build.sh -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=OFF -DDT_BUILD_EXAMPLES=ON
 build_dir=${DT_BUILD_DIR:-build}
 exec "$build_dir/launcher/dtrun" --nproc 4 "$build_dir/examples/trainer" "$@"
