@@ -220,16 +220,27 @@ std::string readFile(const std::string& path) {
   return s.str();
 }
 
-uint16_t freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+// A listening socket on 127.0.0.1 and a free port, for fake servers; -1 on failure.
+int loopbackListener(uint16_t& port) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   socklen_t length = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(listener, 4) != 0 || ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+    if (listener >= 0) ::close(listener);
+    return -1;
+  }
+  port = ntohs(addr.sin_port);
+  return listener;
+}
+
+uint16_t freePort() {
+  uint16_t port = 0;
+  const int fd = loopbackListener(port);
+  if (fd >= 0) ::close(fd);
+  return port;
 }
 
 // --- tests ---------------------------------------------------------------------
@@ -346,14 +357,9 @@ TEST(TcpStoreProcess, VersionMismatchIsClearOnTheServerSide) {
 
 TEST(TcpStoreProcess, VersionMismatchIsClearOnTheClientSide) {
   // A fake server from the future: answers every handshake with VersionMismatch.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ::listen(listener, 4);
-  socklen_t length = sizeof(addr);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length);
+  uint16_t port = 0;
+  const int listener = loopbackListener(port);
+  ASSERT_GE(listener, 0);
   std::thread fake([&] {
     const int fd = ::accept(listener, nullptr, nullptr);
     rawReadFrame(fd);
@@ -364,7 +370,7 @@ TEST(TcpStoreProcess, VersionMismatchIsClearOnTheClientSide) {
     rawSend(fd, out);
     ::close(fd);
   });
-  expectThrowsWith<NetworkError>([&] { client(ntohs(addr.sin_port)); },
+  expectThrowsWith<NetworkError>([&] { client(port); },
                                  {"version mismatch", "this client speaks version 1", "server version 7"});
   fake.join();
   ::close(listener);
@@ -373,14 +379,9 @@ TEST(TcpStoreProcess, VersionMismatchIsClearOnTheClientSide) {
 TEST(TcpStoreProcess, SilentServerTimesOutAndTheClientReconnects) {
   // A fake server: answers both handshakes, ignores every request on the first
   // connection, answers check() on the second.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ::listen(listener, 4);
-  socklen_t length = sizeof(addr);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length);
+  uint16_t port = 0;
+  const int listener = loopbackListener(port);
+  ASSERT_GE(listener, 0);
   auto okFrame = [](auto&& fill) {
     std::string out;
     proto::FrameWriter w(out);
@@ -403,7 +404,7 @@ TEST(TcpStoreProcess, SilentServerTimesOutAndTheClientReconnects) {
     ::close(first);
     ::close(second);
   });
-  auto store = client(ntohs(addr.sin_port));
+  auto store = client(port);
   store->setTimeout(300ms);
   const auto start = Clock::now();
   expectThrowsWith<TimeoutError>([&] { store->check({"k"}); }, {"no reply", "re-established"});
