@@ -1,8 +1,6 @@
 #include "process_group/gloo/gloo_backend.h"
 
 #include <gloo/allgather.h>
-#include <gloo/allreduce.h>
-#include <gloo/allreduce_ring_chunked.h>
 #include <gloo/alltoall.h>
 #include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
@@ -29,7 +27,9 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
+#include "process_group/gloo/allreduce_algorithms.h"
 #include "process_group/gloo/store_adapter.h"
+#include "process_group/gloo/transfer_type.h"
 #include "process_group/progress.h"
 #include "store/prefix_store.h"
 
@@ -41,19 +41,6 @@ using Millis = std::chrono::milliseconds;
 
 // Gloo slot prefix for send/recv; Gloo's own collectives use 0x01-0x08.
 constexpr uint8_t kP2PSlotPrefix = 0x10;
-
-// Runs fn with an unsigned type of the dtype's width: Gloo's typed setters
-// only use sizeof(T); the arithmetic is ours.
-template <typename Fn>
-void withWidth(size_t width, Fn&& fn) {
-  switch (width) {
-    case 1: fn(uint8_t{}); return;
-    case 2: fn(uint16_t{}); return;
-    case 4: fn(uint32_t{}); return;
-    case 8: fn(uint64_t{}); return;
-  }
-  throw NotSupportedError(str("gloo backend: no transfer type of ", width, " bytes"));
-}
 
 // A new exception of the same dt type, with `prefix` in front of the message.
 std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string& prefix) {
@@ -125,6 +112,8 @@ struct GlooBackend::Impl {
   Logger log;
   std::shared_ptr<gloo::rendezvous::Context> context;
   std::unique_ptr<ProgressTracker> progress;
+  GlooAllreduceAlgorithm allreduceAlgorithm = GlooAllreduceAlgorithm::Auto;
+  std::vector<uint8_t> scratch;  // the worker thread's receive space for allreduce
 
   std::mutex mutex;  // guards everything below
   std::condition_variable wake;     // the collective worker
@@ -498,19 +487,9 @@ struct GlooBackend::Impl {
 
   void allreduceBuffer(void* data, size_t count, DType dtype, ReduceOp op, Millis opTimeout, uint32_t tag) {
     if (count == 0) return;
-    const ReduceFn fn = reduceFunction(dtype, op);
     const size_t width = itemSize(dtype);
-    if (size > 1) {
-      withWidth(width, [&](auto typeTag) {
-        using T = decltype(typeTag);
-        gloo::AllreduceOptions opts(context);
-        opts.setOutput(static_cast<T*>(data), count);
-        opts.setReduceFunction(fn);
-        opts.setTag(tag);
-        opts.setTimeout(opTimeout);
-        gloo::allreduce(opts);
-      });
-    }
+    const auto algorithm = chooseAllreduceAlgorithm(allreduceAlgorithm, count * width, size);
+    runAllreduce(algorithm, {context, data, count, width, reduceFunction(dtype, op), opTimeout, tag, scratch});
     if (op == ReduceOp::Avg) divideBy(dtype, data, count, size);
   }
 };
@@ -578,6 +557,9 @@ GlooBackend::GlooBackend(StorePtr store, int rank, int size, GlooBackendOptions 
   d.options = std::move(options);
   d.timeout = d.options.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
   d.checkFingerprints = d.options.checkFingerprints.value_or(env::getString("DT_DEBUG") == "detail");
+  d.allreduceAlgorithm = d.options.allreduceAlgorithm
+                             ? *d.options.allreduceAlgorithm
+                             : parseGlooAllreduceAlgorithm(env::getString("DT_GLOO_ALLREDUCE"), "DT_GLOO_ALLREDUCE");
   d.log = makeLogger("process_group", str("rank ", rank, "/", size, " pg=", d.options.groupName));
   if (!d.options.globalRanks.empty()) {
     DT_CHECK_EQ(static_cast<int>(d.options.globalRanks.size()), size, "GlooBackend: globalRanks must list every rank");
@@ -778,7 +760,7 @@ WorkPtr GlooBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOpti
       if (count == 0) continue;
       if (impl.size > 1) {
         const ReduceFn fn = reduceFunction(b.dtype(), op);
-        withWidth(itemSize(b.dtype()), [&](auto typeTag) {
+        withTransferType(itemSize(b.dtype()), [&](auto typeTag) {
           using T = decltype(typeTag);
           gloo::ReduceOptions opts(impl.context);
           opts.setOutput(static_cast<T*>(b.dataPtr()), count);

@@ -12,6 +12,9 @@
 //  * Dtypes float32, float64, float16, bfloat16, int32, int64 (and bool for
 //    sum/min/max/product); reduce ops sum, avg, min, max, product, reduced
 //    with collectives/reduce_kernels (Gloo itself only moves bytes here).
+//  * Allreduce picks its algorithm by size (allreduce_algorithms.h):
+//    recursive doubling, halving-doubling, or Gloo's ring; DT_GLOO_ALLREDUCE
+//    or options.allreduceAlgorithm forces one.
 //  * Failure: a timeout fails the Work with TimeoutError saying which ranks
 //    never started the collective and which are waiting in it (read from the
 //    ranks' progress keys); a lost peer fails it with BackendError naming the
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "process_group/backend.h"
+#include "process_group/gloo/allreduce_algorithms.h"
 #include "store/store.h"
 
 namespace dt {
@@ -42,6 +46,8 @@ struct GlooBackendOptions {
   std::string hostname = "127.0.0.1";
   // nullopt: DT_DEBUG=detail.
   std::optional<bool> checkFingerprints;
+  // nullopt: DT_GLOO_ALLREDUCE. Every rank of a group must use the same.
+  std::optional<GlooAllreduceAlgorithm> allreduceAlgorithm;
   // Group rank -> global rank, only for messages ("rank 2 (global 5)").
   std::vector<int> globalRanks;
   // The launcher's hang watchdog: when set, the last completed collective is

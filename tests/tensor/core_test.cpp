@@ -1,6 +1,7 @@
 // Core tensor tests: dtypes and 16-bit rounding, devices, storage, views,
 // strided copies with conversion and broadcasting, factories.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
 
@@ -109,6 +110,16 @@ TEST(Storage, CpuAlignedAndCudaUnsupported) {
   EXPECT_EQ(s.useCount(), 2);
   expectThrowsWith<NotSupportedError>([] { Storage(16, Device::cuda(0)); }, {"cuda:0"});
   expectThrowsWith<NotSupportedError>([] { empty({2}, DType::Float32, Device::cuda(1)); }, {"cuda:1"});
+}
+
+TEST(Storage, LargeCpuBlocksStartOnAHugePageBoundary) {
+  // Blocks of 2 MiB and more are aligned (and advised) for transparent huge pages.
+  for (size_t bytes : {size_t{2} << 20, (size_t{3} << 20) + 5, size_t{64} << 20}) {
+    Storage s(bytes, Device::cpu());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(s.data()) % (size_t{2} << 20), 0u) << bytes << " bytes";
+    std::memset(s.data(), 0x5a, bytes);  // all of it is usable
+    EXPECT_EQ(static_cast<unsigned char*>(s.data())[bytes - 1], 0x5a);
+  }
 }
 
 TEST(Tensor, FactoriesAndAccessors) {

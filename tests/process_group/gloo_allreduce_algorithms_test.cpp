@@ -1,0 +1,146 @@
+// The Gloo backend's allreduce algorithms, each forced in turn: results match
+// sums computed here, are bitwise identical on every rank (also for values
+// whose float sum depends on the order), at every world size 1-8 and at sizes
+// that do not split evenly; plus the per-size choice and its knob.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "process_group/gloo/gloo_backend.h"
+#include "store/hash_store.h"
+#include "store/prefix_store.h"
+#include "tensor/generator.h"
+#include "tensor/ops.h"
+#include "tensor/tensor.h"
+#include "tests/testing/testing.h"
+
+namespace dt {
+// So parameterised test names read "GetParam() = ring", not a byte dump.
+void PrintTo(GlooAllreduceAlgorithm algorithm, std::ostream* out) { *out << algorithmName(algorithm); }
+}  // namespace dt
+
+namespace dt::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using Algorithm = GlooAllreduceAlgorithm;
+
+TEST(GlooAllreduceChoice, AutoPicksBySizeAndAForcedAlgorithmStays) {
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 4 << 10, 4), Algorithm::RecursiveDoubling);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, kRecursiveDoublingMaxBytes, 4), Algorithm::HalvingDoubling);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 1 << 20, 4), Algorithm::HalvingDoubling);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 1 << 20, 3), Algorithm::HalvingDoubling);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 1 << 20, 2), Algorithm::RecursiveDoubling);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, kHalvingDoublingMaxBytes, 2), Algorithm::Ring);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 64 << 20, 8), Algorithm::Ring);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Ring, 4, 8), Algorithm::Ring);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::RecursiveDoubling, 64 << 20, 3), Algorithm::RecursiveDoubling);
+}
+
+TEST(GlooAllreduceChoice, NamesRoundTripAndABadValueIsNamed) {
+  for (auto a : {Algorithm::Auto, Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::RecursiveDoubling}) {
+    EXPECT_EQ(parseGlooAllreduceAlgorithm(algorithmName(a), "test"), a);
+  }
+  expectThrowsWith<InvalidArgument>([] { parseGlooAllreduceAlgorithm("bcube", "DT_GLOO_ALLREDUCE"); },
+                                    {"DT_GLOO_ALLREDUCE", "bcube", "halving_doubling"});
+  // The backend reads the knob when it is built, so a typo fails at start-up.
+  ScopedEnv env("DT_GLOO_ALLREDUCE", "halving-doubling");
+  expectThrowsWith<InvalidArgument>(
+      [] { GlooBackend(std::make_shared<HashStore>(), 0, 1); }, {"DT_GLOO_ALLREDUCE", "halving-doubling"});
+}
+
+class GlooAllreduceAlgorithmTest : public ::testing::TestWithParam<Algorithm> {};
+
+std::atomic<int> gGroup{0};
+
+// Each rank's input: seeded by rank, so the test can recompute every sum.
+std::vector<double> inputsOf(int rank, int64_t n) {
+  Generator g(1000 + static_cast<uint64_t>(rank));
+  std::vector<double> v(static_cast<size_t>(n));
+  for (auto& x : v) x = g.nextDouble() * 2.0 - 1.0;  // order-dependent float32 sums
+  return v;
+}
+
+TEST_P(GlooAllreduceAlgorithmTest, ExactAndIdenticalOnEveryRankAtEveryWorldAndSize) {
+  const std::vector<int64_t> sizes = {1, 2, 3, 7, 8, 9, 1023, 4099, 262147};
+  for (int world = 1; world <= 8; ++world) {
+    auto root = std::make_shared<HashStore>();
+    const std::string scope = str("algorithms/", gGroup.fetch_add(1));
+    std::mutex mutex;
+    std::vector<std::vector<std::vector<uint8_t>>> bytes(sizes.size(), std::vector<std::vector<uint8_t>>(world));
+    runRanks(world, [&](int rank) {
+      GlooBackendOptions options;
+      options.allreduceAlgorithm = GetParam();
+      options.timeout = 60s;
+      GlooBackend backend(std::make_shared<PrefixStore>(scope, root), rank, world, options);
+      std::vector<Tensor> sums, maxima, halves;
+      std::vector<WorkPtr> works;
+      for (int64_t n : sizes) {
+        sums.push_back(fromVector<double>(inputsOf(rank, n), {n}).to(DType::Float32));
+        works.push_back(backend.allreduce({sums.back()}));
+        Tensor m = mul(arange(n, DType::Int64), rank + 1);
+        AllreduceOptions maxOptions;
+        maxOptions.reduceOp = ReduceOp::Max;
+        works.push_back(backend.allreduce({m}, maxOptions));
+        maxima.push_back(m);
+        halves.push_back(full({n}, 0.5 * (rank + 1), DType::Float16));
+        works.push_back(backend.allreduce({halves.back()}));
+      }
+      for (auto& w : works) w->wait();
+      for (size_t s = 0; s < sizes.size(); ++s) {
+        const int64_t n = sizes[s];
+        const std::string what = str(algorithmName(GetParam()), " world ", world, " rank ", rank, " n ", n);
+        const auto got = sums[s].toVector<float>();
+        std::vector<double> want(static_cast<size_t>(n), 0.0);
+        for (int r = 0; r < world; ++r) {
+          const auto in = inputsOf(r, n);
+          for (int64_t i = 0; i < n; ++i) want[i] += static_cast<float>(in[i]);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          if (std::abs(got[i] - want[i]) > 1e-5 * world) {
+            ADD_FAILURE() << what << ": sum element " << i << " is " << got[i] << ", expected " << want[i];
+            break;
+          }
+        }
+        const auto mx = maxima[s].toVector<int64_t>();
+        for (int64_t i = 0; i < n; ++i) {
+          if (mx[i] != i * world) {
+            ADD_FAILURE() << what << ": max element " << i << " is " << mx[i] << ", expected " << i * world;
+            break;
+          }
+        }
+        const double halfSum = 0.5 * world * (world + 1) / 2;
+        const auto hv = halves[s].toVector<double>();
+        for (int64_t i = 0; i < n; ++i) {
+          if (hv[i] != halfSum) {
+            ADD_FAILURE() << what << ": float16 element " << i << " is " << hv[i] << ", expected " << halfSum;
+            break;
+          }
+        }
+        std::lock_guard<std::mutex> lock(mutex);
+        const auto* p = static_cast<const uint8_t*>(sums[s].dataPtr());
+        bytes[s][rank].assign(p, p + sums[s].nbytes());
+      }
+      backend.shutdown();
+    }, 180s);
+    for (size_t s = 0; s < sizes.size(); ++s) {
+      for (int r = 1; r < world; ++r) {
+        EXPECT_TRUE(bytes[s][r] == bytes[s][0])
+            << algorithmName(GetParam()) << " world " << world << " n " << sizes[s] << ": rank " << r
+            << "'s float32 sum differs bitwise from rank 0's";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Forced, GlooAllreduceAlgorithmTest,
+                         ::testing::Values(Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::RecursiveDoubling),
+                         [](const auto& info) { return std::string(algorithmName(info.param)); });
+
+}  // namespace
+}  // namespace dt::testing
