@@ -50,7 +50,8 @@ void ProgressTracker::loop() {
     wake_.wait_for(lock, interval_, [&] { return stopping_; });
     const bool last = stopping_;
     lock.unlock();
-    writeGroupKey();
+    // Not on the way out: the group is going away, and the store's host may already have.
+    if (!last) writeGroupKey();
     if (watchdogStore_) {
       const uint64_t done = completed_.load(std::memory_order_acquire);
       if (done != watchdogWritten_) {

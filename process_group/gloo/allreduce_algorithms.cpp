@@ -167,10 +167,8 @@ const char* algorithmName(GlooAllreduceAlgorithm algorithm) {
 
 GlooAllreduceAlgorithm chooseAllreduceAlgorithm(GlooAllreduceAlgorithm configured, size_t bytes, int groupSize) {
   if (configured != GlooAllreduceAlgorithm::Auto) return configured;
-  if (bytes >= kHalvingDoublingMaxBytes) return GlooAllreduceAlgorithm::Ring;
-  // Two ranks: halving-doubling moves the same bytes as one whole exchange, in two steps.
-  if (bytes < kRecursiveDoublingMaxBytes || groupSize <= 2) return GlooAllreduceAlgorithm::RecursiveDoubling;
-  return GlooAllreduceAlgorithm::HalvingDoubling;
+  const size_t limit = groupSize <= 2 ? kRecursiveDoublingMaxBytesTwoRanks : kRecursiveDoublingMaxBytes;
+  return bytes < limit ? GlooAllreduceAlgorithm::RecursiveDoubling : GlooAllreduceAlgorithm::Ring;
 }
 
 void runAllreduce(GlooAllreduceAlgorithm algorithm, const AllreduceCall& call) {

@@ -41,14 +41,14 @@ enum class GlooAllreduceAlgorithm {
 GlooAllreduceAlgorithm parseGlooAllreduceAlgorithm(std::string_view text, std::string_view source);
 const char* algorithmName(GlooAllreduceAlgorithm algorithm);
 
-// Auto: from kHalvingDoublingMaxBytes on, the ring (bandwidth-bound, and it
-// pipelines the reduction with the transfers); below kRecursiveDoublingMaxBytes,
-// or with two ranks, recursive doubling (fewest steps; with two ranks
-// halving-doubling moves the same bytes in twice the steps); otherwise
-// halving-doubling (log n steps instead of the ring's 2(n-1)). The measurements
-// behind the thresholds are in docs/process_group.md.
-inline constexpr size_t kRecursiveDoublingMaxBytes = size_t{16} << 10;
-inline constexpr size_t kHalvingDoublingMaxBytes = size_t{2} << 20;
+// Auto: recursive doubling below kRecursiveDoublingMaxBytes (with two ranks
+// below kRecursiveDoublingMaxBytesTwoRanks), Gloo's ring from there: the
+// ring's 2(n-1) steps cost latency on small buffers, its pipelining of the
+// reduction with the transfers pays on large ones. Halving-doubling measured
+// no better than either on the hosts tried (docs/process_group.md), so only
+// DT_GLOO_ALLREDUCE selects it.
+inline constexpr size_t kRecursiveDoublingMaxBytes = size_t{256} << 10;
+inline constexpr size_t kRecursiveDoublingMaxBytesTwoRanks = size_t{2} << 20;
 // Gloo's ring splits chunks into segments of at most this many bytes; its
 // default (1 MiB) measured 10-15% slower at 16 and 64 MiB here.
 inline constexpr size_t kRingSegmentBytes = size_t{4} << 20;

@@ -32,13 +32,13 @@ using Algorithm = GlooAllreduceAlgorithm;
 
 TEST(GlooAllreduceChoice, AutoPicksBySizeAndAForcedAlgorithmStays) {
   EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 4 << 10, 4), Algorithm::RecursiveDoubling);
-  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, kRecursiveDoublingMaxBytes, 4), Algorithm::HalvingDoubling);
-  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 1 << 20, 4), Algorithm::HalvingDoubling);
-  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 1 << 20, 3), Algorithm::HalvingDoubling);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, kRecursiveDoublingMaxBytes - 1, 3), Algorithm::RecursiveDoubling);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, kRecursiveDoublingMaxBytes, 3), Algorithm::Ring);
   EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 1 << 20, 2), Algorithm::RecursiveDoubling);
-  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, kHalvingDoublingMaxBytes, 2), Algorithm::Ring);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, kRecursiveDoublingMaxBytesTwoRanks, 2), Algorithm::Ring);
   EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Auto, 64 << 20, 8), Algorithm::Ring);
   EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::Ring, 4, 8), Algorithm::Ring);
+  EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::HalvingDoubling, 4, 2), Algorithm::HalvingDoubling);
   EXPECT_EQ(chooseAllreduceAlgorithm(Algorithm::RecursiveDoubling, 64 << 20, 3), Algorithm::RecursiveDoubling);
 }
 
