@@ -45,7 +45,7 @@ time_cmd() {
           printf "RESULT launch impl=%s nproc=%d reps=%d time_ms=%.1f min_ms=%.1f\n", l, n, r, m / 1000, v[1] / 1000 }'
 }
 
-echo "# launch_bench: $DTRUN, $(nproc) cores, $(date -u +%FT%TZ)"
+echo "# launch_bench: $DTRUN, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%FT%TZ)"
 for n in $NPROCS; do
   time_cmd dtrun "$n" "$REPS" "$DTRUN" --standalone --nproc "$n" /bin/true | tee -a "$out"
 done

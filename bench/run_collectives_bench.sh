@@ -30,7 +30,7 @@ else
 fi
 [ $have_mpi = 1 ] || echo "# mpi peer skipped: no mpirun / mpi_bench (apt-get install libopenmpi-dev openmpi-bin)" >&2
 
-echo "# run_collectives_bench: worlds=[$worlds] reps=$reps sizes=$sizes $(date -u +%FT%TZ) $(nproc) cpus" | tee "$out"
+echo "# run_collectives_bench: worlds=[$worlds] reps=$reps sizes=$sizes $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
 for ((rep = 1; rep <= reps; rep++)); do
   for n in $worlds; do
     echo "## world $n, repetition $rep: dtrain-gloo" >&2

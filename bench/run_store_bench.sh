@@ -51,7 +51,7 @@ else
   echo "== redis not installed: skipping the Redis peer" >&2
 fi
 
-echo "# store bench $(date -u +%FT%TZ) host=$(hostname) cores=$(nproc) reps=$REPS" >"$out"
+echo "# store bench $(date -u +%FT%TZ) host=$(hostname) cores=$(getconf _NPROCESSORS_ONLN) reps=$REPS" >"$out"
 for rep in $(seq "$REPS"); do
   echo "== rep $rep/$REPS: dtrain" >&2
   "$build_dir/bench/store_bench" --total "$total" --rdzv "$rdzv" --reps 3 | tee -a "$out" | grep -v '^RESULT' >&2 || true

@@ -55,7 +55,7 @@ run_measured() {
   rm -f "$tmp" "$tmp.rss" "$tmp.err"
 }
 
-echo "# tensor bench $(date -u +%FT%TZ) host=$(hostname) cores=$(nproc) reps=$REPS" >"$out"
+echo "# tensor bench $(date -u +%FT%TZ) host=$(hostname) cores=$(getconf _NPROCESSORS_ONLN) reps=$REPS" >"$out"
 for rep in $(seq "$REPS"); do
   echo "== rep $rep/$REPS: dtrain" >&2
   run_measured dtrain "$build_dir/bench/tensor_bench" --threads 1
