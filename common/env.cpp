@@ -29,6 +29,7 @@ constexpr std::array kKnobs = {
     Knob{"DT_PG_TIMEOUT", "10min", "Default timeout of collectives and of process-group set-up. Overridable per group and per op.", "user"},
     Knob{"DT_GLOO_HOSTNAME", "", "Address Gloo's TCP transport binds and advertises. Default: 127.0.0.1 when the store is on loopback, else this machine's host name.", "user"},
     Knob{"DT_GLOO_ALLREDUCE", "auto", "Allreduce algorithm of the Gloo backend: auto (recursive_doubling below 256 KiB, or below 2 MiB with two ranks; ring from there), ring, halving_doubling or recursive_doubling. Must be the same on every rank.", "user"},
+    Knob{"DT_GLOO_BATCH_LOOP", "1", "Run Gloo's event-loop thread under SCHED_BATCH so it never preempts the thread it waits for; set 0 to keep the default policy.", "user"},
     Knob{"DT_BACKEND", "", "Backend override for initProcessGroup: gloo or nccl. Default: gloo for CPU, nccl for CUDA.", "user"},
     // launcher (set by dtrun for its workers)
     Knob{"DT_RUN_ID", "", "The job's run id (also dtrun's --run-id fallback; default: random, or slurm-<job id>.<step id> under SLURM).", "dtrun, user"},

@@ -48,6 +48,9 @@ struct GlooBackendOptions {
   std::optional<bool> checkFingerprints;
   // nullopt: DT_GLOO_ALLREDUCE. Every rank of a group must use the same.
   std::optional<GlooAllreduceAlgorithm> allreduceAlgorithm;
+  // Run Gloo's event-loop thread under SCHED_BATCH (see gloo_backend.cpp).
+  // nullopt: DT_GLOO_BATCH_LOOP.
+  std::optional<bool> batchEventLoop;
   // Group rank -> global rank, only for messages ("rank 2 (global 5)").
   std::vector<int> globalRanks;
   // The launcher's hang watchdog: when set, the last completed collective is

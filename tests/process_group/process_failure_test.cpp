@@ -33,6 +33,7 @@ using Clock = std::chrono::steady_clock;
 struct ChildResult {
   std::string text;   // what the child wrote ("" if nothing)
   bool killed = false;
+  int signal = 0;     // the signal that ended it, if killed
   int exitCode = -1;
 };
 
@@ -113,6 +114,7 @@ std::vector<ChildResult> runProcesses(int n, const std::function<std::string(int
     int status = 0;
     ::waitpid(pids[r], &status, 0);
     results[r].killed = WIFSIGNALED(status);
+    if (results[r].killed) results[r].signal = WTERMSIG(status);
     results[r].exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
   done = true;
@@ -161,7 +163,8 @@ TEST(ProcessFailure, KilledRankFailsEverySurvivorPromptlyAndIsNamed) {
   ASSERT_TRUE(results[2].killed) << results[2].text;
   for (int r = 0; r < 2; ++r) {
     const auto& text = results[r].text;
-    ASSERT_EQ(text.rfind("FAILED ", 0), 0u) << "rank " << r << ": " << text;
+    ASSERT_EQ(text.rfind("FAILED ", 0), 0u) << "rank " << r << ": " << text << " (exit code "
+                                             << results[r].exitCode << ", signal " << results[r].signal << ")";
     const long ms = std::stol(text.substr(7));
     EXPECT_LT(ms, std::chrono::duration_cast<std::chrono::milliseconds>(kTimeout + 5s).count()) << text;
     EXPECT_NE(text.find("Rank 2 stopped responding"), std::string::npos) << text;

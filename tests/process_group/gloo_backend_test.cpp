@@ -1,13 +1,20 @@
-// The Gloo backend's allreduce algorithms, each forced in turn: results match
-// sums computed here, are bitwise identical on every rank (also for values
-// whose float sum depends on the order), at every world size 1-8 and at sizes
-// that do not split evenly; plus the per-size choice and its knob.
+// Gloo-only behaviour beyond the conformance suite:
+//  * the allreduce algorithms, each forced in turn: results match sums
+//    computed here and are bitwise identical on every rank (also for values
+//    whose float sum depends on the order), at every world size 1-8 and at
+//    sizes that do not split evenly; the per-size choice and its knob;
+//  * Gloo's event-loop thread runs under SCHED_BATCH, the caller's policy is kept.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <mutex>
+
+#include <dirent.h>
+#include <pthread.h>
+#include <sched.h>
+#include <fstream>
 
 #include "common/errors.h"
 #include "common/strings.h"
@@ -136,6 +143,43 @@ TEST_P(GlooAllreduceAlgorithmTest, ExactAndIdenticalOnEveryRankAtEveryWorldAndSi
       }
     }
   }
+}
+
+// Threads of this process whose scheduling policy (field 41 of /proc/<pid>/task/<tid>/stat) is SCHED_BATCH.
+int batchThreads() {
+  int count = 0;
+  DIR* dir = ::opendir("/proc/self/task");
+  if (dir == nullptr) return -1;
+  while (dirent* entry = ::readdir(dir)) {
+    if (entry->d_name[0] == '.') continue;
+    std::ifstream in(str("/proc/self/task/", entry->d_name, "/stat"));
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto close = stat.rfind(')');  // the name may hold spaces; fields follow it
+    if (close == std::string::npos) continue;
+    const auto fields = split(stat.substr(close + 2), ' ');
+    if (fields.size() > 38 && fields[38] == std::to_string(SCHED_BATCH)) ++count;  // field 41 = index 38 after ")"
+  }
+  ::closedir(dir);
+  return count;
+}
+
+TEST(GlooBackendScheduling, EventLoopRunsUnderBatchPolicyAndTheCallerKeepsItsOwn) {
+  ASSERT_EQ(batchThreads(), 0);
+  {
+    GlooBackendOptions options;
+    options.batchEventLoop = false;
+    GlooBackend backend(std::make_shared<HashStore>(), 0, 1, options);
+    EXPECT_EQ(batchThreads(), 0) << "batchEventLoop = false must leave every thread's policy alone";
+  }
+  GlooBackend backend(std::make_shared<HashStore>(), 0, 1);
+  EXPECT_GE(batchThreads(), 1) << "Gloo's event-loop thread should run under SCHED_BATCH";
+  int policy = -1;
+  sched_param param{};
+  ASSERT_EQ(pthread_getschedparam(pthread_self(), &policy, &param), 0);
+  EXPECT_EQ(policy, SCHED_OTHER) << "the constructing thread must get its own policy back";
+  Tensor t = ones({3});
+  backend.allreduce({t})->wait();  // and the backend works as usual
+  EXPECT_EQ(t.toVector<float>(), (std::vector<float>{1, 1, 1}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Forced, GlooAllreduceAlgorithmTest,
