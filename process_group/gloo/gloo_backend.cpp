@@ -20,6 +20,7 @@
 #include <thread>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 
 #include "collectives/coalesce.h"
 #include "collectives/fingerprint.h"
@@ -109,6 +110,35 @@ class BatchPolicyForNewThreads {
   int policy_ = SCHED_OTHER;
   sched_param param_{};
   bool active_ = false;
+};
+
+// Blocks SIGPIPE on this thread while alive. Gloo writes with writev(2); a
+// write to a peer that has exited raises SIGPIPE, whose default action kills
+// the whole process before Gloo can turn the EPIPE into an exception. Threads
+// started meanwhile inherit the blocked mask. A SIGPIPE raised for this thread
+// meanwhile is discarded, so that unblocking does not deliver it.
+class SigpipeBlocked {
+ public:
+  SigpipeBlocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &previous_);
+  }
+  ~SigpipeBlocked() {
+    if (sigismember(&previous_, SIGPIPE) == 1) return;
+    sigset_t pending;
+    if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) == 1) {
+      const timespec now{};
+      sigtimedwait(&pipe_, nullptr, &now);
+    }
+    pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
+  }
+  SigpipeBlocked(const SigpipeBlocked&) = delete;
+  SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+
+ private:
+  sigset_t pipe_;
+  sigset_t previous_;
 };
 
 // One queued collective.
@@ -297,19 +327,27 @@ struct GlooBackend::Impl {
         const bool ok = task.isSend ? task.buffer->waitSend(left) : task.buffer->waitRecv(left);
         if (!ok) throw BackendError("aborted");
         if (!task.isSend && !task.copyBackTo.empty()) unflattenInto(task.staging, task.copyBackTo);
-      } catch (const gloo::IoException& e) {
-        const std::string message = glooMessage(e);
-        if (message.find("Timed out") != std::string::npos) {
-          failure = std::make_exception_ptr(TimeoutError(str("[", who(), "] ", task.what, " timed out: ", message,
-                                                             ". Did the peer post the matching call?")));
-        } else {
-          failure = std::make_exception_ptr(
-              BackendError(str("[", who(), "] ", task.what, " failed: ", message, " (peer exited or unreachable?)")));
-        }
-      } catch (const std::exception& e) {
-        failure = std::make_exception_ptr(BackendError(str("[", who(), "] ", task.what, " failed: ", e.what())));
+      } catch (...) {
+        failure = p2pFailure(task.what, std::current_exception());
       }
       settle(*task.work, failure, lock);
+    }
+  }
+
+  // What a failed send/recv ("send to rank 1 (tag 3, ...)") reports.
+  std::exception_ptr p2pFailure(const std::string& what, std::exception_ptr error) const {
+    try {
+      std::rethrow_exception(error);
+    } catch (const gloo::IoException& e) {
+      const std::string message = glooMessage(e);
+      if (message.find("Timed out") != std::string::npos) {
+        return std::make_exception_ptr(TimeoutError(
+            str("[", who(), "] ", what, " timed out: ", message, ". Did the peer post the matching call?")));
+      }
+      return std::make_exception_ptr(
+          BackendError(str("[", who(), "] ", what, " failed: ", message, " (peer exited or unreachable?)")));
+    } catch (const std::exception& e) {
+      return std::make_exception_ptr(BackendError(str("[", who(), "] ", what, " failed: ", glooMessage(e))));
     }
   }
 
@@ -598,6 +636,9 @@ GlooBackend::GlooBackend(StorePtr store, int rank, int size, GlooBackendOptions 
   if (!d.options.globalRanks.empty()) {
     DT_CHECK_EQ(static_cast<int>(d.options.globalRanks.size()), size, "GlooBackend: globalRanks must list every rank");
   }
+  // Gloo's event-loop thread (started in connect) and the two workers keep
+  // SIGPIPE blocked for good: they are the threads that write to Gloo's sockets.
+  SigpipeBlocked noSigpipe;
   d.connect();
   d.progress = std::make_unique<ProgressTracker>(d.store->clone(), rank, d.options.progressInterval,
                                                  d.options.watchdogStore, d.options.watchdogKey);
@@ -920,10 +961,19 @@ WorkPtr postP2P(GlooBackend::Impl& d, bool isSend, const std::vector<Tensor>& te
   // matching sends and recvs pair up even while earlier ones still wait.
   task.buffer = d.context->createUnboundBuffer(task.staging.dataPtr(), task.staging.nbytes());
   const uint64_t slot = gloo::Slot::build(kP2PSlotPrefix, tag);
-  if (isSend) {
-    task.buffer->send(peer, slot);
-  } else {
-    task.buffer->recv(peer, slot);
+  try {
+    SigpipeBlocked noSigpipe;  // posting may write to the peer's socket on this thread
+    if (isSend) {
+      task.buffer->send(peer, slot);
+    } else {
+      task.buffer->recv(peer, slot);
+    }
+  } catch (...) {
+    // The transport already knows the peer is gone: fail this Work and the group.
+    auto failure = d.p2pFailure(what, std::current_exception());
+    d.broken = failure;
+    d.closeConnections();
+    return Work::failed(description, failure);
   }
   WorkPtr work = task.work;
   d.p2pQueue.push_back(std::move(task));
