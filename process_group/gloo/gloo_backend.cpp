@@ -204,9 +204,10 @@ struct GlooBackend::Impl {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
     std::shared_ptr<gloo::transport::Device> device;
+    const bool batchLoop = options.batchEventLoop ? *options.batchEventLoop : env::getBool("DT_GLOO_BATCH_LOOP");
     try {
       // Gloo's event-loop thread is born here and inherits this thread's policy.
-      BatchPolicyForNewThreads batch(options.batchEventLoop.value_or(env::getBool("DT_GLOO_BATCH_LOOP")), log);
+      BatchPolicyForNewThreads batch(batchLoop, log);
       device = gloo::transport::tcp::CreateDevice(attr);
     } catch (const std::exception& e) {
       throw BackendError(str("[", who(), "] cannot create Gloo's TCP device on ", quoteBytes(options.hostname),

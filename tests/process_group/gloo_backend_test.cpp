@@ -171,6 +171,11 @@ TEST(GlooBackendScheduling, EventLoopRunsUnderBatchPolicyAndTheCallerKeepsItsOwn
     GlooBackend backend(std::make_shared<HashStore>(), 0, 1, options);
     EXPECT_EQ(batchThreads(), 0) << "batchEventLoop = false must leave every thread's policy alone";
   }
+  {
+    ScopedEnv env("DT_GLOO_BATCH_LOOP", "sometimes");
+    expectThrowsWith<InvalidArgument>([] { GlooBackend(std::make_shared<HashStore>(), 0, 1); },
+                                      {"DT_GLOO_BATCH_LOOP", "sometimes"});
+  }
   GlooBackend backend(std::make_shared<HashStore>(), 0, 1);
   EXPECT_GE(batchThreads(), 1) << "Gloo's event-loop thread should run under SCHED_BATCH";
   int policy = -1;
