@@ -14,6 +14,7 @@ packages=(
   libgloo-dev libopenblas-dev zlib1g-dev
   iproute2 procps psmisc util-linux
   python3-torch
+  slurmctld slurmd slurm-client   # the SLURM tests' private cluster (tests/slurm/cluster.sh)
 )
 if [[ "${1:-}" == "--peers" ]]; then
   packages+=(libtorch-dev redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine)
@@ -31,9 +32,19 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   sudo_cmd=()
   [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
-  if ! "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"; then
-    "${sudo_cmd[@]}" apt-get update -q
-    "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+  # Another apt run (a second setup.sh, say) may hold the dpkg lock: wait for it.
+  apt=("${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=300)
+  # The SLURM (and munge) packages' init scripts would start system-wide daemons that the
+  # tests do not want: tests start their own private cluster. invoke-rc.d starts nothing
+  # while policy-rc.d exits 101. Removed afterwards only if this script put it there.
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    printf '#!/bin/sh\nexit 101\n' | "${sudo_cmd[@]}" tee /usr/sbin/policy-rc.d >/dev/null
+    "${sudo_cmd[@]}" chmod 755 /usr/sbin/policy-rc.d
+    trap '"${sudo_cmd[@]}" rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
+  if ! "${apt[@]}" install -y -q --no-install-recommends "${missing[@]}"; then
+    "${apt[@]}" update -q
+    "${apt[@]}" install -y -q --no-install-recommends "${missing[@]}"
   fi
 else
   echo "setup: all ${#packages[@]} packages present"
