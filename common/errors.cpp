@@ -9,4 +9,26 @@ std::string describe(const std::exception& e) {
   return std::string("std::exception: ") + e.what();
 }
 
+std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string& prefix) {
+  try {
+    std::rethrow_exception(cause);
+  } catch (const TimeoutError& e) {
+    return std::make_exception_ptr(TimeoutError(prefix + e.what()));
+  } catch (const DesyncError& e) {
+    return std::make_exception_ptr(DesyncError(prefix + e.what()));
+  } catch (const NetworkError& e) {
+    return std::make_exception_ptr(NetworkError(prefix + e.what()));
+  } catch (const InvalidArgument& e) {
+    return std::make_exception_ptr(InvalidArgument(prefix + e.what()));
+  } catch (const NotSupportedError& e) {
+    return std::make_exception_ptr(NotSupportedError(prefix + e.what()));
+  } catch (const BackendError& e) {
+    return std::make_exception_ptr(BackendError(prefix + e.what()));
+  } catch (const Error& e) {
+    return std::make_exception_ptr(Error(prefix + e.what()));
+  } catch (const std::exception& e) {
+    return std::make_exception_ptr(BackendError(prefix + e.what()));
+  }
+}
+
 }  // namespace dt

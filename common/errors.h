@@ -9,6 +9,7 @@
 // to read.
 #pragma once
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -45,5 +46,10 @@ DT_DECLARE_ERROR(NotSupportedError);
 
 // "dt::TimeoutError: <message>" for any exception, for logs and summaries.
 std::string describe(const std::exception& e);
+
+// The same error with `prefix` put before its message, keeping its dt type
+// (another std::exception becomes a BackendError), for adding context while
+// an error travels up.
+std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string& prefix);
 
 }  // namespace dt

@@ -45,25 +45,6 @@ using Millis = std::chrono::milliseconds;
 // Gloo slot prefix for send/recv; Gloo's own collectives use 0x01-0x08.
 constexpr uint8_t kP2PSlotPrefix = 0x10;
 
-// A new exception of the same dt type, with `prefix` in front of the message.
-std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string& prefix) {
-  try {
-    std::rethrow_exception(cause);
-  } catch (const TimeoutError& e) {
-    return std::make_exception_ptr(TimeoutError(prefix + e.what()));
-  } catch (const DesyncError& e) {
-    return std::make_exception_ptr(DesyncError(prefix + e.what()));
-  } catch (const NetworkError& e) {
-    return std::make_exception_ptr(NetworkError(prefix + e.what()));
-  } catch (const InvalidArgument& e) {
-    return std::make_exception_ptr(InvalidArgument(prefix + e.what()));
-  } catch (const BackendError& e) {
-    return std::make_exception_ptr(BackendError(prefix + e.what()));
-  } catch (const std::exception& e) {
-    return std::make_exception_ptr(BackendError(prefix + e.what()));
-  }
-}
-
 // Gloo prefixes its messages with "[file:line] "; users need the rest.
 std::string glooMessage(const std::exception& e) {
   std::string text = e.what();

@@ -25,6 +25,7 @@ std::atomic<int> gNextHookHandle{1};
 
 struct GraphTask {
   std::vector<std::function<void()>> callbacks;
+  GraphTask* parent = nullptr;  // the pass this one runs inside (re-entrant backward)
 };
 thread_local GraphTask* tCurrentTask = nullptr;
 }  // namespace
@@ -202,6 +203,7 @@ void Tensor::removeHook(int handle) {
   AutogradMeta* m = autogradMeta();
   if (m == nullptr) return;
   std::erase_if(m->hooks, [&](const AutogradMeta::Hook& h) { return h.handle == handle; });
+  std::erase_if(m->postAccumulateHooks, [&](const AutogradMeta::PostHook& h) { return h.handle == handle; });
   if (m->gradFn) m->gradFn->removePreHook(handle);
 }
 
@@ -244,7 +246,10 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
     throw InvalidArgument(str("AccumulateGrad: gradient ", g.describe(), " does not match parameter ",
                               leaf_.describe()));
   }
-  if (!m.grad.defined()) {
+  if (!m.grad.defined() && m.gradBuffer.defined()) {
+    m.gradBuffer.copy_(g);
+    m.grad = m.gradBuffer;
+  } else if (!m.grad.defined()) {
     // Steal the incoming buffer when nobody else holds it (saves a copy per parameter).
     if (g.isContiguous() && g.dtype() == leaf_.dtype() && g.useCount() == 1 &&
         g.unsafeImpl()->storage.useCount() == 1 &&
@@ -284,12 +289,29 @@ Edge edgeFor(const Tensor& t) {
   if (!t.defined() || !t.requiresGrad()) return Edge{};
   AutogradMeta& m = t.ensureAutogradMeta();
   if (m.gradFn) return Edge{m.gradFn, m.outputNr};
+  return Edge{gradAccumulator(t), 0};
+}
+
+std::shared_ptr<Node> gradAccumulator(const Tensor& leaf) {
+  if (!leaf.defined() || !leaf.isLeaf() || !leaf.requiresGrad()) {
+    throw InvalidArgument(str("gradAccumulator needs a leaf tensor that requires grad, got ", leaf.describe(),
+                              leaf.defined() && !leaf.isLeaf() ? " (not a leaf)" : " (does not require grad)"));
+  }
+  AutogradMeta& m = leaf.ensureAutogradMeta();
   std::shared_ptr<Node> acc = m.gradAccumulator.lock();
   if (!acc) {
-    acc = std::make_shared<AccumulateGrad>(t);
+    acc = std::make_shared<AccumulateGrad>(leaf);
     m.gradAccumulator = acc;
   }
-  return Edge{acc, 0};
+  return acc;
+}
+
+void setGradBuffer(const Tensor& leaf, const Tensor& view) {
+  if (view.defined() && (view.sizes() != leaf.sizes() || view.dtype() != leaf.dtype() ||
+                         view.device() != leaf.device())) {
+    throw InvalidArgument(str("setGradBuffer: buffer ", view.describe(), " does not match tensor ", leaf.describe()));
+  }
+  leaf.ensureAutogradMeta().gradBuffer = view;
 }
 
 namespace {
@@ -450,20 +472,28 @@ void runGraph(const std::vector<Edge>& rootEdges, TensorList rootGrads, bool ret
 
 void runWithCallbacks(const std::function<void()>& body) {
   GraphTask task;
-  GraphTask* prev = tCurrentTask;
+  task.parent = tCurrentTask;
+  // Restores the enclosing pass however this one ends, so a throwing node or
+  // callback never leaves the thread "in backward".
+  struct Restore {
+    GraphTask* prev;
+    ~Restore() { tCurrentTask = prev; }
+  } restore{tCurrentTask};
   tCurrentTask = &task;
-  try {
-    body();
-  } catch (...) {
-    tCurrentTask = prev;
-    throw;
-  }
-  // Callbacks may queue further callbacks; run until none is left.
+  body();
+  // Callbacks may queue further callbacks; run until none is left. Each one
+  // runs even if an earlier one threw (they belong to independent owners,
+  // e.g. two DDP modules); the first exception is rethrown at the end.
+  std::exception_ptr firstError;
   for (size_t i = 0; i < task.callbacks.size(); ++i) {
     auto fn = std::move(task.callbacks[i]);
-    fn();
+    try {
+      fn();
+    } catch (...) {
+      if (!firstError) firstError = std::current_exception();
+    }
   }
-  tCurrentTask = prev;
+  if (firstError) std::rethrow_exception(firstError);
 }
 
 TensorList prepareRootGrads(const TensorList& roots, const TensorList& grads) {
@@ -516,11 +546,15 @@ TensorList grad(const TensorList& outputs, const TensorList& inputs, const Tenso
   return result;
 }
 
-void queueCallback(std::function<void()> fn) {
-  if (tCurrentTask == nullptr) {
+void queueCallback(std::function<void()> fn, CallbackPass pass) {
+  GraphTask* task = tCurrentTask;
+  if (task == nullptr) {
     throw InvalidArgument("queueCallback: no backward pass is running on this thread");
   }
-  tCurrentTask->callbacks.push_back(std::move(fn));
+  if (pass == CallbackPass::Outermost) {
+    while (task->parent != nullptr) task = task->parent;
+  }
+  task->callbacks.push_back(std::move(fn));
 }
 
 bool inBackward() { return tCurrentTask != nullptr; }

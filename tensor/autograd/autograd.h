@@ -11,8 +11,23 @@
 //    are freed as each node runs; a second backward then throws.
 //  * Hooks: tensor hooks (Tensor::registerHook) may replace a gradient;
 //    post-accumulate-grad hooks run right after a leaf's .grad is updated;
-//    queueCallback(fn) (only during backward) runs fn after the whole pass, on
-//    the thread running it, in queue order; callbacks may queue more.
+//    Tensor::removeHook removes either kind by handle.
+//  * queueCallback(fn) (only during backward) runs fn after the pass, on the
+//    thread running it, in queue order; callbacks may queue more. Every
+//    queued callback runs even if an earlier one throws; the first exception
+//    then propagates out of backward() and the engine is left clean (not in
+//    backward). In a re-entrant backward (backward called from inside a
+//    node, as activation checkpointing does) CallbackPass::Outermost queues
+//    on the outermost pass, so fn runs only when the whole backward is over.
+//  * A leaf's AccumulateGrad node is created on first use and held weakly by
+//    the leaf; autograd::gradAccumulator(leaf) returns it, and whoever keeps
+//    that pointer keeps the same node for every later graph (what DDP needs
+//    to recognise a parameter in the graph).
+//  * Gradient buffers: autograd::setGradBuffer(leaf, view) names storage the
+//    leaf's gradient lives in. When .grad is undefined, accumulation copies
+//    the incoming gradient into that view and points .grad at it instead of
+//    allocating, so zeroGrads(setToNone) followed by backward reuses it
+//    (gradient-as-bucket-view costs no allocation and no copy-back).
 //  * Grad mode is per thread (NoGradGuard). Graphs must not be shared between
 //    threads running backward concurrently.
 //  * In-place changes to a tensor saved for backward are caught by the
@@ -124,6 +139,8 @@ struct AutogradMeta {
     std::function<void(Tensor&)> fn;
   };
   std::vector<PostHook> postAccumulateHooks;
+  // Storage an undefined .grad is re-created in (setGradBuffer); may be undefined.
+  Tensor gradBuffer;
 };
 
 // Accumulates incoming gradients into a leaf's .grad, then runs its
@@ -177,7 +194,11 @@ TensorList grad(const TensorList& outputs, const TensorList& inputs, const Tenso
                 bool retainGraph = false);
 // During backward: runs fn once the current backward pass finishes (throws
 // InvalidArgument when no backward pass is running on this thread).
-void queueCallback(std::function<void()> fn);
+// Innermost: the pass that is running now; Outermost: the first backward on
+// this thread's stack of re-entrant passes (they differ only inside a
+// backward called from a node).
+enum class CallbackPass { Innermost, Outermost };
+void queueCallback(std::function<void()> fn, CallbackPass pass = CallbackPass::Innermost);
 bool inBackward();
 
 // ---- recording helpers for ops ---------------------------------------------------------------
@@ -195,6 +216,14 @@ void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std
 void rebaseHistory(Tensor& self, const std::shared_ptr<Node>& node);
 // Sums grad over broadcast dims so it has `shape`.
 Tensor sumToShape(const Tensor& grad, const Shape& shape);
+
+// The leaf's AccumulateGrad node (created when missing). Hold the pointer to
+// keep the node, and so its identity in every later graph, stable.
+std::shared_ptr<Node> gradAccumulator(const Tensor& leaf);
+// Makes `view` (same shape and dtype as the leaf, any storage) the buffer the
+// leaf's gradient is accumulated into when .grad is undefined; an undefined
+// view releases it. Does not change .grad itself.
+void setGradBuffer(const Tensor& leaf, const Tensor& view);
 
 }  // namespace autograd
 

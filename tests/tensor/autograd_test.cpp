@@ -1,5 +1,7 @@
 // Autograd engine: ordering, hooks, callbacks, retain graph, in-place detection.
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -132,6 +134,121 @@ TEST(Autograd, PostAccumulateHooksRunInReverseOrderOnceEachAndCallbacksAfter) {
   EXPECT_EQ(events[4], "nested");
   expectThrowsWith<InvalidArgument>([] { queueCallback([] {}); }, {"no backward pass"});
   expectThrowsWith<InvalidArgument>([&] { h.registerPostAccumulateGradHook([](Tensor&) {}); }, {"leaf"});
+}
+
+TEST(Autograd, RemoveHookAlsoRemovesPostAccumulateHooks) {
+  Tensor x = param({1});
+  int calls = 0;
+  const int handle = x.registerPostAccumulateGradHook([&](Tensor&) { ++calls; });
+  sum(mul(x, 2.0)).backward();
+  EXPECT_EQ(calls, 1);
+  x.removeHook(handle);
+  sum(mul(x, 2.0)).backward();
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(x.autogradMeta()->postAccumulateHooks.empty());
+}
+
+TEST(Autograd, ThrowingCallbackPropagatesRunsTheOthersAndLeavesTheEngineClean) {
+  Tensor x = param({1});
+  std::vector<std::string> ran;
+  bool fail = true;
+  x.registerPostAccumulateGradHook([&](Tensor&) {
+    queueCallback([&] {
+      ran.push_back("first");
+      if (fail) throw InvalidArgument("parameter 'x' got no gradient");
+    });
+    queueCallback([&] { ran.push_back("second"); });
+  });
+  expectThrowsWith<InvalidArgument>([&] { sum(mul(x, 2.0)).backward(); }, {"parameter 'x'"});
+  EXPECT_EQ(ran, (std::vector<std::string>{"first", "second"}));
+  EXPECT_FALSE(inBackward());
+  expectThrowsWith<InvalidArgument>([] { queueCallback([] {}); }, {"no backward pass"});
+  // The next backward is a fresh pass.
+  fail = false;
+  ran.clear();
+  sum(mul(x, 2.0)).backward();
+  EXPECT_EQ(ran, (std::vector<std::string>{"first", "second"}));
+  EXPECT_EQ(x.grad().item<float>(), 4.0f);
+}
+
+// A node whose backward runs a second, inner backward pass, as activation
+// checkpointing does when it recomputes a segment.
+class InnerBackwardNode final : public Node {
+ public:
+  explicit InnerBackwardNode(std::function<void()> inner) : inner_(std::move(inner)) {}
+  TensorList apply(TensorList&& grads) override {
+    inner_();
+    return {grads.at(0)};
+  }
+  std::string name() const override { return "InnerBackwardNode"; }
+
+ private:
+  std::function<void()> inner_;
+};
+
+TEST(Autograd, OutermostCallbacksWaitForTheWholeReentrantBackward) {
+  Tensor x = param({1});
+  Tensor w = param({3});
+  std::vector<std::string> events;
+  w.registerPostAccumulateGradHook([&](Tensor&) {
+    events.push_back("w ready");
+    queueCallback([&] { events.push_back("innermost callback"); });
+    queueCallback([&] { events.push_back("outermost callback"); }, CallbackPass::Outermost);
+  });
+  auto node = std::make_shared<InnerBackwardNode>([&] {
+    EnableGradGuard grad;
+    sum(mul(w, 2.0)).backward();
+    events.push_back("inner pass returned");
+  });
+  Tensor out = mul(x, 1.0).detach();
+  autograd::recordNode(node, {x}, {&out});
+  x.registerPostAccumulateGradHook([&](Tensor&) { events.push_back("x ready"); });
+  sum(mul(out, 5.0)).backward();
+  EXPECT_EQ(events, (std::vector<std::string>{"w ready", "innermost callback", "inner pass returned", "x ready",
+                                              "outermost callback"}));
+  EXPECT_EQ(w.grad().item<float>(), 2.0f);
+  EXPECT_EQ(x.grad().item<float>(), 5.0f);
+  EXPECT_FALSE(inBackward());
+}
+
+TEST(Autograd, HeldGradAccumulatorIsTheNodeOfEveryLaterGraph) {
+  Tensor w = param({1, 2});
+  std::shared_ptr<Node> held = autograd::gradAccumulator(w);
+  for (int i = 0; i < 3; ++i) {
+    Tensor y = mul(w, 2.0);
+    ASSERT_GE(y.gradFn()->nextEdges().size(), 1u);
+    EXPECT_EQ(y.gradFn()->nextEdges()[0].node, held) << "graph " << i;
+  }
+  EXPECT_EQ(autograd::gradAccumulator(w), held);
+  expectThrowsWith<InvalidArgument>([&] { autograd::gradAccumulator(mul(w, 1.0)); }, {"not a leaf"});
+  expectThrowsWith<InvalidArgument>([&] { autograd::gradAccumulator(fromVector<float>({1})); },
+                                    {"does not require grad"});
+}
+
+TEST(Autograd, GradBufferIsReusedAfterSetToNoneWithoutAllocating) {
+  Tensor w = param({1, 2, 3});
+  Tensor bucket = zeros({5});
+  Tensor view = bucket.narrow(0, 1, 3);
+  autograd::setGradBuffer(w, view);
+  std::vector<Tensor> params = {w};
+  for (int step = 1; step <= 3; ++step) {
+    zeroGrads(params, /*setToNone=*/true);
+    EXPECT_FALSE(w.grad().defined());
+    sum(mul(w, static_cast<double>(step))).backward();
+    ASSERT_TRUE(w.grad().defined());
+    EXPECT_EQ(w.grad().dataPtr(), view.dataPtr()) << "step " << step;
+    EXPECT_EQ(bucket.toVector<float>(), (std::vector<float>{0, float(step), float(step), float(step), 0}));
+  }
+  // Without zeroing, accumulation adds into the same view.
+  sum(mul(w, 10.0)).backward();
+  EXPECT_EQ(bucket.toVector<float>(), (std::vector<float>{0, 13, 13, 13, 0}));
+  zeroGrads(params, /*setToNone=*/false);
+  EXPECT_EQ(bucket.toVector<float>(), (std::vector<float>{0, 0, 0, 0, 0}));
+  autograd::setGradBuffer(w, Tensor());
+  zeroGrads(params, true);
+  sum(mul(w, 1.0)).backward();
+  EXPECT_NE(w.grad().dataPtr(), view.dataPtr());
+  expectThrowsWith<InvalidArgument>([&] { autograd::setGradBuffer(w, zeros({4})); }, {"does not match"});
 }
 
 TEST(Autograd, CallbackRunsOnBackwardThread) {
