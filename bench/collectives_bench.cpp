@@ -1,6 +1,6 @@
 // collectives_bench: allreduce (sum) and broadcast (root 0) of float32 CPU
 // tensors through dtrain's ProcessGroup + Gloo backend, with the methodology
-// of ../shared/peers/torch_allreduce.py so the numbers pair up:
+// of bench/peers/torch_allreduce.py so the numbers pair up:
 //   * per size: warm-up max(2, reps/10) ops, then `reps` timed ops (200 up to
 //     64 KiB, 50 at 1 MiB, 15 at 16 MiB, 7 at 64 MiB), each preceded by a
 //     barrier; a rep's time is the slowest rank's (one allreduce(max) over the

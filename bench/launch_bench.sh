@@ -2,27 +2,34 @@
 # Launcher overhead: wall time from start to exit of
 #     dtrun --standalone --nproc N /bin/true
 # (median of REPS runs), side by side in the same run with torchrun
-# (../shared/peers/launch_overhead.sh: torchrun with default settings and with
+# (bench/peers/launch_overhead.sh: torchrun with default settings and with
 # --monitor_interval 0.1, its fastest), measured the same way (date +%s%N around
 # the command, output to /dev/null). Prints
 #     RESULT launch impl=dtrun nproc=4 reps=.. time_ms=.. min_ms=..
 # then the peers' RESULT lines and the ratios (summarize.py --ratio; < 1 means dtrun is faster).
 #
-# Env: DTRUN (default: build/launcher/dtrun, else build-*/launcher/dtrun), REPS (21), NPROCS ("4"),
-#      PEER_REPS (5), PEERS (../shared/peers), SKIP_PEERS=1 to time dtrun only, PY (/usr/bin/python3).
+# Env: DTRUN (default: build-bench/launcher/dtrun, else build/ or another build*/ folder; built
+#      in build-bench when there is none), REPS (21), NPROCS ("4"), PEER_REPS (5),
+#      PEERS (bench/peers), SKIP_PEERS=1 to time dtrun only, PY (/usr/bin/python3).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 REPS=${REPS:-21}
 NPROCS=${NPROCS:-4}
 PEER_REPS=${PEER_REPS:-5}
-PEERS=${PEERS:-$ROOT/../shared/peers}
+PEERS=${PEERS:-$ROOT/bench/peers}
 PY=${PY:-/usr/bin/python3}
 if [ -z "${DTRUN:-}" ]; then
-  for candidate in "$ROOT/build/launcher/dtrun" "$ROOT"/build*/launcher/dtrun; do
+  for candidate in "$ROOT/build-bench/launcher/dtrun" "$ROOT/build/launcher/dtrun" "$ROOT"/build*/launcher/dtrun; do
     if [ -x "$candidate" ]; then DTRUN=$candidate; break; fi
   done
 fi
-[ -n "${DTRUN:-}" ] && [ -x "$DTRUN" ] || { echo "launch_bench.sh: dtrun not found; build it (cmake --build build --target dtrun) or set DTRUN" >&2; exit 1; }
+if [ -z "${DTRUN:-}" ]; then
+  echo "# building dtrun in build-bench" >&2
+  cmake -S "$ROOT" -B "$ROOT/build-bench" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF \
+    -DDT_BUILD_BENCH=ON >/dev/null && cmake --build "$ROOT/build-bench" -j "${DT_JOBS:-2}" --target dtrun >/dev/null &&
+    DTRUN=$ROOT/build-bench/launcher/dtrun
+fi
+[ -n "${DTRUN:-}" ] && [ -x "$DTRUN" ] || { echo "launch_bench.sh: dtrun not found; build it (cmake --build build-bench --target dtrun) or set DTRUN" >&2; exit 1; }
 
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT

@@ -1,44 +1,39 @@
 #!/usr/bin/env bash
 # Runs dtrain's tensor benchmark side by side with the LibTorch peer
-# (../shared/peers/libtorch_mlp.cpp), interleaved REPS times in the same run,
+# (bench/peers/libtorch_mlp.cpp), interleaved REPS times in the same run,
 # both on OpenBLAS with one thread, and prints medians and dtrain/LibTorch
-# ratios (../shared/peers/summarize.py). Peak RSS of each process is measured
+# ratios (bench/peers/summarize.py). Peak RSS of each process is measured
 # the same way for both (/usr/bin/time -f %M, whole process) and printed as
 # `RESULT peak_rss impl=... rss_mb=`.
 #
-# Env: REPS (3), DT_BUILD_DIR (build-tensor-bench), PEERS_DIR (../shared/peers next
-# to the repository), PEERS_BUILD (/tmp/peers-build), OUT (results file).
+# Env: REPS (3), DT_BUILD_DIR (build-bench), PEERS_DIR (bench/peers), PEERS_BUILD
+# (build-peers), OUT (results file). Relative paths are taken from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 REPS=${REPS:-3}
-build_dir=${DT_BUILD_DIR:-build-tensor-bench}
-peers=${PEERS_DIR:-$(cd "$repo/.." && pwd)/shared/peers}
-peers_build=${PEERS_BUILD:-/tmp/peers-build}
+build_dir=${DT_BUILD_DIR:-build-bench}
+peers=${PEERS_DIR:-$repo/bench/peers}
+peers_build=${PEERS_BUILD:-build-peers}
 out=${OUT:-/tmp/tensor-bench-$(date +%Y%m%d-%H%M%S).txt}
 py=/usr/bin/python3
 
-# Same BLAS for both: OpenBLAS (pthread build), one thread (see peers/README.md).
+# Same BLAS for both: OpenBLAS (pthread build), one thread (see bench/peers/README.md).
 openblas_dir=/usr/lib/x86_64-linux-gnu/openblas-pthread
 if [ -d "$openblas_dir" ]; then export LD_LIBRARY_PATH="$openblas_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 DT_NUM_THREADS=1
 
 echo "== building dtrain tensor_bench in $build_dir" >&2
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF \
-  -DDT_BUILD_BENCH=ON -DDT_BUILD_EXAMPLES=OFF >/dev/null
+  -DDT_BUILD_BENCH=ON >/dev/null
 cmake --build "$build_dir" -j "${DT_JOBS:-2}" --target tensor_bench >/dev/null
 
 have_libtorch=0
-if dpkg -s libtorch-dev >/dev/null 2>&1 || [ -n "${Torch_DIR:-}" ]; then
-  echo "== building the LibTorch peer in $peers_build" >&2
-  if cmake -S "$peers" -B "$peers_build" -DCMAKE_BUILD_TYPE=Release >"$peers_build.log" 2>&1 &&
-     cmake --build "$peers_build" -j "${DT_JOBS:-2}" --target libtorch_mlp >>"$peers_build.log" 2>&1; then
-    have_libtorch=1
-  else
-    echo "   LibTorch peer did not build (see $peers_build.log); skipping it" >&2
-  fi
+echo "== building the LibTorch peer in $peers_build" >&2
+if "$peers/build.sh" "$peers_build" libtorch_mlp >/dev/null; then
+  have_libtorch=1
 else
-  echo "== libtorch-dev is not installed: no LibTorch peer (scripts/setup.sh --peers installs it)" >&2
+  echo "   no LibTorch peer: dtrain and cblas only" >&2
 fi
 
 # Runs a command, appends its RESULT lines, and a peak_rss line for the whole process.
@@ -65,8 +60,9 @@ for rep in $(seq "$REPS"); do
   fi
 done
 
-# peak_rss_mb (dtrain's own getrusage figure) and the peak_rss lines are not summarize.py
-# metrics (no unit suffix it knows): keep them out of its identities; the RSS ratio is computed below.
+# Memory is compared through the peak_rss lines, measured alike for both (/usr/bin/time): they
+# and dtrain's own getrusage figure (peak_rss_mb, which LibTorch does not print) stay out of
+# summarize.py; the RSS ratio is computed below.
 medians_in=$(mktemp)
 grep -v '^RESULT peak_rss ' "$out" >"$medians_in"
 echo "== medians ($out)" >&2

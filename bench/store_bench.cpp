@@ -1,5 +1,5 @@
 // store_bench: TcpStore throughput and rendezvous latency, measured exactly
-// like ../shared/peers/libtorch_store.cpp so that its RESULT lines pair with
+// like bench/peers/libtorch_store.cpp so that its RESULT lines pair with
 // LibTorch's TCPStore (impl=libtorch-tcpstore) and Redis (impl=redis).
 //
 // kv: one server on 127.0.0.1 port 0; K client threads, each with its own

@@ -1,9 +1,9 @@
 // Tensor benchmark: float32 GEMM through dtrain vs OpenBLAS called directly,
 // and the training step of the peers' MLP (8 x [Linear(1024,1024)+ReLU] then
 // Linear(1024,10), batch 32, cross-entropy, SGD lr 0.01), measured the way
-// ../shared/peers/libtorch_mlp.cpp measures LibTorch: 5 warm-up + 30 timed
+// bench/peers/libtorch_mlp.cpp measures LibTorch: 5 warm-up + 30 timed
 // steps, median; GEMM 3 warm-up + 10 timed, median. Prints a table on stderr
-// and RESULT lines on stdout (format of ../shared/peers/README.md).
+// and RESULT lines on stdout (format of bench/peers/README.md).
 //
 // Usage: tensor_bench [--threads N] [--warmup W] [--steps S]
 #include <cblas.h>
