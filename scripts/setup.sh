@@ -17,7 +17,7 @@ packages=(
   slurmctld slurmd slurm-client   # the SLURM tests' private cluster (tests/slurm/cluster.sh)
 )
 if [[ "${1:-}" == "--peers" ]]; then
-  packages+=(libtorch-dev redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine)
+  packages+=(libtorch-dev redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine time)
 fi
 
 missing=()
