@@ -31,6 +31,9 @@ constexpr std::array kKnobs = {
     Knob{"DT_GLOO_ALLREDUCE", "auto", "Allreduce algorithm of the Gloo backend: auto (recursive_doubling below 256 KiB, or below 2 MiB with two ranks; ring from there), ring, halving_doubling or recursive_doubling. Must be the same on every rank.", "user"},
     Knob{"DT_GLOO_BATCH_LOOP", "1", "Run Gloo's event-loop thread under SCHED_BATCH so it never preempts the thread it waits for; set 0 to keep the default policy.", "user"},
     Knob{"DT_BACKEND", "", "Backend override for initProcessGroup: gloo or nccl. Default: gloo for CPU, nccl for CUDA.", "user"},
+    // ddp
+    Knob{"DT_DDP_LOG", "0", "DistributedDataParallel: rank 0 prints the bucket table once and a one-line summary (forward, backward, communication and exposed communication time) every DT_DDP_LOG_EVERY iterations to stderr.", "user"},
+    Knob{"DT_DDP_LOG_EVERY", "100", "With DT_DDP_LOG=1: synchronised iterations between two DDP summary lines.", "user"},
     // launcher (set by dtrun for its workers)
     Knob{"DT_RUN_ID", "", "The job's run id (also dtrun's --run-id fallback; default: random, or slurm-<job id>.<step id> under SLURM).", "dtrun, user"},
     Knob{"DT_RESTART_COUNT", "0", "How many times dtrun has restarted the worker group.", "dtrun"},

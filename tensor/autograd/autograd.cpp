@@ -231,7 +231,7 @@ std::string Tensor::name() const {
 
 // ---- AccumulateGrad ----------------------------------------------------------------------------------
 
-AccumulateGrad::AccumulateGrad(Tensor leaf) : leaf_(std::move(leaf)) {}
+AccumulateGrad::AccumulateGrad(Tensor leaf) : Node(kRunFirst), leaf_(std::move(leaf)) {}
 
 TensorList AccumulateGrad::apply(TensorList&& grads) {
   Tensor g = std::move(grads.at(0));

@@ -7,7 +7,9 @@
 //  * backward(roots, grads) runs on the calling thread. A node runs once all
 //    nodes that feed it have delivered their gradients (dependency counts);
 //    among ready nodes the one created last runs first, so gradients arrive in
-//    reverse order of the forward pass. Without retainGraph the saved tensors
+//    reverse order of the forward pass, except that a ready AccumulateGrad
+//    runs before any other node (a leaf's .grad and its hooks are done as soon
+//    as its gradient is known, which lets DDP start reducing it). Without retainGraph the saved tensors
 //    are freed as each node runs; a second backward then throws.
 //  * Hooks: tensor hooks (Tensor::registerHook) may replace a gradient;
 //    post-accumulate-grad hooks run right after a leaf's .grad is updated;
@@ -79,6 +81,8 @@ class SavedTensor {
 class Node : public std::enable_shared_from_this<Node> {
  public:
   Node();
+  // Nodes that must run as soon as they are ready (AccumulateGrad).
+  static constexpr uint64_t kRunFirst = UINT64_MAX;
   virtual ~Node() = default;
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
@@ -105,6 +109,9 @@ class Node : public std::enable_shared_from_this<Node> {
 
   bool released() const { return released_; }
   void markReleased() { released_ = true; }
+
+ protected:
+  explicit Node(uint64_t sequenceNr) : sequenceNr_(sequenceNr) {}
 
  private:
   struct PreHook {

@@ -1,0 +1,52 @@
+// Communication hooks: how DDP reduces one bucket of gradients.
+//
+// Contract:
+//  * A hook is called on the thread running backward, once per bucket per
+//    synchronised backward, in bucket order (the same on every rank), as soon
+//    as the bucket is full. It must start the reduction and return without
+//    waiting for it: the returned Work completes once `bucket.buffer` holds
+//    the reduced gradients. A hook that throws makes that backward() throw.
+//  * bucket.buffer arrives holding this rank's gradients already divided by
+//    the world size, so a plain sum over ranks yields the average (what the
+//    built-in hooks do). The hook may replace values in place only; the
+//    buffer's size, dtype and storage must stay (gradients alias it when
+//    gradientAsBucketView is on).
+//  * Work completion callbacks (Work::then) run on the backend's thread: a
+//    hook that post-processes the result there must only touch its bucket.
+//  * Every rank must register the same hook: the hook's collectives are part
+//    of the collective sequence that ranks must agree on.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "process_group/process_group.h"
+#include "tensor/tensor.h"
+
+namespace dt {
+
+struct GradBucket {
+  size_t index = 0;  // 0 = the first bucket launched
+  size_t count = 0;  // buckets in this model
+  // Flat, contiguous, one dtype and device: the gradients of `parameters`
+  // back to back, pre-divided by the world size.
+  Tensor buffer;
+  std::vector<Tensor> parameters;
+  std::vector<std::string> parameterNames;  // module paths
+  bool isLast() const { return index + 1 == count; }
+};
+
+using CommHook = std::function<WorkPtr(ProcessGroup& group, GradBucket& bucket)>;
+
+// The default: allreduce(sum) of the buffer in place.
+CommHook allreduceHook();
+// Cast the buffer to float16 (or bfloat16), allreduce that, cast the result
+// back into the buffer: half the bytes on the wire, float16's 11 (bfloat16's
+// 8) significant bits in the result. Buckets already in 16 bits are reduced
+// as they are. Casting back runs on the backend's thread.
+CommHook fp16CompressHook();
+CommHook bf16CompressHook();
+
+}  // namespace dt

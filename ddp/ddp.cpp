@@ -1,0 +1,258 @@
+#include "ddp/ddp.h"
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "collectives/coalesce.h"
+#include "common/env.h"
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/autograd/autograd.h"
+
+namespace dt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string describeParameter(const std::string& name, const Tensor& t) {
+  return str(name, ": ", t.describe(), t.device().isCpu() ? " on cpu" : "", t.requiresGrad() ? "" : " (no grad)");
+}
+
+uint64_t fnv1a(const std::string& text, uint64_t hash = 1469598103934665603ull) {
+  for (unsigned char c : text) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+// Every rank's list of parameter descriptions (two allgathers: lengths, then
+// the text padded to the longest).
+std::vector<std::vector<std::string>> gatherDescriptions(ProcessGroup& group, const std::vector<std::string>& mine) {
+  std::string text;
+  for (const auto& line : mine) text += line + '\n';
+  Tensor length = fromVector<int64_t>({static_cast<int64_t>(text.size())});
+  std::vector<Tensor> lengths;
+  for (int r = 0; r < group.size(); ++r) lengths.push_back(empty({1}, DType::Int64));
+  group.allgather(lengths, length)->wait();
+  int64_t longest = 1;
+  for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
+  Tensor bytes = zeros({longest}, DType::Bool);
+  std::memcpy(bytes.dataPtr(), text.data(), text.size());
+  std::vector<Tensor> all;
+  for (int r = 0; r < group.size(); ++r) all.push_back(empty({longest}, DType::Bool));
+  group.allgather(all, bytes)->wait();
+  std::vector<std::vector<std::string>> out;
+  for (int r = 0; r < group.size(); ++r) {
+    const std::string theirs(static_cast<const char*>(all[r].dataPtr()), static_cast<size_t>(lengths[r].item<int64_t>()));
+    std::vector<std::string> lines;
+    for (const auto& line : split(theirs, '\n')) {
+      if (!line.empty()) lines.emplace_back(line);
+    }
+    out.push_back(std::move(lines));
+  }
+  return out;
+}
+
+// Throws the same InvalidArgument on every rank when the models differ.
+void verifySameModel(ProcessGroup& group, const NamedTensors& params, const std::string& who) {
+  if (group.size() == 1) return;
+  std::vector<std::string> mine;
+  uint64_t hash = fnv1a(std::to_string(params.size()));
+  for (const auto& [name, t] : params) {
+    mine.push_back(describeParameter(name, t));
+    hash = fnv1a(mine.back(), hash);
+  }
+  // Cheap check first: one allgather of (count, hash).
+  Tensor summary = fromVector<int64_t>({static_cast<int64_t>(params.size()), static_cast<int64_t>(hash)});
+  std::vector<Tensor> summaries;
+  for (int r = 0; r < group.size(); ++r) summaries.push_back(empty({2}, DType::Int64));
+  group.allgather(summaries, summary)->wait();
+  bool same = true;
+  for (const auto& s : summaries) same = same && s.toVector<int64_t>() == summaries[0].toVector<int64_t>();
+  if (same) return;
+
+  const auto all = gatherDescriptions(group, mine);
+  size_t longest = 0;
+  for (const auto& list : all) longest = std::max(longest, list.size());
+  const auto entry = [&](int rank, size_t i) {
+    return i < all[rank].size() ? all[rank][i] : str("no parameter #", i, " (it has ", all[rank].size(), ")");
+  };
+  for (size_t i = 0; i < longest; ++i) {
+    std::map<std::string, std::vector<int>> holders;  // description -> ranks
+    for (int r = 0; r < group.size(); ++r) holders[entry(r, i)].push_back(r);
+    if (holders.size() == 1) continue;
+    const std::string reference = entry(0, i);
+    std::string others;
+    for (const auto& [description, ranks] : holders) {
+      if (description == reference) continue;
+      others += str("; rank", ranks.size() > 1 ? "s " : " ", formatRanges(ranks), ranks.size() > 1 ? " have " : " has ",
+                    description);
+    }
+    throw InvalidArgument(str("[", who, "] DistributedDataParallel: the ranks' models differ at parameter #", i,
+                              ": rank 0 has ", reference, others,
+                              ". Every rank must build the same model (same parameters in the same order, with the "
+                              "same shapes, dtypes and devices) before wrapping it."));
+  }
+  throw InvalidArgument(str("[", who, "] DistributedDataParallel: the ranks' parameter lists hash differently but "
+                            "read the same; is the build or the platform the same on every rank?"));
+}
+
+// Copies rank `root`'s tensors to every rank, one broadcast per dtype/device.
+void broadcastTensors(ProcessGroup& group, const std::vector<Tensor>& tensors, int root) {
+  if (group.size() == 1 || tensors.empty()) return;
+  std::map<std::pair<int, std::string>, std::vector<Tensor>> kinds;
+  for (const auto& t : tensors) kinds[{static_cast<int>(t.dtype()), t.device().str()}].push_back(t);
+  NoGradGuard noGrad;
+  for (auto& [kind, members] : kinds) {
+    Tensor flat = flattenTensors(members);
+    group.broadcast(flat, {.root = root})->wait();
+    if (group.rank() != root) unflattenInto(flat, members);
+  }
+}
+
+std::vector<Tensor> valuesOf(const NamedTensors& named) {
+  std::vector<Tensor> out;
+  for (const auto& [name, t] : named) out.push_back(t);
+  return out;
+}
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module,
+                                                 std::shared_ptr<ProcessGroup> group, DdpOptions options)
+    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {
+  if (!module_) throw InvalidArgument("DistributedDataParallel: module is null");
+  if (!group_) throw InvalidArgument("DistributedDataParallel: process group is null");
+  if (!group_->isMember()) {
+    throw InvalidArgument(str("DistributedDataParallel: this rank is not a member of process group ", group_->name()));
+  }
+  registerModule("module", module_);
+  const NamedTensors params = module_->namedParameters();
+  verifySameModel(*group_, params, who());
+  std::vector<Tensor> trained;
+  std::vector<std::string> names;
+  for (const auto& [name, t] : params) {
+    if (!t.requiresGrad()) continue;
+    trained.push_back(t);
+    names.push_back(name);
+  }
+  if (trained.empty()) {
+    throw InvalidArgument(str("[", who(), "] DistributedDataParallel: module ", module_->typeName(), " has ",
+                              params.size(), " parameters and none requires grad; there is nothing to reduce"));
+  }
+  // Every rank starts from rank 0's values.
+  std::vector<Tensor> state = valuesOf(params);
+  for (const auto& t : valuesOf(module_->namedBuffers())) state.push_back(t);
+  broadcastTensors(*group_, state, 0);
+
+  ReducerOptions reducerOptions;
+  reducerOptions.caps = {options_.firstBucketCapBytes, options_.bucketCapBytes};
+  reducerOptions.gradientAsBucketView = options_.gradientAsBucketView;
+  reducerOptions.findUnusedParameters = options_.findUnusedParameters;
+  reducerOptions.staticGraph = options_.staticGraph;
+  if (env::getBool("DT_DDP_LOG")) reducerOptions.logEvery = static_cast<int>(env::getInt("DT_DDP_LOG_EVERY"));
+  if (env::getBool("DT_DDP_LOG") && reducerOptions.logEvery < 1) {
+    throw InvalidArgument(str("DT_DDP_LOG_EVERY=", reducerOptions.logEvery, " must be a positive number of iterations"));
+  }
+  reducer_ = std::make_unique<Reducer>(std::move(trained), std::move(names), group_, reducerOptions);
+  if (options_.commHook) reducer_->setCommHook(options_.commHook);
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+std::string DistributedDataParallel::who() const {
+  return str("rank ", group_->rank(), "/", group_->size(), " pg=", group_->name());
+}
+
+void DistributedDataParallel::registerCommHook(CommHook hook) { reducer_->setCommHook(std::move(hook)); }
+
+void DistributedDataParallel::beforeForward() {
+  if (!gradModeEnabled()) return;  // evaluation: no collectives, so one rank may run it alone
+  if (inJoin_) {
+    // [ranks still training, of which synchronising]; joined ranks add zeros.
+    Tensor state = fromVector<int64_t>({1, requireSync_ ? 1 : 0});
+    group_->allreduce(state)->wait();
+  }
+  if (options_.broadcastBuffers) broadcastTensors(*group_, valuesOf(module_->namedBuffers()), 0);
+}
+
+void DistributedDataParallel::afterForward(const std::vector<Tensor>& outputs, double forwardMs) {
+  if (!gradModeEnabled()) return;
+  reducer_->prepareForBackward(outputs, requireSync_, forwardMs);
+}
+
+Tensor DistributedDataParallel::forward(const Tensor& input) {
+  const auto start = Clock::now();
+  beforeForward();
+  Tensor out = module_->forward(input);
+  afterForward({out}, std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  return out;
+}
+
+std::vector<Tensor> DistributedDataParallel::forwardWith(const std::function<std::vector<Tensor>()>& body) {
+  const auto start = Clock::now();
+  beforeForward();
+  std::vector<Tensor> outputs = body();
+  afterForward(outputs, std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  return outputs;
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel* ddp)
+    : ddp_(ddp), previous_(ddp->requireSync_) {
+  ddp_->requireSync_ = false;
+  ddp_->reducer_->setInNoSyncScope(true);
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept
+    : ddp_(other.ddp_), previous_(other.previous_) {
+  other.ddp_ = nullptr;
+}
+
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
+  if (ddp_ == nullptr) return;
+  ddp_->requireSync_ = previous_;
+  ddp_->reducer_->setInNoSyncScope(!previous_);
+}
+
+DistributedDataParallel::NoSyncGuard DistributedDataParallel::noSync() { return NoSyncGuard(this); }
+
+void DistributedDataParallel::join(const std::function<void()>& body) {
+  if (options_.staticGraph) {
+    throw NotSupportedError(str("[", who(), "] DistributedDataParallel::join with staticGraph: a rank that joins "
+                                "before the first iteration cannot learn the graph; use findUnusedParameters"));
+  }
+  if (inJoin_) throw InvalidArgument(str("[", who(), "] DistributedDataParallel::join cannot be nested"));
+  inJoin_ = true;
+  try {
+    body();
+  } catch (...) {
+    inJoin_ = false;
+    throw;
+  }
+  inJoin_ = false;
+
+  // Out of data: answer the others' collectives until every rank is out.
+  bool lastToFinish = false;
+  for (bool first = true;; first = false) {
+    Tensor state = zeros({2}, DType::Int64);
+    group_->allreduce(state)->wait();
+    const auto counts = state.toVector<int64_t>();
+    if (first) lastToFinish = counts[0] == 0;
+    if (counts[0] == 0) break;
+    if (options_.broadcastBuffers) broadcastTensors(*group_, valuesOf(module_->namedBuffers()), 0);
+    if (counts[1] > 0) reducer_->shadowBackward();
+  }
+  // The ranks that finished last hold the trained model; the highest of them
+  // is the source for everyone.
+  Tensor source = fromVector<int64_t>({lastToFinish ? group_->rank() : -1});
+  group_->allreduce(source, {.reduceOp = ReduceOp::Max})->wait();
+  std::vector<Tensor> state = module_->parameters();
+  for (const auto& t : valuesOf(module_->namedBuffers())) state.push_back(t);
+  broadcastTensors(*group_, state, static_cast<int>(source.item<int64_t>()));
+}
+
+}  // namespace dt

@@ -1,0 +1,68 @@
+// DistributedDataParallel with forked processes as ranks over a TcpStore:
+// the same equivalence as the threads test, across address spaces.
+#include <gtest/gtest.h>
+
+#include "common/config.h"
+#include "common/strings.h"
+#include "ddp/ddp.h"
+#include "tests/ddp/harness.h"
+#include "tests/testing/processes.h"
+
+namespace dt {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::TrainSpec;
+
+#if DT_HAVE_GLOO
+
+// Each child trains, computes the single-process reference itself and
+// reports the largest difference.
+void expectProcessesMatchReference(const TrainSpec& spec) {
+  const auto results = testing::runProcesses(spec.world, [&](int rank, uint16_t port) -> std::string {
+    ProcessGroupOptions o;
+    o.timeout = 30s;
+    o.progressInterval = 100ms;
+    auto group = ProcessGroup::create(testing::clientStore(port, rank), rank, spec.world, o);
+    const auto mine = testing::trainRank(spec, group);
+    group->barrier()->wait();
+    group->destroy();
+    const float difference = testing::maxAbsDifference(mine, testing::referenceParameters(spec));
+    return str(difference <= 2e-5f ? "OK" : "DIFFERENT", " max difference ", difference);
+  });
+  for (int rank = 0; rank < spec.world; ++rank) {
+    EXPECT_EQ(results[rank].exitCode, 0) << "rank " << rank;
+    EXPECT_EQ(results[rank].text.rfind("OK", 0), 0u) << "rank " << rank << ": " << results[rank].text;
+  }
+}
+
+class DdpProcesses : public ::testing::TestWithParam<int> {};
+
+TEST_P(DdpProcesses, MatchesOneProcessOnTheConcatenatedBatch) {
+  TrainSpec spec;
+  spec.world = GetParam();
+  spec.ddp.bucketCapBytes = 300;
+  spec.ddp.firstBucketCapBytes = 100;
+  expectProcessesMatchReference(spec);
+}
+
+TEST_P(DdpProcesses, FindUnusedParametersAndJoin) {
+  TrainSpec spec;
+  spec.world = GetParam();
+  spec.branchy = true;
+  spec.ddp.findUnusedParameters = true;
+  for (int r = 0; r < spec.world; ++r) spec.stepsPerRank.push_back(6 - r);
+  expectProcessesMatchReference(spec);
+}
+
+INSTANTIATE_TEST_SUITE_P(World, DdpProcesses, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& info) { return "world" + std::to_string(info.param); });
+
+#else
+
+TEST(DdpProcesses, NeedsGloo) { GTEST_SKIP() << "this build has no Gloo backend (DT_HAVE_GLOO=0); DDP's tests need one"; }
+
+#endif
+
+}  // namespace
+}  // namespace dt

@@ -1,0 +1,506 @@
+// DistributedDataParallel with threads as ranks on the Gloo backend:
+// equivalence with single-process training in every mode, overlap, errors,
+// hooks, join, statistics.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/config.h"
+#include "common/errors.h"
+#include "common/strings.h"
+#include "ddp/ddp.h"
+#include "store/hash_store.h"
+#include "tensor/autograd/autograd.h"
+#include "tensor/ops.h"
+#include "tensor/optim/optim.h"
+#include "tests/ddp/harness.h"
+#include "tests/testing/testing.h"
+
+namespace dt {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::expectThrowsWith;
+using testing::runRanks;
+using testing::TrainSpec;
+using ::testing::HasSubstr;
+
+#if DT_HAVE_GLOO
+
+std::shared_ptr<ProcessGroup> makeGroup(const StorePtr& store, int rank, int world,
+                                        std::chrono::milliseconds timeout = 30s) {
+  ProcessGroupOptions o;
+  o.timeout = timeout;
+  o.progressInterval = 100ms;
+  return ProcessGroup::create(store, rank, world, o);
+}
+
+// Trains `spec` on spec.world threads and checks every rank against the
+// single-process reference within `tolerance`.
+void expectMatchesReference(const TrainSpec& spec, float tolerance = 2e-5f) {
+  const auto reference = testing::referenceParameters(spec);
+  auto store = std::make_shared<HashStore>();
+  std::vector<std::vector<Tensor>> results(spec.world);
+  runRanks(spec.world, [&](int rank) {
+    auto group = makeGroup(store, rank, spec.world);
+    results[rank] = testing::trainRank(spec, group);
+    group->destroy();
+  });
+  for (int rank = 0; rank < spec.world; ++rank) {
+    EXPECT_LE(testing::maxAbsDifference(results[rank], reference), tolerance) << "rank " << rank;
+    // Every rank holds bitwise the same parameters.
+    EXPECT_EQ(testing::maxAbsDifference(results[rank], results[0]), 0.0f) << "rank " << rank;
+  }
+}
+
+class DdpEquivalence : public ::testing::TestWithParam<int> {
+ protected:
+  TrainSpec spec() const {
+    TrainSpec s;
+    s.world = GetParam();
+    return s;
+  }
+};
+
+TEST_P(DdpEquivalence, DefaultOptions) { expectMatchesReference(spec()); }
+
+TEST_P(DdpEquivalence, OneBucketPerParameter) {
+  TrainSpec s = spec();
+  s.ddp.bucketCapBytes = 0;
+  s.ddp.firstBucketCapBytes = 0;
+  expectMatchesReference(s);
+}
+
+TEST_P(DdpEquivalence, OneBucketForEverything) {
+  TrainSpec s = spec();
+  s.ddp.firstBucketCapBytes = size_t{1} << 30;
+  expectMatchesReference(s);
+}
+
+TEST_P(DdpEquivalence, SmallBucketsWithoutGradientViews) {
+  TrainSpec s = spec();
+  s.ddp.gradientAsBucketView = false;
+  s.ddp.bucketCapBytes = 200;
+  s.ddp.firstBucketCapBytes = 100;
+  expectMatchesReference(s);
+}
+
+TEST_P(DdpEquivalence, FindUnusedParametersWithABranchSomeRanksSkip) {
+  TrainSpec s = spec();
+  s.branchy = true;
+  s.steps = 7;
+  s.ddp.findUnusedParameters = true;
+  s.ddp.bucketCapBytes = 300;
+  s.ddp.firstBucketCapBytes = 100;
+  expectMatchesReference(s);
+  s.ddp.gradientAsBucketView = false;
+  expectMatchesReference(s);
+}
+
+TEST_P(DdpEquivalence, StaticGraphWithAnUnusedLayer) {
+  TrainSpec s = spec();
+  s.deadLayer = true;
+  s.ddp.staticGraph = true;
+  s.ddp.bucketCapBytes = 300;
+  s.ddp.firstBucketCapBytes = 100;
+  expectMatchesReference(s);
+}
+
+TEST_P(DdpEquivalence, NoSyncAccumulatesOverThreeMicroBatches) {
+  TrainSpec s = spec();
+  s.accumulate = 3;
+  expectMatchesReference(s);
+  s.ddp.gradientAsBucketView = false;
+  expectMatchesReference(s);
+}
+
+TEST_P(DdpEquivalence, Float16AndBFloat16Compression) {
+  TrainSpec s = spec();
+  s.ddp.commHook = fp16CompressHook();
+  expectMatchesReference(s, 2e-3f);
+  s.ddp.commHook = bf16CompressHook();
+  expectMatchesReference(s, 2e-2f);
+}
+
+TEST_P(DdpEquivalence, JoinWithUnevenBatchCounts) {
+  TrainSpec s = spec();
+  for (int r = 0; r < s.world; ++r) s.stepsPerRank.push_back(5 - r);  // 5, 4, 3, 2
+  s.ddp.bucketCapBytes = 300;
+  s.ddp.firstBucketCapBytes = 100;
+  expectMatchesReference(s);
+  s.branchy = true;
+  s.ddp.findUnusedParameters = true;
+  expectMatchesReference(s);
+}
+
+INSTANTIATE_TEST_SUITE_P(World, DdpEquivalence, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& info) { return "world" + std::to_string(info.param); });
+
+TEST(Ddp, UserCommHookSeesEveryBucketInOrderAndItsResultIsUsed) {
+  constexpr int kWorld = 3;
+  TrainSpec s;
+  s.world = kWorld;
+  s.ddp.bucketCapBytes = 0;
+  s.ddp.firstBucketCapBytes = 0;
+  std::mutex mutex;
+  std::vector<std::vector<size_t>> seen(kWorld);
+  std::vector<std::string> firstNames(kWorld);
+  // A user hook: allreduce, recording what it was given.
+  s.ddp.commHook = [&](ProcessGroup& group, GradBucket& bucket) {
+    std::lock_guard<std::mutex> lock(mutex);
+    seen[group.rank()].push_back(bucket.index);
+    EXPECT_EQ(bucket.parameters.size(), 1u);
+    EXPECT_EQ(bucket.buffer.numel(), bucket.parameters[0].numel());
+    if (bucket.index == 0 && firstNames[group.rank()].empty()) firstNames[group.rank()] = bucket.parameterNames.at(0);
+    return group.allreduce(bucket.buffer);
+  };
+  expectMatchesReference(s);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(seen[r].size() % 6, 0u) << "6 buckets per iteration";
+    for (size_t i = 0; i < seen[r].size(); ++i) EXPECT_EQ(seen[r][i], i % 6) << "rank " << r;
+    EXPECT_EQ(firstNames[r], "output.bias") << "gradients are ready from the output back";
+  }
+}
+
+TEST(Ddp, FirstBucketIsOnTheWireBeforeBackwardReachesTheFirstLayer) {
+  constexpr int kWorld = 2;
+  auto store = std::make_shared<HashStore>();
+  runRanks(kWorld, [&](int rank) {
+    auto group = makeGroup(store, rank, kWorld);
+    auto model = std::make_shared<testing::TestNet>(42, false);
+    Tensor firstWeight = model->child("input")->namedParameters()[0].second;
+    bool firstLayerHadGradient = true;
+    bool duringBackward = false;
+    DdpOptions options;
+    options.bucketCapBytes = 0;
+    options.firstBucketCapBytes = 0;
+    options.commHook = [&](ProcessGroup& g, GradBucket& bucket) {
+      if (bucket.index == 0) {
+        firstLayerHadGradient = firstWeight.grad().defined();
+        duringBackward = inBackward();
+      }
+      return g.allreduce(bucket.buffer);
+    };
+    DistributedDataParallel ddp(model, group, options);
+    for (int step = 0; step < 3; ++step) {
+      ddp.zeroGrad();
+      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      crossEntropy(ddp(x), y).backward();
+      EXPECT_TRUE(duringBackward) << "step " << step;
+      EXPECT_FALSE(firstLayerHadGradient) << "bucket 0 waited for the whole backward (step " << step << ")";
+      EXPECT_EQ(ddp.lastIteration().bucketsLaunchedInBackward, ddp.buckets().size());
+      EXPECT_TRUE(firstWeight.grad().defined());
+    }
+    EXPECT_EQ(ddp.lastIteration().iteration, 3u);
+    EXPECT_GT(ddp.lastIteration().commMs, 0.0);
+    EXPECT_GT(ddp.lastIteration().backwardMs, 0.0);
+    EXPECT_GE(ddp.lastIteration().exposedCommMs, 0.0);
+  });
+}
+
+TEST(Ddp, GradientsAreBucketViewsAndStayInPlaceAcrossIterations) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto group = makeGroup(store, rank, 2);
+    auto model = std::make_shared<testing::TestNet>(42, false);
+    DistributedDataParallel ddp(model, group);
+    optim::SGD sgd(ddp.parameters(), {.lr = 0.1});
+    std::vector<const void*> before;
+    for (int step = 0; step < 3; ++step) {
+      sgd.zeroGrad();  // set to none: the next backward fills the same views
+      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      crossEntropy(ddp(x), y).backward();
+      std::vector<const void*> now;
+      for (const auto& p : model->parameters()) now.push_back(p.grad().dataPtr());
+      if (step > 0) {
+        EXPECT_EQ(now, before) << "step " << step;
+      }
+      before = now;
+      sgd.step();
+    }
+    // One bucket (the model is small): every gradient lives in one storage.
+    ASSERT_EQ(ddp.buckets().size(), 1u);
+    const void* storage = model->parameters()[0].grad().storage().data();
+    for (const auto& p : model->parameters()) EXPECT_EQ(p.grad().storage().data(), storage);
+    // zeroGrad(false) zeroes the views in place.
+    ddp.zeroGrad(false);
+    for (const auto& p : model->parameters()) EXPECT_EQ(max(abs(p.grad())).item<float>(), 0.0f);
+  });
+}
+
+TEST(Ddp, BucketsAreRebuiltFromRankZerosObservedOrder) {
+  // "head" is registered first but used last, so reverse registration order
+  // is wrong; after the first iteration the buckets follow the real order.
+  class HeadFirst : public nn::Module {
+   public:
+    HeadFirst() {
+      Generator g(3);
+      registerModule("head", std::make_shared<nn::Linear>(12, 3, true, g));
+      registerModule("body", std::make_shared<nn::Linear>(6, 12, true, g));
+    }
+    Tensor forward(const Tensor& x) override { return (*child("head"))(relu((*child("body"))(x))); }
+  };
+  auto store = std::make_shared<HashStore>();
+  std::vector<std::vector<std::string>> layouts(3);
+  runRanks(3, [&](int rank) {
+    auto group = makeGroup(store, rank, 3);
+    DistributedDataParallel ddp(std::make_shared<HeadFirst>(), group,
+                                {.bucketCapBytes = 0, .firstBucketCapBytes = 0});
+    EXPECT_EQ(ddp.buckets().front().parameters, std::vector<std::string>{"body.bias"});
+    EXPECT_FALSE(ddp.bucketsRebuilt());
+    for (int step = 0; step < 2; ++step) {
+      ddp.zeroGrad();
+      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      crossEntropy(ddp(x), y).backward();
+    }
+    EXPECT_TRUE(ddp.bucketsRebuilt());
+    for (const auto& b : ddp.buckets()) layouts[rank].push_back(b.parameters.at(0));
+  });
+  // The engine finishes a layer's weight before its bias.
+  EXPECT_EQ(layouts[0], (std::vector<std::string>{"head.weight", "head.bias", "body.weight", "body.bias"}));
+  EXPECT_EQ(layouts[1], layouts[0]);
+  EXPECT_EQ(layouts[2], layouts[0]);
+}
+
+TEST(Ddp, MismatchedModelsNameTheParameterAndTheRanksOnEveryRank) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(4, [&](int rank) {
+    auto group = makeGroup(store, rank, 4);
+    Generator g(1);
+    const int64_t hidden = rank >= 2 ? 17 : 16;
+    auto model = std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::Module>>{
+        std::make_shared<nn::Linear>(8, 16, true, g), std::make_shared<nn::ReLU>(),
+        std::make_shared<nn::Linear>(16, hidden, true, g)});
+    expectThrowsWith<InvalidArgument>(
+        [&] { DistributedDataParallel ddp(model, group); },
+        {"differ at parameter #2", "rank 0 has 2.weight: float32[16, 16] on cpu",
+         "ranks 2-3 have 2.weight: float32[17, 16] on cpu", str("[rank ", rank, "/4 pg=default]")});
+  });
+  // A rank with one parameter more.
+  store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto group = makeGroup(store, rank, 2);
+    auto model = std::make_shared<testing::TestNet>(42, rank == 1);
+    expectThrowsWith<InvalidArgument>([&] { DistributedDataParallel ddp(model, group); },
+                                      {"differ at parameter #6", "rank 0 has no parameter #6 (it has 6)",
+                                       "rank 1 has dead.weight: float32[2, 12] on cpu"});
+  });
+}
+
+TEST(Ddp, ParameterWithoutGradientIsNamedAtTheEndOfThatBackward) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto group = makeGroup(store, rank, 2);
+    auto model = std::make_shared<testing::TestNet>(42, /*deadLayer=*/true);
+    DistributedDataParallel ddp(model, group);
+    auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+    const std::string message = expectThrowsWith<InvalidArgument>(
+        [&] { crossEntropy(ddp(x), y).backward(); },
+        {"iteration 1) ended but 2 of 8 parameters got no gradient: dead.weight, dead.bias",
+         "findUnusedParameters = true", str("rank ", rank, "/2")});
+    EXPECT_FALSE(inBackward());
+  });
+}
+
+TEST(Ddp, UnusedParametersKeepTheirGradientUntouched) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto group = makeGroup(store, rank, 2);
+    auto model = std::make_shared<testing::TestNet>(42, true);
+    DistributedDataParallel ddp(model, group, {.findUnusedParameters = true});
+    Tensor deadWeight = model->child("dead")->namedParameters()[0].second;
+    auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+    crossEntropy(ddp(x), y).backward();
+    EXPECT_FALSE(deadWeight.grad().defined()) << "undefined stays undefined";
+    EXPECT_EQ(ddp.lastIteration().unusedParameters, 2u);
+    // A defined gradient (accumulated by hand) survives a backward that did not use it.
+    NoGradGuard noGrad;
+    deadWeight.setGrad(full(deadWeight.sizes(), 0.25 + rank));
+    EnableGradGuard grad;
+    crossEntropy(ddp(x), y).backward();
+    EXPECT_EQ(deadWeight.grad().toVector<float>(), std::vector<float>(24, 0.25f + rank));
+  });
+}
+
+TEST(Ddp, ReentrantBackwardNeedsStaticGraph) {
+  // A checkpoint-like node recomputes the skip layer in an inner backward pass;
+  // the skip layer is also used outside it, so its hooks fire twice.
+  class Recompute final : public Node {
+   public:
+    Recompute(std::shared_ptr<nn::Module> layer, Tensor input) : layer_(std::move(layer)), input_(std::move(input)) {}
+    TensorList apply(TensorList&& grads) override {
+      EnableGradGuard grad;
+      Tensor x = input_.detach().setRequiresGrad(true);
+      Tensor out = (*layer_)(x);
+      backward({out}, {grads.at(0)});
+      return {x.grad()};
+    }
+    std::string name() const override { return "Recompute"; }
+
+   private:
+    std::shared_ptr<nn::Module> layer_;
+    Tensor input_;
+  };
+  class Checkpointed : public nn::Module {
+   public:
+    Checkpointed() {
+      Generator g(9);
+      registerModule("body", std::make_shared<nn::Linear>(6, 6, true, g));
+      registerModule("head", std::make_shared<nn::Linear>(6, 3, true, g));
+    }
+    Tensor forward(const Tensor& x) override {
+      auto body = child("body");
+      Tensor inner;
+      {
+        NoGradGuard noGrad;
+        inner = (*body)(x);
+      }
+      autograd::recordNode(std::make_shared<Recompute>(body, x), {x.detach().setRequiresGrad(true)}, {&inner});
+      return (*child("head"))(relu((*body)(relu(inner))));  // body used again outside the checkpoint
+    }
+  };
+  for (bool staticGraph : {false, true}) {
+    auto store = std::make_shared<HashStore>();
+    std::vector<std::vector<Tensor>> grads(2);
+    runRanks(2, [&](int rank) {
+      auto group = makeGroup(store, rank, 2);
+      auto model = std::make_shared<Checkpointed>();
+      DistributedDataParallel ddp(model, group, {.staticGraph = staticGraph});
+      for (int step = 0; step < 3; ++step) {
+        ddp.zeroGrad();
+        auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+        if (!staticGraph) {
+          expectThrowsWith<InvalidArgument>([&] { crossEntropy(ddp(x), y).backward(); },
+                                            {"body.", "second gradient in one backward", "staticGraph = true"});
+          return;
+        }
+        crossEntropy(ddp(x), y).backward();
+      }
+      for (const auto& p : model->parameters()) grads[rank].push_back(p.grad().clone());
+    });
+    if (!staticGraph) continue;
+    // Against the same three steps' gradients computed without DDP.
+    auto reference = std::make_shared<Checkpointed>();
+    reference->zeroGrad();
+    for (int rank = 0; rank < 2; ++rank) {
+      auto [x, y] = testing::batchFor(TrainSpec{}, 2, 0, rank);
+      mul(crossEntropy((*reference)(x), y), 0.5).backward();
+    }
+    std::vector<Tensor> expected;
+    for (const auto& p : reference->parameters()) expected.push_back(p.grad());
+    EXPECT_LE(testing::maxAbsDifference(grads[0], expected), 1e-6f);
+    EXPECT_EQ(testing::maxAbsDifference(grads[1], grads[0]), 0.0f);
+  }
+}
+
+TEST(Ddp, RankThatSkipsABackwardIsNamedByTheTimeout) {
+  auto store = std::make_shared<HashStore>();
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool rank0Done = false;
+  runRanks(2, [&](int rank) {
+    auto group = makeGroup(store, rank, 2, 2s);
+    auto model = std::make_shared<testing::TestNet>(42, false);
+    DistributedDataParallel ddp(model, group);
+    auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+    crossEntropy(ddp(x), y).backward();  // step 1: both
+    if (rank == 1) {
+      Tensor out = ddp(x);  // step 2: forward, then no backward
+      std::unique_lock<std::mutex> lock(mutex);
+      cv.wait(lock, [&] { return rank0Done; });
+      return;
+    }
+    expectThrowsWith<TimeoutError>([&] { crossEntropy(ddp(x), y).backward(); },
+                                   {"DDP bucket 0 of 1", "allreduce", "rank 1"});
+    std::lock_guard<std::mutex> lock(mutex);
+    rank0Done = true;
+    cv.notify_all();
+  });
+}
+
+TEST(Ddp, BackwardOutsideAnIterationIsAnErrorUnlessInNoSync) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(1, [&](int rank) {
+    auto group = makeGroup(store, rank, 1);
+    auto model = std::make_shared<testing::TestNet>(42, false);
+    DistributedDataParallel ddp(model, group);
+    auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+    expectThrowsWith<InvalidArgument>([&] { crossEntropy((*model)(x), y).backward(); },
+                                      {"outside a DDP iteration", "call ddp(input), not the wrapped module"});
+    EXPECT_FALSE(inBackward());
+    {
+      auto guard = ddp.noSync();
+      crossEntropy((*model)(x), y).backward();  // local accumulation is fine here
+    }
+    // Evaluation under NoGradGuard issues no collectives and needs no backward.
+    NoGradGuard noGrad;
+    EXPECT_EQ(ddp(x).sizes(), (Shape{4, 3}));
+  });
+}
+
+TEST(Ddp, DestroyingDdpRemovesItsHooksAndGradientBuffers) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(1, [&](int rank) {
+    auto group = makeGroup(store, rank, 1);
+    auto model = std::make_shared<testing::TestNet>(42, false);
+    {
+      DistributedDataParallel ddp(model, group);
+      auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+      crossEntropy(ddp(x), y).backward();
+    }
+    for (const auto& p : model->parameters()) {
+      EXPECT_TRUE(p.autogradMeta()->postAccumulateHooks.empty());
+      EXPECT_FALSE(p.autogradMeta()->gradBuffer.defined());
+    }
+    model->zeroGrad();
+    auto [x, y] = testing::batchFor(TrainSpec{}, 1, 0, rank);
+    crossEntropy((*model)(x), y).backward();  // a plain backward again
+  });
+}
+
+TEST(Ddp, LogPrintsTheBucketTableAndSummaries) {
+  testing::ScopedEnv log("DT_DDP_LOG", "1");
+  testing::ScopedEnv every("DT_DDP_LOG_EVERY", "2");
+  auto store = std::make_shared<HashStore>();
+  ::testing::internal::CaptureStderr();
+  runRanks(2, [&](int rank) {
+    auto group = makeGroup(store, rank, 2);
+    DistributedDataParallel ddp(std::make_shared<testing::TestNet>(42, false), group,
+                                {.bucketCapBytes = 300, .firstBucketCapBytes = 100});
+    for (int step = 0; step < 4; ++step) {
+      ddp.zeroGrad();
+      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      crossEntropy(ddp(x), y).backward();
+    }
+  });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, HasSubstr("[ddp] [rank 0/2 pg=default] 4 buckets (rebuilt from the observed gradient order)"));
+  EXPECT_THAT(err, HasSubstr("output.weight .. output.weight"));
+  EXPECT_THAT(err, HasSubstr("iteration 2: forward"));
+  EXPECT_THAT(err, HasSubstr("iteration 4: forward"));
+  EXPECT_THAT(err, ::testing::Not(HasSubstr("rank 1/2"))) << "rank 0 only";
+}
+
+TEST(Ddp, JoinWithStaticGraphIsNotSupported) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(1, [&](int rank) {
+    auto group = makeGroup(store, rank, 1);
+    DistributedDataParallel ddp(std::make_shared<testing::TestNet>(42, false), group, {.staticGraph = true});
+    expectThrowsWith<NotSupportedError>([&] { ddp.join([] {}); }, {"join", "staticGraph"});
+  });
+}
+
+#else
+
+TEST(Ddp, NeedsGloo) { GTEST_SKIP() << "this build has no Gloo backend (DT_HAVE_GLOO=0); DDP's tests need one"; }
+
+#endif
+
+}  // namespace
+}  // namespace dt
