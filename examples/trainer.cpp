@@ -1,12 +1,13 @@
 // trainer: data-parallel training of a small MLP, the program README's main
 // command runs under `dtrun --nproc 4 ./trainer`.
 //
-// Every rank builds the same model, rank 0's parameters are broadcast so all
-// start equal, each rank trains on its own synthetic batches (a fixed random
-// "teacher" network labels random inputs), gradients are averaged with one
-// allreduce per step over a flattened buffer, and every rank applies the same
-// SGD step. At the end the ranks check that their parameters are identical and
-// that the loss fell. Runs on embedded defaults; flags override them:
+// Every rank builds the same model and wraps it in DistributedDataParallel,
+// which starts every rank from rank 0's parameters and averages gradients
+// across ranks while backward runs (bucket by bucket). Each rank trains on its
+// own synthetic batches (a fixed random "teacher" network labels random
+// inputs) and applies the same SGD step. At the end the ranks check that their
+// parameters are identical and that the loss fell. Runs on embedded defaults;
+// flags override them:
 //   --steps N (200) --batch B (64) --hidden H (128) --lr LR (0.1) --log-every K (25)
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +18,7 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "ddp/ddp.h"
 #include "process_group/init.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/generator.h"
@@ -79,12 +81,8 @@ int run(int argc, char** argv) {
       std::make_shared<dt::nn::Linear>(config.hidden, config.hidden, true, initGenerator),
       std::make_shared<dt::nn::ReLU>(),
       std::make_shared<dt::nn::Linear>(config.hidden, TrainerConfig::kClasses, true, initGenerator)});
+  dt::DistributedDataParallel ddp(model, group);
   const std::vector<dt::Tensor> params = model->parameters();
-  {
-    // Rank 0's values win, as DDP does at construction.
-    dt::NoGradGuard noGrad;
-    for (const auto& p : params) group->broadcast(p, {.root = 0})->wait();
-  }
 
   dt::Generator teacherGenerator(7);
   dt::nn::Linear teacher(TrainerConfig::kInputs, TrainerConfig::kClasses, true, teacherGenerator);
@@ -107,14 +105,8 @@ int run(int argc, char** argv) {
       labels = dt::argmax(teacher(x), 1);
     }
     optimizer.zeroGrad();
-    dt::Tensor loss = dt::crossEntropy((*model)(x), labels);
-    loss.backward();
-
-    std::vector<dt::Tensor> grads;
-    for (const auto& p : params) grads.push_back(p.grad());
-    dt::Tensor flat = dt::flattenTensors(grads);
-    group->allreduce(flat, {.reduceOp = dt::ReduceOp::Avg})->wait();
-    dt::unflattenInto(flat, grads);
+    dt::Tensor loss = dt::crossEntropy(ddp(x), labels);
+    loss.backward();  // returns with gradients averaged over the ranks
     optimizer.step();
 
     if (step == 1 || step % config.logEvery == 0 || step == config.steps) {
