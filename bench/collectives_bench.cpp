@@ -16,10 +16,6 @@
 //     variables set) runs as one rank of an externally launched job.
 // Rank 0 prints an nccl-tests style table on stderr and RESULT lines on stdout:
 //   RESULT allreduce impl=dtrain-gloo world=4 bytes=1048576 reps=50 threads=1 time_us=... min_us=... algbw_GBps=... busbw_GBps=...
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/fork_ranks.h"
 #include "common/errors.h"
 #include "common/strings.h"
 #include "process_group/init.h"
@@ -159,57 +156,11 @@ int runRank(const Args& args) {
   return 0;
 }
 
-uint16_t freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// Forks nproc ranks with torchrun's variables; rank 0 hosts the store.
-int launch(const Args& args) {
-  const uint16_t port = freePort();
-  std::vector<pid_t> pids;
-  for (int r = 0; r < args.nproc; ++r) {
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(args.nproc).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::unsetenv("DT_STORE_ADDR");
-      int rc = 1;
-      try {
-        rc = runRank(args);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-      }
-      std::fflush(nullptr);
-      ::_exit(rc);
-    }
-    pids.push_back(pid);
-  }
-  int worst = 0;
-  for (pid_t p : pids) {
-    int status = 0;
-    ::waitpid(p, &status, 0);
-    const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-    worst = std::max(worst, rc);
-  }
-  return worst;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   const Args args = parseArgs(argc, argv);
-  if (args.nproc > 0) return launch(args);
+  if (args.nproc > 0) return dt::bench::forkRanks(args.nproc, [&] { return runRank(args); });
   try {
     return runRank(args);
   } catch (const std::exception& e) {

@@ -32,6 +32,29 @@ bool aliases(const Tensor& grad, const Tensor& view) {
          grad.strides() == view.strides();
 }
 
+// dst = src * scale in one pass (the common case: a fresh float gradient
+// into its bucket), else a copy and an in-place scale.
+void scaleInto(Tensor& dst, const Tensor& src, double scale) {
+  if (src.isContiguous() && src.dtype() == dst.dtype() && dst.isContiguous() && src.device().isCpu() &&
+      (src.dtype() == DType::Float32 || src.dtype() == DType::Float64)) {
+    const int64_t n = src.numel();
+    if (src.dtype() == DType::Float32) {
+      const float factor = static_cast<float>(scale);
+      const float* in = src.data<float>();
+      float* out = dst.data<float>();
+      for (int64_t i = 0; i < n; ++i) out[i] = in[i] * factor;
+    } else {
+      const double* in = src.data<double>();
+      double* out = dst.data<double>();
+      for (int64_t i = 0; i < n; ++i) out[i] = in[i] * scale;
+    }
+    dst.bumpVersion();
+    return;
+  }
+  dst.copy_(src);
+  if (scale != 1.0) mul_(dst, scale);
+}
+
 std::string bucketList(const std::vector<size_t>& buckets) {
   std::vector<int> values(buckets.begin(), buckets.end());
   std::sort(values.begin(), values.end());
@@ -156,7 +179,10 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
         views[p].copy_(grad);
         params_[p].setGrad(views[p]);
       }
-      autograd::setGradBuffer(params_[p], views[p]);
+      // With one rank the gradient needs no scaling, so accumulation writes
+      // straight into the bucket. With more, a fresh gradient is scaled into
+      // the bucket by the hook in one pass (cheaper than a copy then a scale).
+      if (group_->size() == 1) autograd::setGradBuffer(params_[p], views[p]);
     }
   }
   buckets_ = std::move(buckets);
@@ -301,15 +327,16 @@ void Reducer::markReady(size_t param, bool unusedHere) {
   if (!grad.defined()) {
     view.zero_();  // contributes nothing; .grad stays undefined unless some rank used it
   } else {
-    const bool inPlace = aliases(grad, view);
+    const double scale = 1.0 / group_->size();
     // A rank that did not use the parameter still contributes its .grad
     // (accumulated earlier); if no rank used it, finalize puts it back.
     if (unusedHere && options_.gradientAsBucketView) savedGrads_.emplace_back(param, grad.clone());
-    if (!inPlace) {
-      view.copy_(grad);
+    if (aliases(grad, view)) {
+      if (scale != 1.0) mul_(view, scale);
+    } else {
+      scaleInto(view, grad, scale);
       if (options_.gradientAsBucketView) params_[param].setGrad(view);
     }
-    if (group_->size() > 1) mul_(view, 1.0 / group_->size());
   }
   Bucket& bucket = *buckets_[bucketOf_[param]];
   if (--bucket.pending == 0) launchReadyBuckets();

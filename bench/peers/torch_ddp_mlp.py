@@ -13,14 +13,19 @@ Timing   5 warm-up steps, a barrier, 30 timed steps; each step's time is the slo
 Memory   peak_rss_mb = largest VmHWM (this process's peak resident set, /proc/self/status)
          over the ranks when the variant ends, in MiB.
 
-World 1 (started directly: no WORLD_SIZE, or WORLD_SIZE=1): the plain model, impl=torch-single.
-World >= 2 (under torchrun_py311.py or any launcher that sets RANK/WORLD_SIZE/MASTER_*),
-one launch runs, one after the other:
+Started directly (no RANK in the environment): the plain model, impl=torch-single.
+Under torchrun_py311.py or any launcher that sets RANK/WORLD_SIZE/MASTER_* (world 1
+included), one launch runs, one after the other:
   impl=torch-ddp        DistributedDataParallel(bucket_cap_mb=25): each bucket's allreduce
                         starts while backward is still producing the other gradients;
   impl=torch-nooverlap  the plain model; after backward every gradient is flattened into
                         one buffer, allreduced once, divided by the world size and copied
-                        back, then the optimizer steps.
+                        back, then the optimizer steps;
+  impl=torch-compute    the plain model with no communication at all (each rank steps on
+                        its own gradients): what a step would cost if communication were
+                        free, with the same number of ranks sharing the machine.
+--modes picks which (default ddp,nooverlap); run one per launch to measure each one's
+peak memory alone.
 After each variant the ranks compare their parameters and rank 0 prints a WARNING line if
 they differ. Rank 0 prints one line per variant:
 
@@ -176,25 +181,29 @@ class Runner:
                     self.time_steps(lambda i: self.train_step(model, opt, i, average_gradients)))
         self.check_same_parameters(model, "torch-nooverlap")
 
+    def compute(self):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        self.report("torch-compute", self.time_steps(lambda i: self.train_step(model, opt, i)))
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--modes", default="ddp,nooverlap", help="variants at world >= 2 (ddp, nooverlap)")
+    parser.add_argument("--modes", default="ddp,nooverlap", help="variants at world >= 2 (ddp, nooverlap, compute)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if "RANK" not in os.environ:
         Runner(args, 1, 0).single()
         return
 
     dist.init_process_group(backend="gloo", init_method="env://")
     runner = Runner(args, dist.get_world_size(), dist.get_rank())
     for mode in args.modes.split(","):
-        if mode not in ("ddp", "nooverlap"):
+        if mode not in ("ddp", "nooverlap", "compute"):
             raise SystemExit(f"torch_ddp_mlp.py: unknown mode {mode!r}")
         getattr(runner, mode)()
     dist.barrier()

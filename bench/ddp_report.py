@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""The DDP benchmark table from RESULT ddp_mlp lines (bench/run_ddp_bench.sh).
+
+    ddp_report.py RESULTS_FILE
+
+Per world size and side (dtrain, torch): median step time, throughput and peak RSS of DDP,
+of no overlap (one allreduce after backward) and of compute only (no communication);
+comm_ms = step - compute (what communication adds to the step); hidden share =
+1 - (ddp - compute) / (nooverlap - compute). Then RESULT lines with the ratios
+dtrain / torch (below 1: dtrain is faster or smaller).
+"""
+import statistics
+import sys
+from collections import defaultdict
+
+MODES = {"dtrain": "ddp", "dtrain-nooverlap": "nooverlap", "dtrain-compute": "compute",
+         "torch-ddp": "ddp", "torch-nooverlap": "nooverlap", "torch-compute": "compute"}
+
+
+def main(path):
+    runs = defaultdict(list)  # (world, side, mode) -> [(step_ms, samples_per_s, peak_rss_mb)]
+    with open(path) as lines:
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 3 or fields[:2] != ["RESULT", "ddp_mlp"]:
+                continue
+            kv = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
+            impl = kv.get("impl", "")
+            if impl not in MODES:
+                continue
+            side = "dtrain" if impl.startswith("dtrain") else "torch"
+            runs[(int(kv["world"]), side, MODES[impl])].append(
+                (float(kv["step_ms"]), float(kv["samples_per_s"]), float(kv.get("peak_rss_mb", "nan"))))
+
+    def med(world, side, mode, column):
+        values = [r[column] for r in runs.get((world, side, mode), [])]
+        return statistics.median(values) if values else float("nan")
+
+    print("| world | side | DDP step ms | samples/s | peak RSS MiB | no-overlap ms | compute-only ms "
+          "| comm added ms | hidden share |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    summary = {}
+    for world in sorted({key[0] for key in runs}):
+        for side in ("dtrain", "torch"):
+            step, rate, rss = (med(world, side, "ddp", c) for c in range(3))
+            nooverlap = med(world, side, "nooverlap", 0)
+            compute = med(world, side, "compute", 0)
+            added = step - compute
+            exposed = nooverlap - compute
+            hidden = 1 - added / exposed if exposed > 0 and world > 1 else float("nan")
+            summary[(world, side)] = (step, rate, rss, hidden, added)
+            print(f"| {world} | {side} | {step:.1f} | {rate:.0f} | {rss:.0f} | {nooverlap:.1f} | {compute:.1f} "
+                  f"| {added:.1f} | {hidden:.2f} |")
+    print()
+    for world in sorted({key[0] for key in summary}):
+        d, t = summary.get((world, "dtrain")), summary.get((world, "torch"))
+        if not d or not t:
+            continue
+        print(f"RESULT ddp_ratio world={world} step_ratio={d[0] / t[0]:.3f} throughput_ratio={d[1] / t[1]:.3f} "
+              f"rss_ratio={d[2] / t[2]:.3f} hidden_dtrain={d[3]:.2f} hidden_torch={t[3]:.2f} "
+              f"comm_added_ms_dtrain={d[4]:.1f} comm_added_ms_torch={t[4]:.1f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
