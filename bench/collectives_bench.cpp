@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/fork_ranks.h"
+#include "bench/bench_common.h"
 #include "common/errors.h"
 #include "common/strings.h"
 #include "process_group/init.h"
@@ -83,12 +83,6 @@ int defaultReps(size_t bytes) {
   return 7;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 std::string human(size_t bytes) {
   if (bytes >= (1u << 20)) return dt::str(bytes >> 20, " MiB");
   if (bytes >= (1u << 10)) return dt::str(bytes >> 10, " KiB");
@@ -138,7 +132,7 @@ int runRank(const Args& args) {
       pg->allreduce(durations, maxOpts)->wait();  // per-rep slowest rank
       if (rank == 0) {
         std::vector<double> v(d, d + reps);
-        const double med = median(v);
+        const double med = dt::bench::median(v);
         const double mn = *std::min_element(v.begin(), v.end());
         const double algbw = static_cast<double>(bytes) / med / 1e9;
         const double busbw = isAllreduce ? algbw * 2.0 * (world - 1) / world : algbw;
@@ -160,11 +154,5 @@ int runRank(const Args& args) {
 
 int main(int argc, char** argv) {
   const Args args = parseArgs(argc, argv);
-  if (args.nproc > 0) return dt::bench::forkRanks(args.nproc, [&] { return runRank(args); });
-  try {
-    return runRank(args);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "collectives_bench: %s\n", e.what());
-    return 1;
-  }
+  return dt::bench::rankMain(args.nproc, [&] { return runRank(args); }, "collectives_bench");
 }

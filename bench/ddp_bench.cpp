@@ -25,11 +25,10 @@
 #include <cstdio>
 #include <fstream>
 #include <numeric>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include "bench/fork_ranks.h"
+#include "bench/bench_common.h"
 #include "collectives/coalesce.h"
 #include "common/strings.h"
 #include "ddp/ddp.h"
@@ -85,26 +84,6 @@ Args parseArgs(int argc, char** argv) {
     std::exit(2);
   }
   return a;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string blasName() {
-  std::ifstream f("/proc/self/maps");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string maps = ss.str();
-  const std::pair<const char*, const char*> probes[] = {
-      {"openblas", "openblas"}, {"libblis", "blis"}, {"libmkl", "mkl"}, {"/blas/libblas.so", "reference"},
-      {"libblas.so", "libblas"}};
-  for (auto& [needle, name] : probes) {
-    if (maps.find(needle) != std::string::npos) return name;
-  }
-  return "unknown";
 }
 
 // This process's peak resident set (VmHWM) in MiB, as the torch peer reads it.
@@ -182,10 +161,10 @@ int runRank(const Args& args) {
 
   if (rank == 0) {
     const std::vector<double> v(d, d + args.steps);
-    const double med = median(v);
+    const double med = dt::bench::median(v);
     std::printf("RESULT ddp_mlp impl=%s world=%d batch=%lld threads=%d blas=%s steps=%d step_ms=%.2f min_ms=%.2f "
                 "mean_ms=%.2f samples_per_s=%.1f peak_rss_mb=%.1f\n",
-                args.mode.c_str(), world, static_cast<long long>(kBatch), args.threads, blasName().c_str(),
+                args.mode.c_str(), world, static_cast<long long>(kBatch), args.threads, dt::bench::blasName().c_str(),
                 args.steps, med, *std::min_element(v.begin(), v.end()),
                 std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size()),
                 static_cast<double>(world * kBatch) / (med / 1000.0), rss.item<double>());
@@ -213,11 +192,5 @@ int runRank(const Args& args) {
 
 int main(int argc, char** argv) {
   const Args args = parseArgs(argc, argv);
-  if (args.nproc > 0) return dt::bench::forkRanks(args.nproc, [&] { return runRank(args); });
-  try {
-    return runRank(args);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "ddp_bench: %s\n", e.what());
-    return 1;
-  }
+  return dt::bench::rankMain(args.nproc, [&] { return runRank(args); }, "ddp_bench");
 }

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_common.h"
 #include "tensor/nn/module.h"
 #include "tensor/ops.h"
 #include "tensor/optim/optim.h"
@@ -27,26 +28,6 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string blasName() {
-  std::ifstream f("/proc/self/maps");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string maps = ss.str();
-  const std::pair<const char*, const char*> probes[] = {
-      {"openblas", "openblas"}, {"libblis", "blis"}, {"libmkl", "mkl"}, {"/blas/libblas.so", "reference"},
-      {"libblas.so", "libblas"}};
-  for (auto& [needle, name] : probes) {
-    if (maps.find(needle) != std::string::npos) return name;
-  }
-  return "unknown";
-}
 
 double peakRssMb() {
   rusage ru{};
@@ -71,7 +52,7 @@ int main(int argc, char** argv) {
     }
   }
   dt::setNumThreads(threads);
-  const std::string blas = blasName();
+  const std::string blas = dt::bench::blasName();
 
   // ---- MLP training step (first, as in the LibTorch peer, so peak RSS is comparable) ----
   constexpr int64_t kBatch = 32, kWidth = 1024, kDepth = 8, kClasses = 10;
@@ -104,7 +85,7 @@ int main(int argc, char** argv) {
     step(warmup + i);
     durs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  const double med = median(durs);
+  const double med = dt::bench::median(durs);
   const double mean = std::accumulate(durs.begin(), durs.end(), 0.0) / static_cast<double>(durs.size());
   const double minD = *std::min_element(durs.begin(), durs.end());
 
@@ -120,7 +101,7 @@ int main(int argc, char** argv) {
       fn();
       ts.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
-    return median(ts);
+    return dt::bench::median(ts);
   };
   // Interleave so that frequency/noise drifts hit both sides alike.
   std::vector<double> dtTimes, blasTimes;
@@ -131,7 +112,7 @@ int main(int argc, char** argv) {
                   c.data<float>(), n);
     }));
   }
-  const double tDt = median(dtTimes), tBlas = median(blasTimes);
+  const double tDt = dt::bench::median(dtTimes), tBlas = dt::bench::median(blasTimes);
   const double flops = 2.0 * n * n * n;
   const double rss = peakRssMb();
 

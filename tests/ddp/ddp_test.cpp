@@ -41,6 +41,13 @@ std::shared_ptr<ProcessGroup> makeGroup(const StorePtr& store, int rank, int wor
   return ProcessGroup::create(store, rank, world, o);
 }
 
+// Runs fn(rank, group) on `world` threads, each with its member of one fresh group.
+void onGroup(int world, const std::function<void(int, const std::shared_ptr<ProcessGroup>&)>& fn,
+             std::chrono::milliseconds timeout = 30s) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(world, [&](int rank) { fn(rank, makeGroup(store, rank, world, timeout)); });
+}
+
 // Trains `spec` on spec.world threads and checks every rank against the
 // single-process reference within `tolerance`.
 void expectMatchesReference(const TrainSpec& spec, float tolerance = 2e-5f) {
@@ -66,6 +73,13 @@ class DdpEquivalence : public ::testing::TestWithParam<int> {
     s.world = GetParam();
     return s;
   }
+  // Several buckets even for the small test model.
+  TrainSpec smallBuckets() const {
+    TrainSpec s = spec();
+    s.ddp.bucketCapBytes = 300;
+    s.ddp.firstBucketCapBytes = 100;
+    return s;
+  }
 };
 
 TEST_P(DdpEquivalence, DefaultOptions) { expectMatchesReference(spec()); }
@@ -84,31 +98,25 @@ TEST_P(DdpEquivalence, OneBucketForEverything) {
 }
 
 TEST_P(DdpEquivalence, SmallBucketsWithoutGradientViews) {
-  TrainSpec s = spec();
+  TrainSpec s = smallBuckets();
   s.ddp.gradientAsBucketView = false;
-  s.ddp.bucketCapBytes = 200;
-  s.ddp.firstBucketCapBytes = 100;
   expectMatchesReference(s);
 }
 
 TEST_P(DdpEquivalence, FindUnusedParametersWithABranchSomeRanksSkip) {
-  TrainSpec s = spec();
+  TrainSpec s = smallBuckets();
   s.branchy = true;
   s.steps = 7;
   s.ddp.findUnusedParameters = true;
-  s.ddp.bucketCapBytes = 300;
-  s.ddp.firstBucketCapBytes = 100;
   expectMatchesReference(s);
   s.ddp.gradientAsBucketView = false;
   expectMatchesReference(s);
 }
 
 TEST_P(DdpEquivalence, StaticGraphWithAnUnusedLayer) {
-  TrainSpec s = spec();
+  TrainSpec s = smallBuckets();
   s.deadLayer = true;
   s.ddp.staticGraph = true;
-  s.ddp.bucketCapBytes = 300;
-  s.ddp.firstBucketCapBytes = 100;
   expectMatchesReference(s);
 }
 
@@ -129,10 +137,8 @@ TEST_P(DdpEquivalence, Float16AndBFloat16Compression) {
 }
 
 TEST_P(DdpEquivalence, JoinWithUnevenBatchCounts) {
-  TrainSpec s = spec();
+  TrainSpec s = smallBuckets();
   for (int r = 0; r < s.world; ++r) s.stepsPerRank.push_back(5 - r);  // 5, 4, 3, 2
-  s.ddp.bucketCapBytes = 300;
-  s.ddp.firstBucketCapBytes = 100;
   expectMatchesReference(s);
   s.branchy = true;
   s.ddp.findUnusedParameters = true;
@@ -170,9 +176,7 @@ TEST(Ddp, UserCommHookSeesEveryBucketInOrderAndItsResultIsUsed) {
 
 TEST(Ddp, FirstBucketIsOnTheWireBeforeBackwardReachesTheFirstLayer) {
   constexpr int kWorld = 2;
-  auto store = std::make_shared<HashStore>();
-  runRanks(kWorld, [&](int rank) {
-    auto group = makeGroup(store, rank, kWorld);
+  onGroup(kWorld, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, false);
     Tensor firstWeight = model->child("input")->namedParameters()[0].second;
     bool firstLayerHadGradient = true;
@@ -205,9 +209,7 @@ TEST(Ddp, FirstBucketIsOnTheWireBeforeBackwardReachesTheFirstLayer) {
 }
 
 TEST(Ddp, GradientsAreBucketViewsAndStayInPlaceAcrossIterations) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(2, [&](int rank) {
-    auto group = makeGroup(store, rank, 2);
+  onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, false);
     DistributedDataParallel ddp(model, group);
     optim::SGD sgd(ddp.parameters(), {.lr = 0.1});
@@ -246,10 +248,8 @@ TEST(Ddp, BucketsAreRebuiltFromRankZerosObservedOrder) {
     }
     Tensor forward(const Tensor& x) override { return (*child("head"))(relu((*child("body"))(x))); }
   };
-  auto store = std::make_shared<HashStore>();
   std::vector<std::vector<std::string>> layouts(3);
-  runRanks(3, [&](int rank) {
-    auto group = makeGroup(store, rank, 3);
+  onGroup(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     DistributedDataParallel ddp(std::make_shared<HeadFirst>(), group,
                                 {.bucketCapBytes = 0, .firstBucketCapBytes = 0});
     EXPECT_EQ(ddp.buckets().front().parameters, std::vector<std::string>{"body.bias"});
@@ -269,9 +269,7 @@ TEST(Ddp, BucketsAreRebuiltFromRankZerosObservedOrder) {
 }
 
 TEST(Ddp, MismatchedModelsNameTheParameterAndTheRanksOnEveryRank) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(4, [&](int rank) {
-    auto group = makeGroup(store, rank, 4);
+  onGroup(4, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     Generator g(1);
     const int64_t hidden = rank >= 2 ? 17 : 16;
     auto model = std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::Module>>{
@@ -283,9 +281,7 @@ TEST(Ddp, MismatchedModelsNameTheParameterAndTheRanksOnEveryRank) {
          "ranks 2-3 have 2.weight: float32[17, 16] on cpu", str("[rank ", rank, "/4 pg=default]")});
   });
   // A rank with one parameter more.
-  store = std::make_shared<HashStore>();
-  runRanks(2, [&](int rank) {
-    auto group = makeGroup(store, rank, 2);
+  onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, rank == 1);
     expectThrowsWith<InvalidArgument>([&] { DistributedDataParallel ddp(model, group); },
                                       {"differ at parameter #6", "rank 0 has no parameter #6 (it has 6)",
@@ -294,9 +290,7 @@ TEST(Ddp, MismatchedModelsNameTheParameterAndTheRanksOnEveryRank) {
 }
 
 TEST(Ddp, ParameterWithoutGradientIsNamedAtTheEndOfThatBackward) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(2, [&](int rank) {
-    auto group = makeGroup(store, rank, 2);
+  onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, /*deadLayer=*/true);
     DistributedDataParallel ddp(model, group);
     auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
@@ -309,9 +303,7 @@ TEST(Ddp, ParameterWithoutGradientIsNamedAtTheEndOfThatBackward) {
 }
 
 TEST(Ddp, UnusedParametersKeepTheirGradientUntouched) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(2, [&](int rank) {
-    auto group = makeGroup(store, rank, 2);
+  onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, true);
     DistributedDataParallel ddp(model, group, {.findUnusedParameters = true});
     Tensor deadWeight = model->child("dead")->namedParameters()[0].second;
@@ -366,10 +358,8 @@ TEST(Ddp, ReentrantBackwardNeedsStaticGraph) {
     }
   };
   for (bool staticGraph : {false, true}) {
-    auto store = std::make_shared<HashStore>();
     std::vector<std::vector<Tensor>> grads(2);
-    runRanks(2, [&](int rank) {
-      auto group = makeGroup(store, rank, 2);
+    onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
       auto model = std::make_shared<Checkpointed>();
       DistributedDataParallel ddp(model, group, {.staticGraph = staticGraph});
       for (int step = 0; step < 3; ++step) {
@@ -400,12 +390,10 @@ TEST(Ddp, ReentrantBackwardNeedsStaticGraph) {
 }
 
 TEST(Ddp, RankThatSkipsABackwardIsNamedByTheTimeout) {
-  auto store = std::make_shared<HashStore>();
   std::mutex mutex;
   std::condition_variable cv;
   bool rank0Done = false;
-  runRanks(2, [&](int rank) {
-    auto group = makeGroup(store, rank, 2, 2s);
+  onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, false);
     DistributedDataParallel ddp(model, group);
     auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
@@ -421,13 +409,11 @@ TEST(Ddp, RankThatSkipsABackwardIsNamedByTheTimeout) {
     std::lock_guard<std::mutex> lock(mutex);
     rank0Done = true;
     cv.notify_all();
-  });
+  }, 2s);
 }
 
 TEST(Ddp, BackwardOutsideAnIterationIsAnErrorUnlessInNoSync) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(1, [&](int rank) {
-    auto group = makeGroup(store, rank, 1);
+  onGroup(1, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, false);
     DistributedDataParallel ddp(model, group);
     auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
@@ -445,9 +431,7 @@ TEST(Ddp, BackwardOutsideAnIterationIsAnErrorUnlessInNoSync) {
 }
 
 TEST(Ddp, DestroyingDdpRemovesItsHooksAndGradientBuffers) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(1, [&](int rank) {
-    auto group = makeGroup(store, rank, 1);
+  onGroup(1, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, false);
     {
       DistributedDataParallel ddp(model, group);
@@ -467,10 +451,8 @@ TEST(Ddp, DestroyingDdpRemovesItsHooksAndGradientBuffers) {
 TEST(Ddp, LogPrintsTheBucketTableAndSummaries) {
   testing::ScopedEnv log("DT_DDP_LOG", "1");
   testing::ScopedEnv every("DT_DDP_LOG_EVERY", "2");
-  auto store = std::make_shared<HashStore>();
   ::testing::internal::CaptureStderr();
-  runRanks(2, [&](int rank) {
-    auto group = makeGroup(store, rank, 2);
+  onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     DistributedDataParallel ddp(std::make_shared<testing::TestNet>(42, false), group,
                                 {.bucketCapBytes = 300, .firstBucketCapBytes = 100});
     for (int step = 0; step < 4; ++step) {
@@ -488,9 +470,7 @@ TEST(Ddp, LogPrintsTheBucketTableAndSummaries) {
 }
 
 TEST(Ddp, JoinWithStaticGraphIsNotSupported) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(1, [&](int rank) {
-    auto group = makeGroup(store, rank, 1);
+  onGroup(1, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     DistributedDataParallel ddp(std::make_shared<testing::TestNet>(42, false), group, {.staticGraph = true});
     expectThrowsWith<NotSupportedError>([&] { ddp.join([] {}); }, {"join", "staticGraph"});
   });

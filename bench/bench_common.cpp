@@ -1,4 +1,4 @@
-#include "bench/fork_ranks.h"
+#include "bench/bench_common.h"
 
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -59,6 +61,37 @@ int forkRanks(int nproc, const std::function<int()>& runRank) {
     worst = std::max(worst, WIFEXITED(status) ? WEXITSTATUS(status) : 128);
   }
   return worst;
+}
+
+int rankMain(int nproc, const std::function<int()>& runRank, const char* name) {
+  if (nproc > 0) return forkRanks(nproc, runRank);
+  try {
+    return runRank();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", name, e.what());
+    return 1;
+  }
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  if (n == 0) return 0;
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+std::string blasName() {
+  std::ifstream f("/proc/self/maps");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string maps = ss.str();
+  const std::pair<const char*, const char*> probes[] = {
+      {"openblas", "openblas"}, {"libblis", "blis"}, {"libmkl", "mkl"}, {"/blas/libblas.so", "reference"},
+      {"libblas.so", "libblas"}};
+  for (auto& [needle, label] : probes) {
+    if (maps.find(needle) != std::string::npos) return label;
+  }
+  return "unknown";
 }
 
 }  // namespace dt::bench

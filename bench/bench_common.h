@@ -1,0 +1,26 @@
+// Helpers shared by dtrain's benchmarks.
+//
+//  * forkRanks(nproc, runRank): forks nproc children on this machine with
+//    torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+//    MASTER_PORT on a free loopback port; rank 0 hosts the store), runs
+//    runRank() in each, and returns the worst exit status. Call before any
+//    thread exists. A child that throws prints the error and exits 1.
+//  * rankMain(nproc, runRank, name): a benchmark's main: forkRanks when nproc
+//    > 0, else runRank() as one rank of an externally launched job (its error
+//    printed as "<name>: <what>", exit 1).
+//  * median(values); blasName(): the BLAS library mapped into this process
+//    (openblas, blis, mkl, reference, libblas, unknown), as the peers print it.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dt::bench {
+
+int forkRanks(int nproc, const std::function<int()>& runRank);
+int rankMain(int nproc, const std::function<int()>& runRank, const char* name);
+double median(std::vector<double> values);
+std::string blasName();
+
+}  // namespace dt::bench
