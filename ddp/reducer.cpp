@@ -208,6 +208,12 @@ std::vector<DdpBucketInfo> Reducer::buckets() const {
 // ---- one iteration ----------------------------------------------------------------------------------------
 
 void Reducer::prepareForBackward(const std::vector<Tensor>& outputs, bool sync, double forwardMs) {
+  // A forward whose backward never came (or a repeated forward) is simply
+  // replaced. Buckets still on the wire (from a backward that threw before
+  // its end) are waited for before their buffers are written again.
+  for (auto& bucket : buckets_) {
+    if (bucket->work) abandoned_.push_back(std::move(bucket->work));
+  }
   for (auto& work : abandoned_) {
     try {
       work->wait();
@@ -215,17 +221,12 @@ void Reducer::prepareForBackward(const std::vector<Tensor>& outputs, bool sync, 
     }
   }
   abandoned_.clear();
-  // A forward whose backward never came (or a repeated forward) is simply
-  // replaced: nothing was launched, since launching needs a backward.
   phase_ = sync ? Phase::Sync : Phase::NoSync;
   backwardStarted_ = false;
   nextToLaunch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
   std::fill(hookCalls_.begin(), hookCalls_.end(), 0);
-  for (auto& bucket : buckets_) {
-    bucket->pending = bucket->params.size();
-    bucket->work.reset();
-  }
+  for (auto& bucket : buckets_) bucket->pending = bucket->params.size();
   unusedHere_.clear();
   savedGrads_.clear();
   readyOrder_.clear();
