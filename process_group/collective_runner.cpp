@@ -1,0 +1,390 @@
+#include "process_group/collective_runner.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "common/check.h"
+#include "common/errors.h"
+#include "common/strings.h"
+
+namespace dt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Millis = std::chrono::milliseconds;
+
+std::string rankList(const std::vector<int>& ranks) {
+  if (ranks.size() == 1) return str("rank ", ranks[0]);
+  if (ranks.size() == 2) return str("ranks ", ranks[0], " and ", ranks[1]);
+  return str("ranks ", formatRanges(ranks));
+}
+
+const char* isAre(const std::vector<int>& ranks) { return ranks.size() == 1 ? "is" : "are"; }
+
+std::string fingerprintKey(uint64_t seq, int r) { return str("dt_fp/", seq, "/", r); }
+std::string failureKey(int r) { return str("dt_failed/", r); }
+
+}  // namespace
+
+struct CollectiveRunner::PeerReport {
+  std::vector<int> silent;             // no failure report, no heartbeat
+  std::vector<int> failed;             // reported a failure of their own
+  std::map<int, std::string> reasons;  // what they reported
+  std::string error;                   // could not ask
+};
+
+CollectiveRunner::CollectiveRunner(StorePtr store, int rank, int size, CollectiveRunnerOptions options,
+                                   std::function<void()> abortTransport)
+    : store_(std::move(store)),
+      rank_(rank),
+      size_(size),
+      options_(std::move(options)),
+      timeout_(options_.timeout),
+      log_(makeLogger("process_group", str("rank ", rank, "/", size, " pg=", options_.groupName))),
+      abort_(std::move(abortTransport)) {
+  DT_CHECK(store_ != nullptr, "CollectiveRunner: store is null");
+  if (!options_.globalRanks.empty()) {
+    DT_CHECK_EQ(static_cast<int>(options_.globalRanks.size()), size_, "CollectiveRunner: globalRanks must list every rank");
+  }
+  progress_ = std::make_unique<ProgressTracker>(store_->clone(), rank_, options_.progressInterval,
+                                                options_.watchdogStore, options_.watchdogKey);
+  worker_ = std::thread([this] { workerLoop(); });
+}
+
+CollectiveRunner::~CollectiveRunner() { shutdown(); }
+
+std::string CollectiveRunner::who() const {
+  return str("rank ", rank_, "/", size_, " pg=", options_.groupName, " ", options_.backendName);
+}
+
+std::string CollectiveRunner::rankName(int r) const {
+  if (!options_.globalRanks.empty() && options_.globalRanks[r] != r) return str(r, " (global ", options_.globalRanks[r], ")");
+  return std::to_string(r);
+}
+
+// ---- issue ---------------------------------------------------------------------------------------
+
+std::exception_ptr CollectiveRunner::notStarted(const char* op, uint64_t seq) const {
+  if (broken_) return withPrefix(broken_, str("[", who(), "] ", op, " #", seq, " not started: the group is broken since "));
+  return std::make_exception_ptr(BackendError(str("[", who(), "] ", op, " #", seq, ": the group was shut down")));
+}
+
+WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, CollectiveFingerprint fingerprint,
+                                  const OpTimeout& timeout, Body body, bool inlineIfIdle) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t seq = requestedSeq != 0 ? requestedSeq : ++localSeq_;
+  fingerprint.seq = seq;
+  fingerprint.op = op;
+  const std::string description = str(op, " #", seq, " (", who(), ")");
+  if (broken_ || stopping_) return Work::failed(description, notStarted(op, seq));
+  Task task;
+  task.seq = seq;
+  task.op = op;
+  task.fingerprint = std::move(fingerprint);
+  task.timeout = timeout.value_or(timeout_);
+  task.body = std::move(body);
+  task.work = std::make_shared<Work>(description);
+  WorkPtr work = task.work;
+  if (inlineIfIdle && queue_.empty() && !running_) {
+    // Nothing ahead of it: run it here and spare the worker's wake-up.
+    running_ = true;
+    lock.unlock();
+    runTask(task);
+    lock.lock();
+    running_ = false;
+    wake_.notify_all();
+    return work;
+  }
+  queue_.push_back(std::move(task));
+  wake_.notify_one();
+  return work;
+}
+
+WorkPtr CollectiveRunner::rejectIfUnusable(const std::string& what, const std::string& description) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (broken_) {
+    return Work::failed(description, withPrefix(broken_, str("[", who(), "] ", what, " not started: the group is broken since ")));
+  }
+  if (stopping_) {
+    return Work::failed(description, std::make_exception_ptr(BackendError(str("[", who(), "] ", what,
+                                                                              ": the group was shut down"))));
+  }
+  return nullptr;
+}
+
+void CollectiveRunner::fail(const std::exception_ptr& failure) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!broken_) broken_ = failure;
+  }
+  abortTransport();
+}
+
+std::exception_ptr CollectiveRunner::brokenCause() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return broken_;
+}
+
+bool CollectiveRunner::stopping() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stopping_;
+}
+
+void CollectiveRunner::abortTransport() {
+  try {
+    if (abort_) abort_();
+  } catch (const std::exception& e) {
+    log_->debug("aborting the transport: {}", e.what());
+  }
+}
+
+void CollectiveRunner::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ && !worker_.joinable()) return;
+    stopping_ = true;
+    // A body in flight would otherwise block until its timeout.
+    if (running_) abortTransport();
+  }
+  wake_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  progress_->stop();
+}
+
+// ---- worker ----------------------------------------------------------------------------------------
+
+void CollectiveRunner::workerLoop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    wake_.wait(lock, [&] { return !running_ && (stopping_ || !queue_.empty()); });
+    if (queue_.empty()) return;  // stopping and drained
+    Task task = std::move(queue_.front());
+    queue_.pop_front();
+    if (broken_ || stopping_) {
+      auto cause = notStarted(task.op, task.seq);
+      lock.unlock();
+      task.work->markFailed(cause);
+      lock.lock();
+      continue;
+    }
+    running_ = true;
+    lock.unlock();
+    runTask(task);
+    lock.lock();
+    running_ = false;
+  }
+}
+
+// Runs one task (mutex not held) and completes its Work; the first failure
+// becomes the group's cause and aborts the transport, so that a timed-out
+// transfer can no longer write into the caller's memory.
+void CollectiveRunner::runTask(Task& task) {
+  std::exception_ptr failure;
+  progress_->started(task.seq, task.op);
+  try {
+    if (options_.checkFingerprints) verifyFingerprint(task);
+    task.body(task.timeout);
+    progress_->completed(task.seq, task.op);
+  } catch (...) {
+    failure = explainFailure(std::current_exception(), task);
+  }
+  if (failure) {
+    fail(failure);
+    task.work->markFailed(failure);
+  } else {
+    task.work->markCompleted();
+  }
+}
+
+// ---- fingerprints (DT_DEBUG=detail) -------------------------------------------------------------------
+
+void CollectiveRunner::verifyFingerprint(const Task& task) {
+  store_->set(fingerprintKey(task.seq, rank_), task.fingerprint.serialize());
+  std::vector<std::string> keys;
+  for (int r = 0; r < size_; ++r) keys.push_back(fingerprintKey(task.seq, r));
+  try {
+    store_->wait(keys, task.timeout);
+  } catch (const TimeoutError&) {
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r) {
+      if (!store_->check({keys[r]})) missing.push_back(r);
+    }
+    throw TimeoutError(str("[", who(), "] ", task.op, " #", task.seq, " (", task.fingerprint.describe(),
+                           ") timed out after ", formatDuration(task.timeout),
+                           " comparing fingerprints (DT_DEBUG=detail): ", rankList(missing),
+                           " never reached collective #", task.seq, ". ", stuckSummary(task.seq)));
+  }
+  const auto values = store_->multiGet(keys);
+  std::map<std::string, std::vector<int>> others;  // description -> ranks
+  for (int r = 0; r < size_; ++r) {
+    if (values[r] == values[rank_]) continue;
+    CollectiveFingerprint theirs;
+    try {
+      theirs = CollectiveFingerprint::parse(values[r]);
+    } catch (const std::exception&) {
+      theirs.op = "<unreadable fingerprint>";
+    }
+    others[theirs.describe() + (theirs.seq != task.seq ? str(" as #", theirs.seq) : std::string())].push_back(r);
+  }
+  // Keys of the previous collective are no longer read by anyone: every
+  // rank has written this one, so each has finished comparing the last.
+  if (task.seq > 1) store_->deleteKey(fingerprintKey(task.seq - 1, rank_));
+  if (others.empty()) return;
+  std::vector<std::string> parts;
+  for (const auto& [description, ranks] : others) parts.push_back(str(rankList(ranks), " called ", description));
+  throw DesyncError(str("[", who(), "] collective #", task.seq, " mismatch: this rank called ",
+                        task.fingerprint.describe(), "; ", join(parts, "; "),
+                        ". Every rank must issue the same collectives in the same order"));
+}
+
+// ---- failure diagnosis ------------------------------------------------------------------------------
+
+// "rank 3 never started #41 (its last completed: #40); ranks 1 and 2 are waiting in #41"
+std::string CollectiveRunner::stuckSummary(uint64_t seq) {
+  std::vector<RankProgress> all;
+  try {
+    progress_->publishNow();
+    all = ProgressTracker::readAll(*store_, size_);
+  } catch (const std::exception& e) {
+    return str("(could not read the other ranks' progress: ", e.what(), ")");
+  }
+  std::map<uint64_t, std::vector<int>> neverStarted;  // last completed -> ranks
+  std::vector<int> waiting, finished, unknown;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const auto& p = all[r];
+    if (!p.present) unknown.push_back(r);
+    else if (p.started < seq) neverStarted[p.completed].push_back(r);
+    else if (p.completed < seq) waiting.push_back(r);
+    else finished.push_back(r);
+  }
+  std::vector<std::string> parts;
+  for (const auto& [last, ranks] : neverStarted) {
+    parts.push_back(str(rankList(ranks), " never started #", seq, " (", ranks.size() == 1 ? "its" : "their",
+                        " last completed: #", last, ")"));
+  }
+  if (!waiting.empty()) parts.push_back(str(rankList(waiting), " ", isAre(waiting), " waiting in #", seq));
+  if (!finished.empty()) parts.push_back(str(rankList(finished), " completed #", seq));
+  if (!unknown.empty()) parts.push_back(str(rankList(unknown), " published no progress"));
+  return join(parts, "; ");
+}
+
+// Finds the peers that neither reported a failure of their own nor kept
+// their heartbeat going within the report window: those exited or hung.
+CollectiveRunner::PeerReport CollectiveRunner::collectPeerReports() {
+  PeerReport report;
+  try {
+    const auto first = ProgressTracker::readAll(*store_, size_);
+    const auto deadline = Clock::now() + options_.failureReportWindow;
+    std::set<int> pending;
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_) pending.insert(r);
+    }
+    while (!pending.empty()) {
+      const auto now = ProgressTracker::readAll(*store_, size_);
+      for (auto it = pending.begin(); it != pending.end();) {
+        const int r = *it;
+        if (store_->check({failureKey(r)})) {
+          report.failed.push_back(r);
+          report.reasons[r] = store_->get(failureKey(r));
+          it = pending.erase(it);
+        } else if (now[r].present && now[r].heartbeat != first[r].heartbeat) {
+          it = pending.erase(it);  // alive, still working
+        } else {
+          ++it;
+        }
+      }
+      if (pending.empty() || Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(Millis(50));
+    }
+    report.silent.assign(pending.begin(), pending.end());
+  } catch (const std::exception& e) {
+    report.error = str("(could not ask the other ranks: ", e.what(), ")");
+  }
+  std::sort(report.failed.begin(), report.failed.end());
+  return report;
+}
+
+std::string CollectiveRunner::describePeers(const PeerReport& report) const {
+  if (!report.error.empty()) return report.error;
+  std::vector<std::string> parts;
+  if (!report.silent.empty()) {
+    parts.push_back(str(report.silent.size() == 1 ? "Rank " : "Ranks ", formatRanges(report.silent),
+                        " stopped responding (no failure report and no progress heartbeat for ",
+                        formatDuration(options_.failureReportWindow), ": exited, killed or hung)"));
+  }
+  if (!report.failed.empty()) {
+    parts.push_back(str(rankList(report.failed), " failed too; rank ", report.failed.front(),
+                        " reported: ", report.reasons.at(report.failed.front())));
+  }
+  return join(parts, "; ");
+}
+
+std::exception_ptr CollectiveRunner::explainFailure(std::exception_ptr error, const Task& task) {
+  const char* op = task.op;
+  const uint64_t seq = task.seq;
+  // "[rank 0/4 pg=default gloo] allreduce #41 (float32[1048576], sum)"
+  const std::string description = task.fingerprint.describe();
+  const std::string args = description.size() > std::strlen(op) ? description.substr(std::strlen(op)) : "";
+  const std::string head = str("[", who(), "] ", op, " #", seq, " ", args);
+  const std::string raise = ". Raise the timeout (DT_PG_TIMEOUT or the op's timeout) if the ranks are merely slow";
+  try {
+    std::rethrow_exception(error);
+  } catch (const DesyncError&) {
+    reportFailure(str(op, " #", seq, ": desync"));
+    return error;
+  } catch (const TimeoutError&) {
+    reportFailure(str(op, " #", seq, " timed out"));
+    return error;
+  } catch (const TransportTimeout& e) {
+    const std::string stuck = stuckSummary(seq);
+    reportFailure(str(op, " #", seq, " timed out after ", formatDuration(task.timeout)));
+    abortTransport();
+    return std::make_exception_ptr(TimeoutError(str(head, " timed out after ", formatDuration(task.timeout),
+                                                    " on rank ", rank_, "/", size_, stuck.empty() ? "" : "; ", stuck,
+                                                    ". (", options_.backendName, ": ", e.what(), ")", raise)));
+  } catch (const PeerLost& e) {
+    reportFailure(str(op, " #", seq, " lost a peer: ", e.what()));
+    // Peers blocked on this rank fail now instead of at their timeout.
+    abortTransport();
+    const PeerReport report = collectPeerReports();
+    // A peer that timed out aborts its transport; what this rank sees is
+    // then a lost peer, but the cause is the timeout.
+    for (int r : report.failed) {
+      const auto& reason = report.reasons.at(r);
+      if (reason.find(" timed out") == std::string::npos) continue;
+      const std::string stuck = stuckSummary(seq);
+      return std::make_exception_ptr(TimeoutError(str(head, " timed out in the group (rank ", r, " reported: ", reason,
+                                                      ", and aborted its transfers)", stuck.empty() ? "" : "; ", stuck,
+                                                      raise)));
+    }
+    std::string known;
+    if (!e.ranks.empty()) {
+      std::vector<std::string> names;
+      for (int r : e.ranks) names.push_back(rankName(r));
+      known = str(e.ranks.size() == 1 ? ". Rank " : ". Ranks ", join(names, ", "), " exited");
+    }
+    const std::string peers = describePeers(report);
+    return std::make_exception_ptr(BackendError(str(head, " failed: ", e.ranks.empty() ? "connection to a peer lost" : "a peer is gone",
+                                                    " (", options_.backendName, ": ", e.what(), ")", known,
+                                                    peers.empty() ? "" : ". ", peers)));
+  } catch (const dt::Error& e) {
+    reportFailure(str(op, " #", seq, ": ", e.what()));
+    return withPrefix(error, head + " failed: ");
+  } catch (const std::exception& e) {
+    reportFailure(str(op, " #", seq, ": ", e.what()));
+    return std::make_exception_ptr(BackendError(str(head, " failed: ", e.what())));
+  }
+}
+
+void CollectiveRunner::reportFailure(const std::string& reason) {
+  try {
+    store_->set(failureKey(rank_), str(reason, " (on rank ", rank_, ")"));
+  } catch (const std::exception& e) {
+    log_->warn("cannot publish failure report: {}", e.what());
+  }
+}
+
+}  // namespace dt

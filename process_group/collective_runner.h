@@ -1,0 +1,162 @@
+// CollectiveRunner: the machinery every backend shares around its transport.
+// It owns the queue of collectives and the worker thread that runs them in
+// issue order, the sequence numbers, the broken-group state, this rank's
+// progress (ProgressTracker), failure reports, and the diagnosis that turns a
+// transport failure into one error naming who is stuck or gone. A backend
+// adds its transport and algorithms: it validates input at the call, then
+// enqueues a body that moves the bytes.
+//
+// Contract:
+//  * enqueue() numbers the op (the seq it is given, or its own counter
+//    1, 2, ...), returns a Work at once, and runs body(timeout) on the worker
+//    thread in issue order. With `inlineIfIdle`, when nothing is queued or
+//    running the body runs on the caller's thread instead (no thread wake-up;
+//    the Work is complete when enqueue returns). The order stays issue order.
+//  * A body reports failure by throwing. TransportTimeout and PeerLost (below)
+//    are the transport's words for "the deadline passed" and "a peer is gone";
+//    the runner turns them into TimeoutError / BackendError naming the op, the
+//    sequence number, which ranks never started it, which are waiting in it,
+//    and which stopped responding (from the ranks' progress keys and failure
+//    reports in the store). DesyncError and dt errors pass through with the
+//    op's context. Any failure publishes this rank's failure report, aborts
+//    the transport (so peers fail promptly instead of at their timeout) and
+//    breaks the group: every later op fails at once with the original cause.
+//  * With fingerprint checks (DT_DEBUG=detail) every rank publishes the op's
+//    fingerprint to the store before running it and compares the others';
+//    a mismatch is a DesyncError on every rank naming what each called.
+//  * Thread-safe. The abort callback may be called from any thread, also
+//    while a body runs, and must be idempotent. shutdown() fails queued work
+//    with "the group was shut down", aborts a body in flight, joins the worker
+//    and stops the progress thread; idempotent; the destructor calls it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/fingerprint.h"
+#include "collectives/options.h"
+#include "common/logging.h"
+#include "process_group/progress.h"
+#include "process_group/work.h"
+#include "store/store.h"
+
+namespace dt {
+
+// Thrown by a transport when an op's deadline passed (message: the transport's words).
+class TransportTimeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Thrown by a transport when a peer is gone; `ranks` are the ones it knows
+// are gone (may be empty: the runner then asks the others).
+class PeerLost : public std::runtime_error {
+ public:
+  PeerLost(const std::string& message, std::vector<int> ranks = {})
+      : std::runtime_error(message), ranks(std::move(ranks)) {}
+  std::vector<int> ranks;
+};
+
+struct CollectiveRunnerOptions {
+  std::string backendName;  // "gloo", "shm": appears in every message
+  std::string groupName = "default";
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  bool checkFingerprints = false;
+  // Group rank -> global rank, only for messages ("rank 2 (global 5)").
+  std::vector<int> globalRanks;
+  StorePtr watchdogStore;
+  std::string watchdogKey;
+  std::chrono::milliseconds progressInterval = std::chrono::seconds(1);
+  // How long a failed rank waits for its peers' failure reports before
+  // naming the ones that did not answer.
+  std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
+};
+
+class CollectiveRunner {
+ public:
+  using Millis = std::chrono::milliseconds;
+  using Body = std::function<void(Millis timeout)>;
+
+  // `store` is the group's scope; abortTransport ends transfers in flight.
+  CollectiveRunner(StorePtr store, int rank, int size, CollectiveRunnerOptions options,
+                   std::function<void()> abortTransport);
+  ~CollectiveRunner();
+  CollectiveRunner(const CollectiveRunner&) = delete;
+  CollectiveRunner& operator=(const CollectiveRunner&) = delete;
+
+  // `op` must be a string literal.
+  WorkPtr enqueue(uint64_t requestedSeq, const char* op, CollectiveFingerprint fingerprint, const OpTimeout& timeout,
+                  Body body, bool inlineIfIdle = false);
+
+  // For work outside the queue (point to point): a failed Work when the group
+  // is broken or shut down, else nullptr. `what` names the call.
+  WorkPtr rejectIfUnusable(const std::string& what, const std::string& description);
+  // Marks the group broken by `failure` (the first cause wins) and aborts the transport.
+  void fail(const std::exception_ptr& failure);
+  std::exception_ptr brokenCause() const;
+  bool stopping() const;
+  void shutdown();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  Millis timeout() const { return timeout_; }
+  // "rank 1/4 pg=default gloo"
+  std::string who() const;
+  // "2" or "2 (global 5)"
+  std::string rankName(int rank) const;
+  const Logger& log() const { return log_; }
+  Store& store() { return *store_; }
+  ProgressTracker& progress() { return *progress_; }
+
+ private:
+  struct Task {
+    uint64_t seq = 0;
+    const char* op = "";
+    CollectiveFingerprint fingerprint;
+    Millis timeout{0};
+    Body body;
+    WorkPtr work;
+  };
+
+  void workerLoop();
+  void runTask(Task& task);
+  std::exception_ptr notStarted(const char* op, uint64_t seq) const;
+  void verifyFingerprint(const Task& task);
+  std::string stuckSummary(uint64_t seq);
+  struct PeerReport;
+  PeerReport collectPeerReports();
+  std::string describePeers(const PeerReport& report) const;
+  std::exception_ptr explainFailure(std::exception_ptr error, const Task& task);
+  void reportFailure(const std::string& reason);
+  void abortTransport();
+
+  StorePtr store_;
+  const int rank_;
+  const int size_;
+  const CollectiveRunnerOptions options_;
+  const Millis timeout_;
+  Logger log_;
+  std::function<void()> abort_;
+  std::unique_ptr<ProgressTracker> progress_;
+
+  mutable std::mutex mutex_;  // guards everything below
+  std::condition_variable wake_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  bool running_ = false;  // a body runs (on the worker or inline)
+  std::exception_ptr broken_;
+  uint64_t localSeq_ = 0;
+  std::thread worker_;
+};
+
+}  // namespace dt
