@@ -15,6 +15,7 @@ packages=(
   iproute2 procps psmisc util-linux
   python3-torch
   slurmctld slurmd slurm-client   # the SLURM tests' private cluster (tests/slurm/cluster.sh)
+  dataset-fashion-mnist           # examples/trainer's data: /usr/share/datasets/fashion-mnist/*.gz
 )
 if [[ "${1:-}" == "--peers" ]]; then
   packages+=(libtorch-dev redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine time)

@@ -1,4 +1,5 @@
 // Elementwise ops: kernels, autograd, in-place variants, random fills.
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -825,6 +826,17 @@ double Generator::nextNormal() {
   spareNormal_ = r * std::sin(2.0 * M_PI * u2);
   hasSpareNormal_ = true;
   return r * std::cos(2.0 * M_PI * u2);
+}
+
+std::array<uint64_t, 4> GeneratorState::toWords() const {
+  return {seed, counter, hasSpareNormal ? 1u : 0u, std::bit_cast<uint64_t>(hasSpareNormal ? spareNormal : 0.0)};
+}
+
+GeneratorState GeneratorState::fromWords(const std::array<uint64_t, 4>& words, const std::string& what) {
+  if (words[2] > 1) {
+    throw InvalidArgument(str(what, ": word 2 (has a spare normal) is ", words[2], "; expected 0 or 1"));
+  }
+  return {words[0], words[1], words[2] == 1, words[2] == 1 ? std::bit_cast<double>(words[3]) : 0.0};
 }
 
 Generator& defaultGenerator() {

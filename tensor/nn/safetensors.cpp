@@ -1,6 +1,9 @@
 #include "tensor/nn/safetensors.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <fcntl.h>
+#include <unistd.h>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -210,6 +213,18 @@ class JsonParser {
 
 }  // namespace
 
+void syncPath(const std::filesystem::path& path, const std::string& who) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw InvalidArgument(str(who, ": cannot open ", path.string(), " to sync it: ", std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  // Some file systems cannot sync a directory (EINVAL); the rename is then as durable as they allow.
+  if (rc != 0 && !(err == EINVAL && std::filesystem::is_directory(path))) {
+    throw InvalidArgument(str(who, ": fsync(", path.string(), ") failed: ", std::strerror(err)));
+  }
+}
+
 void saveSafetensors(const std::filesystem::path& path, const NamedTensors& tensors,
                      const std::map<std::string, std::string>& metadata) {
   std::ostringstream header;
@@ -258,7 +273,12 @@ void saveSafetensors(const std::filesystem::path& path, const NamedTensors& tens
     out.flush();
     if (!out) throw InvalidArgument(str("saveSafetensors: writing ", tmp.string(), " failed"));
   }
+  // The data reaches the disk before the name does: after a crash the final
+  // name holds either the previous file or this one, never a torn one.
+  syncPath(tmp, "saveSafetensors");
   std::filesystem::rename(tmp, path);
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  syncPath(dir, "saveSafetensors");
 }
 
 SafetensorsFile loadSafetensors(const std::filesystem::path& path) {

@@ -1,0 +1,106 @@
+#include "data/loader.h"
+
+#include <chrono>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/strings.h"
+
+namespace dt::data {
+
+PrefetchLoader::PrefetchLoader(std::shared_ptr<const Dataset> dataset, DistributedSampler sampler, LoaderOptions options)
+    : dataset_(std::move(dataset)), sampler_(sampler), options_(options) {
+  if (!dataset_) throw InvalidArgument("PrefetchLoader: dataset is null");
+  if (options_.prefetch < 1) throw InvalidArgument(str("PrefetchLoader: prefetch ", options_.prefetch, " must be at least 1"));
+  if (sampler_.datasetSize() != dataset_->size()) {
+    throw InvalidArgument(str("PrefetchLoader: the sampler was made for ", sampler_.datasetSize(),
+                              " examples but the dataset (", dataset_->describe(), ") has ", dataset_->size()));
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+PrefetchLoader::~PrefetchLoader() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+void PrefetchLoader::start(SamplerPosition position) {
+  sampler_.stepsBefore(position);  // validates it
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.clear();
+    error_ = nullptr;
+    from_ = position;
+    ++generation_;
+    started_ = true;
+  }
+  wake_.notify_all();
+}
+
+LoadedBatch PrefetchLoader::next() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!started_) throw InvalidArgument("PrefetchLoader: next() before start()");
+  if (queue_.empty() && !error_) {
+    ++stats_.waits;
+    const auto begin = std::chrono::steady_clock::now();
+    wake_.wait(lock, [&] { return !queue_.empty() || error_; });
+    stats_.waitMs += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+  }
+  if (queue_.empty()) std::rethrow_exception(error_);
+  LoadedBatch batch = std::move(queue_.front());
+  queue_.pop_front();
+  ++stats_.batches;
+  lock.unlock();
+  wake_.notify_all();  // room for the producer
+  return batch;
+}
+
+void PrefetchLoader::run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    wake_.wait(lock, [&] { return stop_ || (started_ && !error_ && queue_.size() < static_cast<size_t>(options_.prefetch)); });
+    if (stop_) return;
+    // Work on one epoch at a time, outside the lock; a start() meanwhile makes it stale.
+    const uint64_t generation = generation_;
+    SamplerPosition position = from_;
+    lock.unlock();
+    std::vector<int64_t> indices;
+    std::exception_ptr failure;
+    try {
+      indices = sampler_.rankIndices(position.epoch);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    lock.lock();
+    while (!failure && !stop_ && generation == generation_ && position.batch < sampler_.batchesPerEpoch()) {
+      wake_.wait(lock, [&] { return stop_ || generation != generation_ || queue_.size() < static_cast<size_t>(options_.prefetch); });
+      if (stop_ || generation != generation_) break;
+      lock.unlock();
+      const int64_t b = sampler_.options().batchSize;
+      LoadedBatch loaded;
+      loaded.position = position;
+      try {
+        loaded.batch = dataset_->get(std::span<const int64_t>(indices.data() + position.batch * b, static_cast<size_t>(b)));
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      lock.lock();
+      if (generation != generation_) break;  // restarted while gathering: drop it
+      if (failure) break;
+      queue_.push_back(std::move(loaded));
+      ++position.batch;
+      from_ = position.batch < sampler_.batchesPerEpoch() ? position : SamplerPosition{position.epoch + 1, 0};
+      wake_.notify_all();
+    }
+    if (failure && generation == generation_) {
+      error_ = failure;
+      wake_.notify_all();
+    }
+  }
+}
+
+}  // namespace dt::data

@@ -1,0 +1,77 @@
+#include "data/sampler.h"
+
+#include <numeric>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/generator.h"
+
+namespace dt::data {
+
+DistributedSampler::DistributedSampler(int64_t datasetSize, int worldSize, int rank, DistributedSamplerOptions options)
+    : datasetSize_(datasetSize), worldSize_(worldSize), rank_(rank), options_(options) {
+  if (datasetSize_ < 1) throw InvalidArgument(str("DistributedSampler: dataset size ", datasetSize_, " must be positive"));
+  if (worldSize_ < 1) throw InvalidArgument(str("DistributedSampler: world size ", worldSize_, " must be positive"));
+  if (rank_ < 0 || rank_ >= worldSize_) {
+    throw InvalidArgument(str("DistributedSampler: rank ", rank_, " outside [0, ", worldSize_, ")"));
+  }
+  if (options_.batchSize < 1) {
+    throw InvalidArgument(str("DistributedSampler: batch size ", options_.batchSize, " must be positive"));
+  }
+  const int64_t global = globalBatch();
+  batchesPerEpoch_ = options_.dropLast ? datasetSize_ / global : (datasetSize_ + global - 1) / global;
+  if (batchesPerEpoch_ == 0) {
+    throw InvalidArgument(str("DistributedSampler: with dropLast, a dataset of ", datasetSize_,
+                              " examples has no full global batch of ", global, " (", worldSize_, " ranks x ",
+                              options_.batchSize, "); use a smaller batch or pad (dropLast = false)"));
+  }
+}
+
+std::vector<int64_t> DistributedSampler::permutation(int64_t epoch) const {
+  std::vector<int64_t> order(static_cast<size_t>(datasetSize_));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (!options_.shuffle) return order;
+  // A stream per (seed, epoch): epoch e never depends on how many numbers epoch e-1 used.
+  Generator generator(options_.seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(epoch));
+  for (int64_t i = datasetSize_ - 1; i > 0; --i) {  // Fisher-Yates
+    const auto j = static_cast<int64_t>(generator.nextUint64() % static_cast<uint64_t>(i + 1));
+    std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+  }
+  return order;
+}
+
+std::vector<int64_t> DistributedSampler::rankIndices(int64_t epoch) const {
+  if (epoch < 0) throw InvalidArgument(str("DistributedSampler: epoch ", epoch, " must be non-negative"));
+  const std::vector<int64_t> order = permutation(epoch);
+  const int64_t perRank = batchesPerEpoch_ * options_.batchSize;
+  std::vector<int64_t> mine(static_cast<size_t>(perRank));
+  for (int64_t i = 0; i < perRank; ++i) {
+    const int64_t position = rank_ + i * worldSize_;  // interleaved; past the end wraps (padding)
+    mine[static_cast<size_t>(i)] = order[static_cast<size_t>(position % datasetSize_)];
+  }
+  return mine;
+}
+
+std::vector<int64_t> DistributedSampler::batchIndices(int64_t epoch, int64_t batch) const {
+  if (batch < 0 || batch >= batchesPerEpoch_) {
+    throw InvalidArgument(str("DistributedSampler: batch ", batch, " outside [0, ", batchesPerEpoch_, ") of epoch ", epoch));
+  }
+  const std::vector<int64_t> all = rankIndices(epoch);
+  const auto begin = all.begin() + batch * options_.batchSize;
+  return {begin, begin + options_.batchSize};
+}
+
+SamplerPosition DistributedSampler::positionAfter(int64_t steps) const {
+  if (steps < 0) throw InvalidArgument(str("DistributedSampler: step count ", steps, " must be non-negative"));
+  return {steps / batchesPerEpoch_, steps % batchesPerEpoch_};
+}
+
+int64_t DistributedSampler::stepsBefore(const SamplerPosition& position) const {
+  if (position.epoch < 0 || position.batch < 0 || position.batch >= batchesPerEpoch_) {
+    throw InvalidArgument(str("DistributedSampler: position (epoch ", position.epoch, ", batch ", position.batch,
+                              ") is not valid with ", batchesPerEpoch_, " batches per epoch"));
+  }
+  return position.epoch * batchesPerEpoch_ + position.batch;
+}
+
+}  // namespace dt::data

@@ -1,0 +1,71 @@
+// DistributedSampler: which examples each rank trains on, batch by batch.
+//
+// Contract:
+//  * Every epoch the dataset's indices are shuffled with a permutation that depends only on
+//    (seed, epoch), so every rank computes the same one without communicating, and a job that
+//    resumes at (epoch, batch) sees exactly the batches it would have seen.
+//  * The permutation is cut into global batches of worldSize x batchSize indices. Rank r's
+//    batch k holds the global batch's positions r, r + W, r + 2W, ... (PyTorch's interleaving):
+//    the ranks' batches are disjoint, and their union is the global batch whatever the world
+//    size, so 1, 2 or 4 ranks with the same global batch train on the same examples per step.
+//  * The last global batch is usually short: dropLast drops it; otherwise it is padded with
+//    the epoch's first indices (repeated, as PyTorch pads), so every rank has the same number
+//    of full batches per epoch and no rank waits for another at the end of an epoch.
+//  * shuffle = false keeps the dataset order (for evaluation; padding still applies).
+//  * Pure and immutable: every method is const and thread-safe. Bad arguments throw
+//    InvalidArgument naming the value.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace dt::data {
+
+struct DistributedSamplerOptions {
+  int64_t batchSize = 1;  // per rank
+  bool shuffle = true;
+  uint64_t seed = 0;      // must be the same on every rank
+  bool dropLast = false;
+};
+
+// Where a job stands: the next batch to train on. Independent of the world size as long as
+// the global batch (worldSize x batchSize) stays the same.
+struct SamplerPosition {
+  int64_t epoch = 0;
+  int64_t batch = 0;  // within the epoch
+  bool operator==(const SamplerPosition&) const = default;
+};
+
+class DistributedSampler {
+ public:
+  DistributedSampler(int64_t datasetSize, int worldSize, int rank, DistributedSamplerOptions options = {});
+
+  int64_t datasetSize() const { return datasetSize_; }
+  int worldSize() const { return worldSize_; }
+  int rank() const { return rank_; }
+  const DistributedSamplerOptions& options() const { return options_; }
+  int64_t globalBatch() const { return options_.batchSize * worldSize_; }
+  int64_t batchesPerEpoch() const { return batchesPerEpoch_; }
+  // Examples each epoch visits (after padding or dropping), over all ranks.
+  int64_t samplesPerEpoch() const { return batchesPerEpoch_ * globalBatch(); }
+
+  // The epoch's order of the whole dataset: a permutation of [0, datasetSize).
+  std::vector<int64_t> permutation(int64_t epoch) const;
+  // This rank's indices for the epoch, batch after batch (batchesPerEpoch x batchSize).
+  std::vector<int64_t> rankIndices(int64_t epoch) const;
+  // This rank's indices for one batch.
+  std::vector<int64_t> batchIndices(int64_t epoch, int64_t batch) const;
+
+  // The position after `steps` batches from the start (epoch = steps / batchesPerEpoch).
+  SamplerPosition positionAfter(int64_t steps) const;
+  int64_t stepsBefore(const SamplerPosition& position) const;
+
+ private:
+  int64_t datasetSize_;
+  int worldSize_;
+  int rank_;
+  DistributedSamplerOptions options_;
+  int64_t batchesPerEpoch_ = 0;
+};
+
+}  // namespace dt::data
