@@ -49,4 +49,8 @@ std::string quoteBytes(std::string_view bytes, size_t maxChars = 64);
 std::vector<std::string> split(std::string_view text, char separator);
 std::string trim(std::string_view text);
 
+// `text` with every character outside [A-Za-z0-9._-] replaced by '_' (and
+// "_" for empty text): safe inside file and shared-memory object names.
+std::string safeNameComponent(std::string_view text);
+
 }  // namespace dt

@@ -184,8 +184,8 @@ void CollectiveRunner::runTask(Task& task) {
   std::exception_ptr failure;
   progress_->started(task.seq, task.op);
   try {
-    if (options_.checkFingerprints) verifyFingerprint(task);
-    task.body(task.timeout);
+    if (options_.checkFingerprints) checkFingerprint(task.fingerprint, task.timeout);
+    task.body(task.timeout, task.fingerprint);
     progress_->completed(task.seq, task.op);
   } catch (...) {
     failure = explainFailure(std::current_exception(), task);
@@ -200,21 +200,21 @@ void CollectiveRunner::runTask(Task& task) {
 
 // ---- fingerprints (DT_DEBUG=detail) -------------------------------------------------------------------
 
-void CollectiveRunner::verifyFingerprint(const Task& task) {
-  store_->set(fingerprintKey(task.seq, rank_), task.fingerprint.serialize());
+void CollectiveRunner::checkFingerprint(const CollectiveFingerprint& fingerprint, Millis timeout) {
+  const uint64_t seq = fingerprint.seq;
+  store_->set(fingerprintKey(seq, rank_), fingerprint.serialize());
   std::vector<std::string> keys;
-  for (int r = 0; r < size_; ++r) keys.push_back(fingerprintKey(task.seq, r));
+  for (int r = 0; r < size_; ++r) keys.push_back(fingerprintKey(seq, r));
   try {
-    store_->wait(keys, task.timeout);
+    store_->wait(keys, timeout);
   } catch (const TimeoutError&) {
     std::vector<int> missing;
     for (int r = 0; r < size_; ++r) {
       if (!store_->check({keys[r]})) missing.push_back(r);
     }
-    throw TimeoutError(str("[", who(), "] ", task.op, " #", task.seq, " (", task.fingerprint.describe(),
-                           ") timed out after ", formatDuration(task.timeout),
-                           " comparing fingerprints (DT_DEBUG=detail): ", rankList(missing),
-                           " never reached collective #", task.seq, ". ", stuckSummary(task.seq)));
+    throw TimeoutError(str("[", who(), "] ", fingerprint.op, " #", seq, " (", fingerprint.describe(),
+                           ") timed out after ", formatDuration(timeout), " comparing fingerprints: ",
+                           rankList(missing), " never reached collective #", seq, ". ", stuckSummary(seq)));
   }
   const auto values = store_->multiGet(keys);
   std::map<std::string, std::vector<int>> others;  // description -> ranks
@@ -226,16 +226,16 @@ void CollectiveRunner::verifyFingerprint(const Task& task) {
     } catch (const std::exception&) {
       theirs.op = "<unreadable fingerprint>";
     }
-    others[theirs.describe() + (theirs.seq != task.seq ? str(" as #", theirs.seq) : std::string())].push_back(r);
+    others[theirs.describe() + (theirs.seq != seq ? str(" as #", theirs.seq) : std::string())].push_back(r);
   }
   // Keys of the previous collective are no longer read by anyone: every
   // rank has written this one, so each has finished comparing the last.
-  if (task.seq > 1) store_->deleteKey(fingerprintKey(task.seq - 1, rank_));
+  if (seq > 1) store_->deleteKey(fingerprintKey(seq - 1, rank_));
   if (others.empty()) return;
   std::vector<std::string> parts;
   for (const auto& [description, ranks] : others) parts.push_back(str(rankList(ranks), " called ", description));
-  throw DesyncError(str("[", who(), "] collective #", task.seq, " mismatch: this rank called ",
-                        task.fingerprint.describe(), "; ", join(parts, "; "),
+  throw DesyncError(str("[", who(), "] collective #", seq, " mismatch: this rank called ",
+                        fingerprint.describe(), "; ", join(parts, "; "),
                         ". Every rank must issue the same collectives in the same order"));
 }
 

@@ -85,7 +85,8 @@ struct CollectiveRunnerOptions {
 class CollectiveRunner {
  public:
   using Millis = std::chrono::milliseconds;
-  using Body = std::function<void(Millis timeout)>;
+  // timeout: the op's; fingerprint: the op as numbered (seq filled in).
+  using Body = std::function<void(Millis timeout, const CollectiveFingerprint& fingerprint)>;
 
   // `store` is the group's scope; abortTransport ends transfers in flight.
   CollectiveRunner(StorePtr store, int rank, int size, CollectiveRunnerOptions options,
@@ -97,6 +98,11 @@ class CollectiveRunner {
   // `op` must be a string literal.
   WorkPtr enqueue(uint64_t requestedSeq, const char* op, CollectiveFingerprint fingerprint, const OpTimeout& timeout,
                   Body body, bool inlineIfIdle = false);
+
+  // Compares `fingerprint` with every rank's through the store (what
+  // DT_DEBUG=detail does before each op); throws DesyncError naming what each
+  // rank called when they differ. For a backend that detected a mismatch cheaply.
+  void checkFingerprint(const CollectiveFingerprint& fingerprint, Millis timeout);
 
   // For work outside the queue (point to point): a failed Work when the group
   // is broken or shut down, else nullptr. `what` names the call.
@@ -131,7 +137,7 @@ class CollectiveRunner {
   void workerLoop();
   void runTask(Task& task);
   std::exception_ptr notStarted(const char* op, uint64_t seq) const;
-  void verifyFingerprint(const Task& task);
+
   std::string stuckSummary(uint64_t seq);
   struct PeerReport;
   PeerReport collectPeerReports();

@@ -180,7 +180,7 @@ struct GlooBackend::Impl {
   // words for a timeout or a lost peer.
   WorkPtr enqueue(uint64_t seq, const char* op, CollectiveFingerprint fingerprint, const OpTimeout& opTimeout,
                   std::function<void(Impl&, Millis)> run) {
-    return runner->enqueue(seq, op, std::move(fingerprint), opTimeout, [this, run = std::move(run)](Millis limit) {
+    return runner->enqueue(seq, op, std::move(fingerprint), opTimeout, [this, run = std::move(run)](Millis limit, const CollectiveFingerprint&) {
       try {
         run(*this, limit);
       } catch (const gloo::IoException& e) {

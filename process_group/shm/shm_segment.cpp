@@ -1,0 +1,343 @@
+#include "process_group/shm/shm_segment.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <new>
+#include <random>
+
+#include "common/env.h"
+#include "common/errors.h"
+#include "common/strings.h"
+#include "process_group/collective_runner.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DT_CPU_RELAX() _mm_pause()
+#else
+#define DT_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
+#endif
+
+namespace dt::shm {
+namespace {
+
+constexpr uint64_t kMagic = 0x64747368'6d736567ull;  // "dtshmseg"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kAlign = 4096;
+
+size_t alignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE: the word lives in memory shared between processes.
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+void futexWake(std::atomic<uint32_t>* word) { futex(word, FUTEX_WAKE, INT32_MAX, nullptr); }
+
+// Sleeps while *word == expected, at most `slice`.
+void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds slice) {
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(slice.count() / 1000000);
+  ts.tv_nsec = static_cast<long>((slice.count() % 1000000) * 1000);
+  futex(word, FUTEX_WAIT, expected, &ts);
+}
+
+bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+uint64_t pidNamespaceInode() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+}  // namespace
+
+struct ShmSegment::Header {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t worldSize;
+  uint64_t slotBytes;
+  uint64_t chunkBytes;
+  uint64_t totalBytes;
+  std::atomic<uint32_t> abortedBy;  // 0, or 1 + the rank that aborted
+};
+
+std::string runIdForNames() {
+  const std::string runId = env::getString("DT_RUN_ID");
+  return runId.empty() ? std::string("local") : safeNameComponent(runId);
+}
+
+ShmSegment::ShmSegment(StorePtr store, SegmentOptions options)
+    : rank_(options.rank),
+      size_(options.size),
+      slotBytes_(alignUp(options.slotBytes, 64)),
+      chunkBytes_(alignUp(options.chunkBytes, 64)),
+      heartbeatTimeout_(options.heartbeatTimeout),
+      heartbeatInterval_(options.heartbeatInterval),
+      myPidNamespace_(pidNamespaceInode()),
+      seenHeartbeat_(static_cast<size_t>(options.size), 0),
+      heartbeatChanged_(static_cast<size_t>(options.size), Clock::now()) {
+  slotsOffset_ = alignUp(sizeof(Header), 64) + sizeof(RankControl) * static_cast<size_t>(size_);
+  slotsOffset_ = alignUp(slotsOffset_, kAlign);
+  channelStride_ = alignUp(sizeof(ChannelHeader), 64) + 2 * chunkBytes_;
+  channelsOffset_ = alignUp(slotsOffset_ + 2 * slotBytes_ * static_cast<size_t>(size_), kAlign);
+  bytes_ = alignUp(channelsOffset_ + channelStride_ * static_cast<size_t>(size_) * static_cast<size_t>(size_), kAlign);
+
+  const std::string key = "shm/segment";
+  const auto deadline = Clock::now() + options.timeout;
+  const auto remaining = [&] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::max(Clock::duration(0), deadline - Clock::now()));
+  };
+  if (rank_ == 0) {
+    std::random_device rd;
+    const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    objectName_ = str("/dtrain-", runIdForNames(), "-", safeNameComponent(options.name), "-", std::hex, nonce);
+    const int fd = ::shm_open(objectName_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      throw BackendError(str("shm: cannot create shared memory ", objectName_, ": ", std::strerror(errno),
+                             " (is /dev/shm mounted and writable?)"));
+    }
+    try {
+      map(fd, true);
+    } catch (...) {
+      ::shm_unlink(objectName_.c_str());
+      throw;
+    }
+    store->set(key, objectName_);
+  } else {
+    store->wait({key}, remaining());
+    objectName_ = store->get(key);
+    const int fd = ::shm_open(objectName_.c_str(), O_RDWR, 0600);
+    if (fd < 0) {
+      throw BackendError(str("shm: rank ", rank_, " cannot open shared memory ", objectName_, " of rank 0: ",
+                             std::strerror(errno), ". Are all ranks of the group on one host (same /dev/shm)?"));
+    }
+    map(fd, false);
+  }
+  RankControl& me = control(rank_);
+  me.pid = static_cast<int32_t>(::getpid());
+  me.pidNamespace = myPidNamespace_;
+  me.heartbeat.store(1);
+  // The last rank to map the object unlinks its name: from then on it lives
+  // exactly as long as the mappings, and a crash leaves nothing behind.
+  if (store->add("shm/mapped", 1) == size_) {
+    ::shm_unlink(objectName_.c_str());
+    store->set("shm/all-mapped", "1");
+  }
+  try {
+    store->wait({"shm/all-mapped"}, remaining());
+  } catch (const TimeoutError&) {
+    ::shm_unlink(objectName_.c_str());  // nobody else will
+    const int64_t count = store->add("shm/mapped", 0);
+    ::munmap(base_, bytes_);
+    base_ = nullptr;
+    throw TimeoutError(str("shm: only ", count, " of ", size_, " ranks mapped the group's shared memory ", objectName_,
+                           " within ", formatDuration(options.timeout),
+                           "; are the others running, and on this host?"));
+  }
+  heartbeatThread_ = std::thread([this] { heartbeatLoop(); });
+}
+
+ShmSegment::~ShmSegment() {
+  {
+    std::lock_guard<std::mutex> lock(stopMutex_);
+    stopping_ = true;
+  }
+  stopWake_.notify_all();
+  if (heartbeatThread_.joinable()) heartbeatThread_.join();
+  if (base_ != nullptr) ::munmap(base_, bytes_);
+}
+
+void ShmSegment::map(int fd, bool create) {
+  if (create && ::ftruncate(fd, static_cast<off_t>(bytes_)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw BackendError(str("shm: cannot size shared memory ", objectName_, " to ", bytes_, " bytes: ",
+                           std::strerror(err), " (is /dev/shm large enough?)"));
+  }
+  void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    throw BackendError(str("shm: cannot map shared memory ", objectName_, " (", bytes_, " bytes): ", std::strerror(err)));
+  }
+  base_ = static_cast<uint8_t*>(p);
+  Header& h = header();
+  if (create) {
+    // The object is zero-filled; atomics at zero are valid as they are.
+    new (&h) Header{kMagic, kVersion, static_cast<uint32_t>(size_), slotBytes_, chunkBytes_, bytes_, {}};
+    for (int r = 0; r < size_; ++r) new (&control(r)) RankControl();
+    for (int s = 0; s < size_; ++s) {
+      for (int d = 0; d < size_; ++d) new (&channel(s, d)) ChannelHeader();
+    }
+  } else if (h.magic != kMagic || h.version != kVersion || h.worldSize != static_cast<uint32_t>(size_) ||
+             h.slotBytes != slotBytes_ || h.totalBytes != bytes_) {
+    throw BackendError(str("shm: shared memory ", objectName_, " has another layout (world ", h.worldSize,
+                           ", slot ", h.slotBytes, " bytes) than this rank expects (world ", size_, ", slot ",
+                           slotBytes_, " bytes): every rank must use the same dtrain and the same shm settings"));
+  }
+}
+
+ShmSegment::Header& ShmSegment::header() const { return *reinterpret_cast<Header*>(base_); }
+
+RankControl& ShmSegment::control(int r) const {
+  return reinterpret_cast<RankControl*>(base_ + alignUp(sizeof(Header), 64))[r];
+}
+
+uint8_t* ShmSegment::slot(int r, int parity) const {
+  return base_ + slotsOffset_ + (static_cast<size_t>(r) * 2 + static_cast<size_t>(parity)) * slotBytes_;
+}
+
+ChannelHeader& ShmSegment::channel(int src, int dst) const {
+  return *reinterpret_cast<ChannelHeader*>(base_ + channelsOffset_ +
+                                           (static_cast<size_t>(src) * size_ + static_cast<size_t>(dst)) * channelStride_);
+}
+
+uint8_t* ShmSegment::channelChunk(int src, int dst, int index) const {
+  return reinterpret_cast<uint8_t*>(&channel(src, dst)) + alignUp(sizeof(ChannelHeader), 64) +
+         static_cast<size_t>(index) * chunkBytes_;
+}
+
+// ---- phases ---------------------------------------------------------------------------------------
+
+void ShmSegment::arrive() {
+  RankControl& me = control(rank_);
+  ++mySteps_;
+  me.step.store(mySteps_, std::memory_order_seq_cst);
+  if (me.sleepers.load(std::memory_order_seq_cst) != 0) futexWake(&me.step);
+}
+
+void ShmSegment::waitForAll(Clock::time_point deadline) {
+  const uint32_t target = mySteps_;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    RankControl& peer = control(r);
+    if (reached(peer.step.load(std::memory_order_acquire), target)) continue;
+    // Spin: a peer that is running arrives within microseconds.
+    for (int i = 0; i < 4000; ++i) {
+      DT_CPU_RELAX();
+      if (reached(peer.step.load(std::memory_order_acquire), target)) break;
+    }
+    if (reached(peer.step.load(std::memory_order_acquire), target)) continue;
+    // Yield: a peer that shares this core needs it.
+    const auto yieldUntil = Clock::now() + std::chrono::microseconds(50);
+    while (Clock::now() < yieldUntil) {
+      std::this_thread::yield();
+      if (reached(peer.step.load(std::memory_order_acquire), target)) break;
+    }
+    // Sleep on the peer's word, checking the deadline, the abort word and
+    // the peer's health between slices.
+    auto nextHealthCheck = Clock::now();
+    while (true) {
+      const uint32_t seen = peer.step.load(std::memory_order_acquire);
+      if (reached(seen, target)) break;
+      checkAbort();
+      const auto now = Clock::now();
+      if (now >= nextHealthCheck) {
+        checkPeer(r);
+        nextHealthCheck = now + std::chrono::milliseconds(20);
+      }
+      if (now >= deadline) {
+        throw TransportTimeout(str("waited for rank ", r, " at phase ", target, "; it is at phase ", seen));
+      }
+      peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (!reached(peer.step.load(std::memory_order_seq_cst), target)) {
+        futexWait(&peer.step, seen, std::chrono::milliseconds(10));
+      }
+      peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+}
+
+// ---- doorbells ------------------------------------------------------------------------------------
+
+void ShmSegment::ring(int r) {
+  RankControl& c = control(r);
+  c.doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (c.doorbellSleepers.load(std::memory_order_seq_cst) != 0) futexWake(&c.doorbell);
+}
+
+uint32_t ShmSegment::doorbell() const { return control(rank_).doorbell.load(std::memory_order_acquire); }
+
+void ShmSegment::waitDoorbell(uint32_t seen, Clock::time_point until) {
+  RankControl& me = control(rank_);
+  const auto now = Clock::now();
+  if (now >= until) return;
+  me.doorbellSleepers.fetch_add(1, std::memory_order_seq_cst);
+  if (me.doorbell.load(std::memory_order_seq_cst) == seen && header().abortedBy.load() == 0) {
+    futexWait(&me.doorbell, seen, std::chrono::duration_cast<std::chrono::microseconds>(until - now));
+  }
+  me.doorbellSleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+// ---- failure ----------------------------------------------------------------------------------------
+
+void ShmSegment::abort(int byRank) {
+  if (base_ == nullptr) return;
+  uint32_t expected = 0;
+  header().abortedBy.compare_exchange_strong(expected, static_cast<uint32_t>(byRank) + 1);
+  // Wake everyone sleeping anywhere: they re-check the abort word.
+  for (int r = 0; r < size_; ++r) {
+    futexWake(&control(r).step);
+    futexWake(&control(r).doorbell);
+  }
+}
+
+uint32_t ShmSegment::abortedBy() const { return header().abortedBy.load(std::memory_order_acquire); }
+
+void ShmSegment::checkAbort() const {
+  const uint32_t by = abortedBy();
+  if (by == 0) return;
+  const int r = static_cast<int>(by) - 1;
+  if (r == rank_) throw PeerLost("this rank aborted the group's transfers after a failure");
+  throw PeerLost(str("rank ", r, " aborted the group's transfers after a failure of its own"));
+}
+
+bool ShmSegment::peerDead(int r, std::string* why) const {
+  const RankControl& peer = control(r);
+  const int32_t pid = peer.pid;
+  if (pid > 0 && pid != ::getpid() && peer.pidNamespace == myPidNamespace_ && myPidNamespace_ != 0) {
+    if (::kill(pid, 0) != 0 && errno == ESRCH) {
+      *why = str("rank ", r, " (pid ", pid, ") exited");
+      return true;
+    }
+  }
+  const uint64_t beat = peer.heartbeat.load(std::memory_order_acquire);
+  std::lock_guard<std::mutex> lock(heartbeatMutex_);
+  const auto now = Clock::now();
+  if (beat != seenHeartbeat_[r]) {
+    seenHeartbeat_[r] = beat;
+    heartbeatChanged_[r] = now;
+    return false;
+  }
+  if (now - heartbeatChanged_[r] > heartbeatTimeout_) {
+    *why = str("rank ", r, " (pid ", pid, ") stopped its heartbeat ",
+               std::chrono::duration_cast<std::chrono::milliseconds>(now - heartbeatChanged_[r]).count(),
+               " ms ago (frozen or hung)");
+    return true;
+  }
+  return false;
+}
+
+void ShmSegment::checkPeer(int r) const {
+  checkAbort();
+  std::string why;
+  if (peerDead(r, &why)) throw PeerLost(why, {r});
+}
+
+void ShmSegment::heartbeatLoop() {
+  std::unique_lock<std::mutex> lock(stopMutex_);
+  while (!stopping_) {
+    control(rank_).heartbeat.fetch_add(1, std::memory_order_release);
+    stopWake_.wait_for(lock, heartbeatInterval_, [&] { return stopping_; });
+  }
+}
+
+}  // namespace dt::shm
