@@ -12,6 +12,7 @@ PrefetchLoader::PrefetchLoader(std::shared_ptr<const Dataset> dataset, Distribut
     : dataset_(std::move(dataset)), sampler_(sampler), options_(options) {
   if (!dataset_) throw InvalidArgument("PrefetchLoader: dataset is null");
   if (options_.prefetch < 1) throw InvalidArgument(str("PrefetchLoader: prefetch ", options_.prefetch, " must be at least 1"));
+  lowWater_ = static_cast<size_t>(options_.prefetch / 2);
   if (sampler_.datasetSize() != dataset_->size()) {
     throw InvalidArgument(str("PrefetchLoader: the sampler was made for ", sampler_.datasetSize(),
                               " examples but the dataset (", dataset_->describe(), ") has ", dataset_->size()));
@@ -24,7 +25,7 @@ PrefetchLoader::~PrefetchLoader() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
-  wake_.notify_all();
+  producerWake_.notify_all();
   thread_.join();
 }
 
@@ -38,7 +39,7 @@ void PrefetchLoader::start(SamplerPosition position) {
     ++generation_;
     started_ = true;
   }
-  wake_.notify_all();
+  producerWake_.notify_all();
 }
 
 LoadedBatch PrefetchLoader::next() {
@@ -47,22 +48,33 @@ LoadedBatch PrefetchLoader::next() {
   if (queue_.empty() && !error_) {
     ++stats_.waits;
     const auto begin = std::chrono::steady_clock::now();
-    wake_.wait(lock, [&] { return !queue_.empty() || error_; });
+    consumerWaiting_ = true;
+    consumerWake_.wait(lock, [&] { return !queue_.empty() || error_; });
+    consumerWaiting_ = false;
     stats_.waitMs += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
   }
   if (queue_.empty()) std::rethrow_exception(error_);
   LoadedBatch batch = std::move(queue_.front());
   queue_.pop_front();
   ++stats_.batches;
+  // Wake a producer waiting for room only at the low-water mark: it then refills the queue in
+  // one burst, instead of being woken (a futex call and a context switch) for every batch.
+  const bool wake = producerWaiting_ && queue_.size() <= lowWater_;
   lock.unlock();
-  wake_.notify_all();  // room for the producer
+  if (wake) producerWake_.notify_one();
   return batch;
 }
 
 void PrefetchLoader::run() {
+  const size_t capacity = static_cast<size_t>(options_.prefetch);
   std::unique_lock<std::mutex> lock(mu_);
+  auto waitForProducer = [&](const auto& ready) {
+    producerWaiting_ = true;
+    producerWake_.wait(lock, ready);
+    producerWaiting_ = false;
+  };
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || (started_ && !error_ && queue_.size() < static_cast<size_t>(options_.prefetch)); });
+    waitForProducer([&] { return stop_ || (started_ && !error_ && queue_.size() < capacity); });
     if (stop_) return;
     // Work on one epoch at a time, outside the lock; a start() meanwhile makes it stale.
     const uint64_t generation = generation_;
@@ -77,7 +89,7 @@ void PrefetchLoader::run() {
     }
     lock.lock();
     while (!failure && !stop_ && generation == generation_ && position.batch < sampler_.batchesPerEpoch()) {
-      wake_.wait(lock, [&] { return stop_ || generation != generation_ || queue_.size() < static_cast<size_t>(options_.prefetch); });
+      waitForProducer([&] { return stop_ || generation != generation_ || queue_.size() < capacity; });
       if (stop_ || generation != generation_) break;
       lock.unlock();
       const int64_t b = sampler_.options().batchSize;
@@ -94,11 +106,11 @@ void PrefetchLoader::run() {
       queue_.push_back(std::move(loaded));
       ++position.batch;
       from_ = position.batch < sampler_.batchesPerEpoch() ? position : SamplerPosition{position.epoch + 1, 0};
-      wake_.notify_all();
+      if (consumerWaiting_) consumerWake_.notify_one();
     }
     if (failure && generation == generation_) {
       error_ = failure;
-      wake_.notify_all();
+      consumerWake_.notify_all();
     }
   }
 }

@@ -10,8 +10,9 @@
 // Contract:
 //  * One background thread per loader gathers batches in the sampler's order (epoch after
 //    epoch, without end) into a queue of at most `prefetch` batches, so reading and converting
-//    the data is off the training step's critical path. Each LoadedBatch says which position
-//    it came from.
+//    the data is off the training step's critical path. Once the queue is full the thread
+//    sleeps until it is down to half, then refills it in one go (one wake-up per prefetch / 2
+//    batches, not one per batch). Each LoadedBatch says which position it came from.
 //  * start(position) (re)starts the stream there, dropping whatever was queued. next() before
 //    any start() throws InvalidArgument.
 //  * next() blocks until the next batch is ready. An exception thrown while gathering (by the
@@ -36,7 +37,7 @@
 namespace dt::data {
 
 struct LoaderOptions {
-  int prefetch = 4;  // batches gathered ahead (at least 1)
+  int prefetch = 8;  // batches gathered ahead (at least 1)
 };
 
 struct LoadedBatch {
@@ -70,7 +71,11 @@ class PrefetchLoader {
   LoaderOptions options_;
 
   std::mutex mu_;
-  std::condition_variable wake_;  // producer: work or room; consumer: a batch or an error
+  std::condition_variable producerWake_;  // work, or room in the queue
+  std::condition_variable consumerWake_;  // a batch or an error
+  bool producerWaiting_ = false;
+  bool consumerWaiting_ = false;
+  size_t lowWater_ = 0;  // a waiting producer is woken when the queue is down to this
   std::deque<LoadedBatch> queue_;
   std::exception_ptr error_;
   SamplerPosition from_;

@@ -77,7 +77,7 @@ struct Config {
   double dropout = 0.0;
   uint64_t seed = 0;
   bool dropLast = false;
-  int prefetch = 4;
+  int prefetch = 8;
   int64_t logEvery = 100;
   bool quiet = false;
   std::string checkpointDir = "trainer-checkpoints";
@@ -116,7 +116,7 @@ training
   --schedule cosine|constant  learning rate over the steps (default cosine)
   --seed S                model initialisation, shuffling and dropout (default 0)
   --drop-last             drop the short last batch of each epoch (default: pad it)
-  --prefetch K            batches the loader thread prepares ahead (default 4)
+  --prefetch K            batches the loader thread prepares ahead (default 8)
 checkpoints
   --checkpoint-dir DIR    (default trainer-checkpoints; none: no checkpoints)
   --checkpoint-every N    steps between checkpoints; one is also written at the end (default 500)

@@ -80,16 +80,22 @@ TEST(PrefetchLoader, DeliversTheSamplersBatchesInOrderAcrossEpochs) {
   EXPECT_EQ(loader.stats().batches, 21);
 }
 
-TEST(PrefetchLoader, PreparesBatchesAheadButNoMoreThanPrefetch) {
+TEST(PrefetchLoader, PreparesBatchesAheadButNoMoreThanPrefetchAndRefillsAtHalf) {
   auto ds = std::make_shared<CountingDataset>(1000);
-  PrefetchLoader loader(ds, DistributedSampler(1000, 1, 0, {.batchSize = 10}), {.prefetch = 3});
+  PrefetchLoader loader(ds, DistributedSampler(1000, 1, 0, {.batchSize = 10}), {.prefetch = 4});
   EXPECT_EQ(ds->calls.load(), 0) << "nothing is read before start()";
   loader.start({0, 0});
-  ASSERT_TRUE(eventually([&] { return ds->calls.load() >= 3; })) << "the thread fills the queue without next()";
+  ASSERT_TRUE(eventually([&] { return ds->calls.load() >= 4; })) << "the thread fills the queue without next()";
   std::this_thread::sleep_for(50ms);  // give an overeager producer the chance to overshoot
-  EXPECT_EQ(ds->calls.load(), 3) << "the queue is bounded by prefetch";
+  EXPECT_EQ(ds->calls.load(), 4) << "the queue is bounded by prefetch";
   loader.next();
-  ASSERT_TRUE(eventually([&] { return ds->calls.load() >= 4; })) << "taking one makes room for one more";
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(ds->calls.load(), 4) << "above the low-water mark (prefetch / 2) the thread sleeps on";
+  loader.next();
+  ASSERT_TRUE(eventually([&] { return ds->calls.load() >= 6; })) << "at half it refills the queue";
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(ds->calls.load(), 6);
+  for (int i = 2; i < 30; ++i) EXPECT_EQ(loader.next().position.batch, i % 100);
 }
 
 TEST(PrefetchLoader, StartAtAPositionResumesTheSameStream) {
