@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up, builds, and runs the main job on embedded defaults:
-# four ranks of data-parallel training under dtrun.
+# four ranks of data-parallel training on Fashion-MNIST under dtrun
+# (examples/trainer; checkpoints go to ./trainer-checkpoints, and a second run resumes there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
