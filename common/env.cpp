@@ -30,7 +30,8 @@ constexpr std::array kKnobs = {
     Knob{"DT_GLOO_HOSTNAME", "", "Address Gloo's TCP transport binds and advertises. Default: 127.0.0.1 when the store is on loopback, else this machine's host name.", "user"},
     Knob{"DT_GLOO_ALLREDUCE", "auto", "Allreduce algorithm of the Gloo backend: auto (recursive_doubling below 256 KiB, or below 2 MiB with two ranks; ring from there), ring, halving_doubling or recursive_doubling. Must be the same on every rank.", "user"},
     Knob{"DT_GLOO_BATCH_LOOP", "1", "Run Gloo's event-loop thread under SCHED_BATCH so it never preempts the thread it waits for; set 0 to keep the default policy.", "user"},
-    Knob{"DT_BACKEND", "", "Backend override for initProcessGroup: gloo or nccl. Default: gloo for CPU, nccl for CUDA.", "user"},
+    Knob{"DT_BACKEND", "", "Backend override for initProcessGroup: gloo, shm or nccl. Default: CPU tensors on shm when the group shares a host, gloo when every rank has its own host, both (hierarchical) otherwise; CUDA tensors on nccl.", "user"},
+    Knob{"DT_HOST_ID", "", "This process's host identity for backend routing (ranks with equal ids share memory). Default: the kernel's boot id plus the network namespace.", "user"},
     // ddp
     Knob{"DT_DDP_LOG", "0", "DistributedDataParallel: rank 0 prints the bucket table once and a one-line summary (forward, backward, communication and exposed communication time) every DT_DDP_LOG_EVERY iterations to stderr.", "user"},
     Knob{"DT_DDP_LOG_EVERY", "100", "With DT_DDP_LOG=1: synchronised iterations between two DDP summary lines.", "user"},

@@ -72,7 +72,7 @@ std::exception_ptr CollectiveRunner::notStarted(const char* op, uint64_t seq) co
 }
 
 WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, CollectiveFingerprint fingerprint,
-                                  const OpTimeout& timeout, Body body, bool inlineIfIdle) {
+                                  const OpTimeout& timeout, Body body) {
   std::unique_lock<std::mutex> lock(mutex_);
   const uint64_t seq = requestedSeq != 0 ? requestedSeq : ++localSeq_;
   fingerprint.seq = seq;
@@ -86,20 +86,26 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   task.timeout = timeout.value_or(timeout_);
   task.body = std::move(body);
   task.work = std::make_shared<Work>(description);
+  const Work* raw = task.work.get();
+  task.work->setWaitHelper([this, raw] { return runIfNext(raw); });
   WorkPtr work = task.work;
-  if (inlineIfIdle && queue_.empty() && !running_) {
-    // Nothing ahead of it: run it here and spare the worker's wake-up.
-    running_ = true;
-    lock.unlock();
-    runTask(task);
-    lock.lock();
-    running_ = false;
-    wake_.notify_all();
-    return work;
-  }
   queue_.push_back(std::move(task));
   wake_.notify_one();
   return work;
+}
+
+bool CollectiveRunner::runIfNext(const Work* work) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (running_ || broken_ || stopping_ || queue_.empty() || queue_.front().work.get() != work) return false;
+  Task task = std::move(queue_.front());
+  queue_.pop_front();
+  running_ = true;
+  lock.unlock();
+  runTask(task);
+  lock.lock();
+  running_ = false;
+  wake_.notify_all();
+  return true;
 }
 
 WorkPtr CollectiveRunner::rejectIfUnusable(const std::string& what, const std::string& description) {
@@ -273,14 +279,14 @@ std::string CollectiveRunner::stuckSummary(uint64_t seq) {
 
 // Finds the peers that neither reported a failure of their own nor kept
 // their heartbeat going within the report window: those exited or hung.
-CollectiveRunner::PeerReport CollectiveRunner::collectPeerReports() {
+CollectiveRunner::PeerReport CollectiveRunner::collectPeerReports(const std::vector<int>& knownGone) {
   PeerReport report;
   try {
     const auto first = ProgressTracker::readAll(*store_, size_);
     const auto deadline = Clock::now() + options_.failureReportWindow;
     std::set<int> pending;
     for (int r = 0; r < size_; ++r) {
-      if (r != rank_) pending.insert(r);
+      if (r != rank_ && std::find(knownGone.begin(), knownGone.end(), r) == knownGone.end()) pending.insert(r);
     }
     while (!pending.empty()) {
       const auto now = ProgressTracker::readAll(*store_, size_);
@@ -349,7 +355,7 @@ std::exception_ptr CollectiveRunner::explainFailure(std::exception_ptr error, co
     reportFailure(str(op, " #", seq, " lost a peer: ", e.what()));
     // Peers blocked on this rank fail now instead of at their timeout.
     abortTransport();
-    const PeerReport report = collectPeerReports();
+    const PeerReport report = collectPeerReports(e.ranks);
     // A peer that timed out aborts its transport; what this rank sees is
     // then a lost peer, but the cause is the timeout.
     for (int r : report.failed) {
@@ -360,16 +366,17 @@ std::exception_ptr CollectiveRunner::explainFailure(std::exception_ptr error, co
                                                       ", and aborted its transfers)", stuck.empty() ? "" : "; ", stuck,
                                                       raise)));
     }
-    std::string known;
+    std::vector<std::string> parts;
     if (!e.ranks.empty()) {
       std::vector<std::string> names;
       for (int r : e.ranks) names.push_back(rankName(r));
-      known = str(e.ranks.size() == 1 ? ". Rank " : ". Ranks ", join(names, ", "), " exited");
+      parts.push_back(str(e.ranks.size() == 1 ? "Rank " : "Ranks ", join(names, ", "), e.ranks.size() == 1 ? " is" : " are",
+                          " gone"));
     }
-    const std::string peers = describePeers(report);
+    if (const std::string peers = describePeers(report); !peers.empty()) parts.push_back(peers);
     return std::make_exception_ptr(BackendError(str(head, " failed: ", e.ranks.empty() ? "connection to a peer lost" : "a peer is gone",
-                                                    " (", options_.backendName, ": ", e.what(), ")", known,
-                                                    peers.empty() ? "" : ". ", peers)));
+                                                    " (", options_.backendName, ": ", e.what(), ")",
+                                                    parts.empty() ? "" : ". ", join(parts, "; "))));
   } catch (const dt::Error& e) {
     reportFailure(str(op, " #", seq, ": ", e.what()));
     return withPrefix(error, head + " failed: ");

@@ -9,9 +9,10 @@
 // Contract:
 //  * enqueue() numbers the op (the seq it is given, or its own counter
 //    1, 2, ...), returns a Work at once, and runs body(timeout) on the worker
-//    thread in issue order. With `inlineIfIdle`, when nothing is queued or
-//    running the body runs on the caller's thread instead (no thread wake-up;
-//    the Work is complete when enqueue returns). The order stays issue order.
+//    thread in issue order. When the caller waits on that Work (without a
+//    timeout) while the op is next in line and nothing runs, the waiting
+//    thread runs it itself (no thread wake-up on the critical path of a
+//    small issue-then-wait op); issue order is kept either way.
 //  * A body reports failure by throwing. TransportTimeout and PeerLost (below)
 //    are the transport's words for "the deadline passed" and "a peer is gone";
 //    the runner turns them into TimeoutError / BackendError naming the op, the
@@ -97,7 +98,7 @@ class CollectiveRunner {
 
   // `op` must be a string literal.
   WorkPtr enqueue(uint64_t requestedSeq, const char* op, CollectiveFingerprint fingerprint, const OpTimeout& timeout,
-                  Body body, bool inlineIfIdle = false);
+                  Body body);
 
   // Compares `fingerprint` with every rank's through the store (what
   // DT_DEBUG=detail does before each op); throws DesyncError naming what each
@@ -136,11 +137,13 @@ class CollectiveRunner {
 
   void workerLoop();
   void runTask(Task& task);
+  // The wait helper: runs the op of `work` on this thread if it is next.
+  bool runIfNext(const Work* work);
   std::exception_ptr notStarted(const char* op, uint64_t seq) const;
 
   std::string stuckSummary(uint64_t seq);
   struct PeerReport;
-  PeerReport collectPeerReports();
+  PeerReport collectPeerReports(const std::vector<int>& knownGone);
   std::string describePeers(const PeerReport& report) const;
   std::exception_ptr explainFailure(std::exception_ptr error, const Task& task);
   void reportFailure(const std::string& reason);

@@ -40,7 +40,7 @@ struct InitOptions {
   std::optional<uint16_t> masterPort;
   // Use this store instead of connecting to one (rank/worldSize still needed).
   StorePtr store;
-  // "" (by device), "gloo" or "nccl"; "" also reads DT_BACKEND.
+  // "" (by device and host), "gloo", "shm" or "nccl"; "" also reads DT_BACKEND.
   std::string backend;
   std::optional<std::chrono::milliseconds> timeout;
   std::string name = "default";

@@ -1,6 +1,9 @@
 #include "process_group/process_group.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <fstream>
 
 #include "common/check.h"
 #include "common/config.h"
@@ -9,16 +12,18 @@
 #include "common/strings.h"
 #include "store/prefix_store.h"
 
+#include "common/logging.h"
+#include "process_group/shm/shm_backend.h"
 #if DT_HAVE_GLOO
 #include "process_group/gloo/gloo_backend.h"
+#include "process_group/hierarchical_backend.h"
 #endif
 
 namespace dt {
 namespace {
 
-BackendPtr makeGloo(const StorePtr& store, int rank, int size, const ProcessGroupOptions& options,
-                    std::chrono::milliseconds timeout, const std::vector<int>& parentRanks) {
-#if DT_HAVE_GLOO
+GlooBackendOptions glooOptions(const ProcessGroupOptions& options, std::chrono::milliseconds timeout,
+                               const std::vector<int>& parentRanks) {
   GlooBackendOptions g;
   g.groupName = options.name;
   g.timeout = timeout;
@@ -28,16 +33,97 @@ BackendPtr makeGloo(const StorePtr& store, int rank, int size, const ProcessGrou
   g.watchdogStore = options.watchdogStore;
   g.watchdogKey = options.watchdogKey;
   g.progressInterval = options.progressInterval;
-  return std::make_shared<GlooBackend>(store, rank, size, std::move(g));
+  return g;
+}
+
+ShmBackendOptions shmOptions(const ProcessGroupOptions& options, std::chrono::milliseconds timeout,
+                             const std::vector<int>& parentRanks) {
+  ShmBackendOptions s;
+  s.groupName = options.name;
+  s.timeout = timeout;
+  s.checkFingerprints = options.checkFingerprints;
+  s.globalRanks = parentRanks;
+  s.watchdogStore = options.watchdogStore;
+  s.watchdogKey = options.watchdogKey;
+  s.progressInterval = options.progressInterval;
+  return s;
+}
+
+// Every rank's host index (hosts numbered in order of first appearance).
+std::vector<int> exchangeHosts(Store& store, int rank, int size, const std::string& hostId,
+                               std::chrono::milliseconds timeout, std::vector<std::string>* names) {
+  store.set(str("host/", rank), hostId.empty() ? localHostId() : hostId);
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(str("host/", r));
+  store.wait(keys, timeout);
+  *names = store.multiGet(keys);
+  std::vector<int> hostOf(static_cast<size_t>(size));
+  std::vector<std::string> seen;
+  for (int r = 0; r < size; ++r) {
+    auto it = std::find(seen.begin(), seen.end(), (*names)[r]);
+    if (it == seen.end()) {
+      seen.push_back((*names)[r]);
+      it = seen.end() - 1;
+    }
+    hostOf[r] = static_cast<int>(it - seen.begin());
+  }
+  return hostOf;
+}
+
+// The CPU backend: shm when the group shares a host, gloo when every rank
+// has a host of its own, shm within hosts + gloo across them otherwise;
+// options.backend ("gloo", "shm") forces one.
+BackendPtr makeCpuBackend(const StorePtr& store, int rank, int size, const ProcessGroupOptions& options,
+                          std::chrono::milliseconds timeout, const std::vector<int>& parentRanks) {
+  const std::string& forced = options.backend;
+  std::vector<std::string> hostNames;
+  std::vector<int> hostOf(static_cast<size_t>(size), 0);
+  if (forced != "gloo" && size > 1) hostOf = exchangeHosts(*store, rank, size, options.hostId, timeout, &hostNames);
+  const int hosts = *std::max_element(hostOf.begin(), hostOf.end()) + 1;
+  std::string choice;
+  if (forced == "gloo") {
+    choice = "gloo";
+  } else if (forced == "shm") {
+    if (hosts > 1) {
+      std::vector<int> elsewhere;
+      for (int r = 0; r < size; ++r) {
+        if (hostOf[r] != hostOf[0]) elsewhere.push_back(r);
+      }
+      throw InvalidArgument(str("process group ", options.name, ": backend shm needs every rank on one host, but ranks ",
+                                formatRanges(elsewhere), " run on another host than rank 0 (", quoteBytes(hostNames[0]),
+                                " vs ", quoteBytes(hostNames[elsewhere[0]]), "); use gloo or leave the backend unset"));
+    }
+    choice = "shm";
+  } else {
+    choice = hosts == 1 ? "shm" : hosts == size ? "gloo" : "shm+gloo";
+  }
+  if (rank == 0 && size > 1) {
+    logger("process_group")->info("process group {}: {} ranks on {} host(s), CPU collectives on {}{}", options.name,
+                                  size, hosts, choice, forced.empty() ? "" : " (requested)");
+  }
+  if (choice == "shm") return std::make_shared<ShmBackend>(store, rank, size, shmOptions(options, timeout, parentRanks));
+#if DT_HAVE_GLOO
+  if (choice == "gloo") return std::make_shared<GlooBackend>(store, rank, size, glooOptions(options, timeout, parentRanks));
+  return std::make_shared<HierarchicalBackend>(store, rank, size, hostOf, glooOptions(options, timeout, parentRanks),
+                                               shmOptions(options, timeout, parentRanks));
 #else
-  (void)store, (void)rank, (void)size, (void)options, (void)timeout, (void)parentRanks;
-  throw NotSupportedError(str("process group ", options.name,
-                              ": this dtrain was built without Gloo (DT_HAVE_GLOO=0), so CPU tensors have no "
-                              "backend; rebuild with -DDT_USE_GLOO=ON (needs libgloo-dev)"));
+  throw NotSupportedError(str("process group ", options.name, ": ", choice == "gloo" ? "backend gloo was requested" : "the group spans hosts",
+                              ", which needs the gloo backend, and this dtrain was built without Gloo (DT_HAVE_GLOO=0); "
+                              "rebuild with -DDT_USE_GLOO=ON (needs libgloo-dev)"));
 #endif
 }
 
 }  // namespace
+
+std::string localHostId() {
+  if (auto id = env::getRaw("DT_HOST_ID"); id && !id->empty()) return *id;
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  struct stat st {};
+  const uint64_t netns = ::stat("/proc/self/ns/net", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+  return str(boot.empty() ? std::string("unknown-boot") : boot, "/netns:", netns);
+}
 
 std::shared_ptr<ProcessGroup> ProcessGroup::create(StorePtr store, int rank, int size, ProcessGroupOptions options) {
   DT_CHECK(store != nullptr, "ProcessGroup::create: store is null");
@@ -63,11 +149,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(StorePtr store, int rank, int
   const auto& backend = group->options_.backend;
   if (backend == "nccl") {
     throw NotSupportedError(str("process group ", group->options_.name,
-                                ": backend nccl is not available in this build (DT_HAVE_NCCL=0); use gloo"));
+                                ": backend nccl is not available in this build (DT_HAVE_NCCL=0); use gloo or shm"));
   }
-  DT_CHECK(backend.empty() || backend == "gloo", "process group ", group->options_.name, ": unknown backend ",
-           quoteBytes(backend), "; use gloo or nccl");
-  group->cpuBackend_ = makeGloo(scoped, rank, size, group->options_, group->timeout_, ranks);
+  if (!backend.empty() && backend != "gloo" && backend != "shm") {
+    throw InvalidArgument(str("process group ", group->options_.name, ": unknown backend ", quoteBytes(backend),
+                              "; use gloo, shm or nccl (or leave it unset: shm within a host, gloo across hosts)"));
+  }
+  group->cpuBackend_ = makeCpuBackend(scoped, rank, size, group->options_, group->timeout_, ranks);
   return group;
 }
 
@@ -96,7 +184,7 @@ void ProcessGroup::requireMember(const char* op) const {
 
 Backend& ProcessGroup::backendFor(const Device& device) {
   requireMember("backendFor");
-  if (device.isCpu() || options_.backend == "gloo") return *cpuBackend_;
+  if (device.isCpu() || options_.backend == "gloo" || options_.backend == "shm") return *cpuBackend_;
   throw NotSupportedError(str("[", who(), "] tensors on ", device.str(),
                               " need the nccl backend, which this build does not have (DT_HAVE_NCCL=0); "
                               "move the tensors to the CPU or build with CUDA and NCCL"));
@@ -187,6 +275,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
   if (!options.timeout) options.timeout = timeout_;
   if (!options.checkFingerprints) options.checkFingerprints = options_.checkFingerprints;
   if (options.glooHostname.empty()) options.glooHostname = options_.glooHostname;
+  if (options.backend.empty()) options.backend = options_.backend;
+  if (options.hostId.empty()) options.hostId = options_.hostId;
   options.progressInterval = options_.progressInterval;
   std::shared_ptr<ProcessGroup> group(new ProcessGroup());
   group->options_ = std::move(options);
@@ -198,7 +288,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
   group->rank_ = static_cast<int>(it - ranks.begin());
   group->store_ = std::make_shared<PrefixStore>(str("sub", index), store_);
   group->cpuBackend_ =
-      makeGloo(group->store_, group->rank_, group->size_, group->options_, group->timeout_, group->parentRanks_);
+      makeCpuBackend(group->store_, group->rank_, group->size_, group->options_, group->timeout_, group->parentRanks_);
   return group;
 }
 

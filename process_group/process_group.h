@@ -8,9 +8,14 @@
 //    assigned at issue; it appears in every error about that call. A call
 //    rejected at issue (bad input) consumes no number. send/recv are not
 //    collectives and are not numbered.
-//  * Routing: each call goes to the backend for its tensors' device: CPU ->
-//    gloo, CUDA -> nccl (NotSupportedError in a build without NCCL), unless
-//    options.backend forces one.
+//  * Routing: each call goes to the backend for its tensors' device. CUDA ->
+//    nccl (NotSupportedError in a build without NCCL). CPU: at creation the
+//    ranks exchange host ids (localHostId()); a group on one host uses shm
+//    (shared memory), a group with one rank per host gloo, and a group with
+//    several ranks on several hosts both (shm within a host, gloo across:
+//    hierarchical allreduce). options.backend ("gloo", "shm") forces one
+//    (shm across hosts is an InvalidArgument naming the hosts). Rank 0 logs
+//    the choice once (info).
 //  * Store keys live under "pg/<name>/<instance>/..." (instance counts
 //    re-creations of the same name, so destroy() + create() in one process
 //    works); a subgroup's under "<parent's scope>/sub<k>/".
@@ -41,8 +46,11 @@ struct ProcessGroupOptions {
   std::string name = "default";
   // Default op and set-up timeout; nullopt: DT_PG_TIMEOUT (10 min).
   std::optional<std::chrono::milliseconds> timeout;
-  // "" routes by device; "gloo" or "nccl" forces one backend for all tensors.
+  // "" routes by device and host; "gloo", "shm" or "nccl" forces one backend.
   std::string backend;
+  // This rank's host identity for routing; "" -> localHostId(). Ranks with
+  // the same id share memory (threads of one test may pretend otherwise).
+  std::string hostId;
   // Address Gloo's TCP transport binds/advertises; "" -> 127.0.0.1.
   std::string glooHostname;
   // nullopt: DT_DEBUG=detail.
@@ -122,5 +130,10 @@ class ProcessGroup {
 };
 
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+// This process's host identity for routing: DT_HOST_ID when set, else the
+// kernel's boot id and the network namespace, so that ranks in different
+// network namespaces (or containers) never assume shared memory.
+std::string localHostId();
 
 }  // namespace dt

@@ -37,6 +37,12 @@ std::exception_ptr Work::exception() const {
 
 void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
+  if (!completed_ && !timeout && waitHelper_) {
+    auto helper = waitHelper_;
+    lock.unlock();
+    helper();
+    lock.lock();
+  }
   if (timeout) {
     if (!done_.wait_for(lock, *timeout, [&] { return completed_; })) {
       throw TimeoutError(str("Work::wait: ", description_, " still running after ", formatDuration(*timeout),

@@ -12,6 +12,11 @@
 //    registration order, outside the Work's lock; an exception from a callback
 //    is logged and swallowed (it must not take the backend's worker down).
 //  * Every method is thread-safe. Held by std::shared_ptr (WorkPtr).
+//  * A backend may give a Work a wait helper: wait() without a timeout calls
+//    it (on the waiting thread, once, before blocking), so that an op nobody
+//    has started yet can run on the thread that waits for it instead of
+//    paying a worker thread's wake-up. The helper must leave the op's
+//    completion to the usual path and return whether it did anything.
 #pragma once
 
 #include <chrono>
@@ -49,6 +54,8 @@ class Work : public std::enable_shared_from_this<Work> {
   // Backend side. Throws dt::Error when already completed.
   void markCompleted();
   void markFailed(std::exception_ptr error);
+  // Backend side, before the Work is handed out.
+  void setWaitHelper(std::function<bool()> helper) { waitHelper_ = std::move(helper); }
 
  private:
   void finish(std::exception_ptr error);
@@ -59,6 +66,7 @@ class Work : public std::enable_shared_from_this<Work> {
   bool completed_ = false;
   std::exception_ptr error_;
   std::vector<std::function<void(Work&)>> callbacks_;
+  std::function<bool()> waitHelper_;
 };
 
 using WorkPtr = std::shared_ptr<Work>;

@@ -578,7 +578,7 @@ namespace {
 // Queues `run` as collective `op` with this backend's skeleton around it.
 template <typename Run>
 WorkPtr collective(ShmBackend::Impl& d, uint64_t seq, const char* op, CollectiveFingerprint fp, const OpTimeout& timeout,
-                   size_t bytes, Run run) {
+                   Run run) {
   return d.runner->enqueue(
       seq, op, std::move(fp), timeout,
       [&d, run = std::move(run)](Millis limit, const CollectiveFingerprint& numbered) {
@@ -590,15 +590,9 @@ WorkPtr collective(ShmBackend::Impl& d, uint64_t seq, const char* op, Collective
           throw;
         }
         d.end();
-      },
-      bytes <= d.options.inlineBytes);
+      });
 }
 
-size_t bytesOf(const std::vector<Tensor>& tensors) {
-  size_t total = 0;
-  for (const auto& t : tensors) total += t.nbytes();
-  return total;
-}
 
 }  // namespace
 
@@ -611,7 +605,7 @@ WorkPtr ShmBackend::allreduce(const std::vector<Tensor>& tensors, const Allreduc
   fp.tensors = signatures(tensors);
   fp.reduceOp = options.reduceOp;
   const ReduceOp op = options.reduceOp;
-  return collective(d, options.seq, "allreduce", std::move(fp), options.timeout, bytesOf(tensors),
+  return collective(d, options.seq, "allreduce", std::move(fp), options.timeout,
                     [tensors, op](Impl& impl) {
                       Staged staged = stage(tensors);
                       for (auto& b : staged.buffers) {
@@ -635,7 +629,7 @@ WorkPtr ShmBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptio
   fp.root = options.root;
   const ReduceOp op = options.reduceOp;
   const int root = options.root;
-  return collective(d, options.seq, "reduce", std::move(fp), options.timeout, bytesOf(tensors),
+  return collective(d, options.seq, "reduce", std::move(fp), options.timeout,
                     [tensors, op, root](Impl& impl) {
                       // Non-root ranks reduce from a copy so that their tensors stay unchanged.
                       Staged staged = impl.rank == root ? stage(tensors) : stageCopy(tensors);
@@ -657,7 +651,7 @@ WorkPtr ShmBackend::broadcast(const std::vector<Tensor>& tensors, const Broadcas
   fp.tensors = signatures(tensors);
   fp.root = options.root;
   const int root = options.root;
-  return collective(d, options.seq, "broadcast", std::move(fp), options.timeout, bytesOf(tensors),
+  return collective(d, options.seq, "broadcast", std::move(fp), options.timeout,
                     [tensors, root](Impl& impl) {
                       Staged staged = stage(tensors);
                       for (auto& b : staged.buffers) {
@@ -678,7 +672,7 @@ WorkPtr ShmBackend::allgather(const std::vector<Tensor>& outputs, const Tensor& 
   }
   CollectiveFingerprint fp;
   fp.tensors = {{input.dtype(), input.sizes()}};
-  return collective(d, options.seq, "allgather", std::move(fp), options.timeout, input.nbytes() * outputs.size(),
+  return collective(d, options.seq, "allgather", std::move(fp), options.timeout,
                     [outputs, input](Impl& impl) {
                       const Tensor in = input.contiguous();
                       const size_t bytes = in.nbytes();
@@ -720,7 +714,7 @@ WorkPtr ShmBackend::reduceScatter(const Tensor& output, const std::vector<Tensor
   fp.tensors = {{output.dtype(), output.sizes()}};
   fp.reduceOp = options.reduceOp;
   const ReduceOp op = options.reduceOp;
-  return collective(d, options.seq, "reduceScatter", std::move(fp), options.timeout, bytesOf(inputs),
+  return collective(d, options.seq, "reduceScatter", std::move(fp), options.timeout,
                     [output, inputs, op, fn](Impl& impl) {
                       const size_t width = itemSize(output.dtype());
                       const size_t count = static_cast<size_t>(output.numel());
@@ -758,7 +752,7 @@ WorkPtr ShmBackend::reduceScatter(const Tensor& output, const std::vector<Tensor
 
 WorkPtr ShmBackend::barrier(const BarrierOptions& options) {
   auto& d = *impl_;
-  return collective(d, options.seq, "barrier", CollectiveFingerprint{}, options.timeout, 0,
+  return collective(d, options.seq, "barrier", CollectiveFingerprint{}, options.timeout,
                     [](Impl& impl) { impl.exchange(); });
 }
 
@@ -778,7 +772,7 @@ WorkPtr ShmBackend::allToAll(const std::vector<Tensor>& outputs, const std::vect
   }
   CollectiveFingerprint fp;
   fp.tensors = signatures(inputs);
-  return collective(d, options.seq, "allToAll", std::move(fp), options.timeout, bytesOf(inputs),
+  return collective(d, options.seq, "allToAll", std::move(fp), options.timeout,
                     [outputs, inputs](Impl& impl) {
                       const int w = impl.size;
                       std::vector<Tensor> ins, outs;

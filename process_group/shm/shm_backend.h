@@ -12,9 +12,9 @@
 //    reduce_kernels. Results are bitwise identical on every rank: each
 //    element is reduced by one rank, over the ranks in order 0..size-1.
 //  * Collectives run through the CollectiveRunner (issue order, sequence
-//    numbers, Work semantics, failure reports). Ops of up to inlineBytes run on
-//    the caller's thread when the group is idle, so a small op pays no thread
-//    wake-up. Allreduce: up to smallBytes every rank reduces every input (one
+//    numbers, Work semantics, failure reports; an op waited for right away
+//    runs on the waiting thread, so a small op pays no thread wake-up).
+//    Allreduce: up to smallBytes every rank reduces every input (one
 //    exchange); above, reduce-scatter + allgather in rounds of slotBytes, every
 //    rank reducing its own slice in parallel.
 //  * Every collective compares a hash of its fingerprint with every other
@@ -57,7 +57,6 @@ struct ShmBackendOptions {
   // Bytes each rank exchanges per round (two buffers of it per rank).
   size_t slotBytes = size_t{1} << 20;
   size_t smallBytes = size_t{16} << 10;
-  size_t inlineBytes = size_t{256} << 10;
   // A peer whose heartbeat has not moved for this long counts as gone.
   std::chrono::milliseconds heartbeatTimeout = std::chrono::seconds(5);
 };

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <random>
@@ -47,6 +48,21 @@ void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::micr
   ts.tv_sec = static_cast<time_t>(slice.count() / 1000000);
   ts.tv_nsec = static_cast<long>((slice.count() % 1000000) * 1000);
   futex(word, FUTEX_WAIT, expected, &ts);
+}
+
+// A process that has exited but was not reaped yet still answers kill(0).
+bool isZombie(int32_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // "pid (comm) S ...": the state follows the last ')' (comm may hold one).
+  const char* close = std::strrchr(buf, ')');
+  return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
 }
 
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
@@ -295,6 +311,17 @@ uint32_t ShmSegment::abortedBy() const { return header().abortedBy.load(std::mem
 void ShmSegment::checkAbort() const {
   const uint32_t by = abortedBy();
   if (by == 0) return;
+  // Usually a peer aborted because another one died: name the dead directly.
+  std::vector<int> gone;
+  std::string why;
+  for (int p = 0; p < size_; ++p) {
+    std::string reason;
+    if (p != rank_ && peerDead(p, &reason)) {
+      gone.push_back(p);
+      if (why.empty()) why = reason;
+    }
+  }
+  if (!gone.empty()) throw PeerLost(why, gone);
   const int r = static_cast<int>(by) - 1;
   if (r == rank_) throw PeerLost("this rank aborted the group's transfers after a failure");
   throw PeerLost(str("rank ", r, " aborted the group's transfers after a failure of its own"));
@@ -304,7 +331,7 @@ bool ShmSegment::peerDead(int r, std::string* why) const {
   const RankControl& peer = control(r);
   const int32_t pid = peer.pid;
   if (pid > 0 && pid != ::getpid() && peer.pidNamespace == myPidNamespace_ && myPidNamespace_ != 0) {
-    if (::kill(pid, 0) != 0 && errno == ESRCH) {
+    if ((::kill(pid, 0) != 0 && errno == ESRCH) || isZombie(pid)) {
       *why = str("rank ", r, " (pid ", pid, ") exited");
       return true;
     }

@@ -36,11 +36,15 @@ using Clock = std::chrono::steady_clock;
 
 #if DT_HAVE_GLOO
 
-TEST(ProcessFailure, KilledRankFailsEverySurvivorPromptlyAndIsNamed) {
+// Failure semantics every CPU backend must have, run on each.
+class ProcessFailureOnBackend : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ProcessFailureOnBackend, KilledRankFailsEverySurvivorPromptlyAndIsNamed) {
   constexpr int kWorld = 3;
   constexpr auto kTimeout = 20s;
   const auto results = runProcesses(kWorld, [&](int rank, uint16_t port) -> std::string {
     ProcessGroupOptions o;
+    o.backend = GetParam();
     o.timeout = kTimeout;
     o.progressInterval = 200ms;
     auto pg = ProcessGroup::create(clientStore(port, rank), rank, kWorld, o);
@@ -79,6 +83,7 @@ TEST(ProcessFailure, KilledRankFailsEverySurvivorPromptlyAndIsNamed) {
     const long ms = std::stol(text.substr(7));
     EXPECT_LT(ms, std::chrono::duration_cast<std::chrono::milliseconds>(kTimeout + 5s).count()) << text;
     const bool named = text.find("Rank 2 stopped responding") != std::string::npos ||
+                       text.find("Rank 2 is gone") != std::string::npos ||
                        text.find("rank 2 never started") != std::string::npos ||
                        text.find("rank 2 is waiting") != std::string::npos;
     EXPECT_TRUE(named) << text;
@@ -91,9 +96,10 @@ TEST(ProcessFailure, KilledRankFailsEverySurvivorPromptlyAndIsNamed) {
 // Gloo writes with writev(2): a write to a peer that has exited raises
 // SIGPIPE, whose default action would kill the survivor before any error
 // could be reported. Here rank 1 exits in the middle of receiving 64 MiB.
-TEST(ProcessFailure, PeerExitingMidTransferFailsTheWorkInsteadOfKillingTheSender) {
+TEST_P(ProcessFailureOnBackend, PeerExitingMidTransferFailsTheWorkInsteadOfKillingTheSender) {
   const auto results = runProcesses(2, [&](int rank, uint16_t port) -> std::string {
     ProcessGroupOptions o;
+    o.backend = GetParam();
     o.timeout = 10s;
     auto pg = ProcessGroup::create(clientStore(port, rank), rank, 2, o);
     pg->allreduce(ones({16}))->wait();
@@ -121,9 +127,10 @@ TEST(ProcessFailure, PeerExitingMidTransferFailsTheWorkInsteadOfKillingTheSender
 
 // A peer that is already known to be gone: posting a recv must return a
 // failed Work, not throw Gloo's exception from the call.
-TEST(ProcessFailure, PostingToAnExitedPeerReturnsAFailedWork) {
+TEST_P(ProcessFailureOnBackend, PostingToAnExitedPeerReturnsAFailedWork) {
   const auto results = runProcesses(2, [&](int rank, uint16_t port) -> std::string {
     ProcessGroupOptions o;
+    o.backend = GetParam();
     o.timeout = 10s;
     auto pg = ProcessGroup::create(clientStore(port, rank), rank, 2, o);
     pg->allreduce(ones({16}))->wait();
@@ -151,9 +158,10 @@ TEST(ProcessFailure, PostingToAnExitedPeerReturnsAFailedWork) {
   EXPECT_EQ(results[0].text, "SURVIVED 8 of 8 recvs failed");
 }
 
-TEST(ProcessFailure, DesyncAcrossProcessesRaisesOnEveryRank) {
+TEST_P(ProcessFailureOnBackend, DesyncAcrossProcessesRaisesOnEveryRank) {
   const auto results = runProcesses(2, [&](int rank, uint16_t port) -> std::string {
     ProcessGroupOptions o;
+    o.backend = GetParam();
     o.timeout = 30s;
     o.checkFingerprints = true;
     auto pg = ProcessGroup::create(clientStore(port, rank), rank, 2, o);
@@ -182,6 +190,9 @@ TEST(ProcessFailure, DesyncAcrossProcessesRaisesOnEveryRank) {
     EXPECT_NE(text.find("broadcast(float32[4096], root 0)"), std::string::npos) << text;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Cpu, ProcessFailureOnBackend, ::testing::Values("gloo", "shm"),
+                         [](const auto& info) { return info.param; });
 
 uint16_t freePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -46,13 +46,61 @@ TEST(ProcessGroup, NumbersCollectivesAndRoutesByDevice) {
     // CUDA tensors go to the nccl backend, which this build lacks. (A CUDA
     // tensor cannot be allocated here, so ask the router directly.)
     expectThrowsWith<NotSupportedError>([&] { pg->backendFor(Device::cuda(0)); }, {"cuda:0", "nccl"});
-    EXPECT_EQ(pg->backendFor(Device::cpu()).name(), "gloo");
+    // Threads of one process share a host: shared memory.
+    EXPECT_EQ(pg->backendFor(Device::cpu()).name(), "shm");
     // Point to point is not numbered.
     if (rank == 0) pg->send({t}, 1)->wait();
     else pg->recv({t}, 0)->wait();
     EXPECT_EQ(pg->lastSeq(), 2u);
     pg->destroy();
     expectThrowsWith<InvalidArgument>([&] { pg->barrier(); }, {"destroyed"});
+  });
+}
+
+TEST(ProcessGroup, HostsDecideTheCpuBackendAndOptionsForceOne) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(4, [&](int rank) {
+    {
+      auto pg = ProcessGroup::create(store, rank, 4, fastOptions());
+      EXPECT_EQ(pg->backendFor(Device::cpu()).name(), "shm");
+    }
+    ProcessGroupOptions gloo = fastOptions();
+    gloo.name = "forced-gloo";
+    gloo.backend = "gloo";
+    auto forced = ProcessGroup::create(store, rank, 4, gloo);
+    EXPECT_EQ(forced->backendFor(Device::cpu()).name(), "gloo");
+    // Subgroups inherit the parent's choice.
+    auto sub = forced->newGroup({0, 1});
+    if (sub->isMember()) {
+      EXPECT_EQ(sub->backendFor(Device::cpu()).name(), "gloo");
+    }
+  });
+  // Ranks that announce different hosts: two ranks on each of two hosts
+  // get shm within a host and gloo across; one rank per host gets gloo.
+  for (const auto& [hosts, expected] : {std::pair<std::vector<std::string>, std::string>{{"a", "a", "b", "b"}, "shm+gloo"},
+                                        {{"a", "b", "c", "d"}, "gloo"}}) {
+    auto hostStore = std::make_shared<HashStore>();
+    runRanks(4, [&](int rank) {
+      ProcessGroupOptions o = fastOptions();
+      o.hostId = hosts[rank];  // threads of one process pretend to be on other hosts
+      auto pg = ProcessGroup::create(hostStore, rank, 4, o);
+      EXPECT_EQ(pg->backendFor(Device::cpu()).name(), expected) << "rank " << rank;
+      Tensor t = full({1000}, rank + 1);
+      pg->allreduce(t, {.reduceOp = ReduceOp::Avg})->wait();
+      EXPECT_EQ(t.toVector<float>(), std::vector<float>(1000, 2.5f));
+      Tensor b = full({3}, rank);
+      pg->broadcast(b, {.root = 2})->wait();
+      EXPECT_EQ(b.toVector<float>(), std::vector<float>(3, 2.0f));
+    });
+  }
+  // shm across hosts is refused, naming them.
+  auto refuseStore = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    ProcessGroupOptions o = fastOptions();
+    o.hostId = rank == 0 ? "alpha" : "beta";
+    o.backend = "shm";
+    expectThrowsWith<InvalidArgument>([&] { ProcessGroup::create(refuseStore, rank, 2, o); },
+                                      {"backend shm needs every rank on one host", "ranks 1", "\"alpha\"", "\"beta\""});
   });
 }
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -45,6 +46,7 @@ std::vector<ChildResult> runProcesses(int n, const std::function<std::string(int
                                       const std::function<void(TcpStore&)>& afterChildren) {
   std::vector<int> portPipes(n), resultPipes(n);
   std::vector<pid_t> pids(n);
+  std::fflush(nullptr);  // a child must not print the parent's buffered output again
   for (int r = 0; r < n; ++r) {
     int toChild[2], fromChild[2];
     EXPECT_EQ(::pipe(toChild), 0);

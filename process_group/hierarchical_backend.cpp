@@ -1,0 +1,126 @@
+#include "process_group/hierarchical_backend.h"
+
+#include <algorithm>
+
+#include "collectives/reduce_kernels.h"
+#include "common/check.h"
+#include "common/errors.h"
+#include "common/strings.h"
+#include "process_group/cpu_tensors.h"
+#include "store/prefix_store.h"
+
+namespace dt {
+
+HierarchicalBackend::HierarchicalBackend(StorePtr store, int rank, int size, const std::vector<int>& hostOf,
+                                         GlooBackendOptions gloo, ShmBackendOptions shm)
+    : rank_(rank), size_(size) {
+  DT_CHECK_EQ(static_cast<int>(hostOf.size()), size, "HierarchicalBackend: one host index per rank");
+  const int host = hostOf[rank];
+  std::vector<int> localRanks, leaderRanks;
+  for (int r = 0; r < size; ++r) {
+    if (hostOf[r] == host) localRanks.push_back(r);
+    if (std::find(hostOf.begin(), hostOf.begin() + r, hostOf[r]) == hostOf.begin() + r) leaderRanks.push_back(r);
+  }
+  const int localRank = static_cast<int>(std::find(localRanks.begin(), localRanks.end(), rank) - localRanks.begin());
+  leader_ = localRank == 0;
+
+  ShmBackendOptions local = shm;
+  local.groupName = str(shm.groupName, ".host", host);
+  local.globalRanks.clear();
+  for (int r : localRanks) local.globalRanks.push_back(shm.globalRanks.empty() ? r : shm.globalRanks[r]);
+  local.watchdogStore = nullptr;
+  local_ = std::make_shared<ShmBackend>(std::make_shared<PrefixStore>(str("host", host), store), localRank,
+                                        static_cast<int>(localRanks.size()), local);
+  if (leader_) {
+    GlooBackendOptions leaders = gloo;
+    leaders.groupName = str(gloo.groupName, ".leaders");
+    leaders.globalRanks.clear();
+    for (int r : leaderRanks) leaders.globalRanks.push_back(gloo.globalRanks.empty() ? r : gloo.globalRanks[r]);
+    leaders.watchdogStore = nullptr;
+    leaders_ = std::make_shared<GlooBackend>(std::make_shared<PrefixStore>("leaders", store), host,
+                                             static_cast<int>(leaderRanks.size()), leaders);
+  }
+  whole_ = std::make_shared<GlooBackend>(store, rank, size, gloo);
+
+  CollectiveRunnerOptions r;
+  r.backendName = "shm+gloo";
+  r.groupName = gloo.groupName;
+  r.timeout = gloo.timeout.value_or(std::chrono::minutes(10));
+  r.globalRanks = gloo.globalRanks;
+  r.watchdogStore = gloo.watchdogStore;
+  r.watchdogKey = gloo.watchdogKey;
+  r.progressInterval = gloo.progressInterval;
+  r.failureReportWindow = gloo.failureReportWindow;
+  runner_ = std::make_unique<CollectiveRunner>(std::make_shared<PrefixStore>("hier", store), rank, size, std::move(r),
+                                               [this] {
+                                                 local_->shutdown();
+                                                 if (leaders_) leaders_->shutdown();
+                                               });
+}
+
+HierarchicalBackend::~HierarchicalBackend() { shutdown(); }
+
+WorkPtr HierarchicalBackend::allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options) {
+  DT_CHECK(!tensors.empty(), "[rank ", rank_, "/", size_, " shm+gloo] allreduce: empty tensor list");
+  for (const auto& t : tensors) checkCpu(t, "allreduce", str("rank ", rank_, "/", size_, " shm+gloo"), "shm+gloo");
+  reduceFunction(tensors[0].dtype(), options.reduceOp);
+  CollectiveFingerprint fp;
+  fp.tensors = signatures(tensors);
+  fp.reduceOp = options.reduceOp;
+  const ReduceOp op = options.reduceOp;
+  return runner_->enqueue(options.seq, "allreduce", std::move(fp), options.timeout,
+                          [this, tensors, op](std::chrono::milliseconds limit, const CollectiveFingerprint&) {
+                            Staged staged = stage(tensors);
+                            // Sums within and across hosts; the leaders divide once for Avg.
+                            const ReduceOp sum = op == ReduceOp::Avg ? ReduceOp::Sum : op;
+                            for (auto& b : staged.buffers) {
+                              local_->reduce({b}, {.reduceOp = sum, .root = 0, .timeout = limit})->wait();
+                              if (leader_) {
+                                leaders_->allreduce({b}, {.reduceOp = sum, .timeout = limit})->wait();
+                                if (op == ReduceOp::Avg) divideBy(b.dtype(), b.dataPtr(), static_cast<size_t>(b.numel()), size_);
+                              }
+                              local_->broadcast({b}, {.root = 0, .timeout = limit})->wait();
+                            }
+                            staged.copyBack();
+                          });
+}
+
+WorkPtr HierarchicalBackend::broadcast(const std::vector<Tensor>& tensors, const BroadcastOptions& options) {
+  return whole_->broadcast(tensors, options);
+}
+WorkPtr HierarchicalBackend::allgather(const std::vector<Tensor>& outputs, const Tensor& input,
+                                       const AllgatherOptions& options) {
+  return whole_->allgather(outputs, input, options);
+}
+WorkPtr HierarchicalBackend::reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
+                                           const ReduceScatterOptions& options) {
+  return whole_->reduceScatter(output, inputs, options);
+}
+WorkPtr HierarchicalBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptions& options) {
+  return whole_->reduce(tensors, options);
+}
+WorkPtr HierarchicalBackend::barrier(const BarrierOptions& options) { return whole_->barrier(options); }
+WorkPtr HierarchicalBackend::send(const std::vector<Tensor>& tensors, int dstRank, const SendOptions& options) {
+  return whole_->send(tensors, dstRank, options);
+}
+WorkPtr HierarchicalBackend::recv(const std::vector<Tensor>& tensors, int srcRank, const RecvOptions& options) {
+  return whole_->recv(tensors, srcRank, options);
+}
+WorkPtr HierarchicalBackend::allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                                      const AllToAllOptions& options) {
+  return whole_->allToAll(outputs, inputs, options);
+}
+
+std::exception_ptr HierarchicalBackend::brokenCause() const {
+  if (auto cause = runner_->brokenCause()) return cause;
+  return whole_->brokenCause();
+}
+
+void HierarchicalBackend::shutdown() {
+  if (runner_) runner_->shutdown();
+  if (local_) local_->shutdown();
+  if (leaders_) leaders_->shutdown();
+  if (whole_) whole_->shutdown();
+}
+
+}  // namespace dt
