@@ -677,6 +677,20 @@ struct Agent::Impl {
     return AttemptResult{false, code};
   }
 
+  // A worker killed while its shm group was being set up can leave the
+  // group's segment name behind; names follow "dtrain-<run id>-..." (see
+  // process_group/shm/shm_segment.h). Every worker of the attempt is gone now.
+  void removeLeftoverSharedMemory() {
+    const std::string prefix = str("dtrain-", safeNameComponent(runId), "-");
+    std::error_code ec;
+    int removed = 0;
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind(prefix, 0) == 0 && std::filesystem::remove(entry.path(), ec)) ++removed;
+    }
+    if (removed > 0) say(str("removed ", removed, " shared-memory segment(s) the workers left in /dev/shm"));
+  }
+
   void finishJob() {
     if (!coord || o.nnodes == 1 || storeGone) return;
     const int64_t until = wallMs() + std::min<int64_t>(o.nodeTimeout.count(), 10000);
@@ -712,6 +726,7 @@ struct Agent::Impl {
         return 128 + terminationSignal;
       }
       const AttemptResult result = runAttempt(attempt, *rdv);
+      removeLeftoverSharedMemory();
       if (result.success) {
         finishJob();
         return 0;

@@ -138,6 +138,17 @@ TEST(DtrunE2E, FailureExitCodeRootCauseAndSummary) {
   EXPECT_THAT(r.err, HasSubstr(str("pid ")));
 }
 
+TEST(DtrunE2E, SharedMemoryTheWorkersLeftBehindIsRemoved) {
+  const std::string runId = str("e2e-shm-", ::getpid());
+  const auto r = runProcess(dtrun({"--standalone", "--nproc", "2", "--run-id", runId, kWorker, "leave-shm"}), 60s);
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(str("left /dev/shm/dtrain-", runId, "-test-leftover-1")));
+  EXPECT_THAT(r.err, HasSubstr("removed 2 shared-memory segment(s) the workers left in /dev/shm"));
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_FALSE(std::filesystem::exists(str("/dev/shm/dtrain-", runId, "-test-leftover-", rank)));
+  }
+}
+
 TEST(DtrunE2E, SignalDeathGives128PlusSignal) {
   const auto r = runProcess(dtrun({"--standalone", "--nproc", "2", kWorker, "raise", "11", "1"}), 60s);
   EXPECT_EQ(r.exitCode, 128 + SIGSEGV) << r.err;

@@ -91,6 +91,15 @@ int main(int argc, char** argv) {
     sleepMs(60000);
     return 0;
   }
+  if (mode == "leave-shm") {
+    // What a worker killed while setting up a shm group leaves behind.
+    const std::string path = "/dev/shm/dtrain-" + envStr("DT_RUN_ID") + "-test-leftover-" + std::to_string(rank);
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    if (f == nullptr) return 3;
+    std::fclose(f);
+    std::printf("left %s\n", path.c_str());
+    return 0;
+  }
   if (mode == "sleep" && argc >= 3) {
     sleepMs(std::atoi(argv[2]));
     return 0;
