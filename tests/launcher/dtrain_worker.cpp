@@ -4,6 +4,9 @@
 //   dtrain_worker allreduce STEPS     every rank checks STEPS allreduces, prints "ok"
 //   dtrain_worker restart             rank 1 fails after one allreduce in attempt 0
 //   dtrain_worker hang                3 allreduces, then rank 1 stops calling them
+//   dtrain_worker backend             prints the CPU backend the group chose, checks
+//                                     sum/avg allreduces of several sizes and that
+//                                     every rank holds the same bits, prints "ok"
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -52,6 +55,30 @@ int main(int argc, char** argv) {
     }
     for (int i = 0; i < 3; ++i) allreduceOnce(*pg, rank, world);
     std::printf("rank %d allreduce ok world %d restart %d\n", rank, world, restart);
+    return 0;
+  }
+  if (mode == "backend") {
+    const std::string backend = pg->backendFor(dt::Device::cpu()).name();
+    for (int64_t n : {7, 5000, 300000}) {
+      for (dt::ReduceOp op : {dt::ReduceOp::Sum, dt::ReduceOp::Avg}) {
+        dt::Tensor t = dt::full({n}, static_cast<double>(rank + 1));
+        pg->allreduce(t, {.reduceOp = op})->wait(std::chrono::minutes(5));
+        const float sum = static_cast<float>(world * (world + 1) / 2);
+        const float expected = op == dt::ReduceOp::Sum ? sum : sum / static_cast<float>(world);
+        dt::Tensor low = t.clone(), high = t.clone();
+        pg->allreduce(low, {.reduceOp = dt::ReduceOp::Min})->wait(std::chrono::minutes(5));
+        pg->allreduce(high, {.reduceOp = dt::ReduceOp::Max})->wait(std::chrono::minutes(5));
+        for (int64_t i = 0; i < n; ++i) {
+          if (t.data<float>()[i] != expected || low.data<float>()[i] != high.data<float>()[i]) {
+            std::fprintf(stderr, "rank %d: %s allreduce of %lld elements gave %f at %lld, expected %f on every rank\n",
+                         rank, std::string(dt::toString(op)).c_str(), static_cast<long long>(n), t.data<float>()[i],
+                         static_cast<long long>(i), expected);
+            return 1;
+          }
+        }
+      }
+    }
+    std::printf("rank %d backend %s ok\n", rank, backend.c_str());
     return 0;
   }
   if (mode == "hang") {

@@ -71,15 +71,17 @@ class Hosts {
   std::string vethName(int h) const { return str(tag_, "v", h); }
   std::string cutLink(int h) { return run({str("ip -n ", ns("sw"), " link set ", vethName(h), "s down")}); }
 
-  std::vector<std::string> dtrunOn(int h, const std::string& linger, const std::vector<std::string>& extra = {}) const {
+  std::vector<std::string> dtrunOn(int h, const std::string& linger, const std::vector<std::string>& extra = {},
+                                   int nodes = 3, std::vector<std::string> worker = {kWorker, "exchange"}) const {
     std::vector<std::string> argv = {"/usr/bin/env", "ip", "netns", "exec", ns(hostName(h)), "/usr/bin/env",
-                                     "DT_STORE_TOKEN=netns-secret", "TEST_LINGER_MS=" + linger, kDtrun,
-                                     "--nnodes", "3", "--node-rank", std::to_string(h), "--master-addr", address(0),
-                                     "--master-port", "29400", "--nproc", "2", "--monitor-interval", "200ms",
-                                     "--node-timeout", "3s", "--kill-grace", "2s", "--rdzv-timeout", "30s"};
+                                     "DT_STORE_TOKEN=netns-secret", "TEST_LINGER_MS=" + linger,
+                                     "DT_GLOO_HOSTNAME=" + address(h), kDtrun,
+                                     "--nnodes", std::to_string(nodes), "--node-rank", std::to_string(h),
+                                     "--master-addr", address(0), "--master-port", "29400", "--nproc", "2",
+                                     "--monitor-interval", "200ms", "--node-timeout", "3s", "--kill-grace", "2s",
+                                     "--rdzv-timeout", "30s"};
     argv.insert(argv.end(), extra.begin(), extra.end());
-    argv.push_back(kWorker);
-    argv.push_back("exchange");
+    argv.insert(argv.end(), worker.begin(), worker.end());
     return argv;
   }
 
@@ -135,6 +137,27 @@ TEST(DtrunNetns, ThreeHostsExchangeDataThenSurviveACutLinkAndAKilledHost) {
     }
   }
 }
+
+#ifdef DTRAIN_WORKER_PATH
+// Two hosts with two ranks each: the ranks of a host share memory, the hosts
+// talk through Gloo (hierarchical allreduce), and every rank gets the same bits.
+TEST(DtrunNetns, TwoHostsOfTwoRanksAllreduceThroughSharedMemoryAndGloo) {
+  Hosts hosts;
+  if (const std::string why = hosts.build(); !why.empty()) GTEST_SKIP() << "network namespaces unavailable: " << why;
+  std::vector<std::unique_ptr<ChildProcess>> nodes;
+  for (int h = 0; h < 2; ++h) {
+    nodes.push_back(std::make_unique<ChildProcess>(hosts.dtrunOn(h, "0", {}, 2, {DTRAIN_WORKER_PATH, "backend"})));
+  }
+  for (int h = 0; h < 2; ++h) {
+    const auto r = nodes[static_cast<size_t>(h)]->wait(90s);
+    EXPECT_EQ(r.exitCode, 0) << "host " << h << ": " << r.out << r.err;
+    for (int local = 0; local < 2; ++local) {
+      const int rank = 2 * h + local;
+      EXPECT_THAT(r.out, HasSubstr(str("[rank ", rank, "] rank ", rank, " backend shm+gloo ok"))) << r.out << r.err;
+    }
+  }
+}
+#endif
 
 TEST(DtrunNetns, KilledHostDtrunIsReportedByTheOthers) {
   Hosts hosts;

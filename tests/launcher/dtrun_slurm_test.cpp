@@ -108,5 +108,25 @@ TEST(DtrunSlurm, SbatchScriptWithSrunAndDirectDtrun) {
   EXPECT_THAT(text, HasSubstr("batch 0: ENV GROUP_RANK=0"));
 }
 
+#ifdef DTRAIN_WORKER_PATH
+// Two emulated nodes share one kernel and network namespace, so by default
+// they would share memory; DT_HOST_ID from the node name makes them two
+// hosts: shared memory within a node, Gloo between the nodes.
+TEST(DtrunSlurm, TwoNodesAllreduceHierarchicallyWithHostIdsFromTheNodeNames) {
+  REQUIRE_CLUSTER();
+  const auto r = shell(str("srun -N2 --ntasks-per-node=1 --immediate=30 bash -c 'DT_HOST_ID=$SLURMD_NODENAME "
+                           "DT_GLOO_HOSTNAME=127.0.0.1 exec ", kDtrun, " --nproc 2 ", DTRAIN_WORKER_PATH, " backend'"));
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_THAT(r.out, HasSubstr(str("[rank ", rank, "] rank ", rank, " backend shm+gloo ok"))) << r.out << r.err;
+  }
+  // Without the override the two emulated nodes are one host: all shared memory.
+  const auto same = shell(str("srun -N2 --ntasks-per-node=1 --immediate=30 ", kDtrun, " --nproc 2 ", DTRAIN_WORKER_PATH,
+                              " backend"));
+  ASSERT_EQ(same.exitCode, 0) << same.out << same.err;
+  EXPECT_THAT(same.out, HasSubstr("[rank 3] rank 3 backend shm ok")) << same.out << same.err;
+}
+#endif
+
 }  // namespace
 }  // namespace dt::testing
