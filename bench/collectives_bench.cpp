@@ -1,5 +1,6 @@
 // collectives_bench: allreduce (sum) and broadcast (root 0) of float32 CPU
-// tensors through dtrain's ProcessGroup + Gloo backend, with the methodology
+// tensors through dtrain's ProcessGroup on the Gloo or shm backend
+// (--backend, default gloo; impl=dtrain-<backend>), with the methodology
 // of bench/peers/torch_allreduce.py so the numbers pair up:
 //   * per size: warm-up max(2, reps/10) ops, then `reps` timed ops (200 up to
 //     64 KiB, 50 at 1 MiB, 15 at 16 MiB, 7 at 64 MiB), each preceded by a
@@ -10,7 +11,7 @@
 //     8 reps outside the timed region.
 //
 // Usage:
-//   collectives_bench --nproc 4 [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R]
+//   collectives_bench --nproc 4 [--backend gloo|shm] [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R]
 //     forks 4 ranks on this machine (rank 0 hosts the store on a free port);
 //   collectives_bench (with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT or dtrun's
 //     variables set) runs as one rank of an externally launched job.
@@ -38,7 +39,8 @@ struct Args {
   std::vector<std::string> ops = {"allreduce", "broadcast"};
   int reps = 0;
   int warmup = 0;
-  std::string impl = "dtrain-gloo";
+  std::string backend = "gloo";
+  std::string impl;  // default: dtrain-<backend>
 };
 
 size_t parseSize(const std::string& s) {
@@ -67,12 +69,20 @@ Args parseArgs(int argc, char** argv) {
     else if (arg == "--reps") a.reps = std::stoi(next());
     else if (arg == "--warmup") a.warmup = std::stoi(next());
     else if (arg == "--impl") a.impl = next();
+    else if (arg == "--backend") a.backend = next();
     else {
       std::fprintf(stderr, "unknown argument %s\nusage: collectives_bench [--nproc N] [--sizes 4K,1M] "
-                           "[--ops allreduce,broadcast] [--reps R] [--warmup W] [--impl NAME]\n", arg.c_str());
+                           "[--ops allreduce,broadcast] [--reps R] [--warmup W] [--backend gloo|shm] [--impl NAME]\n", arg.c_str());
       std::exit(2);
     }
   }
+  if (a.backend != "gloo" && a.backend != "shm") {
+    std::fprintf(stderr, "--backend must be gloo or shm, got %s\n", a.backend.c_str());
+    std::exit(2);
+  }
+  if (a.impl.empty()) a.impl = "dtrain-" + a.backend;
+  // The ranks' initProcessGroup reads it (it is inherited through fork).
+  ::setenv("DT_BACKEND", a.backend.c_str(), 1);
   return a;
 }
 

@@ -15,6 +15,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
+// How long the worker leaves a just-issued op to a caller that may wait for
+// it right away: longer than the call-to-wait gap, short against any transfer.
+constexpr auto kCallerGrace = std::chrono::microseconds(100);
+
 std::string rankList(const std::vector<int>& ranks) {
   if (ranks.size() == 1) return str("rank ", ranks[0]);
   if (ranks.size() == 2) return str("ranks ", ranks[0], " and ", ranks[1]);
@@ -86,6 +90,7 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   task.timeout = timeout.value_or(timeout_);
   task.body = std::move(body);
   task.work = std::make_shared<Work>(description);
+  task.enqueuedAt = Clock::now();
   const Work* raw = task.work.get();
   task.work->setWaitHelper([this, raw] { return runIfNext(raw); });
   WorkPtr work = task.work;
@@ -166,6 +171,11 @@ void CollectiveRunner::workerLoop() {
   while (true) {
     wake_.wait(lock, [&] { return !running_ && (stopping_ || !queue_.empty()); });
     if (queue_.empty()) return;  // stopping and drained
+    const auto age = Clock::now() - queue_.front().enqueuedAt;
+    if (!stopping_ && age < kCallerGrace) {
+      wake_.wait_for(lock, kCallerGrace - age);
+      continue;
+    }
     Task task = std::move(queue_.front());
     queue_.pop_front();
     if (broken_ || stopping_) {

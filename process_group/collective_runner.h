@@ -12,7 +12,9 @@
 //    thread in issue order. When the caller waits on that Work (without a
 //    timeout) while the op is next in line and nothing runs, the waiting
 //    thread runs it itself (no thread wake-up on the critical path of a
-//    small issue-then-wait op); issue order is kept either way.
+//    small issue-then-wait op); the worker leaves a just-issued op alone for
+//    a moment (kCallerGrace) to give the caller that chance. Issue order is
+//    kept either way.
 //  * A body reports failure by throwing. TransportTimeout and PeerLost (below)
 //    are the transport's words for "the deadline passed" and "a peer is gone";
 //    the runner turns them into TimeoutError / BackendError naming the op, the
@@ -133,6 +135,7 @@ class CollectiveRunner {
     Millis timeout{0};
     Body body;
     WorkPtr work;
+    std::chrono::steady_clock::time_point enqueuedAt;
   };
 
   void workerLoop();
