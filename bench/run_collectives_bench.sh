@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Side-by-side allreduce/broadcast benchmark, float32, world 2 and 4, one run:
-#   dtrain-gloo  bench/collectives_bench (ProcessGroup + Gloo backend, forked ranks)
+#   dtrain-shm   bench/collectives_bench --backend shm (ProcessGroup + shared-memory backend, forked ranks)
+#   dtrain-gloo  bench/collectives_bench --backend gloo (ProcessGroup + Gloo backend)
 #   torch-gloo   PyTorch 1.13 gloo via bench/peers/torch_allreduce.py (same methodology)
 #   mpi-sm       OpenMPI MPI_Allreduce/MPI_Bcast over shared memory (bench/peers/mpi_bench.cpp)
 # Runs are interleaved (dtrain, torch, mpi per world and repetition) so machine
 # load hits all alike. Prints the RESULT lines, per-configuration medians and
-# ratios dtrain-gloo:torch-gloo (busbw ratio > 1 means dtrain is faster).
+# ratios dtrain-gloo:torch-gloo, dtrain-shm:dtrain-gloo and dtrain-shm:mpi-sm
+# (busbw ratio > 1 means the first is faster).
 #
 # usage: bench/run_collectives_bench.sh [build-dir]
 #   build-dir: dtrain's build (default $DT_BUILD_DIR, else build-bench); collectives_bench is
@@ -42,8 +44,10 @@ fi
 echo "# run_collectives_bench: worlds=[$worlds] reps=$reps sizes=$sizes $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
 for ((rep = 1; rep <= reps; rep++)); do
   for n in $worlds; do
-    echo "## world $n, repetition $rep: dtrain-gloo" >&2
-    "$bench" --nproc "$n" --sizes "$sizes" | tee -a "$out"
+    for backend in shm gloo; do
+      echo "## world $n, repetition $rep: dtrain-$backend" >&2
+      "$bench" --nproc "$n" --backend "$backend" --sizes "$sizes" | tee -a "$out"
+    done
     if [ $have_torch = 1 ]; then
       echo "## world $n, repetition $rep: torch-gloo" >&2
       /usr/bin/python3 "$peers/torchrun_py311.py" --nproc_per_node "$n" --standalone \
@@ -68,8 +72,11 @@ echo "# medians ($out)"
 echo
 echo "# ratios dtrain-gloo : torch-gloo (time <1 and busbw >1 mean dtrain is faster)"
 /usr/bin/python3 "$peers/summarize.py" "$out" --ratio dtrain-gloo:torch-gloo
+echo
+echo "# ratios dtrain-shm : dtrain-gloo (shared memory against TCP on loopback)"
+/usr/bin/python3 "$peers/summarize.py" "$out" --ratio dtrain-shm:dtrain-gloo
 if [ $have_mpi = 1 ]; then
   echo
-  echo "# ratios dtrain-gloo : mpi-sm (shared memory; Gloo has no shared-memory transport)"
-  /usr/bin/python3 "$peers/summarize.py" "$out" --ratio dtrain-gloo:mpi-sm
+  echo "# ratios dtrain-shm : mpi-sm (both shared memory)"
+  /usr/bin/python3 "$peers/summarize.py" "$out" --ratio dtrain-shm:mpi-sm
 fi
