@@ -15,9 +15,10 @@
 //   dtrain-compute    the plain model, no communication at all: the step
 //                     time the others would have if communication were free
 //
-// Usage: ddp_bench --nproc N [--mode dtrain] [--warmup 5] [--steps 30] [--threads 1] [--bucket-cap-mb 25]
+// Usage: ddp_bench --nproc N [--mode dtrain] [--backend shm|gloo] [--warmup 5] [--steps 30] [--threads 1]
+//                  [--bucket-cap-mb 25]
 // (or one rank of an externally launched job). Rank 0 prints
-//   RESULT ddp_mlp impl=<mode> world=N batch=32 threads=1 blas=openblas steps=30 step_ms=... min_ms=...
+//   RESULT ddp_mlp impl=<mode> backend=<shm|gloo> world=N batch=32 threads=1 blas=openblas steps=30 step_ms=... min_ms=...
 //   mean_ms=... samples_per_s=... peak_rss_mb=...
 // and, for dtrain, DDP's own per-iteration averages on stderr.
 #include <algorithm>
@@ -49,6 +50,7 @@ struct Args {
   int steps = 30;
   int threads = 1;
   double bucketCapMb = 25;
+  std::string backend = "shm";
 };
 
 constexpr int64_t kBatch = 32;
@@ -72,6 +74,7 @@ Args parseArgs(int argc, char** argv) {
     else if (arg == "--steps") a.steps = std::stoi(value);
     else if (arg == "--threads") a.threads = std::stoi(value);
     else if (arg == "--bucket-cap-mb") a.bucketCapMb = std::stod(value);
+    else if (arg == "--backend") a.backend = value;
     else {
       std::fprintf(stderr, "ddp_bench: unknown argument %s\nusage: ddp_bench --nproc N [--mode "
                            "dtrain|dtrain-nooverlap|dtrain-compute] [--warmup W] [--steps S] [--threads T] "
@@ -79,6 +82,11 @@ Args parseArgs(int argc, char** argv) {
       std::exit(2);
     }
   }
+  if (a.backend != "shm" && a.backend != "gloo") {
+    std::fprintf(stderr, "ddp_bench: --backend must be shm or gloo, got %s\n", a.backend.c_str());
+    std::exit(2);
+  }
+  ::setenv("DT_BACKEND", a.backend.c_str(), 1);  // the ranks' initProcessGroup reads it
   if (a.mode != "dtrain" && a.mode != "dtrain-nooverlap" && a.mode != "dtrain-compute") {
     std::fprintf(stderr, "ddp_bench: unknown mode %s (dtrain, dtrain-nooverlap, dtrain-compute)\n", a.mode.c_str());
     std::exit(2);
@@ -162,9 +170,9 @@ int runRank(const Args& args) {
   if (rank == 0) {
     const std::vector<double> v(d, d + args.steps);
     const double med = dt::bench::median(v);
-    std::printf("RESULT ddp_mlp impl=%s world=%d batch=%lld threads=%d blas=%s steps=%d step_ms=%.2f min_ms=%.2f "
-                "mean_ms=%.2f samples_per_s=%.1f peak_rss_mb=%.1f\n",
-                args.mode.c_str(), world, static_cast<long long>(kBatch), args.threads, dt::bench::blasName().c_str(),
+    std::printf("RESULT ddp_mlp impl=%s backend=%s world=%d batch=%lld threads=%d blas=%s steps=%d step_ms=%.2f "
+                "min_ms=%.2f mean_ms=%.2f samples_per_s=%.1f peak_rss_mb=%.1f\n",
+                args.mode.c_str(), args.backend.c_str(), world, static_cast<long long>(kBatch), args.threads, dt::bench::blasName().c_str(),
                 args.steps, med, *std::min_element(v.begin(), v.end()),
                 std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size()),
                 static_cast<double>(world * kBatch) / (med / 1000.0), rss.item<double>());

@@ -3,7 +3,7 @@
 
     ddp_report.py RESULTS_FILE
 
-Per world size and side (dtrain, torch): median step time, throughput and peak RSS of DDP,
+Per world size and side (dtrain on shm, dtrain on gloo, torch): median step time, throughput and peak RSS of DDP,
 of no overlap (one allreduce after backward) and of compute only (no communication);
 comm_ms = step - compute (what communication adds to the step); hidden share =
 1 - (ddp - compute) / (nooverlap - compute). Then RESULT lines with the ratios
@@ -28,7 +28,9 @@ def main(path):
             impl = kv.get("impl", "")
             if impl not in MODES:
                 continue
-            side = "dtrain" if impl.startswith("dtrain") else "torch"
+            side = f"dtrain-{kv.get('backend', 'shm')}" if impl.startswith("dtrain") else "torch"
+            if impl == "dtrain-compute":
+                side = "dtrain-compute"
             runs[(int(kv["world"]), side, MODES[impl])].append(
                 (float(kv["step_ms"]), float(kv["samples_per_s"]), float(kv.get("peak_rss_mb", "nan"))))
 
@@ -40,11 +42,12 @@ def main(path):
           "| comm added ms | hidden share |")
     print("|---|---|---|---|---|---|---|---|---|")
     summary = {}
+    sides = sorted({key[1] for key in runs if key[1] != "dtrain-compute"}, key=lambda s: (s == "torch", s))
     for world in sorted({key[0] for key in runs}):
-        for side in ("dtrain", "torch"):
+        for side in sides:
             step, rate, rss = (med(world, side, "ddp", c) for c in range(3))
             nooverlap = med(world, side, "nooverlap", 0)
-            compute = med(world, side, "compute", 0)
+            compute = med(world, "dtrain-compute" if side.startswith("dtrain") else side, "compute", 0)
             added = step - compute
             exposed = nooverlap - compute
             hidden = 1 - added / exposed if exposed > 0 and world > 1 else float("nan")
@@ -53,12 +56,14 @@ def main(path):
                   f"| {added:.1f} | {hidden:.2f} |")
     print()
     for world in sorted({key[0] for key in summary}):
-        d, t = summary.get((world, "dtrain")), summary.get((world, "torch"))
-        if not d or not t:
-            continue
-        print(f"RESULT ddp_ratio world={world} step_ratio={d[0] / t[0]:.3f} throughput_ratio={d[1] / t[1]:.3f} "
-              f"rss_ratio={d[2] / t[2]:.3f} hidden_dtrain={d[3]:.2f} hidden_torch={t[3]:.2f} "
-              f"comm_added_ms_dtrain={d[4]:.1f} comm_added_ms_torch={t[4]:.1f}")
+        t = summary.get((world, "torch"))
+        for side in sides:
+            d = summary.get((world, side))
+            if side == "torch" or not d or not t:
+                continue
+            print(f"RESULT ddp_ratio a={side} b=torch world={world} step_ratio={d[0] / t[0]:.3f} "
+                  f"throughput_ratio={d[1] / t[1]:.3f} rss_ratio={d[2] / t[2]:.3f} hidden_a={d[3]:.2f} "
+                  f"hidden_b={t[3]:.2f} comm_added_ms_a={d[4]:.1f} comm_added_ms_b={t[4]:.1f}")
 
 
 if __name__ == "__main__":

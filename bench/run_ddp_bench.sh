@@ -11,7 +11,10 @@
 # communication each adds to the compute-only step, the hidden share of
 # communication = 1 - (step - compute) / (nooverlap - compute), and dtrain/torch ratios.
 #
-# usage: bench/run_ddp_bench.sh   (env: WORLDS="1 2 4" REPS=3 STEPS=30 DT_BUILD_DIR=build-bench OUT=file)
+# dtrain runs on the shared-memory backend (what a one-host job gets) and on
+# Gloo (what ranks on separate hosts use); compute-only runs once.
+#
+# usage: bench/run_ddp_bench.sh   (env: WORLDS="1 2 4" REPS=3 STEPS=30 BACKENDS="shm gloo" DT_BUILD_DIR=build-bench OUT=file)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -19,6 +22,7 @@ build=${DT_BUILD_DIR:-build-bench}
 worlds=${WORLDS:-"1 2 4"}
 reps=${REPS:-3}
 steps=${STEPS:-30}
+backends=${BACKENDS:-"shm gloo"}
 peers=$repo/bench/peers
 out=${OUT:-$(mktemp /tmp/ddp-bench.XXXXXX.txt)}
 py=/usr/bin/python3
@@ -40,9 +44,12 @@ have_torch=1
 echo "# run_ddp_bench: worlds=[$worlds] reps=$reps steps=$steps $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
 for ((rep = 1; rep <= reps; rep++)); do
   for n in $worlds; do
-    for mode in dtrain dtrain-nooverlap dtrain-compute; do
-      echo "## world $n, repetition $rep: $mode" >&2
-      timeout 900 "$bench" --nproc "$n" --mode "$mode" --steps "$steps" 2>>"$out.log" | tee -a "$out"
+    for backend in $backends; do
+      for mode in dtrain dtrain-nooverlap dtrain-compute; do
+        [ "$backend" != shm ] && [ "$mode" = dtrain-compute ] && continue  # no communication: same as on shm
+        echo "## world $n, repetition $rep: $mode on $backend" >&2
+        timeout 900 "$bench" --nproc "$n" --mode "$mode" --backend "$backend" --steps "$steps" 2>>"$out.log" | tee -a "$out"
+      done
     done
     [ $have_torch = 1 ] || continue
     for mode in ddp nooverlap compute; do
