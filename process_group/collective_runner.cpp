@@ -15,9 +15,27 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
-// How long the worker leaves a just-issued op to a caller that may wait for
-// it right away: longer than the call-to-wait gap, short against any transfer.
+// Ops up to this size are left to a caller that waits for them right away
+// (larger ones start on the worker at once: they are what callers overlap).
+constexpr size_t kCallerRunBytes = size_t{1} << 20;
+// How long the worker leaves such an op to its caller: longer than the
+// call-to-wait gap, short against any transfer.
 constexpr auto kCallerGrace = std::chrono::microseconds(100);
+// While ops keep coming the idle worker wakes on its own every tick instead of
+// being woken for every small op: on a busy machine each wake-up of a thread
+// preempts one that is spinning in an exchange.
+constexpr auto kTick = std::chrono::milliseconds(1);
+constexpr auto kTickWindow = std::chrono::seconds(1);
+
+size_t bytesOf(const CollectiveFingerprint& fp) {
+  size_t bytes = 0;
+  for (const auto& t : fp.tensors) {
+    size_t n = itemSize(t.dtype);
+    for (int64_t s : t.sizes) n *= static_cast<size_t>(s);
+    bytes += n;
+  }
+  return bytes;
+}
 
 std::string rankList(const std::vector<int>& ranks) {
   if (ranks.size() == 1) return str("rank ", ranks[0]);
@@ -48,6 +66,7 @@ CollectiveRunner::CollectiveRunner(StorePtr store, int rank, int size, Collectiv
       timeout_(options_.timeout),
       log_(makeLogger("process_group", str("rank ", rank, "/", size, " pg=", options_.groupName))),
       abort_(std::move(abortTransport)) {
+  who_ = str("rank ", rank_, "/", size_, " pg=", options_.groupName, " ", options_.backendName);
   DT_CHECK(store_ != nullptr, "CollectiveRunner: store is null");
   if (!options_.globalRanks.empty()) {
     DT_CHECK_EQ(static_cast<int>(options_.globalRanks.size()), size_, "CollectiveRunner: globalRanks must list every rank");
@@ -59,9 +78,7 @@ CollectiveRunner::CollectiveRunner(StorePtr store, int rank, int size, Collectiv
 
 CollectiveRunner::~CollectiveRunner() { shutdown(); }
 
-std::string CollectiveRunner::who() const {
-  return str("rank ", rank_, "/", size_, " pg=", options_.groupName, " ", options_.backendName);
-}
+std::string CollectiveRunner::who() const { return who_; }
 
 std::string CollectiveRunner::rankName(int r) const {
   if (!options_.globalRanks.empty() && options_.globalRanks[r] != r) return str(r, " (global ", options_.globalRanks[r], ")");
@@ -81,7 +98,13 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   const uint64_t seq = requestedSeq != 0 ? requestedSeq : ++localSeq_;
   fingerprint.seq = seq;
   fingerprint.op = op;
-  const std::string description = str(op, " #", seq, " (", who(), ")");
+  // Plain concatenation: this runs for every op, str()'s stream is slower.
+  std::string description = op;
+  description += " #";
+  description += std::to_string(seq);
+  description += " (";
+  description += who_;
+  description += ')';
   if (broken_ || stopping_) return Work::failed(description, notStarted(op, seq));
   Task task;
   task.seq = seq;
@@ -91,11 +114,15 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   task.body = std::move(body);
   task.work = std::make_shared<Work>(description);
   task.enqueuedAt = Clock::now();
+  task.callerMayRun = bytesOf(task.fingerprint) <= kCallerRunBytes;
   const Work* raw = task.work.get();
   task.work->setWaitHelper([this, raw] { return runIfNext(raw); });
   WorkPtr work = task.work;
+  const bool idle = queue_.empty() && !running_;
+  const bool leaveToTick = idle && task.callerMayRun && workerTicking_;
   queue_.push_back(std::move(task));
-  wake_.notify_one();
+  tickUntil_ = Clock::now() + kTickWindow;
+  if (!leaveToTick) wake_.notify_one();
   return work;
 }
 
@@ -109,7 +136,7 @@ bool CollectiveRunner::runIfNext(const Work* work) {
   runTask(task);
   lock.lock();
   running_ = false;
-  wake_.notify_all();
+  if (!queue_.empty() || stopping_) wake_.notify_all();
   return true;
 }
 
@@ -169,13 +196,25 @@ void CollectiveRunner::shutdown() {
 void CollectiveRunner::workerLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    wake_.wait(lock, [&] { return !running_ && (stopping_ || !queue_.empty()); });
-    if (queue_.empty()) return;  // stopping and drained
-    const auto age = Clock::now() - queue_.front().enqueuedAt;
-    if (!stopping_ && age < kCallerGrace) {
-      wake_.wait_for(lock, kCallerGrace - age);
+    if (stopping_ && queue_.empty() && !running_) return;
+    if (running_ || queue_.empty()) {
+      workerTicking_ = !running_ && !stopping_ && Clock::now() < tickUntil_;
+      if (workerTicking_) {
+        wake_.wait_for(lock, kTick);
+      } else {
+        wake_.wait(lock);
+      }
       continue;
     }
+    if (!stopping_ && queue_.front().callerMayRun) {
+      const auto age = Clock::now() - queue_.front().enqueuedAt;
+      if (age < kCallerGrace) {
+        workerTicking_ = true;
+        wake_.wait_for(lock, kCallerGrace - age);
+        continue;
+      }
+    }
+    workerTicking_ = false;
     Task task = std::move(queue_.front());
     queue_.pop_front();
     if (broken_ || stopping_) {

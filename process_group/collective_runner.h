@@ -12,9 +12,11 @@
 //    thread in issue order. When the caller waits on that Work (without a
 //    timeout) while the op is next in line and nothing runs, the waiting
 //    thread runs it itself (no thread wake-up on the critical path of a
-//    small issue-then-wait op); the worker leaves a just-issued op alone for
-//    a moment (kCallerGrace) to give the caller that chance. Issue order is
-//    kept either way.
+//    small issue-then-wait op); the worker leaves a just-issued op of up to
+//    1 MiB alone for 100 us to give the caller that chance, and while ops
+//    keep coming it is not woken for such ops but looks every millisecond.
+//    An op nobody waits for therefore starts within about a millisecond
+//    (larger ones at once). Issue order is kept either way.
 //  * A body reports failure by throwing. TransportTimeout and PeerLost (below)
 //    are the transport's words for "the deadline passed" and "a peer is gone";
 //    the runner turns them into TimeoutError / BackendError naming the op, the
@@ -136,6 +138,7 @@ class CollectiveRunner {
     Body body;
     WorkPtr work;
     std::chrono::steady_clock::time_point enqueuedAt;
+    bool callerMayRun = false;  // small: left to a waiting caller for a moment
   };
 
   void workerLoop();
@@ -158,6 +161,7 @@ class CollectiveRunner {
   const CollectiveRunnerOptions options_;
   const Millis timeout_;
   Logger log_;
+  std::string who_;
   std::function<void()> abort_;
   std::unique_ptr<ProgressTracker> progress_;
 
@@ -168,6 +172,8 @@ class CollectiveRunner {
   bool running_ = false;  // a body runs (on the worker or inline)
   std::exception_ptr broken_;
   uint64_t localSeq_ = 0;
+  bool workerTicking_ = false;  // the idle worker wakes by itself every tick
+  std::chrono::steady_clock::time_point tickUntil_{};
   std::thread worker_;
 };
 

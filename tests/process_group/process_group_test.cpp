@@ -104,6 +104,42 @@ TEST(ProcessGroup, HostsDecideTheCpuBackendAndOptionsForceOne) {
   });
 }
 
+// Ops are asynchronous even when small: an op nobody waits for starts on its
+// own, and ranks may wait in different orders on different groups.
+TEST(ProcessGroup, OpsRunWithoutAWaiterAndGroupsDoNotBlockEachOther) {
+  for (const std::string backend : {"shm", "gloo"}) {
+    auto store = std::make_shared<HashStore>();
+    runRanks(2, [&](int rank) {
+      ProcessGroupOptions a = fastOptions(), b = fastOptions();
+      a.name = "a";
+      b.name = "b";
+      a.backend = b.backend = backend;
+      auto groupA = ProcessGroup::create(store, rank, 2, a);
+      auto groupB = ProcessGroup::create(store, rank, 2, b);
+      Tensor x = full({16}, rank + 1), y = full({16}, 10 * (rank + 1));
+      WorkPtr wa = groupA->allreduce(x);
+      WorkPtr wb = groupB->allreduce(y);
+      // Rank 0 waits for B first, rank 1 for A: neither may block the other.
+      if (rank == 0) {
+        wb->wait();
+        wa->wait();
+      } else {
+        wa->wait();
+        wb->wait();
+      }
+      EXPECT_EQ(x.toVector<float>(), std::vector<float>(16, 3.0f));
+      EXPECT_EQ(y.toVector<float>(), std::vector<float>(16, 30.0f));
+      // Nobody waits for this one: it completes anyway.
+      Tensor z = full({4}, 1);
+      WorkPtr wz = groupA->allreduce(z);
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (!wz->isCompleted() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+      EXPECT_TRUE(wz->isCompleted()) << backend;
+      EXPECT_EQ(z.toVector<float>(), std::vector<float>(4, 2.0f));
+    });
+  }
+}
+
 TEST(ProcessGroup, NewGroupMembersAndNonMembers) {
   auto store = std::make_shared<HashStore>();
   runRanks(4, [&](int rank) {
