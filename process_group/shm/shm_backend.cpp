@@ -143,6 +143,10 @@ struct ShmBackend::Impl {
     }
   }
 
+  // Rounds of copy-in / copy-out ops (broadcast, allgather) are this small, so
+  // that the receivers copy one round out while the root copies the next in.
+  size_t pipelineBytes() const { return std::min(seg->slotBytes(), options.pipelineBytes); }
+
   uint8_t* mySlot() const { return seg->slot(rank, static_cast<int>(rounds & 1)); }
   uint8_t* slotOf(int r) const { return seg->slot(r, static_cast<int>(rounds & 1)); }
 
@@ -162,7 +166,7 @@ struct ShmBackend::Impl {
     const size_t width = itemSize(dtype);
     const ReduceFn fn = reduceFunction(dtype, op);
     const size_t bytes = count * width;
-    const size_t perRound = seg->slotBytes() / width;
+    const size_t perRound = std::min(seg->slotBytes(), options.allreduceRoundBytes) / width;
     if (size == 1) {
       if (op == ReduceOp::Avg && count > 0) divideBy(dtype, data, count, 1);
       return;
@@ -212,7 +216,7 @@ struct ShmBackend::Impl {
   }
 
   void broadcastBuffer(uint8_t* data, size_t bytes, int root) {
-    const size_t perRound = seg->slotBytes();
+    const size_t perRound = pipelineBytes();
     size_t offset = 0;
     do {
       const size_t n = std::min(perRound, bytes - offset);
@@ -678,7 +682,7 @@ WorkPtr ShmBackend::allgather(const std::vector<Tensor>& outputs, const Tensor& 
                       const size_t bytes = in.nbytes();
                       std::vector<Tensor> outs;
                       for (const auto& o : outputs) outs.push_back(o.isContiguous() ? o : emptyLike(o));
-                      const size_t perRound = impl.seg->slotBytes();
+                      const size_t perRound = impl.pipelineBytes();
                       size_t offset = 0;
                       do {
                         const size_t n = std::min(perRound, bytes - offset);

@@ -57,6 +57,10 @@ struct ShmBackendOptions {
   // Bytes each rank exchanges per round (two buffers of it per rank).
   size_t slotBytes = size_t{1} << 20;
   size_t smallBytes = size_t{16} << 10;
+  // Round size of broadcast and allgather (copy in, copy out: pipelined).
+  size_t pipelineBytes = size_t{256} << 10;
+  // Round size of allreduce's reduce-scatter + allgather.
+  size_t allreduceRoundBytes = size_t{512} << 10;
   // A peer whose heartbeat has not moved for this long counts as gone.
   std::chrono::milliseconds heartbeatTimeout = std::chrono::seconds(5);
 };

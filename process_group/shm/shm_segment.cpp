@@ -99,6 +99,8 @@ ShmSegment::ShmSegment(StorePtr store, SegmentOptions options)
       myPidNamespace_(pidNamespaceInode()),
       seenHeartbeat_(static_cast<size_t>(options.size), 0),
       heartbeatChanged_(static_cast<size_t>(options.size), Clock::now()) {
+  const unsigned cores = std::thread::hardware_concurrency();
+  spinIterations_ = cores == 0 || static_cast<unsigned>(size_) <= cores ? 4000 : 32;
   slotsOffset_ = alignUp(sizeof(Header), 64) + sizeof(RankControl) * static_cast<size_t>(size_);
   slotsOffset_ = alignUp(slotsOffset_, kAlign);
   channelStride_ = alignUp(sizeof(ChannelHeader), 64) + 2 * chunkBytes_;
@@ -235,8 +237,9 @@ void ShmSegment::waitForAll(Clock::time_point deadline) {
     if (r == rank_) continue;
     RankControl& peer = control(r);
     if (reached(peer.step.load(std::memory_order_acquire), target)) continue;
-    // Spin: a peer that is running arrives within microseconds.
-    for (int i = 0; i < 4000; ++i) {
+    // Spin: a peer that is running arrives within microseconds. With more
+    // ranks than cores the peer may be waiting for this very core: yield early.
+    for (int i = 0; i < spinIterations_; ++i) {
       DT_CPU_RELAX();
       if (reached(peer.step.load(std::memory_order_acquire), target)) break;
     }

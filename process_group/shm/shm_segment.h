@@ -146,6 +146,7 @@ class ShmSegment {
   size_t channelsOffset_ = 0;
   size_t channelStride_ = 0;
   uint32_t mySteps_ = 0;
+  int spinIterations_ = 4000;
   uint64_t myPidNamespace_ = 0;
 
   // Last heartbeat seen per peer and when it changed (waiters only).
