@@ -6,6 +6,7 @@
 #include <set>
 
 #include "common/check.h"
+#include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
 
@@ -49,6 +50,24 @@ std::string fingerprintKey(uint64_t seq, int r) { return str("dt_fp/", seq, "/",
 std::string failureKey(int r) { return str("dt_failed/", r); }
 
 }  // namespace
+
+std::chrono::milliseconds BackendCommonOptions::resolvedTimeout() const {
+  return timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
+}
+
+CollectiveRunnerOptions BackendCommonOptions::runnerOptions(std::string backendName) const {
+  CollectiveRunnerOptions r;
+  r.backendName = std::move(backendName);
+  r.groupName = groupName;
+  r.timeout = resolvedTimeout();
+  r.checkFingerprints = checkFingerprints.value_or(env::getString("DT_DEBUG") == "detail");
+  r.globalRanks = globalRanks;
+  r.watchdogStore = watchdogStore;
+  r.watchdogKey = watchdogKey;
+  r.progressInterval = progressInterval;
+  r.failureReportWindow = failureReportWindow;
+  return r;
+}
 
 struct CollectiveRunner::PeerReport {
   std::vector<int> silent;             // no failure report, no heartbeat

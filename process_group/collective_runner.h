@@ -43,6 +43,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -85,6 +86,30 @@ struct CollectiveRunnerOptions {
   // How long a failed rank waits for its peers' failure reports before
   // naming the ones that did not answer.
   std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
+};
+
+// What every backend built on a CollectiveRunner takes (its own options
+// derive from this).
+struct BackendCommonOptions {
+  std::string groupName = "default";
+  // Default timeout of every op and of set-up. nullopt: DT_PG_TIMEOUT.
+  std::optional<std::chrono::milliseconds> timeout;
+  // nullopt: DT_DEBUG=detail.
+  std::optional<bool> checkFingerprints;
+  // Group rank -> global rank, only for messages ("rank 2 (global 5)").
+  std::vector<int> globalRanks;
+  // The launcher's hang watchdog: when set, the last completed collective is
+  // written to watchdogStore[watchdogKey] as "<seq> <op>" (throttled).
+  StorePtr watchdogStore;
+  std::string watchdogKey;
+  std::chrono::milliseconds progressInterval = std::chrono::seconds(1);
+  // How long a failed rank waits for its peers' failure reports.
+  std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
+
+  // The resolved timeout (DT_PG_TIMEOUT when unset).
+  std::chrono::milliseconds resolvedTimeout() const;
+  // The runner's options, defaults resolved from the environment.
+  CollectiveRunnerOptions runnerOptions(std::string backendName) const;
 };
 
 class CollectiveRunner {

@@ -42,16 +42,8 @@ HierarchicalBackend::HierarchicalBackend(StorePtr store, int rank, int size, con
   }
   whole_ = std::make_shared<GlooBackend>(store, rank, size, gloo);
 
-  CollectiveRunnerOptions r;
-  r.backendName = "shm+gloo";
-  r.groupName = gloo.groupName;
-  r.timeout = gloo.timeout.value_or(std::chrono::minutes(10));
-  r.globalRanks = gloo.globalRanks;
-  r.watchdogStore = gloo.watchdogStore;
-  r.watchdogKey = gloo.watchdogKey;
-  r.progressInterval = gloo.progressInterval;
-  r.failureReportWindow = gloo.failureReportWindow;
-  runner_ = std::make_unique<CollectiveRunner>(std::make_shared<PrefixStore>("hier", store), rank, size, std::move(r),
+  runner_ = std::make_unique<CollectiveRunner>(std::make_shared<PrefixStore>("hier", store), rank, size,
+                                               gloo.runnerOptions("shm+gloo"),
                                                [this] {
                                                  local_->shutdown();
                                                  if (leaders_) leaders_->shutdown();

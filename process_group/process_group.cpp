@@ -22,32 +22,29 @@
 namespace dt {
 namespace {
 
-GlooBackendOptions glooOptions(const ProcessGroupOptions& options, std::chrono::milliseconds timeout,
-                               const std::vector<int>& parentRanks) {
-  GlooBackendOptions g;
-  g.groupName = options.name;
-  g.timeout = timeout;
-  g.hostname = options.glooHostname.empty() ? "127.0.0.1" : options.glooHostname;
-  g.checkFingerprints = options.checkFingerprints;
-  g.globalRanks = parentRanks;
-  g.watchdogStore = options.watchdogStore;
-  g.watchdogKey = options.watchdogKey;
-  g.progressInterval = options.progressInterval;
-  return g;
+// The group's settings for any backend.
+template <typename Options>
+Options backendOptions(const ProcessGroupOptions& options, std::chrono::milliseconds timeout,
+                       const std::vector<int>& parentRanks) {
+  Options o;
+  o.groupName = options.name;
+  o.timeout = timeout;
+  o.checkFingerprints = options.checkFingerprints;
+  o.globalRanks = parentRanks;
+  o.watchdogStore = options.watchdogStore;
+  o.watchdogKey = options.watchdogKey;
+  o.progressInterval = options.progressInterval;
+  return o;
 }
 
-ShmBackendOptions shmOptions(const ProcessGroupOptions& options, std::chrono::milliseconds timeout,
-                             const std::vector<int>& parentRanks) {
-  ShmBackendOptions s;
-  s.groupName = options.name;
-  s.timeout = timeout;
-  s.checkFingerprints = options.checkFingerprints;
-  s.globalRanks = parentRanks;
-  s.watchdogStore = options.watchdogStore;
-  s.watchdogKey = options.watchdogKey;
-  s.progressInterval = options.progressInterval;
-  return s;
+#if DT_HAVE_GLOO
+GlooBackendOptions glooOptions(const ProcessGroupOptions& options, std::chrono::milliseconds timeout,
+                               const std::vector<int>& parentRanks) {
+  auto g = backendOptions<GlooBackendOptions>(options, timeout, parentRanks);
+  g.hostname = options.glooHostname.empty() ? "127.0.0.1" : options.glooHostname;
+  return g;
 }
+#endif
 
 // Every rank's host index (hosts numbered in order of first appearance).
 std::vector<int> exchangeHosts(Store& store, int rank, int size, const std::string& hostId,
@@ -101,11 +98,11 @@ BackendPtr makeCpuBackend(const StorePtr& store, int rank, int size, const Proce
     logger("process_group")->info("process group {}: {} ranks on {} host(s), CPU collectives on {}{}", options.name,
                                   size, hosts, choice, forced.empty() ? "" : " (requested)");
   }
-  if (choice == "shm") return std::make_shared<ShmBackend>(store, rank, size, shmOptions(options, timeout, parentRanks));
+  if (choice == "shm") return std::make_shared<ShmBackend>(store, rank, size, backendOptions<ShmBackendOptions>(options, timeout, parentRanks));
 #if DT_HAVE_GLOO
   if (choice == "gloo") return std::make_shared<GlooBackend>(store, rank, size, glooOptions(options, timeout, parentRanks));
   return std::make_shared<HierarchicalBackend>(store, rank, size, hostOf, glooOptions(options, timeout, parentRanks),
-                                               shmOptions(options, timeout, parentRanks));
+                                               backendOptions<ShmBackendOptions>(options, timeout, parentRanks));
 #else
   throw NotSupportedError(str("process group ", options.name, ": ", choice == "gloo" ? "backend gloo was requested" : "the group spans hosts",
                               ", which needs the gloo backend, and this dtrain was built without Gloo (DT_HAVE_GLOO=0); "

@@ -272,7 +272,7 @@ GlooBackend::GlooBackend(StorePtr store, int rank, int size, GlooBackendOptions 
   d.rank = rank;
   d.size = size;
   d.options = std::move(options);
-  d.timeout = d.options.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
+  d.timeout = d.options.resolvedTimeout();
   d.allreduceAlgorithm = d.options.allreduceAlgorithm
                              ? *d.options.allreduceAlgorithm
                              : parseGlooAllreduceAlgorithm(env::getString("DT_GLOO_ALLREDUCE"), "DT_GLOO_ALLREDUCE");
@@ -281,17 +281,7 @@ GlooBackend::GlooBackend(StorePtr store, int rank, int size, GlooBackendOptions 
   // SIGPIPE blocked for good: they are the threads that write to Gloo's sockets.
   SigpipeBlocked noSigpipe;
   d.connect();
-  CollectiveRunnerOptions r;
-  r.backendName = "gloo";
-  r.groupName = d.options.groupName;
-  r.timeout = d.timeout;
-  r.checkFingerprints = d.options.checkFingerprints.value_or(env::getString("DT_DEBUG") == "detail");
-  r.globalRanks = d.options.globalRanks;
-  r.watchdogStore = d.options.watchdogStore;
-  r.watchdogKey = d.options.watchdogKey;
-  r.progressInterval = d.options.progressInterval;
-  r.failureReportWindow = d.options.failureReportWindow;
-  d.runner = std::make_unique<CollectiveRunner>(d.store, rank, size, std::move(r), [impl = impl_.get()] {
+  d.runner = std::make_unique<CollectiveRunner>(d.store, rank, size, d.options.runnerOptions("gloo"), [impl = impl_.get()] {
     impl->closeConnections();
   });
   d.p2pWorker = std::thread([this] { impl_->p2pLoop(); });
@@ -322,12 +312,7 @@ void GlooBackend::shutdown() {
 
 WorkPtr GlooBackend::allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options) {
   auto& d = *impl_;
-  DT_CHECK(!tensors.empty(), "[", d.who(), "] allreduce: empty tensor list");
-  for (const auto& t : tensors) checkCpu(t, "allreduce", d.who(), "gloo");
-  reduceFunction(tensors[0].dtype(), options.reduceOp);  // rejects bool+avg now, not on the worker
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(tensors);
-  fp.reduceOp = options.reduceOp;
+  CollectiveFingerprint fp = checkAllreduce(CpuCallSite{d.who(), "gloo", d.rank, d.size}, tensors, options);
   const ReduceOp op = options.reduceOp;
   return d.enqueue(options.seq, "allreduce", fp, options.timeout, [tensors, op](Impl& impl, Millis timeout) {
     Staged staged = stage(tensors);
@@ -343,13 +328,7 @@ WorkPtr GlooBackend::allreduce(const std::vector<Tensor>& tensors, const Allredu
 
 WorkPtr GlooBackend::broadcast(const std::vector<Tensor>& tensors, const BroadcastOptions& options) {
   auto& d = *impl_;
-  DT_CHECK(!tensors.empty(), "[", d.who(), "] broadcast: empty tensor list");
-  for (const auto& t : tensors) checkCpu(t, "broadcast", d.who(), "gloo");
-  DT_CHECK(options.root >= 0 && options.root < d.size, "[", d.who(), "] broadcast: root ", options.root,
-           " is not a rank of the group (size ", d.size, ")");
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(tensors);
-  fp.root = options.root;
+  CollectiveFingerprint fp = checkBroadcast(CpuCallSite{d.who(), "gloo", d.rank, d.size}, tensors, options);
   const int root = options.root;
   return d.enqueue(options.seq, "broadcast", fp, options.timeout, [tensors, root](Impl& impl, Millis timeout) {
     Staged staged = stage(tensors);
@@ -371,15 +350,7 @@ WorkPtr GlooBackend::broadcast(const std::vector<Tensor>& tensors, const Broadca
 WorkPtr GlooBackend::allgather(const std::vector<Tensor>& outputs, const Tensor& input,
                                const AllgatherOptions& options) {
   auto& d = *impl_;
-  checkCpu(input, "allgather", d.who(), "gloo");
-  DT_CHECK_EQ(static_cast<int>(outputs.size()), d.size, "[", d.who(), "] allgather: one output tensor per rank");
-  for (const auto& o : outputs) {
-    checkCpu(o, "allgather", d.who(), "gloo");
-    DT_CHECK(o.dtype() == input.dtype() && o.sizes() == input.sizes(), "[", d.who(), "] allgather: output ",
-             o.describe(), " does not match input ", input.describe());
-  }
-  CollectiveFingerprint fp;
-  fp.tensors = {{input.dtype(), input.sizes()}};
+  CollectiveFingerprint fp = checkAllgather(CpuCallSite{d.who(), "gloo", d.rank, d.size}, outputs, input);
   return d.enqueue(options.seq, "allgather", fp, options.timeout, [outputs, input](Impl& impl, Millis timeout) {
     const size_t bytes = input.nbytes();
     if (bytes == 0) return;
@@ -403,17 +374,8 @@ WorkPtr GlooBackend::allgather(const std::vector<Tensor>& outputs, const Tensor&
 WorkPtr GlooBackend::reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
                                    const ReduceScatterOptions& options) {
   auto& d = *impl_;
-  checkCpu(output, "reduceScatter", d.who(), "gloo");
-  DT_CHECK_EQ(static_cast<int>(inputs.size()), d.size, "[", d.who(), "] reduceScatter: one input tensor per rank");
-  for (const auto& in : inputs) {
-    checkCpu(in, "reduceScatter", d.who(), "gloo");
-    DT_CHECK(in.dtype() == output.dtype() && in.sizes() == output.sizes(), "[", d.who(), "] reduceScatter: input ",
-             in.describe(), " does not match output ", output.describe());
-  }
+  CollectiveFingerprint fp = checkReduceScatter(CpuCallSite{d.who(), "gloo", d.rank, d.size}, output, inputs, options);
   const ReduceFn fn = reduceFunction(output.dtype(), options.reduceOp);
-  CollectiveFingerprint fp;
-  fp.tensors = {{output.dtype(), output.sizes()}};
-  fp.reduceOp = options.reduceOp;
   const ReduceOp op = options.reduceOp;
   return d.enqueue(options.seq, "reduceScatter", fp, options.timeout,
                    [output, inputs, op, fn](Impl& impl, Millis timeout) {
@@ -445,15 +407,7 @@ WorkPtr GlooBackend::reduceScatter(const Tensor& output, const std::vector<Tenso
 
 WorkPtr GlooBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptions& options) {
   auto& d = *impl_;
-  DT_CHECK(!tensors.empty(), "[", d.who(), "] reduce: empty tensor list");
-  for (const auto& t : tensors) checkCpu(t, "reduce", d.who(), "gloo");
-  DT_CHECK(options.root >= 0 && options.root < d.size, "[", d.who(), "] reduce: root ", options.root,
-           " is not a rank of the group (size ", d.size, ")");
-  reduceFunction(tensors[0].dtype(), options.reduceOp);
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(tensors);
-  fp.reduceOp = options.reduceOp;
-  fp.root = options.root;
+  CollectiveFingerprint fp = checkReduce(CpuCallSite{d.who(), "gloo", d.rank, d.size}, tensors, options);
   const ReduceOp op = options.reduceOp;
   const int root = options.root;
   return d.enqueue(options.seq, "reduce", fp, options.timeout, [tensors, op, root](Impl& impl, Millis timeout) {
@@ -498,19 +452,7 @@ WorkPtr GlooBackend::barrier(const BarrierOptions& options) {
 WorkPtr GlooBackend::allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                               const AllToAllOptions& options) {
   auto& d = *impl_;
-  DT_CHECK_EQ(static_cast<int>(inputs.size()), d.size, "[", d.who(), "] allToAll: one input tensor per rank");
-  DT_CHECK_EQ(static_cast<int>(outputs.size()), d.size, "[", d.who(), "] allToAll: one output tensor per rank");
-  for (const auto& t : inputs) checkCpu(t, "allToAll", d.who(), "gloo");
-  for (const auto& t : outputs) {
-    checkCpu(t, "allToAll", d.who(), "gloo");
-    DT_CHECK(t.dtype() == inputs[0].dtype(), "[", d.who(), "] allToAll: output ", t.describe(),
-             " has another dtype than input ", inputs[0].describe());
-  }
-  for (const auto& t : inputs) {
-    DT_CHECK(t.dtype() == inputs[0].dtype(), "[", d.who(), "] allToAll: inputs must share one dtype");
-  }
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(inputs);
+  CollectiveFingerprint fp = checkAllToAll(CpuCallSite{d.who(), "gloo", d.rank, d.size}, outputs, inputs);
   return d.enqueue(options.seq, "allToAll", fp, options.timeout, [outputs, inputs](Impl& impl, Millis timeout) {
     std::vector<int64_t> sendCounts, recvCounts;
     size_t sendTotal = 0, recvTotal = 0;
@@ -553,13 +495,7 @@ namespace {
 WorkPtr postP2P(GlooBackend::Impl& d, bool isSend, const std::vector<Tensor>& tensors, int peer, uint32_t tag,
                 const OpTimeout& timeout) {
   const char* op = isSend ? "send" : "recv";
-  DT_CHECK(!tensors.empty(), "[", d.who(), "] ", op, ": empty tensor list");
-  for (const auto& t : tensors) {
-    checkCpu(t, op, d.who(), "gloo");
-    DT_CHECK(t.dtype() == tensors[0].dtype(), "[", d.who(), "] ", op, ": tensors must share one dtype");
-  }
-  DT_CHECK(peer >= 0 && peer < d.size && peer != d.rank, "[", d.who(), "] ", op, ": peer rank ", peer,
-           " must be another rank of the group (size ", d.size, ")");
+  checkPointToPoint(CpuCallSite{d.who(), "gloo", d.rank, d.size}, op, tensors, peer);
   const std::string what =
       str(op, isSend ? " to rank " : " from rank ", d.runner->rankName(peer), " (tag ", tag, ", ", signatures(tensors).size(),
           " tensor(s), ", totalNumel(tensors), " elements)");

@@ -33,34 +33,20 @@
 #include <vector>
 
 #include "process_group/backend.h"
+#include "process_group/collective_runner.h"
 #include "process_group/gloo/allreduce_algorithms.h"
 #include "store/store.h"
 
 namespace dt {
 
-struct GlooBackendOptions {
-  std::string groupName = "default";
-  // Default timeout of every op and of the rendezvous. nullopt: DT_PG_TIMEOUT.
-  std::optional<std::chrono::milliseconds> timeout;
+struct GlooBackendOptions : BackendCommonOptions {
   // Address the TCP transport binds and advertises to peers.
   std::string hostname = "127.0.0.1";
-  // nullopt: DT_DEBUG=detail.
-  std::optional<bool> checkFingerprints;
   // nullopt: DT_GLOO_ALLREDUCE. Every rank of a group must use the same.
   std::optional<GlooAllreduceAlgorithm> allreduceAlgorithm;
   // Run Gloo's event-loop thread under SCHED_BATCH (see gloo_backend.cpp).
   // nullopt: DT_GLOO_BATCH_LOOP.
   std::optional<bool> batchEventLoop;
-  // Group rank -> global rank, only for messages ("rank 2 (global 5)").
-  std::vector<int> globalRanks;
-  // The launcher's hang watchdog: when set, the last completed collective is
-  // written to watchdogStore[watchdogKey] as "<seq> <op>" (throttled).
-  StorePtr watchdogStore;
-  std::string watchdogKey;
-  std::chrono::milliseconds progressInterval = std::chrono::seconds(1);
-  // How long a failed rank waits for its peers' failure reports before
-  // naming the ones that did not answer.
-  std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
 };
 
 class GlooBackend final : public Backend {

@@ -268,19 +268,22 @@ struct ShmBackend::Impl {
     return std::make_exception_ptr(BackendError(str("[", who(), "] ", op.what, " failed: ", why)));
   }
 
-  // Fails every pending p2p op (the group is broken). p2pMutex held.
-  void failAllP2P(const std::exception_ptr& cause) {
+  // Every send or recv not completed yet. p2pMutex held.
+  std::vector<std::shared_ptr<P2POp>> pendingP2P() const {
     std::vector<std::shared_ptr<P2POp>> all(sends.begin(), sends.end());
     all.insert(all.end(), recvs.begin(), recvs.end());
     for (auto& r : receiving) {
       if (r) all.push_back(r);
     }
-    for (auto& u : unexpected) {
+    for (auto& u : unexpected) {  // messages still arriving are listed here too
       if (u->claimedBy) all.push_back(u->claimedBy);
     }
-    for (auto& u : arriving) {
-      if (u && u->claimedBy) all.push_back(u->claimedBy);
-    }
+    return all;
+  }
+
+  // Fails every pending p2p op (the group is broken). p2pMutex held.
+  void failAllP2P(const std::exception_ptr& cause) {
+    const auto all = pendingP2P();
     sends.clear();
     recvs.clear();
     std::fill(receiving.begin(), receiving.end(), nullptr);
@@ -403,15 +406,7 @@ struct ShmBackend::Impl {
   // Deadlines and peers' health for the pending ops. p2pMutex held.
   void p2pCheck() {
     const auto now = Clock::now();
-    std::vector<std::shared_ptr<P2POp>> pending(sends.begin(), sends.end());
-    pending.insert(pending.end(), recvs.begin(), recvs.end());
-    for (auto& r : receiving) {
-      if (r) pending.push_back(r);
-    }
-    for (auto& u : unexpected) {
-      if (u->claimedBy) pending.push_back(u->claimedBy);
-    }
-    for (auto& op : pending) {
+    for (auto& op : pendingP2P()) {
       std::exception_ptr cause;
       if (now >= op->deadline) {
         cause = p2pError(*op, "the deadline passed", true);
@@ -455,13 +450,7 @@ struct ShmBackend::Impl {
 
   WorkPtr post(bool isSend, const std::vector<Tensor>& tensors, int peer, uint32_t tag, const OpTimeout& opTimeout) {
     const char* op = isSend ? "send" : "recv";
-    DT_CHECK(!tensors.empty(), "[", who(), "] ", op, ": empty tensor list");
-    for (const auto& t : tensors) {
-      checkCpu(t, op, who(), "shm");
-      DT_CHECK(t.dtype() == tensors[0].dtype(), "[", who(), "] ", op, ": tensors must share one dtype");
-    }
-    DT_CHECK(peer >= 0 && peer < size && peer != rank, "[", who(), "] ", op, ": peer rank ", peer,
-             " must be another rank of the group (size ", size, ")");
+    checkPointToPoint(CpuCallSite{who(), "shm", rank, size}, op, tensors, peer);
     auto p = std::make_shared<P2POp>();
     p->isSend = isSend;
     p->peer = peer;
@@ -533,7 +522,7 @@ ShmBackend::ShmBackend(StorePtr store, int rank, int size, ShmBackendOptions opt
   d.rank = rank;
   d.size = size;
   d.options = std::move(options);
-  d.timeout = d.options.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
+  d.timeout = d.options.resolvedTimeout();
   DT_CHECK(d.options.slotBytes >= 4096, "ShmBackend: slotBytes must be at least 4096, got ", d.options.slotBytes);
   d.options.smallBytes = std::min(d.options.smallBytes, d.options.slotBytes);
 
@@ -547,17 +536,7 @@ ShmBackend::ShmBackend(StorePtr store, int rank, int size, ShmBackendOptions opt
   so.heartbeatTimeout = d.options.heartbeatTimeout;
   d.seg = std::make_unique<shm::ShmSegment>(store, so);
 
-  CollectiveRunnerOptions r;
-  r.backendName = "shm";
-  r.groupName = d.options.groupName;
-  r.timeout = d.timeout;
-  r.checkFingerprints = d.options.checkFingerprints.value_or(env::getString("DT_DEBUG") == "detail");
-  r.globalRanks = d.options.globalRanks;
-  r.watchdogStore = d.options.watchdogStore;
-  r.watchdogKey = d.options.watchdogKey;
-  r.progressInterval = d.options.progressInterval;
-  r.failureReportWindow = d.options.failureReportWindow;
-  d.runner = std::make_unique<CollectiveRunner>(std::move(store), rank, size, std::move(r),
+  d.runner = std::make_unique<CollectiveRunner>(std::move(store), rank, size, d.options.runnerOptions("shm"),
                                                 [impl = impl_.get()] { impl->seg->abort(impl->rank); });
 }
 
@@ -602,12 +581,7 @@ WorkPtr collective(ShmBackend::Impl& d, uint64_t seq, const char* op, Collective
 
 WorkPtr ShmBackend::allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options) {
   auto& d = *impl_;
-  DT_CHECK(!tensors.empty(), "[", d.who(), "] allreduce: empty tensor list");
-  for (const auto& t : tensors) checkCpu(t, "allreduce", d.who(), "shm");
-  reduceFunction(tensors[0].dtype(), options.reduceOp);  // rejects bool+avg now, not on the worker
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(tensors);
-  fp.reduceOp = options.reduceOp;
+  CollectiveFingerprint fp = checkAllreduce(CpuCallSite{d.who(), "shm", d.rank, d.size}, tensors, options);
   const ReduceOp op = options.reduceOp;
   return collective(d, options.seq, "allreduce", std::move(fp), options.timeout,
                     [tensors, op](Impl& impl) {
@@ -622,15 +596,7 @@ WorkPtr ShmBackend::allreduce(const std::vector<Tensor>& tensors, const Allreduc
 
 WorkPtr ShmBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptions& options) {
   auto& d = *impl_;
-  DT_CHECK(!tensors.empty(), "[", d.who(), "] reduce: empty tensor list");
-  for (const auto& t : tensors) checkCpu(t, "reduce", d.who(), "shm");
-  DT_CHECK(options.root >= 0 && options.root < d.size, "[", d.who(), "] reduce: root ", options.root,
-           " is not a rank of the group (size ", d.size, ")");
-  reduceFunction(tensors[0].dtype(), options.reduceOp);
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(tensors);
-  fp.reduceOp = options.reduceOp;
-  fp.root = options.root;
+  CollectiveFingerprint fp = checkReduce(CpuCallSite{d.who(), "shm", d.rank, d.size}, tensors, options);
   const ReduceOp op = options.reduceOp;
   const int root = options.root;
   return collective(d, options.seq, "reduce", std::move(fp), options.timeout,
@@ -647,13 +613,7 @@ WorkPtr ShmBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptio
 
 WorkPtr ShmBackend::broadcast(const std::vector<Tensor>& tensors, const BroadcastOptions& options) {
   auto& d = *impl_;
-  DT_CHECK(!tensors.empty(), "[", d.who(), "] broadcast: empty tensor list");
-  for (const auto& t : tensors) checkCpu(t, "broadcast", d.who(), "shm");
-  DT_CHECK(options.root >= 0 && options.root < d.size, "[", d.who(), "] broadcast: root ", options.root,
-           " is not a rank of the group (size ", d.size, ")");
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(tensors);
-  fp.root = options.root;
+  CollectiveFingerprint fp = checkBroadcast(CpuCallSite{d.who(), "shm", d.rank, d.size}, tensors, options);
   const int root = options.root;
   return collective(d, options.seq, "broadcast", std::move(fp), options.timeout,
                     [tensors, root](Impl& impl) {
@@ -667,15 +627,7 @@ WorkPtr ShmBackend::broadcast(const std::vector<Tensor>& tensors, const Broadcas
 
 WorkPtr ShmBackend::allgather(const std::vector<Tensor>& outputs, const Tensor& input, const AllgatherOptions& options) {
   auto& d = *impl_;
-  checkCpu(input, "allgather", d.who(), "shm");
-  DT_CHECK_EQ(static_cast<int>(outputs.size()), d.size, "[", d.who(), "] allgather: one output tensor per rank");
-  for (const auto& o : outputs) {
-    checkCpu(o, "allgather", d.who(), "shm");
-    DT_CHECK(o.dtype() == input.dtype() && o.sizes() == input.sizes(), "[", d.who(), "] allgather: output ",
-             o.describe(), " does not match input ", input.describe());
-  }
-  CollectiveFingerprint fp;
-  fp.tensors = {{input.dtype(), input.sizes()}};
+  CollectiveFingerprint fp = checkAllgather(CpuCallSite{d.who(), "shm", d.rank, d.size}, outputs, input);
   return collective(d, options.seq, "allgather", std::move(fp), options.timeout,
                     [outputs, input](Impl& impl) {
                       const Tensor in = input.contiguous();
@@ -706,17 +658,8 @@ WorkPtr ShmBackend::allgather(const std::vector<Tensor>& outputs, const Tensor& 
 WorkPtr ShmBackend::reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
                                   const ReduceScatterOptions& options) {
   auto& d = *impl_;
-  checkCpu(output, "reduceScatter", d.who(), "shm");
-  DT_CHECK_EQ(static_cast<int>(inputs.size()), d.size, "[", d.who(), "] reduceScatter: one input tensor per rank");
-  for (const auto& in : inputs) {
-    checkCpu(in, "reduceScatter", d.who(), "shm");
-    DT_CHECK(in.dtype() == output.dtype() && in.sizes() == output.sizes(), "[", d.who(), "] reduceScatter: input ",
-             in.describe(), " does not match output ", output.describe());
-  }
+  CollectiveFingerprint fp = checkReduceScatter(CpuCallSite{d.who(), "shm", d.rank, d.size}, output, inputs, options);
   const ReduceFn fn = reduceFunction(output.dtype(), options.reduceOp);
-  CollectiveFingerprint fp;
-  fp.tensors = {{output.dtype(), output.sizes()}};
-  fp.reduceOp = options.reduceOp;
   const ReduceOp op = options.reduceOp;
   return collective(d, options.seq, "reduceScatter", std::move(fp), options.timeout,
                     [output, inputs, op, fn](Impl& impl) {
@@ -763,19 +706,7 @@ WorkPtr ShmBackend::barrier(const BarrierOptions& options) {
 WorkPtr ShmBackend::allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                              const AllToAllOptions& options) {
   auto& d = *impl_;
-  DT_CHECK_EQ(static_cast<int>(inputs.size()), d.size, "[", d.who(), "] allToAll: one input tensor per rank");
-  DT_CHECK_EQ(static_cast<int>(outputs.size()), d.size, "[", d.who(), "] allToAll: one output tensor per rank");
-  for (const auto& t : inputs) checkCpu(t, "allToAll", d.who(), "shm");
-  for (const auto& t : outputs) {
-    checkCpu(t, "allToAll", d.who(), "shm");
-    DT_CHECK(t.dtype() == inputs[0].dtype(), "[", d.who(), "] allToAll: output ", t.describe(),
-             " has another dtype than input ", inputs[0].describe());
-  }
-  for (const auto& t : inputs) {
-    DT_CHECK(t.dtype() == inputs[0].dtype(), "[", d.who(), "] allToAll: inputs must share one dtype");
-  }
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(inputs);
+  CollectiveFingerprint fp = checkAllToAll(CpuCallSite{d.who(), "shm", d.rank, d.size}, outputs, inputs);
   return collective(d, options.seq, "allToAll", std::move(fp), options.timeout,
                     [outputs, inputs](Impl& impl) {
                       const int w = impl.size;

@@ -39,21 +39,12 @@
 #include <vector>
 
 #include "process_group/backend.h"
+#include "process_group/collective_runner.h"
 #include "store/store.h"
 
 namespace dt {
 
-struct ShmBackendOptions {
-  std::string groupName = "default";
-  // Default timeout of every op and of set-up. nullopt: DT_PG_TIMEOUT.
-  std::optional<std::chrono::milliseconds> timeout;
-  // nullopt: DT_DEBUG=detail (compare full fingerprints through the store before every op).
-  std::optional<bool> checkFingerprints;
-  std::vector<int> globalRanks;
-  StorePtr watchdogStore;
-  std::string watchdogKey;
-  std::chrono::milliseconds progressInterval = std::chrono::seconds(1);
-  std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
+struct ShmBackendOptions : BackendCommonOptions {
   // Bytes each rank exchanges per round (two buffers of it per rank).
   size_t slotBytes = size_t{1} << 20;
   size_t smallBytes = size_t{16} << 10;
