@@ -97,7 +97,8 @@ struct Config {
 constexpr const char* kUsage = R"(usage: trainer [flags]          (run it under dtrun: dtrun --nproc 4 ./trainer)
 
 Data-parallel training of an MLP on Fashion-MNIST with checkpoints, exact resume and
-pre-emption (SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step, exit 0).
+pre-emption (SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step, exit 0; a second such
+signal ends the process at once).
 
 data and model
   --data DIR              folder with the four gzip'd IDX files (default /usr/share/datasets/fashion-mnist,
@@ -215,9 +216,15 @@ Config parseArgs(int argc, char** argv, bool& help) {
 std::atomic<int> gStopSignal{0};
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
 
+// The first stop signal asks for a graceful stop at the next step; a second one (a user
+// pressing Ctrl-C again, a job manager losing patience) takes the default action at once.
+// Only async-signal-safe calls here.
 extern "C" void onStopSignal(int sig) {
   int expected = 0;
-  gStopSignal.compare_exchange_strong(expected, sig);
+  if (!gStopSignal.compare_exchange_strong(expected, sig)) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+  }
 }
 
 void installStopHandlers() {

@@ -28,10 +28,11 @@ std::vector<std::string> operator+(std::vector<std::string> a, const std::vector
   return a;
 }
 
-// A job long enough to be interrupted after its first checkpoint, on a slice of the data.
+// A job long enough to be interrupted after its first checkpoint (the signal lands with 900
+// of its 1000 steps, a second or more, still to run), on a slice of the data.
 std::vector<std::string> interruptibleJob(const fs::path& data) {
-  return {"--data", data.string(), "--steps", "300", "--global-batch", "64", "--dropout", "0.1",
-          "--checkpoint-every", "50", "--log-every", "50", "--no-eval"};
+  return {"--data", data.string(), "--steps", "1000", "--global-batch", "64", "--dropout", "0.1",
+          "--checkpoint-every", "100", "--log-every", "100", "--no-eval"};
 }
 
 std::string outputOf(const ProcessResult& r) { return r.out + r.err; }
@@ -93,7 +94,7 @@ TEST(TrainerE2E, KilledWorkerIsNamedAndTheRestartResumesToTheBitsOfAnUninterrupt
 
   ChildProcess run(dtrunTrainer(4, job + std::vector<std::string>{"--checkpoint-dir", (dir.path() / "ck").string()},
                                 {"--max-restarts", "1", "--kill-grace", "5s"}));
-  ASSERT_TRUE(run.waitForOutput("checkpoint at step 50 ", 120s)) << run.output();
+  ASSERT_TRUE(run.waitForOutput("checkpoint at step 100 ", 120s)) << run.output();
   const auto pid = workerPid(run.output(), 2);
   ASSERT_TRUE(pid) << run.output();
   ASSERT_EQ(::kill(*pid, SIGKILL), 0);
@@ -107,8 +108,8 @@ TEST(TrainerE2E, KilledWorkerIsNamedAndTheRestartResumesToTheBitsOfAnUninterrupt
   EXPECT_THAT(out, HasSubstr("after restart 1"));
   EXPECT_EQ(commonFingerprint(out, 4), expected) << "resumed parameters equal the uninterrupted run's, bit for bit";
   // The final checkpoints hold the same bytes: model, optimizer state and every rank's RNG state.
-  const auto a = tensorBytes(dir.path() / "ref" / (checkpointName(300) + ".safetensors"));
-  const auto b = tensorBytes(dir.path() / "ck" / (checkpointName(300) + ".safetensors"));
+  const auto a = tensorBytes(dir.path() / "ref" / (checkpointName(1000) + ".safetensors"));
+  const auto b = tensorBytes(dir.path() / "ck" / (checkpointName(1000) + ".safetensors"));
   ASSERT_FALSE(a.empty());
   EXPECT_TRUE(a == b) << "final checkpoint tensors differ";
 }
@@ -123,16 +124,16 @@ TEST(TrainerE2E, SigtermToDtrunCheckpointsEveryRankExitsCleanlyAndANewRunResumes
 
   const std::vector<std::string> args = job + std::vector<std::string>{"--checkpoint-dir", (dir.path() / "ck").string()};
   ChildProcess run(dtrunTrainer(4, args, {"--kill-grace", "30s"}));
-  ASSERT_TRUE(run.waitForOutput("checkpoint at step 50 ", 120s)) << run.output();
+  ASSERT_TRUE(run.waitForOutput("checkpoint at step 100 ", 120s)) << run.output();
   run.signal(SIGTERM);
   const auto r = run.wait(120s);
   const std::string out = outputOf(r);
   EXPECT_EQ(r.exitCode, 128 + SIGTERM) << "dtrun reports the signal it got (docs/launcher.md)\n" << out;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(stopped by SIGTERM after step (\d+) of 300; checkpoint written)"))) << out;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(stopped by SIGTERM after step (\d+) of 1000; checkpoint written)"))) << out;
   const int64_t step = std::stoll(m[1]);
-  EXPECT_GE(step, 50);
-  EXPECT_LT(step, 300);
+  EXPECT_GE(step, 100);
+  EXPECT_LT(step, 1000);
   EXPECT_EQ(countOccurrences(out, str("stopped cleanly after step ", step)), 4) << "every rank stops after the same step\n" << out;
   EXPECT_THAT(out, Not(HasSubstr("sending SIGKILL"))) << "the workers exit within the grace period";
   EXPECT_THAT(out, Not(HasSubstr("also failed")));
@@ -150,13 +151,13 @@ TEST(TrainerE2E, Sigusr1StopsEveryRankAtTheSameStepAndDtrunExitsZero) {
   writeFashionSlice(dir.path() / "data", 4000, 500);
   ChildProcess run(dtrunTrainer(2, interruptibleJob(dir.path() / "data") +
                                        std::vector<std::string>{"--checkpoint-dir", (dir.path() / "ck").string()}));
-  ASSERT_TRUE(run.waitForOutput("checkpoint at step 50 ", 120s)) << run.output();
+  ASSERT_TRUE(run.waitForOutput("checkpoint at step 100 ", 120s)) << run.output();
   run.signal(SIGUSR1);  // dtrun forwards it and keeps running: the workers decide
   const auto r = run.wait(120s);
   const std::string out = outputOf(r);
   EXPECT_EQ(r.exitCode, 0) << out;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(stopped by SIGUSR1 after step (\d+) of 300)"))) << out;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(stopped by SIGUSR1 after step (\d+) of 1000)"))) << out;
   EXPECT_EQ(countOccurrences(out, str("stopped cleanly after step ", m[1].str())), 2) << out;
   EXPECT_TRUE(fs::exists(dir.path() / "ck" / (checkpointName(std::stoll(m[1])) + ".safetensors")));
 }
