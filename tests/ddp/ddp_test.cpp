@@ -469,6 +469,49 @@ TEST(Ddp, LogPrintsTheBucketTableAndSummaries) {
   EXPECT_THAT(err, ::testing::Not(HasSubstr("rank 1/2"))) << "rank 0 only";
 }
 
+TEST(Ddp, BuffersFollowRankZeroBeforeEveryTrainingForwardButNotInEvaluation) {
+  // A running statistic each rank updates from its own data, as batch norm does.
+  class WithRunningMean : public nn::Module {
+   public:
+    explicit WithRunningMean(int rank) {
+      Generator g(5);
+      registerModule("layer", std::make_shared<nn::Linear>(6, 3, true, g));
+      running = registerBuffer("running", full({6}, 100.0 + rank));
+    }
+    Tensor forward(const Tensor& x) override {
+      NoGradGuard noGrad;
+      mul_(running, 0.5);
+      add_(running, mean(x, {0}), 0.5);
+      EnableGradGuard grad;
+      return (*child("layer"))(x);
+    }
+    Tensor running;
+  };
+  std::vector<std::vector<float>> seen(3);
+  onGroup(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    auto model = std::make_shared<WithRunningMean>(rank);
+    DistributedDataParallel ddp(model, group);
+    EXPECT_EQ(model->running.toVector<float>(), std::vector<float>(6, 100.0f)) << "rank 0's at construction";
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      crossEntropy(ddp(x), y).backward();
+      // The forward started from rank 0's buffer: undo this rank's own update to see it.
+      Tensor started = sub(mul(model->running, 2.0), mean(x, {0}));
+      seen[rank] = started.toVector<float>();
+    }
+    // Evaluation forwards issue no collectives: each rank keeps its own update.
+    NoGradGuard noGrad;
+    auto [x, y] = testing::batchFor(TrainSpec{}, 9, 0, rank);
+    const Tensor before = model->running.clone();
+    ddp(x);
+    EXPECT_LE(max(abs(sub(model->running, add(mul(before, 0.5), mean(x, {0}), 0.5)))).item<float>(), 1e-6f);
+  });
+  for (int r = 1; r < 3; ++r) {
+    ASSERT_EQ(seen[r].size(), seen[0].size());
+    for (size_t i = 0; i < seen[0].size(); ++i) EXPECT_NEAR(seen[r][i], seen[0][i], 1e-5) << "rank " << r;
+  }
+}
+
 TEST(Ddp, JoinWithStaticGraphIsNotSupported) {
   onGroup(1, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     DistributedDataParallel ddp(std::make_shared<testing::TestNet>(42, false), group, {.staticGraph = true});
