@@ -112,7 +112,7 @@ TEST(TrainerSlurm, PreemptionSignalCheckpointsAndTheNextSubmissionResumes) {
   const fs::path output2 = dir.path() / "job2.out";
   const std::string body = str("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n#SBATCH --time=3\n",
                                "export DT_NUM_THREADS=1 OMP_NUM_THREADS=1\n",
-                               "srun ", kTrainerPath, " ", trainerArgs(dir.path(), 1500), "\n");
+                               "srun ", kTrainerPath, " ", trainerArgs(dir.path(), 5000), "\n");
   const auto script = writeScript(dir.path(), "job.sh", body);
   ChildProcess submit({"/bin/bash", "-c", str("sbatch --wait --parsable --output=", output.string(), " ", script.string())}, kEnv);
   // The job id comes first; then wait for the first checkpoint in the job's output.
@@ -132,7 +132,7 @@ TEST(TrainerSlurm, PreemptionSignalCheckpointsAndTheNextSubmissionResumes) {
   const std::string text = readFile(output);
   EXPECT_EQ(r.exitCode, 0) << "every task exits 0 after the checkpoint\n" << r.out << r.err << text;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(text, m, std::regex(R"(stopped by SIGUSR1 after step (\d+) of 1500)"))) << text;
+  ASSERT_TRUE(std::regex_search(text, m, std::regex(R"(stopped by SIGUSR1 after step (\d+) of 5000)"))) << text;
   const std::string step = m[1];
   EXPECT_EQ(countOccurrences(text, str("stopped cleanly after step ", step)), 4) << text;
 
