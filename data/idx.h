@@ -10,7 +10,8 @@
 //    type), naming the file and the values found.
 //  * writeIdx writes one (gzip'd when `gzip`), to a temporary file renamed into place; tests
 //    and tools make small data sets with it.
-//  * No shared state: safe to call from any thread.
+//  * Blocking file I/O on the calling thread; the result owns its bytes. No shared state: safe
+//    to call from any thread.
 #pragma once
 
 #include <cstdint>

@@ -13,7 +13,9 @@
 //  * latest() is the highest step with a manifest. load() checks the manifest's format, that
 //    the tensors file has the recorded size and CRC-32, and parses it; any problem throws
 //    dt::InvalidArgument naming the file and what is wrong, and nothing is written or deleted.
-//  * Called by one thread of one process (rank 0 writes; every rank may read).
+//  * Blocking file I/O (write() ends with fsyncs) on the calling thread; loaded tensors are
+//    fresh and owned by the caller. Not thread-safe: one thread of one process uses a
+//    CheckpointDir (rank 0 writes; every rank may read, when the folder is shared).
 #pragma once
 
 #include <cstdint>
