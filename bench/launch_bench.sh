@@ -8,8 +8,7 @@
 #     RESULT launch impl=dtrun nproc=4 reps=.. time_ms=.. min_ms=..
 # then the peers' RESULT lines and the ratios (summarize.py --ratio; < 1 means dtrun is faster).
 #
-# Env: DTRUN (default: build-bench/launcher/dtrun, else build/ or another build*/ folder; built
-#      in build-bench when there is none), REPS (21), NPROCS ("4"), PEER_REPS (5),
+# Env: DTRUN (default: build-bench/launcher/dtrun, built there first), REPS (21), NPROCS ("4"), PEER_REPS (5),
 #      PEERS (bench/peers), SKIP_PEERS=1 to time dtrun only, PY (/usr/bin/python3).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,11 +18,7 @@ PEER_REPS=${PEER_REPS:-5}
 PEERS=${PEERS:-$ROOT/bench/peers}
 PY=${PY:-/usr/bin/python3}
 if [ -z "${DTRUN:-}" ]; then
-  for candidate in "$ROOT/build-bench/launcher/dtrun" "$ROOT/build/launcher/dtrun" "$ROOT"/build*/launcher/dtrun; do
-    if [ -x "$candidate" ]; then DTRUN=$candidate; break; fi
-  done
-fi
-if [ -z "${DTRUN:-}" ]; then
+  # Always (re)build: a stale dtrun would measure old code.
   echo "# building dtrun in build-bench" >&2
   cmake -S "$ROOT" -B "$ROOT/build-bench" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF \
     -DDT_BUILD_BENCH=ON >/dev/null && cmake --build "$ROOT/build-bench" -j "${DT_JOBS:-2}" --target dtrun >/dev/null &&

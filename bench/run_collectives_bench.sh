@@ -23,11 +23,10 @@ peers=${PEERS:-bench/peers}
 peers_build=${PEERS_BUILD:-build-peers}
 out=${OUT:-$(mktemp /tmp/collectives-bench.XXXXXX.txt)}
 bench="$build/bench/collectives_bench"
-if [ ! -x "$bench" ]; then
-  echo "# building collectives_bench in $build" >&2
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=ON >/dev/null &&
-    cmake --build "$build" -j "${DT_JOBS:-2}" --target collectives_bench >/dev/null
-fi
+# Always (re)build: a stale binary would measure old code.
+echo "# building collectives_bench in $build" >&2
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=ON >/dev/null &&
+  cmake --build "$build" -j "${DT_JOBS:-2}" --target collectives_bench >/dev/null
 [ -x "$bench" ] || { echo "missing $bench (collectives_bench needs Gloo: scripts/setup.sh)" >&2; exit 2; }
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 DT_NUM_THREADS=1
 
