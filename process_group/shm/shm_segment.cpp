@@ -100,7 +100,9 @@ ShmSegment::ShmSegment(StorePtr store, SegmentOptions options)
       seenHeartbeat_(static_cast<size_t>(options.size), 0),
       heartbeatChanged_(static_cast<size_t>(options.size), Clock::now()) {
   const unsigned cores = std::thread::hardware_concurrency();
-  spinIterations_ = cores == 0 || static_cast<unsigned>(size_) <= cores ? 4000 : 32;
+  const bool oversubscribed = cores != 0 && static_cast<unsigned>(size_) > cores;
+  spinIterations_ = oversubscribed ? 32 : 4000;
+  yieldFor_ = oversubscribed ? std::chrono::microseconds(2000) : std::chrono::microseconds(50);
   slotsOffset_ = alignUp(sizeof(Header), 64) + sizeof(RankControl) * static_cast<size_t>(size_);
   slotsOffset_ = alignUp(slotsOffset_, kAlign);
   channelStride_ = alignUp(sizeof(ChannelHeader), 64) + 2 * chunkBytes_;
@@ -244,8 +246,10 @@ void ShmSegment::waitForAll(Clock::time_point deadline) {
       if (reached(peer.step.load(std::memory_order_acquire), target)) break;
     }
     if (reached(peer.step.load(std::memory_order_acquire), target)) continue;
-    // Yield: a peer that shares this core needs it.
-    const auto yieldUntil = Clock::now() + std::chrono::microseconds(50);
+    // Yield: a peer that shares this core needs it. With more ranks than
+    // cores keep yielding much longer: a sleeping rank costs a wake-up on
+    // every exchange, a yielding one hands its core straight to a peer.
+    const auto yieldUntil = Clock::now() + yieldFor_;
     while (Clock::now() < yieldUntil) {
       std::this_thread::yield();
       if (reached(peer.step.load(std::memory_order_acquire), target)) break;

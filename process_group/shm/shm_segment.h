@@ -147,6 +147,7 @@ class ShmSegment {
   size_t channelStride_ = 0;
   uint32_t mySteps_ = 0;
   int spinIterations_ = 4000;
+  std::chrono::microseconds yieldFor_{50};
   uint64_t myPidNamespace_ = 0;
 
   // Last heartbeat seen per peer and when it changed (waiters only).
