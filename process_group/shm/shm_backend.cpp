@@ -117,6 +117,11 @@ struct ShmBackend::Impl {
   // ---- collective skeleton --------------------------------------------------------
   void begin(const CollectiveFingerprint& fp, Millis limit) {
     deadline = Clock::now() + limit;
+    // After a phase that waited for one rank only (broadcast), the others may
+    // still read this rank's buffers and compare its last collective's hash:
+    // wait until every rank has caught up (free in lock step) before
+    // overwriting either.
+    seg->waitForAll(deadline);
     pendingHash = agreementHash(fp);
     pendingFingerprint = &fp;
     seg->control(rank).opHash[collectives & 1].store(pendingHash, std::memory_order_relaxed);
@@ -129,9 +134,28 @@ struct ShmBackend::Impl {
   void exchange() {
     seg->arrive();
     seg->waitForAll(deadline);
+    verify(-1);
+  }
+
+  // A phase in which only `source` publishes: the others wait for it alone,
+  // and it does not wait at all (its next write waits for everyone).
+  void exchangeFrom(int source) {
+    seg->arrive();
+    if (rank == source) {
+      verifyPending = false;  // a rank that waits for it compares
+      return;
+    }
+    seg->waitFor(source, deadline);
+    verify(source);
+  }
+
+  // The first exchange of a collective compares its fingerprint hash with
+  // those of the ranks it waited for (all, or only `only`).
+  void verify(int only) {
     if (verifyPending) {
       verifyPending = false;
       for (int r = 0; r < size; ++r) {
+        if (only >= 0 && r != only) continue;
         if (seg->control(r).opHash[collectives & 1].load(std::memory_order_relaxed) != pendingHash) {
           // Somebody runs another collective: let the store say who called what.
           runner->checkFingerprint(*pendingFingerprint, std::chrono::duration_cast<Millis>(
@@ -215,13 +239,18 @@ struct ShmBackend::Impl {
     }
   }
 
+  // The root publishes, the others wait for the root alone: the root never
+  // waits for a receiver except before reusing a buffer.
   void broadcastBuffer(uint8_t* data, size_t bytes, int root) {
     const size_t perRound = pipelineBytes();
     size_t offset = 0;
     do {
       const size_t n = std::min(perRound, bytes - offset);
-      if (rank == root && n > 0) std::memcpy(mySlot(), data + offset, n);
-      exchange();
+      if (rank == root) {
+        if (offset > 0) seg->waitForAll(deadline);
+        if (n > 0) std::memcpy(mySlot(), data + offset, n);
+      }
+      exchangeFrom(root);
       if (rank != root && n > 0) std::memcpy(data + offset, slotOf(root), n);
       ++rounds;
       offset += n;

@@ -234,49 +234,57 @@ void ShmSegment::arrive() {
 }
 
 void ShmSegment::waitForAll(Clock::time_point deadline) {
-  const uint32_t target = mySteps_;
   for (int r = 0; r < size_; ++r) {
-    if (r == rank_) continue;
-    RankControl& peer = control(r);
-    if (reached(peer.step.load(std::memory_order_acquire), target)) continue;
-    // Spin: a peer that is running arrives within microseconds. With more
-    // ranks than cores the peer may be waiting for this very core: yield early.
-    for (int i = 0; i < spinIterations_; ++i) {
-      DT_CPU_RELAX();
-      if (reached(peer.step.load(std::memory_order_acquire), target)) break;
-    }
-    if (reached(peer.step.load(std::memory_order_acquire), target)) continue;
-    // Yield: a peer that shares this core needs it. With more ranks than
-    // cores keep yielding much longer: a sleeping rank costs a wake-up on
-    // every exchange, a yielding one hands its core straight to a peer.
-    const auto yieldUntil = Clock::now() + yieldFor_;
-    while (Clock::now() < yieldUntil) {
-      std::this_thread::yield();
-      if (reached(peer.step.load(std::memory_order_acquire), target)) break;
-    }
-    // Sleep on the peer's word, checking the deadline, the abort word and
-    // the peer's health between slices.
-    auto nextHealthCheck = Clock::now();
-    while (true) {
-      const uint32_t seen = peer.step.load(std::memory_order_acquire);
-      if (reached(seen, target)) break;
-      checkAbort();
-      const auto now = Clock::now();
-      if (now >= nextHealthCheck) {
-        checkPeer(r);
-        nextHealthCheck = now + std::chrono::milliseconds(20);
-      }
-      if (now >= deadline) {
-        throw TransportTimeout(str("waited for rank ", r, " at phase ", target, "; it is at phase ", seen));
-      }
-      peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
-      if (!reached(peer.step.load(std::memory_order_seq_cst), target)) {
-        futexWait(&peer.step, seen, std::chrono::milliseconds(10));
-      }
-      peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    }
+    if (r != rank_) waitFor(r, deadline);
+  }
+}
+
+void ShmSegment::waitFor(int r, Clock::time_point deadline) {
+  const uint32_t target = mySteps_;
+  RankControl& peer = control(r);
+  if (!reached(peer.step.load(std::memory_order_acquire), target)) {
+    waitSlow(r, target, deadline);
   }
   std::atomic_thread_fence(std::memory_order_acquire);
+}
+
+void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
+  RankControl& peer = control(r);
+  // Spin: a peer that is running arrives within microseconds. With more
+  // ranks than cores the peer may be waiting for this very core: yield early.
+  for (int i = 0; i < spinIterations_; ++i) {
+    DT_CPU_RELAX();
+    if (reached(peer.step.load(std::memory_order_acquire), target)) return;
+  }
+  // Yield: a peer that shares this core needs it. With more ranks than
+  // cores keep yielding much longer: a sleeping rank costs a wake-up on
+  // every exchange, a yielding one hands its core straight to a peer.
+  const auto yieldUntil = Clock::now() + yieldFor_;
+  while (Clock::now() < yieldUntil) {
+    std::this_thread::yield();
+    if (reached(peer.step.load(std::memory_order_acquire), target)) return;
+  }
+  // Sleep on the peer's word, checking the deadline, the abort word and
+  // the peer's health between slices.
+  auto nextHealthCheck = Clock::now();
+  while (true) {
+    const uint32_t seen = peer.step.load(std::memory_order_acquire);
+    if (reached(seen, target)) return;
+    checkAbort();
+    const auto now = Clock::now();
+    if (now >= nextHealthCheck) {
+      checkPeer(r);
+      nextHealthCheck = now + std::chrono::milliseconds(20);
+    }
+    if (now >= deadline) {
+      throw TransportTimeout(str("waited for rank ", r, " at phase ", target, "; it is at phase ", seen));
+    }
+    peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (!reached(peer.step.load(std::memory_order_seq_cst), target)) {
+      futexWait(&peer.step, seen, std::chrono::milliseconds(10));
+    }
+    peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
 }
 
 // ---- doorbells ------------------------------------------------------------------------------------

@@ -18,8 +18,10 @@
 //    that cannot finish set-up within the timeout unlinks it too.
 //  * Steps: in every phase of a collective each rank publishes its data,
 //    then arrive() (step + 1, waking sleepers), then waitForAll(): until every
-//    rank's step has reached its own. Ranks therefore run phase for phase in
-//    lock step. Waiting spins briefly, then yields, then sleeps on the
+//    rank's step has reached its own (or waitFor(r): only rank r's, for a
+//    phase where only r publishes). A rank writes into its buffer only when
+//    every rank has reached its current phase, so a buffer is never
+//    rewritten while a slower rank may still read it. Waiting spins briefly, then yields, then sleeps on the
 //    peer's futex word; it gives up (TransportTimeout) at the deadline, or
 //    (PeerLost) when the abort word is set or a peer's pid is gone or its
 //    heartbeat stopped for heartbeatTimeout.
@@ -108,8 +110,10 @@ class ShmSegment {
   // ---- collective phases -------------------------------------------------------
   // Publishes this rank's arrival at the next phase.
   void arrive();
-  // Waits until every rank arrived at this rank's current phase (see contract).
+  // Waits until every rank (or rank r) arrived at this rank's current phase
+  // (see contract).
   void waitForAll(Clock::time_point deadline);
+  void waitFor(int r, Clock::time_point deadline);
   uint32_t currentStep() const { return mySteps_; }
 
   // ---- p2p doorbells ---------------------------------------------------------------
@@ -132,6 +136,7 @@ class ShmSegment {
   void map(int fd, bool create);
   void heartbeatLoop();
   bool peerDead(int r, std::string* why) const;
+  void waitSlow(int r, uint32_t target, Clock::time_point deadline);
 
   const int rank_;
   const int size_;
