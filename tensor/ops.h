@@ -2,7 +2,9 @@
 //
 // Contract:
 //  * Every op is a free function; differentiable ops record an autograd node
-//    when grad mode is on and an input requires grad (tensor/autograd).
+//    when grad mode is on and an input requires grad (tensor/autograd). The
+//    common ones also have member forms on Tensor (x.sum({1}) is sum(x, {1}));
+//    a new op that LibTorch offers as a method gets a one-line member too.
 //  * Binary ops broadcast like NumPy/PyTorch and compute in the promoted dtype
 //    (promoteTypes); float16/bfloat16 compute in float32 and round back once.
 //    Bool operands of arithmetic are treated as int64.
@@ -99,10 +101,7 @@ Tensor mean(const Tensor& a);
 Tensor mean(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim = false);
 Tensor max(const Tensor& a);  // over all elements
 Tensor min(const Tensor& a);
-struct ValuesIndices {
-  Tensor values;
-  Tensor indices;  // int64
-};
+// ValuesIndices is in tensor/tensor.h (Tensor's member forms return it too).
 ValuesIndices max(const Tensor& a, int64_t dim, bool keepdim = false);
 ValuesIndices min(const Tensor& a, int64_t dim, bool keepdim = false);
 Tensor amax(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim = false);

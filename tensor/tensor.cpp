@@ -7,6 +7,7 @@
 
 #include "common/check.h"
 #include "common/errors.h"
+#include "common/logging.h"
 #include "common/strings.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/loop.h"
@@ -173,6 +174,32 @@ Tensor full(Shape sizes, double value, DType dtype, Device device) {
 
 Tensor scalarTensor(double value, DType dtype) { return full({}, value, dtype); }
 
+Tensor empty(Shape sizes, const TensorOptions& options) {
+  return detail::applyOptions(empty(std::move(sizes), options.dtype(), options.device()), options);
+}
+Tensor zeros(Shape sizes, const TensorOptions& options) {
+  return detail::applyOptions(zeros(std::move(sizes), options.dtype(), options.device()), options);
+}
+Tensor ones(Shape sizes, const TensorOptions& options) {
+  return detail::applyOptions(ones(std::move(sizes), options.dtype(), options.device()), options);
+}
+Tensor full(Shape sizes, double value, const TensorOptions& options) {
+  return detail::applyOptions(full(std::move(sizes), value, options.dtype(), options.device()), options);
+}
+Tensor scalarTensor(double value, const TensorOptions& options) { return full({}, value, options); }
+// arange fills on the cpu; applyOptions moves the result when options name another device.
+Tensor arange(int64_t n, const TensorOptions& options) {
+  return detail::applyOptions(arange(n, options.dtype()), options);
+}
+Tensor arange(double start, double end, double step, const TensorOptions& options) {
+  return detail::applyOptions(arange(start, end, step, options.dtype()), options);
+}
+
+std::ostream& operator<<(std::ostream& out, const TensorOptions& options) {
+  return out << "TensorOptions(dtype=" << options.dtype() << ", device=" << options.device()
+             << ", requiresGrad=" << (options.requiresGrad() ? "true" : "false") << ")";
+}
+
 Tensor arange(int64_t n, DType dtype) {
   DT_CHECK_GE(n, 0, "arange: n must be non-negative");
   Tensor t = empty({n}, dtype);
@@ -198,16 +225,114 @@ namespace detail {
 
 Tensor fromBytes(const void* data, Shape sizes, DType srcType, size_t count) {
   checkSizes(sizes, "fromVector");
+  if (sizes.empty() && count != 1) {
+    // Before {} meant 0-dim here, it meant "1-D of all the values"; say how to get that now.
+    throw InvalidArgument(str("fromVector: shape [] is a 0-dim tensor and takes exactly 1 value, got ", count,
+                              " values; call fromVector(values) without a shape for a 1-D tensor"));
+  }
   if (static_cast<size_t>(shapeNumel(sizes)) != count) {
-    throw InvalidArgument(str("fromVector: ", count, " values do not fill shape ", describeShape(sizes), " (",
-                              shapeNumel(sizes), " elements)"));
+    throw InvalidArgument(str("fromVector: ", count, " values do not fill shape ", describeShape(sizes), ", which holds ",
+                              shapeNumel(sizes)));
   }
   Tensor t = empty(std::move(sizes), srcType);
   if (count > 0) std::memcpy(t.dataPtr(), data, count * itemSize(srcType));
   return t;
 }
 
+Tensor applyOptions(Tensor fresh, const TensorOptions& options) {
+  Tensor out = fresh.to(options.dtype()).to(options.device());
+  if (options.requiresGrad()) out.setRequiresGrad(true);
+  return out;
+}
+
 }  // namespace detail
+
+// ---- fromBlob ----------------------------------------------------------------------------
+
+namespace {
+
+// DataPtr frees through a plain function and a context; the context owns the caller's deleter.
+struct BlobOwner {
+  BlobDeleter deleter;
+};
+
+void releaseBlob(void* context, void* data) noexcept {
+  std::unique_ptr<BlobOwner> owner(static_cast<BlobOwner*>(context));
+  // This runs in a destructor (the last Storage reference going away), so an exception
+  // cannot propagate; letting it escape would terminate the process.
+  try {
+    owner->deleter(data);
+  } catch (const std::exception& e) {
+    logger("tensor")->error("fromBlob: the deleter for memory at {} threw and the exception was dropped: {}", data,
+                            e.what());
+  } catch (...) {
+    logger("tensor")->error("fromBlob: the deleter for memory at {} threw a non-std exception; dropped", data);
+  }
+}
+
+size_t dtypeAlignment(DType dtype) {
+  return dispatchDType(dtype, []<typename T>() { return alignof(T); });
+}
+
+}  // namespace
+
+Tensor fromBlob(void* data, Shape sizes, Shape strides, const TensorOptions& options, BlobDeleter deleter) {
+  const char* op = "fromBlob";
+  if (!options.device().isCpu()) {
+    throw NotSupportedError(str("fromBlob: wrapping memory on ", options.device(),
+                                " is not supported yet; only cpu memory can be wrapped (wrap it on the cpu and "
+                                "call to(device), which copies)"));
+  }
+  checkSizes(sizes, op);
+  if (strides.size() != sizes.size()) {
+    throw InvalidArgument(str("fromBlob: strides ", describeShape(strides), " and sizes ", describeShape(sizes),
+                              " differ in length"));
+  }
+  for (int64_t stride : strides) {
+    if (stride < 0) throw InvalidArgument(str("fromBlob: negative stride in ", describeShape(strides)));
+  }
+  const int64_t numel = shapeNumel(sizes);
+  if (data == nullptr && numel > 0) {
+    throw InvalidArgument(str("fromBlob: data pointer is null but shape ", describeShape(sizes), " has ", numel,
+                              " elements (null is allowed only for an empty tensor)"));
+  }
+  const DType dtype = options.dtype();
+  const size_t alignment = dtypeAlignment(dtype);
+  const auto address = reinterpret_cast<uintptr_t>(data);
+  if (address % alignment != 0) {
+    throw InvalidArgument(str("fromBlob: data pointer ", data, " is not aligned for ", dtype, " (needs ", alignment,
+                              "-byte alignment, address % ", alignment, " = ", address % alignment,
+                              "); copy the bytes into an aligned buffer or a tensor from empty()"));
+  }
+  // Checked here, before the memory is adopted: once it is, a failure would run the deleter.
+  if (options.requiresGrad() && !isFloatingPoint(dtype)) {
+    throw InvalidArgument(str("fromBlob: requiresGrad needs a floating point dtype, got ", dtype));
+  }
+  // One past the furthest element any index can reach: the bytes the Storage covers.
+  int64_t span = numel > 0 ? 1 : 0;
+  if (numel > 0) {
+    for (size_t i = 0; i < sizes.size(); ++i) span += (sizes[i] - 1) * strides[i];
+  }
+  DataPtr owned = deleter ? DataPtr(data, new BlobOwner{std::move(deleter)}, &releaseBlob, Device::cpu())
+                          : DataPtr(data, nullptr, nullptr, Device::cpu());
+  Storage storage(std::move(owned), static_cast<size_t>(span) * itemSize(dtype));
+  Tensor out(makeImpl(std::move(storage), std::move(sizes), std::move(strides), 0, dtype, nullptr));
+  if (options.requiresGrad()) out.setRequiresGrad(true);
+  return out;
+}
+
+Tensor fromBlob(void* data, Shape sizes, const TensorOptions& options, BlobDeleter deleter) {
+  Shape strides = contiguousStrides(sizes);
+  return fromBlob(data, std::move(sizes), std::move(strides), options, std::move(deleter));
+}
+
+Tensor fromBlob(void* data, Shape sizes, DType dtype, BlobDeleter deleter) {
+  return fromBlob(data, std::move(sizes), TensorOptions().dtype(dtype), std::move(deleter));
+}
+
+Tensor fromBlob(void* data, Shape sizes, Shape strides, DType dtype, BlobDeleter deleter) {
+  return fromBlob(data, std::move(sizes), std::move(strides), TensorOptions().dtype(dtype), std::move(deleter));
+}
 
 // ---- copy / conversion ------------------------------------------------------------------
 

@@ -13,6 +13,13 @@
 //    (e.g. "view: shape [3, 5] is invalid for input float32[4, 4]"); an op on a
 //    device it has no kernel for throws NotSupportedError naming op and device.
 //  * Offsets and strides are in elements, not bytes.
+//  * A Shape of {} means a 0-dim tensor (one element) in every call that takes
+//    a shape, fromVector included; fromVector(values) without a shape is 1-D.
+//  * The math members (x.sum({1}), x.matmul(w), x.exp(), ...) are the free
+//    functions of tensor/ops.h spelled as members, as LibTorch has them:
+//    x.f(args) is dt::f(x, args), same kernels, same autograd, same errors.
+//  * fromBlob wraps memory the caller allocated; see its comment below for who
+//    frees it and when.
 #pragma once
 
 #include <atomic>
@@ -20,6 +27,7 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -27,12 +35,14 @@
 #include "tensor/device.h"
 #include "tensor/dtype.h"
 #include "tensor/storage.h"
+#include "tensor/tensor_options.h"
 
 namespace dt {
 
 class Tensor;
 struct AutogradMeta;  // tensor/autograd/autograd.h
 class Node;
+struct ValuesIndices;  // defined below, after Tensor
 
 using Shape = std::vector<int64_t>;
 
@@ -77,6 +87,9 @@ class Tensor {
   size_t nbytes() const { return static_cast<size_t>(numel()) * itemsize(); }
   int64_t storageOffset() const { return impl().offset; }
   bool isContiguous() const { return impl().contiguous; }
+  // This tensor's dtype and device, requiresGrad false (as LibTorch's options()):
+  // zeros(shape, x.options()) makes a fresh leaf like x, not a copy of its autograd state.
+  TensorOptions options() const { return TensorOptions().dtype(dtype()).device(device()); }
   const Storage& storage() const { return impl().storage; }
   void* dataPtr();
   const void* dataPtr() const;
@@ -128,6 +141,72 @@ class Tensor {
   Tensor unsqueeze(int64_t dim) const;
   Tensor asStrided(Shape sizes, Shape strides, int64_t storageOffset = -1) const;
 
+  // ---- math: member forms of tensor/ops.h (tensor_methods.cpp) ----------------
+  // Each is one call of the free function of the same name with *this first.
+  Tensor add(const Tensor& other, double alpha = 1.0) const;
+  Tensor add(double other) const;
+  Tensor sub(const Tensor& other, double alpha = 1.0) const;
+  Tensor sub(double other) const;
+  Tensor mul(const Tensor& other) const;
+  Tensor mul(double other) const;
+  Tensor div(const Tensor& other) const;
+  Tensor div(double other) const;
+  Tensor pow(const Tensor& exponent) const;
+  Tensor pow(double exponent) const;
+  Tensor maximum(const Tensor& other) const;
+  Tensor minimum(const Tensor& other) const;
+  Tensor neg() const;
+  Tensor exp() const;
+  Tensor log() const;
+  Tensor sqrt() const;
+  Tensor abs() const;
+  Tensor clamp(std::optional<double> low, std::optional<double> high) const;
+  Tensor relu() const;
+  Tensor gelu() const;
+  Tensor tanh() const;
+  Tensor sigmoid() const;
+
+  Tensor eq(const Tensor& other) const;
+  Tensor ne(const Tensor& other) const;
+  Tensor lt(const Tensor& other) const;
+  Tensor le(const Tensor& other) const;
+  Tensor gt(const Tensor& other) const;
+  Tensor ge(const Tensor& other) const;
+  Tensor gt(double other) const;
+  Tensor lt(double other) const;
+
+  Tensor sum() const;
+  Tensor sum(const std::vector<int64_t>& dims, bool keepdim = false) const;
+  Tensor mean() const;
+  Tensor mean(const std::vector<int64_t>& dims, bool keepdim = false) const;
+  Tensor max() const;
+  Tensor min() const;
+  ValuesIndices max(int64_t dim, bool keepdim = false) const;
+  ValuesIndices min(int64_t dim, bool keepdim = false) const;
+  Tensor amax(const std::vector<int64_t>& dims, bool keepdim = false) const;
+  Tensor argmax() const;
+  Tensor argmax(int64_t dim, bool keepdim = false) const;
+  Tensor argmin(int64_t dim, bool keepdim = false) const;
+
+  Tensor mm(const Tensor& other) const;
+  Tensor bmm(const Tensor& other) const;
+  Tensor matmul(const Tensor& other) const;
+  Tensor softmax(int64_t dim) const;
+  Tensor logSoftmax(int64_t dim) const;
+  Tensor indexSelect(int64_t dim, const Tensor& index) const;
+  bool allclose(const Tensor& other, double rtol = 1e-5, double atol = 1e-8) const;
+
+  // In place (bump the version; the free functions' autograd rules apply).
+  Tensor& add_(const Tensor& other, double alpha = 1.0);
+  Tensor& add_(double other);
+  Tensor& sub_(const Tensor& other, double alpha = 1.0);
+  Tensor& mul_(const Tensor& other);
+  Tensor& mul_(double other);
+  Tensor& div_(const Tensor& other);
+  Tensor& relu_();
+  Tensor& clamp_(std::optional<double> low, std::optional<double> high);
+  Tensor& sqrt_();
+
   // ---- element access ----------------------------------------------------------
   template <typename T>
   T item() const;
@@ -173,28 +252,78 @@ class Tensor {
   std::shared_ptr<TensorImpl> impl_;
 };
 
+// Result of max/min along a dimension.
+struct ValuesIndices {
+  Tensor values;
+  Tensor indices;  // int64
+};
+
 std::ostream& operator<<(std::ostream& out, const Tensor& t);
 std::string describeShape(const Shape& sizes);  // "[4, 1024]"
 
 // ---- factories ---------------------------------------------------------------
+// Each has a positional (dtype, device) form and a TensorOptions form
+// (tensor_options.h), which also takes requiresGrad.
 Tensor empty(Shape sizes, DType dtype = DType::Float32, Device device = Device::cpu());
+Tensor empty(Shape sizes, const TensorOptions& options);
 Tensor emptyStrided(Shape sizes, Shape strides, DType dtype = DType::Float32,
                     Device device = Device::cpu());
 Tensor emptyLike(const Tensor& t);
 Tensor zeros(Shape sizes, DType dtype = DType::Float32, Device device = Device::cpu());
+Tensor zeros(Shape sizes, const TensorOptions& options);
 Tensor zerosLike(const Tensor& t);
 Tensor ones(Shape sizes, DType dtype = DType::Float32, Device device = Device::cpu());
+Tensor ones(Shape sizes, const TensorOptions& options);
 Tensor onesLike(const Tensor& t);
 Tensor full(Shape sizes, double value, DType dtype = DType::Float32, Device device = Device::cpu());
+Tensor full(Shape sizes, double value, const TensorOptions& options);
+// A 0-dim tensor; the same as full({}, value, ...).
 Tensor scalarTensor(double value, DType dtype = DType::Float32);
+Tensor scalarTensor(double value, const TensorOptions& options);
 Tensor arange(int64_t n, DType dtype = DType::Int64);
+Tensor arange(int64_t n, const TensorOptions& options);
 Tensor arange(double start, double end, double step, DType dtype = DType::Float32);
+Tensor arange(double start, double end, double step, const TensorOptions& options);
 
-// Copies values into a new tensor; sizes default to {values.size()}.
+// Copies values into a new tensor. Without sizes the tensor is 1-D of values.size(); with
+// sizes the values must fill them exactly, and sizes {} is a 0-dim tensor of exactly one value
+// (as {} means everywhere else). Otherwise InvalidArgument names the shape and the count.
 template <typename T>
-Tensor fromVector(const std::vector<T>& values, Shape sizes = {});
+Tensor fromVector(const std::vector<T>& values);
+template <typename T>
+Tensor fromVector(const std::vector<T>& values, Shape sizes);
 template <typename T>
 Tensor fromVector(const std::vector<T>& values, Shape sizes, DType dtype);
+template <typename T>
+Tensor fromVector(const std::vector<T>& values, Shape sizes, const TensorOptions& options);
+
+// fromBlob: a tensor over memory the caller allocated; nothing is copied, and writes through
+// the tensor (or any view of it) land in the caller's memory.
+//
+// Lifetime. The tensor, its views (view, transpose, narrow, ...), tensors detach() gives, and
+// autograd graphs that saved it for backward all share one Storage; the memory must stay
+// valid until the last of them is gone.
+//  * With a deleter (it takes ownership): deleter(data) runs exactly once, when the last of
+//    them is destroyed, on whichever thread drops it (an autograd or backend worker thread
+//    too), so it must be safe to call from any thread. It runs for an empty tensor as well.
+//    It must not throw; if it does, the exception is logged ("tensor" logger) and dropped,
+//    because it runs inside a destructor. If fromBlob itself throws, the deleter is not
+//    called and the caller still owns the memory.
+//  * Without one (an empty std::function): the caller keeps ownership and must keep the
+//    memory alive, unmoved, for as long as any of the above refers to it; dtrain never frees
+//    it. Copies (clone, contiguous on a strided blob, to(dtype)) are ordinary tensors.
+// Checks, each an InvalidArgument naming the value: data is null while the shape has
+// elements (null is allowed for zero elements); data is not aligned to the dtype's alignment
+// (alignof of its C++ type: 4 for float32, 8 for float64/int64, 2 for 16-bit types); a
+// negative size or stride; strides whose length differs from sizes. Unaligned memory is
+// refused rather than copied because the kernels access elements through typed pointers.
+// Only cpu memory can be wrapped for now: another device throws NotSupportedError.
+// Strides are in elements, like everywhere in Tensor; the first element is at data.
+using BlobDeleter = std::function<void(void* data)>;
+Tensor fromBlob(void* data, Shape sizes, DType dtype = DType::Float32, BlobDeleter deleter = {});
+Tensor fromBlob(void* data, Shape sizes, Shape strides, DType dtype = DType::Float32, BlobDeleter deleter = {});
+Tensor fromBlob(void* data, Shape sizes, const TensorOptions& options, BlobDeleter deleter = {});
+Tensor fromBlob(void* data, Shape sizes, Shape strides, const TensorOptions& options, BlobDeleter deleter = {});
 
 // Helpers shared by ops.
 int64_t wrapDim(int64_t dim, int64_t ndim, const char* op);
@@ -205,6 +334,8 @@ Shape contiguousStrides(const Shape& sizes);
 namespace detail {
 void readScalars(const Tensor& t, DType as, void* out);  // contiguous out, numel elements
 Tensor fromBytes(const void* data, Shape sizes, DType srcType, size_t count);
+// Converts a fresh tensor to options' dtype and device and sets requiresGrad.
+Tensor applyOptions(Tensor fresh, const TensorOptions& options);
 }  // namespace detail
 
 template <typename T>
@@ -231,8 +362,12 @@ std::vector<T> Tensor::toVector() const {
 }
 
 template <typename T>
+Tensor fromVector(const std::vector<T>& values) {
+  return fromVector(values, Shape{static_cast<int64_t>(values.size())});
+}
+
+template <typename T>
 Tensor fromVector(const std::vector<T>& values, Shape sizes) {
-  if (sizes.empty()) sizes = {static_cast<int64_t>(values.size())};
   if constexpr (std::is_same_v<T, bool>) {
     std::vector<uint8_t> bytes(values.begin(), values.end());
     return detail::fromBytes(bytes.data(), std::move(sizes), DType::Bool, values.size());
@@ -244,6 +379,11 @@ Tensor fromVector(const std::vector<T>& values, Shape sizes) {
 template <typename T>
 Tensor fromVector(const std::vector<T>& values, Shape sizes, DType dtype) {
   return fromVector(values, std::move(sizes)).to(dtype);
+}
+
+template <typename T>
+Tensor fromVector(const std::vector<T>& values, Shape sizes, const TensorOptions& options) {
+  return detail::applyOptions(fromVector(values, std::move(sizes)), options);
 }
 
 }  // namespace dt

@@ -176,7 +176,7 @@ void Tensor::retainGrad() {
         slot = g.clone();
       } else {
         NoGradGuard ng;
-        slot = add(slot, g);
+        slot = dt::add(slot, g);  // qualified: Tensor::add would be found first here
       }
     }
     return Tensor();

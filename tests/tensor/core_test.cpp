@@ -1,14 +1,20 @@
 // Core tensor tests: dtypes and 16-bit rounding, devices, storage, views,
 // strided copies with conversion and broadcasting, factories.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
+#include "common/config.h"
 #include "common/errors.h"
 #include "tensor/dtype.h"
+#include "tensor/ops.h"
 #include "tensor/storage.h"
 #include "tensor/tensor.h"
 #include "tests/testing/testing.h"
@@ -147,6 +153,200 @@ TEST(Tensor, FactoriesAndAccessors) {
   Tensor h = fromVector<float>({1.5f, -2.0f}, {2}, DType::Float16);
   EXPECT_EQ(h.dtype(), DType::Float16);
   EXPECT_EQ(h.toVector<float>(), (std::vector<float>{1.5f, -2.0f}));
+}
+
+TEST(Tensor, EmptyShapeMeansZeroDimEverywhere) {
+  Tensor oneDim = fromVector<float>({1, 2, 3});
+  EXPECT_EQ(oneDim.sizes(), (Shape{3}));
+  EXPECT_EQ(fromVector<float>({}).sizes(), (Shape{0}));
+
+  Tensor zeroDim = fromVector<float>({5}, {});
+  EXPECT_EQ(zeroDim.dim(), 0);
+  EXPECT_EQ(zeroDim.item<float>(), 5.0f);
+  EXPECT_EQ(zeroDim.sizes(), scalarTensor(5.0).sizes());
+  EXPECT_EQ(zeros({}).sizes(), zeroDim.sizes());
+  Tensor converted = fromVector<float>({2.5f}, {}, DType::Float64);
+  EXPECT_EQ(converted.describe(), "float64[]");
+
+  expectThrowsWith<InvalidArgument>([] { fromVector<float>({1, 2, 3}, {}); },
+                                    {"shape []", "exactly 1 value", "got 3", "fromVector(values)"});
+  expectThrowsWith<InvalidArgument>([] { fromVector<int64_t>({}, Shape{}); }, {"shape []", "got 0"});
+}
+
+TEST(TensorOptions, SettersReturnChangedCopies) {
+  const TensorOptions defaults;
+  EXPECT_EQ(defaults.dtype(), DType::Float32);
+  EXPECT_EQ(defaults.device(), Device::cpu());
+  EXPECT_FALSE(defaults.requiresGrad());
+  const TensorOptions chained = defaults.dtype(DType::Float64).device(Device::cuda(1)).requiresGrad(true);
+  EXPECT_EQ(chained.dtype(), DType::Float64);
+  EXPECT_EQ(chained.device(), Device::cuda(1));
+  EXPECT_TRUE(chained.requiresGrad());
+  EXPECT_EQ(defaults, TensorOptions());  // untouched by the chain
+  std::ostringstream out;
+  out << chained;
+  EXPECT_EQ(out.str(), "TensorOptions(dtype=float64, device=cuda:1, requiresGrad=true)");
+}
+
+TEST(TensorOptions, FactoriesHonourDTypeAndRequiresGrad) {
+  const TensorOptions f64Param = TensorOptions().dtype(DType::Float64).requiresGrad(true);
+  Tensor z = zeros({2, 3}, f64Param);
+  EXPECT_EQ(z.describe(), "float64[2, 3]");
+  EXPECT_TRUE(z.requiresGrad());
+  EXPECT_TRUE(z.isLeaf());
+  EXPECT_EQ(z.toVector<double>(), std::vector<double>(6, 0.0));
+  EXPECT_EQ(ones({2}, f64Param).toVector<double>(), (std::vector<double>{1, 1}));
+  EXPECT_EQ(full({2}, 2.5, f64Param).toVector<double>(), (std::vector<double>{2.5, 2.5}));
+  EXPECT_EQ(empty({4}, f64Param).sizes(), (Shape{4}));
+  Tensor s = scalarTensor(3.0, f64Param);
+  EXPECT_EQ(s.dim(), 0);
+  EXPECT_TRUE(s.requiresGrad());
+  EXPECT_EQ(arange(3, TensorOptions()).describe(), "float32[3]");  // the options' dtype, as given
+  EXPECT_EQ(arange(0.0, 1.0, 0.25, f64Param).toVector<double>(), (std::vector<double>{0, 0.25, 0.5, 0.75}));
+  Tensor v = fromVector<float>({1.5f, 2.5f}, {2, 1}, f64Param);
+  EXPECT_EQ(v.describe(), "float64[2, 1]");
+  EXPECT_TRUE(v.requiresGrad());
+  EXPECT_TRUE(v.isLeaf());
+  EXPECT_EQ(v.toVector<double>(), (std::vector<double>{1.5, 2.5}));
+
+  const TensorOptions plainInts = TensorOptions().dtype(DType::Int64);
+  EXPECT_FALSE(ones({2}, plainInts).requiresGrad());
+  expectThrowsWith<InvalidArgument>([&] { zeros({2}, plainInts.requiresGrad(true)); },
+                                    {"floating point", "int64[2]"});
+#if !DT_HAVE_CUDA
+  expectThrowsWith<NotSupportedError>([] { zeros({2}, TensorOptions().device(Device::cuda())); }, {"cuda:0"});
+#endif
+}
+
+TEST(TensorOptions, OptionsOfATensorCarryDTypeAndDeviceOnly) {
+  Tensor param = zeros({2}, TensorOptions().dtype(DType::Float64).requiresGrad(true));
+  EXPECT_EQ(param.options(), TensorOptions().dtype(DType::Float64));
+  Tensor like = ones({3}, param.options());
+  EXPECT_EQ(like.dtype(), DType::Float64);
+  EXPECT_FALSE(like.requiresGrad());
+}
+
+// A float buffer from new[] whose deleter counts its calls, for the ownership tests.
+struct OwnedFloats {
+  explicit OwnedFloats(std::vector<float> values) : data(new float[values.size()]) {
+    std::copy(values.begin(), values.end(), data);
+  }
+  BlobDeleter deleter() {
+    return [this](void* p) {
+      ++calls;
+      seen = p;
+      delete[] static_cast<float*>(p);
+    };
+  }
+  float* data;
+  int calls = 0;
+  void* seen = nullptr;
+};
+
+TEST(FromBlob, DeleterRunsOnceWhenTheLastViewDies) {
+  OwnedFloats blob({1, 2, 3, 4, 5, 6});
+  float* const address = blob.data;
+  Tensor t = fromBlob(blob.data, {2, 3}, DType::Float32, blob.deleter());
+  EXPECT_EQ(t.dataPtr(), address);
+  Tensor transposed = t.transpose(0, 1);
+  Tensor row = t.select(0, 1);
+  t = Tensor();
+  transposed = Tensor();
+  EXPECT_EQ(blob.calls, 0);
+  EXPECT_EQ(row.toVector<float>(), (std::vector<float>{4, 5, 6}));
+  Tensor copy = row.clone();  // its own memory: does not keep the blob
+  row = Tensor();
+  EXPECT_EQ(blob.calls, 1);
+  EXPECT_EQ(blob.seen, address);
+  EXPECT_EQ(copy.toVector<float>(), (std::vector<float>{4, 5, 6}));
+}
+
+TEST(FromBlob, AGraphThatSavedTheTensorKeepsTheMemory) {
+  OwnedFloats blob({1, 2, 3});
+  Tensor x = fromBlob(blob.data, {3}, TensorOptions().requiresGrad(true), blob.deleter());
+  Tensor loss = mul(x, x).sum();  // MulBackward saves x
+  x = Tensor();
+  EXPECT_EQ(blob.calls, 0);
+  loss = Tensor();
+  EXPECT_EQ(blob.calls, 1);
+
+  std::vector<float> borrowed = {1, 2, 3};
+  Tensor y = fromBlob(borrowed.data(), {3}, TensorOptions().requiresGrad(true));
+  mul(y, y).sum().backward();
+  EXPECT_EQ(y.grad().toVector<float>(), (std::vector<float>{2, 4, 6}));
+}
+
+TEST(FromBlob, BorrowedMemorySeesWritesBothWays) {
+  alignas(64) float buffer[6] = {1, 2, 3, 4, 5, 6};
+  Tensor t = fromBlob(buffer, {2, 3});
+  t.select(0, 1).fill_(9);
+  EXPECT_EQ((std::vector<float>(buffer, buffer + 6)), (std::vector<float>{1, 2, 3, 9, 9, 9}));
+  t.mul_(2.0);
+  EXPECT_EQ(buffer[0], 2.0f);
+  buffer[1] = 42;
+  EXPECT_EQ(t.toVector<float>()[1], 42.0f);
+  const uint32_t before = t.version();
+  t.add_(1.0);
+  EXPECT_GT(t.version(), before);
+  t = Tensor();
+  EXPECT_EQ(buffer[2], 7.0f);  // never freed by dtrain; still the caller's
+}
+
+TEST(FromBlob, StridesDescribeTheCallersLayout) {
+  alignas(64) double columnMajor[6] = {1, 4, 2, 5, 3, 6};  // [[1, 2, 3], [4, 5, 6]] stored by column
+  Tensor t = fromBlob(columnMajor, {2, 3}, {1, 2}, DType::Float64);
+  EXPECT_FALSE(t.isContiguous());
+  EXPECT_EQ(t.storage().nbytes(), 6 * sizeof(double));
+  EXPECT_EQ(t.toVector<double>(), (std::vector<double>{1, 2, 3, 4, 5, 6}));
+  Tensor dense = t.contiguous();
+  EXPECT_FALSE(dense.storage().isSameAs(t.storage()));
+  expectThrowsWith<InvalidArgument>([&] { t.asStrided({2, 4}, {1, 2}, 0); }, {"holds 6 elements"});
+}
+
+TEST(FromBlob, BadArgumentsNameTheValueAndLeaveOwnershipWithTheCaller) {
+  int deleterCalls = 0;
+  const BlobDeleter counting = [&](void*) { ++deleterCalls; };
+  expectThrowsWith<InvalidArgument>([&] { fromBlob(nullptr, {2, 3}, DType::Float32, counting); },
+                                    {"null", "[2, 3]", "6 elements"});
+  alignas(8) unsigned char bytes[32] = {};
+  const std::string message = expectThrowsWith<InvalidArgument>(
+      [&] { fromBlob(bytes + 1, {2}, DType::Float32, counting); }, {"not aligned", "float32", "4-byte", "= 1"});
+  std::ostringstream address;
+  address << static_cast<void*>(bytes + 1);
+  EXPECT_NE(message.find(address.str()), std::string::npos) << message;
+  expectThrowsWith<InvalidArgument>([&] { fromBlob(bytes + 4, {2}, DType::Float64, counting); }, {"8-byte"});
+  expectThrowsWith<InvalidArgument>([&] { fromBlob(bytes, {2, 2}, {2}, DType::Float32, counting); },
+                                    {"strides [2]", "sizes [2, 2]"});
+  expectThrowsWith<InvalidArgument>([&] { fromBlob(bytes, {2}, {-1}, DType::Float32, counting); },
+                                    {"negative stride", "[-1]"});
+  expectThrowsWith<InvalidArgument>([&] { fromBlob(bytes, {-2}, DType::Float32, counting); }, {"[-2]"});
+  expectThrowsWith<InvalidArgument>(
+      [&] { fromBlob(bytes, {2}, TensorOptions().dtype(DType::Int64).requiresGrad(true), counting); },
+      {"requiresGrad", "int64"});
+  expectThrowsWith<NotSupportedError>(
+      [&] { fromBlob(bytes, {2}, TensorOptions().device(Device::cuda()), counting); },
+      {"cuda:0", "not supported yet"});
+  EXPECT_EQ(deleterCalls, 0);
+
+  // Alignment is per dtype: 16-bit types need 2 bytes, bool none.
+  EXPECT_EQ(fromBlob(bytes + 2, {3}, DType::Float16).numel(), 3);
+  EXPECT_EQ(fromBlob(bytes + 3, {3}, DType::Bool).numel(), 3);
+  // Null is fine for an empty tensor; an owning deleter still runs exactly once.
+  Tensor none = fromBlob(nullptr, {0, 4}, DType::Float32, counting);
+  EXPECT_EQ(none.numel(), 0);
+  none = Tensor();
+  EXPECT_EQ(deleterCalls, 1);
+}
+
+TEST(FromBlob, AThrowingDeleterIsLoggedNotPropagated) {
+  alignas(64) float buffer[2] = {1, 2};
+  int calls = 0;
+  Tensor t = fromBlob(buffer, {2}, DType::Float32, [&](void*) {
+    ++calls;
+    throw std::runtime_error("deleter failed on purpose");
+  });
+  EXPECT_NO_THROW(t = Tensor());
+  EXPECT_EQ(calls, 1);
 }
 
 TEST(Tensor, ViewsShareStorage) {

@@ -130,6 +130,12 @@ const std::vector<Case>& cases() {
          return crossEntropy(x[0], fromVector<int64_t>({1, 2}), o);
        },
        [] { return TensorList{leaf({2, 3})}; });
+  add2("cross_entropy_none_one_sample", [](const TensorList& x) {  // 0-dim loss
+         CrossEntropyOptions o;
+         o.reduction = Reduction::None;
+         return crossEntropy(x[0], fromVector<int64_t>({2}, {}), o);
+       },
+       [] { return TensorList{leaf({4})}; });
   add2("mse", [](const TensorList& x) { return mseLoss(x[0], x[1]); }, [] { return TensorList{leafT(2, 3), leaf({2, 3})}; });
   add2("embedding", [](const TensorList& x) { return embedding(x[0], fromVector<int64_t>({2, 0, 2, 1}, {2, 2})); },
        [] { return TensorList{leaf({4, 3})}; });

@@ -254,6 +254,10 @@ TEST(Ops, CrossEntropyIgnoreIndexAndLabelSmoothing) {
   none.reduction = Reduction::None;
   EXPECT_EQ(crossEntropy(logits, target, none).sizes(), (Shape{3}));
   EXPECT_EQ(vals(crossEntropy(logits, target, none))[2], 0.0);
+  // One sample ([C] logits, [] target) without reduction is a 0-dim loss, as in PyTorch.
+  Tensor oneSample = crossEntropy(logits.select(0, 0), fromVector<int64_t>({0}, {}), none);
+  EXPECT_EQ(oneSample.sizes(), Shape{});
+  EXPECT_NEAR(oneSample.item<double>(), l0, 1e-12);
   // Label smoothing eps: (1 - eps) * nll + eps * mean_j(-log p_j).
   CrossEntropyOptions smooth;
   smooth.labelSmoothing = 0.2;
