@@ -232,8 +232,7 @@ void FileStore::append(const std::string& key, const Bytes& value) {
   });
 }
 
-std::vector<Bytes> FileStore::multiGet(const std::vector<std::string>& keys) {
-  const Duration limit = timeout();
+std::vector<Bytes> FileStore::multiGet(const std::vector<std::string>& keys, Duration limit) {
   std::vector<Bytes> values;
   std::vector<std::string> missing;
   const bool ok = pollUntil(detail::deadlineAfter(limit), [&] {

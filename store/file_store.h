@@ -41,7 +41,8 @@ class FileStore final : public Store {
   bool deleteKey(const std::string& key) override;
   int64_t numKeys() override;
   void append(const std::string& key, const Bytes& value) override;
-  std::vector<Bytes> multiGet(const std::vector<std::string>& keys) override;
+  std::vector<Bytes> multiGet(const std::vector<std::string>& keys) override { return multiGet(keys, timeout()); }
+  std::vector<Bytes> multiGet(const std::vector<std::string>& keys, Duration timeout) override;
   void multiSet(const std::vector<std::string>& keys, const std::vector<Bytes>& values) override;
   void queuePush(const std::string& key, const Bytes& value) override;
   std::optional<Bytes> queuePop(const std::string& key, bool block) override {

@@ -89,8 +89,7 @@ void HashStore::append(const std::string& key, const Bytes& value) {
   shared_->changed.notify_all();
 }
 
-std::vector<Bytes> HashStore::multiGet(const std::vector<std::string>& keys) {
-  const Duration limit = timeout();
+std::vector<Bytes> HashStore::multiGet(const std::vector<std::string>& keys, Duration limit) {
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock lock(shared_->mutex);
   if (!shared_->changed.wait_until(lock, detail::deadlineAfter(limit, start), [&] { return shared_->state.hasAll(keys); })) {

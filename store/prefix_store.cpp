@@ -31,12 +31,8 @@ bool PrefixStore::deleteKey(const std::string& key) { return store_->deleteKey(p
 int64_t PrefixStore::numKeys() { return store_->numKeys(); }
 void PrefixStore::append(const std::string& key, const Bytes& value) { store_->append(prefixed(key), value); }
 
-std::vector<Bytes> PrefixStore::multiGet(const std::vector<std::string>& keys) {
-  // multiGet has no per-call timeout in the interface: wait with ours first,
-  // then read (the keys exist, so the read does not block).
-  const auto full = prefixed(keys);
-  store_->wait(full, timeout());
-  return store_->multiGet(full);
+std::vector<Bytes> PrefixStore::multiGet(const std::vector<std::string>& keys, Duration timeout) {
+  return store_->multiGet(prefixed(keys), timeout);
 }
 
 void PrefixStore::multiSet(const std::vector<std::string>& keys, const std::vector<Bytes>& values) {

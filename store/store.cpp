@@ -10,30 +10,36 @@ namespace dt {
 
 Store::Duration Store::defaultTimeout() { return env::getDuration("DT_STORE_TIMEOUT"); }
 
-Bytes Store::get(const std::string& key, Duration timeout) {
-  const Duration saved = this->timeout();
-  setTimeout(timeout);
+namespace {
+
+// Runs call() with the store's timeout set to `timeout`: the default per-call
+// timeout for subclasses that only implement the store-wide one.
+template <typename Call>
+auto withTimeout(Store& store, Store::Duration timeout, Call&& call) {
+  const Store::Duration saved = store.timeout();
+  store.setTimeout(timeout);
   try {
-    Bytes value = get(key);
-    setTimeout(saved);
-    return value;
+    auto result = call();
+    store.setTimeout(saved);
+    return result;
   } catch (...) {
-    setTimeout(saved);
+    store.setTimeout(saved);
     throw;
   }
 }
 
+}  // namespace
+
+Bytes Store::get(const std::string& key, Duration timeout) {
+  return withTimeout(*this, timeout, [&] { return get(key); });
+}
+
+std::vector<Bytes> Store::multiGet(const std::vector<std::string>& keys, Duration timeout) {
+  return withTimeout(*this, timeout, [&] { return multiGet(keys); });
+}
+
 std::optional<Bytes> Store::queuePop(const std::string& key, bool block, Duration timeout) {
-  const Duration saved = this->timeout();
-  setTimeout(timeout);
-  try {
-    auto value = queuePop(key, block);
-    setTimeout(saved);
-    return value;
-  } catch (...) {
-    setTimeout(saved);
-    throw;
-  }
+  return withTimeout(*this, timeout, [&] { return queuePop(key, block); });
 }
 
 void storeBarrier(Store& store, const std::string& key, int rank, int worldSize, Store::Duration timeout) {

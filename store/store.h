@@ -15,7 +15,9 @@
 //  * wait(keys[, timeout]) returns when all keys exist. check(keys) never
 //    blocks. deleteKey returns whether a key was removed. numKeys counts keys.
 //  * append creates a missing key. multiGet keeps the order of its keys and
-//    waits like get. multiSet sets all.
+//    waits like get, for all of them under one deadline (the per-call timeout
+//    or timeout()); its TimeoutError names the keys still missing. multiSet
+//    sets all.
 //  * queuePush/queuePop/queueLen: FIFO queues; queuePop(key, true) blocks
 //    until an item arrives (or the timeout), queuePop(key, false) returns
 //    nullopt at once when the queue is empty.
@@ -66,6 +68,8 @@ class Store {
   virtual int64_t numKeys() = 0;
   virtual void append(const std::string& key, const Bytes& value) = 0;
   virtual std::vector<Bytes> multiGet(const std::vector<std::string>& keys) = 0;
+  // multiGet with a per-call timeout; default as for get above.
+  virtual std::vector<Bytes> multiGet(const std::vector<std::string>& keys, Duration timeout);
   virtual void multiSet(const std::vector<std::string>& keys, const std::vector<Bytes>& values) = 0;
   virtual void queuePush(const std::string& key, const Bytes& value) = 0;
   // block=true waits up to timeout() for an item.

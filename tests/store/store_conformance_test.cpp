@@ -261,6 +261,28 @@ TEST_P(StoreConformance, MultiGetWaitsAndTimesOut) {
   expectThrowsWith<TimeoutError>([&] { store()->multiGet({"mg1", "mg-never"}); }, {"mg-never", "100 ms"});
 }
 
+TEST_P(StoreConformance, MultiGetTakesAPerCallTimeout) {
+  store()->set("pc1", "1");
+  // The per-call timeout wins over the store's, and the store's is untouched.
+  store()->setTimeout(30s);
+  const std::string message = expectThrowsWith<TimeoutError>(
+      [&] { store()->multiGet({"pc1", "pc-missing", "pc-absent"}, 80ms); },
+      {"multiGet", "timed out after 80 ms", harness_->where(), "Keys still missing: ", "pc-missing", "pc-absent"});
+  const auto tail = message.substr(message.find("Keys still missing"));
+  EXPECT_EQ(tail.find("pc1"), std::string::npos) << message;
+  EXPECT_EQ(store()->timeout(), 30s);
+  // One deadline for all keys: each arriving in time is enough.
+  auto writer = harness_->newClient();
+  std::thread t([&] {
+    std::this_thread::sleep_for(50ms);
+    writer->set("pc-missing", "2");
+    writer->set("pc-absent", "3");
+  });
+  EXPECT_EQ(store()->multiGet({"pc1", "pc-missing", "pc-absent"}, 20s), (std::vector<Bytes>{"1", "2", "3"}));
+  t.join();
+  EXPECT_EQ(store()->multiGet({"pc1"}, Store::Duration(0)), std::vector<Bytes>{"1"});
+}
+
 TEST_P(StoreConformance, QueuesAreFifo) {
   EXPECT_EQ(store()->queueLen("q"), 0);
   store()->queuePush("q", "1");
