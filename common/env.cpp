@@ -25,6 +25,9 @@ constexpr std::array kKnobs = {
     Knob{"DT_STORE_MAX_KEY_BYTES", "4096", "Largest key a TcpStore server accepts.", "user"},
     Knob{"DT_STORE_STALL_TIMEOUT", "30s", "A TcpStore server disconnects a client that has sent part of a request (or no handshake) and nothing more for this long.", "user"},
     Knob{"DT_STORE_MAX_VALUE_BYTES", "67108864", "Largest value (and largest request) a TcpStore server accepts.", "user"},
+    Knob{"DT_STORE_HANDSHAKE_TIMEOUT", "5s", "A TcpStore server closes a connection that has not completed its handshake this long after connecting (or after DT_STORE_STALL_TIMEOUT, if shorter).", "user"},
+    Knob{"DT_STORE_MAX_UNAUTHENTICATED", "64", "Connections a TcpStore server lets wait for their handshake at once; one more closes the oldest of them.", "user"},
+    Knob{"DT_STORE_MAX_BUFFERED_BYTES", "268435456", "Input a TcpStore server buffers for large requests (over 64 KiB) across all connections; a request that does not fit is not read until earlier ones complete.", "user"},
     // process groups
     Knob{"DT_PG_TIMEOUT", "10min", "Default timeout of collectives and of process-group set-up. Overridable per group and per op.", "user"},
     Knob{"DT_GLOO_HOSTNAME", "", "Address Gloo's TCP transport binds and advertises. Default: 127.0.0.1 when the store is on loopback, else this machine's host name.", "user"},

@@ -51,6 +51,29 @@ struct RetryableConnectError {
   std::string reason;
 };
 
+// The connection broke in the middle of a request (reset, closed, send
+// failed); the request may be sent again on a new one.
+struct ConnectionCut {
+  std::string reason;
+};
+
+// How often one call sends its request again after its connection broke.
+constexpr int kMaxResends = 3;
+// How long a reconnect after a broken connection may take (bounded by the
+// call's own deadline too): long enough for a busy server, short enough that
+// a server that is gone fails the call promptly.
+constexpr Ms kReconnectWindow{5000};
+// Where a mutating request's number sits in its frame (after the length,
+// the command byte and the client id).
+constexpr size_t kRequestNumberOffset = proto::kHeaderBytes + 1 + 8;
+
+uint64_t randomClientId() {
+  std::random_device device;
+  uint64_t id = 0;
+  while (id == 0) id = (static_cast<uint64_t>(device()) << 32) ^ device();
+  return id;
+}
+
 // Thousands of clients may live in one process (tests, benchmarks, a
 // launcher's agents): let them use every descriptor the hard limit allows.
 void raiseFileLimitOnce() {
@@ -87,6 +110,16 @@ struct TcpStore::Client {
   std::string out;
   std::string in;
   size_t inBegin = 0, inEnd = 0;
+
+  // Exactly once (store_proto's request ids): this client's id, fixed for its
+  // life and across reconnects, and the number of its latest mutating request.
+  const uint64_t clientId = randomClientId();
+  uint64_t lastNumber = 0;
+  bool mutating = false;  // the request in `out` carries a request id
+  // A mutating request that timed out unanswered. If the next request is the
+  // same, it is a repeat and keeps the number, so the server applies it at
+  // most once; any other request abandons it.
+  std::string unanswered;
 
   static std::unique_ptr<Client> make(const std::string& host, uint16_t port, const TcpStoreOptions& options,
                                       bool worker) {
@@ -231,20 +264,21 @@ struct TcpStore::Client {
   }
 
   void handshake(Clock::time_point deadline) {
-    out.clear();
-    proto::FrameWriter w(out);
+    // Its own buffer: a reconnect happens while `out` holds the request to send.
+    std::string hello;
+    proto::FrameWriter w(hello);
     w.u8(static_cast<uint8_t>(Command::Hello)).u32(proto::kMagic).u16(proto::kVersion).bytes(token).i32(rank);
     w.u8(worker ? proto::kHelloWorker : 0);
     w.finish();
     std::string_view body;
     try {
       const auto replyDeadline = std::max(deadline, Clock::now() + Ms(5000));
-      sendAll(replyDeadline);
+      sendAll(hello, replyDeadline);
       body = readFrame(replyDeadline, "handshake");
-    } catch (const NetworkError& e) {
+    } catch (const ConnectionCut& cut) {
       // Reset during the handshake: the server is starting, stopping or its
       // accept queue overflowed. Worth another try.
-      throw RetryableConnectError{e.what()};
+      throw RetryableConnectError{cut.reason};
     }
     proto::FrameReader r(body);
     const auto status = static_cast<Status>(r.u8());
@@ -266,10 +300,10 @@ struct TcpStore::Client {
     throw NetworkError(what);
   }
 
-  void sendAll(Clock::time_point deadline) {
+  void sendAll(const std::string& data, Clock::time_point deadline) {
     size_t sent = 0;
-    while (sent < out.size()) {
-      const ssize_t n = ::send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+    while (sent < data.size()) {
+      const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
       if (n > 0) {
         sent += static_cast<size_t>(n);
         continue;
@@ -280,10 +314,11 @@ struct TcpStore::Client {
         closeFd();
         reconnect = true;
         throw TimeoutError(str("store: could not send a request to the store at ", address(),
-                               " before the deadline (", where(), "); the connection will be re-established"));
+                               " before the deadline (", where(), "); the connection will be re-established",
+                               repeatHint()));
       }
-      connectionLost(str("lost the connection to the store at ", address(), " while sending (",
-                         std::strerror(errno), "); the server is gone"));
+      throw ConnectionCut{str("lost the connection to the store at ", address(), " while sending (",
+                              std::strerror(errno), "); the server is gone")};
     }
   }
 
@@ -307,7 +342,6 @@ struct TcpStore::Client {
         if (inBegin == inEnd) inBegin = inEnd = 0;
         return body;
       }
-      // Room for the rest of the frame.
       // Room for the rest of the frame (small to start: thousands of clients
       // may live in one process).
       if (in.size() - inBegin < need || in.size() - inEnd < 1024) {
@@ -332,10 +366,11 @@ struct TcpStore::Client {
         closeFd();
         reconnect = true;
         throw TimeoutError(str("store ", op, ": no reply from the store at ", address(),
-                               " by the deadline (", where(), "); the connection will be re-established"));
+                               " by the deadline (", where(), "); the connection will be re-established",
+                               repeatHint()));
       }
-      connectionLost(str("the store at ", address(), " closed the connection during ", op, " (",
-                         n == 0 ? "server gone" : std::strerror(errno), "; ", where(), ")"));
+      throw ConnectionCut{str("the store at ", address(), " closed the connection during ", op, " (",
+                              n == 0 ? "server gone" : std::strerror(errno), "; ", where(), ")")};
     }
   }
 
@@ -350,14 +385,82 @@ struct TcpStore::Client {
     throw NetworkError(str("the connection to the store at ", address(), " was lost earlier: ", lost));
   }
 
-  // Sends `out` (already framed) and returns the reply body after its status,
-  // throwing for Timeout / InvalidArgument / Error replies.
+  // Mutating requests: a timed-out request's number for its repeat, else the next.
+  void numberRequest(bool blocking) {
+    if (!mutating) return;
+    uint64_t number = 0;
+    if (isRepeatOfUnanswered(blocking)) {
+      std::memcpy(&number, unanswered.data() + kRequestNumberOffset, 8);
+    } else {
+      number = ++lastNumber;
+    }
+    std::memcpy(out.data() + kRequestNumberOffset, &number, 8);
+    unanswered.clear();
+  }
+
+  // Whether `out` is the unanswered request again: the same bytes but for
+  // its number (and the timeout of a blocking request, its last 8 bytes).
+  bool isRepeatOfUnanswered(bool blocking) const {
+    if (unanswered.size() != out.size()) return false;
+    const size_t numberEnd = kRequestNumberOffset + 8;
+    const size_t compareEnd = blocking ? out.size() - 8 : out.size();
+    return std::memcmp(out.data(), unanswered.data(), kRequestNumberOffset) == 0 &&
+           std::memcmp(out.data() + numberEnd, unanswered.data() + numberEnd, compareEnd - numberEnd) == 0;
+  }
+
+  std::string repeatHint() const {
+    return mutating ? ". Repeating the same call is safe: the server applies the request at most once" : "";
+  }
+
+  // After the connection broke mid-request: one new connection, and the same
+  // request (same number, so the server applies it at most once; a blocking
+  // one with the rest of its timeout). False when no connection could be made.
+  bool reconnectAndResend(const char* op, Clock::time_point deadline,
+                          std::optional<Ms> requestTimeout, Clock::time_point start) {
+    closeFd();
+    worker = false;  // this client was counted when it first joined
+    try {
+      tryConnectOnce(std::min(deadline, Clock::now() + kReconnectWindow));
+    } catch (const RetryableConnectError&) {
+      return false;
+    } catch (const NetworkError&) {
+      return false;
+    }
+    if (requestTimeout) {
+      const auto elapsed = std::chrono::duration_cast<Ms>(Clock::now() - start);
+      const int64_t rest = std::max<int64_t>(0, detail::addTimeouts(*requestTimeout, -elapsed).count());
+      std::memcpy(out.data() + out.size() - 8, &rest, 8);
+    }
+    log->warn("lost the connection to the store at {} during {} ({}); reconnected and sent the request again",
+              address(), op, where());
+    return true;
+  }
+
+  // Sends `out` (already framed by request()) and returns the reply body after
+  // its status, throwing for Timeout / InvalidArgument / Error replies.
+  // requestTimeout: the blocking request's own timeout (the last 8 bytes of
+  // `out`); clientTimeout: how long to wait for any reply at all.
   proto::FrameReader roundTrip(const char* op, const std::vector<std::string>& keys, Ms clientTimeout,
-                               Ms requestTimeout = Ms(0)) {
+                               std::optional<Ms> requestTimeout = std::nullopt) {
     ensureConnected();
-    const auto deadline = detail::deadlineAfter(clientTimeout);
-    sendAll(deadline);
-    std::string_view body = readFrame(deadline, op);
+    numberRequest(requestTimeout.has_value());
+    const auto start = Clock::now();
+    const auto deadline = detail::deadlineAfter(clientTimeout, start);
+    std::string_view body;
+    for (int resends = 0;; ++resends) {
+      try {
+        sendAll(out, deadline);
+        body = readFrame(deadline, op);
+        break;
+      } catch (const ConnectionCut& cut) {
+        if (resends == kMaxResends || !reconnectAndResend(op, deadline, requestTimeout, start)) {
+          connectionLost(cut.reason);
+        }
+      } catch (const TimeoutError&) {
+        if (mutating) unanswered = std::move(out);
+        throw;
+      }
+    }
     proto::FrameReader r(body);
     try {
       const auto status = static_cast<Status>(r.u8());
@@ -367,10 +470,10 @@ struct TcpStore::Client {
         case Status::Timeout: {
           std::vector<std::string> missing = r.keys(SIZE_MAX);
           if (std::string(op) == "queuePop") {
-            throw TimeoutError(str("store queuePop(\"", keys.at(0), "\") timed out after ", requestTimeout.count(),
+            throw TimeoutError(str("store queuePop(\"", keys.at(0), "\") timed out after ", requestTimeout->count(),
                                    " ms (", where(), "): the queue stayed empty. Is the producer running?"));
           }
-          detail::throwWaitTimeout(op, keys, missing, requestTimeout, where());
+          detail::throwWaitTimeout(op, keys, missing, requestTimeout.value_or(clientTimeout), where());
         }
         case Status::InvalidArgument:
           throw InvalidArgument(r.bytes(SIZE_MAX, "message"));
@@ -394,10 +497,14 @@ struct TcpStore::Client {
                                 " bytes exceeds DT_STORE_MAX_VALUE_BYTES=", maxValue));
     }
   }
+  // Starts a request frame; a mutating one gets this client's id and a
+  // number that roundTrip fills in.
   proto::FrameWriter request(Command command) {
     out.clear();
+    mutating = proto::isMutating(command);
     proto::FrameWriter w(out);
     w.u8(static_cast<uint8_t>(command));
+    if (mutating) w.u64(clientId).u64(0);
     return w;
   }
 };
@@ -505,12 +612,13 @@ void TcpStore::append(const std::string& key, const Bytes& value) {
   client_->roundTrip("append", {key}, timeout());
 }
 
-std::vector<Bytes> TcpStore::multiGet(const std::vector<std::string>& keys) {
+std::vector<Bytes> TcpStore::multiGet(const std::vector<std::string>& keys) { return multiGet(keys, timeout()); }
+
+std::vector<Bytes> TcpStore::multiGet(const std::vector<std::string>& keys, Duration timeout) {
   for (const auto& key : keys) client_->checkKey("multiGet", key);
-  const Duration limit = timeout();
   std::lock_guard lock(client_->mutex);
-  client_->request(Command::MultiGet).keys(keys).i64(limit.count()).finish();
-  auto r = client_->roundTrip("multiGet", keys, detail::addTimeouts(limit, kReplyGrace), limit);
+  client_->request(Command::MultiGet).keys(keys).i64(timeout.count()).finish();
+  auto r = client_->roundTrip("multiGet", keys, detail::addTimeouts(timeout, kReplyGrace), timeout);
   const uint32_t count = r.u32();
   std::vector<Bytes> values;
   values.reserve(count);

@@ -18,8 +18,20 @@
 //    (its own included) have joined, or throws TimeoutError listing how many
 //    joined.
 //  * A server that goes away fails blocked clients with NetworkError promptly.
+//  * A connection that breaks in the middle of a call (reset or closed) is
+//    made again once (within the call's deadline, at most 5 s) and the request
+//    sent again, up to 3 times per call; when no new connection can be made
+//    the call throws NetworkError and later calls fail at once with the reason.
+//  * Exactly once: mutating calls (set, add, compareSet, deleteKey, append,
+//    multiSet, queuePush, queuePop) carry this client object's random id and
+//    a request number, and the server answers a request it has already
+//    applied from memory. So a request sent again after a broken connection is
+//    applied once, and after a call throws TimeoutError (the server never
+//    answered), calling it again with the same arguments completes it at most
+//    once: the next call, if identical, is treated as its repeat (any other
+//    call abandons it). See tcp_store_server.h for how long replies are kept.
 //  * One client object owns one connection; its calls are serialised by a
-//    mutex. clone() opens a new connection.
+//    mutex. clone() opens a new connection (and has its own client id).
 #pragma once
 
 #include <cstdint>
@@ -69,6 +81,8 @@ class TcpStore final : public Store {
   int64_t numKeys() override;
   void append(const std::string& key, const Bytes& value) override;
   std::vector<Bytes> multiGet(const std::vector<std::string>& keys) override;
+  // One round trip: the server waits for all keys (up to timeout) and answers.
+  std::vector<Bytes> multiGet(const std::vector<std::string>& keys, Duration timeout) override;
   void multiSet(const std::vector<std::string>& keys, const std::vector<Bytes>& values) override;
   void queuePush(const std::string& key, const Bytes& value) override;
   std::optional<Bytes> queuePop(const std::string& key, bool block) override;

@@ -2,13 +2,17 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
+#include <list>
 #include <mutex>
 #include <set>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <asio.hpp>
 
@@ -34,6 +38,25 @@ constexpr size_t kMaxQueuedReplyBytes = 4 << 20;
 // Largest timeout a request may ask for (keeps timer arithmetic finite).
 constexpr int64_t kMaxTimeoutMs = int64_t{10} * 365 * 24 * 3600 * 1000;
 
+// Input buffers: every connection starts with a small one and returns to it
+// when idle, so thousands of connections cost little.
+constexpr size_t kInitialBufferBytes = 4096;
+// A read asks for at least this much room when the buffer may grow.
+constexpr size_t kMinReadBytes = 1024;
+// Before the handshake a buffer never exceeds this (a whole Hello fits).
+constexpr size_t kPreAuthBufferBytes = 16 * 1024;
+// After it, frames up to this size arrive without a share of maxBufferedBytes.
+constexpr size_t kUnreservedBufferBytes = 64 * 1024;
+
+// Remembered replies for exactly-once retries (see the header's contract).
+constexpr size_t kRememberedClients = 65536;
+constexpr size_t kRememberedReplyBytes = size_t{64} << 20;
+constexpr std::chrono::hours kRememberedReplyIdle{1};
+
+// Rate limit of the warnings an unauthenticated peer can cause.
+constexpr int kWarningsPerWindow = 10;
+constexpr std::chrono::seconds kWarningWindow{10};
+
 bool constantTimeEquals(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
   unsigned char diff = 0;
@@ -49,6 +72,38 @@ void raiseFileLimit() {
   }
 }
 
+// Lets a burst of warnings through per window and counts the rest, so that a
+// peer opening thousands of bad connections cannot flood the log.
+class WarningBudget {
+ public:
+  // True when this warning may be logged; then `suppressed` says how many
+  // were swallowed since the last one that was.
+  bool allow(Clock::time_point now, uint64_t& suppressed) {
+    if (now - windowStart_ >= kWarningWindow) {
+      windowStart_ = now;
+      usedInWindow_ = 0;
+    }
+    if (usedInWindow_ >= kWarningsPerWindow) {
+      ++suppressed_;
+      return false;
+    }
+    ++usedInWindow_;
+    suppressed = std::exchange(suppressed_, 0);
+    return true;
+  }
+
+ private:
+  Clock::time_point windowStart_{};
+  int usedInWindow_ = 0;
+  uint64_t suppressed_ = 0;
+};
+
+// Which client sent a mutating request, and its number (store_proto).
+struct RequestId {
+  uint64_t client = 0;  // 0: not remembered
+  uint64_t number = 0;
+};
+
 struct Session;
 
 // A request parked until its keys exist (get, wait, multiGet) or its queue
@@ -61,8 +116,94 @@ struct Waiter {
   Clock::time_point start;
   asio::steady_timer timer;
   bool done = false;
+  RequestId id;  // of a parked queuePop, whose answer is remembered
 };
 using WaiterPtr = std::shared_ptr<Waiter>;
+
+// The reply to each client's latest mutating request, so that a repeat of it
+// (after a lost connection or a timeout) is answered instead of applied again.
+// Bounded by kRememberedClients, kRememberedReplyBytes and kRememberedReplyIdle,
+// least recently used out first.
+class ReplyMemory {
+ public:
+  struct Entry {
+    uint64_t number = 0;
+    std::string reply;  // the framed reply; empty while the request is parked
+    WaiterPtr parked;   // the parked request (queuePop) with this number
+    Clock::time_point lastUsed;
+    std::list<uint64_t>::iterator age;  // in ages_, most recently used first
+  };
+
+  // The entry of a client, marked as used now; nullptr when none is remembered.
+  Entry* find(uint64_t client, Clock::time_point now) {
+    auto it = entries_.find(client);
+    if (it == entries_.end()) return nullptr;
+    touch(it->second, now);
+    return &it->second;
+  }
+
+  void rememberReply(RequestId id, std::string reply, Clock::time_point now) {
+    Entry& entry = slot(id, now);
+    entry.parked.reset();
+    bytes_ += reply.size();
+    entry.reply = std::move(reply);
+    evict(now);
+  }
+
+  void rememberParked(RequestId id, WaiterPtr waiter, Clock::time_point now) {
+    Entry& entry = slot(id, now);
+    entry.parked = std::move(waiter);
+    evict(now);
+  }
+
+  // The answer to a parked request, if its client has not moved on since.
+  void rememberAnswer(RequestId id, std::string reply, Clock::time_point now) {
+    auto it = entries_.find(id.client);
+    if (it == entries_.end() || it->second.number != id.number) return;
+    rememberReply(id, std::move(reply), now);
+  }
+
+  size_t clients() const { return entries_.size(); }
+
+ private:
+  void touch(Entry& entry, Clock::time_point now) {
+    entry.lastUsed = now;
+    ages_.splice(ages_.begin(), ages_, entry.age);
+  }
+
+  // The entry for id's client, set to id's number with nothing remembered yet.
+  Entry& slot(RequestId id, Clock::time_point now) {
+    auto [it, inserted] = entries_.try_emplace(id.client);
+    Entry& entry = it->second;
+    if (inserted) {
+      ages_.push_front(id.client);
+      entry.age = ages_.begin();
+    }
+    touch(entry, now);
+    bytes_ -= entry.reply.size();
+    entry.reply.clear();
+    entry.number = id.number;
+    return entry;
+  }
+
+  // Drops the least recently used entries while over a bound; the most
+  // recent one always stays.
+  void evict(Clock::time_point now) {
+    while (ages_.size() > 1) {
+      auto it = entries_.find(ages_.back());
+      const bool over = entries_.size() > kRememberedClients || bytes_ > kRememberedReplyBytes ||
+                        now - it->second.lastUsed > kRememberedReplyIdle;
+      if (!over) return;
+      bytes_ -= it->second.reply.size();
+      entries_.erase(it);
+      ages_.pop_back();
+    }
+  }
+
+  std::unordered_map<uint64_t, Entry> entries_;
+  std::list<uint64_t> ages_;
+  size_t bytes_ = 0;
+};
 
 }  // namespace
 
@@ -82,6 +223,16 @@ struct TcpStoreServer::Impl {
   std::unordered_map<std::string, std::vector<WaiterPtr>> keyWaiters;
   std::unordered_map<std::string, std::deque<WaiterPtr>> queueWaiters;
   std::unordered_set<std::shared_ptr<Session>> sessions;
+  ReplyMemory replies;
+
+  uint64_t sessionsOpened = 0;
+  // Connections waiting for their handshake, oldest first.
+  std::list<Session*> unauthenticated;
+  // Bytes of maxBufferedBytes held by connections receiving a large request,
+  // and the connections waiting (unread) for a share, first come first served.
+  size_t reservedBytes = 0;
+  std::deque<std::shared_ptr<Session>> waitingForRoom;
+  WarningBudget preAuthWarnings, capWarnings;
 
   mutable std::mutex joinMutex;
   std::condition_variable joinChanged;
@@ -90,6 +241,16 @@ struct TcpStoreServer::Impl {
   std::set<int> joinedRanks;
 
   void accept();
+  void admitUnauthenticated(Session& session);
+  // A share of maxBufferedBytes for a request of `need` bytes; false when the
+  // session has to wait for one (it is queued and resumed by releaseRoom).
+  bool reserveRoom(Session& session, size_t need);
+  void releaseRoom(Session& session);
+  // A rate-limited warning (one budget per kind of trouble).
+  void warnLimited(WarningBudget& budget, const std::string& message);
+  // A mutating request seen before: answered from memory, moved over from a
+  // lost connection, or refused as stale (true), or to be applied (false).
+  bool replay(Session& session, RequestId id, uint8_t command);
   void notifyKey(const std::string& key);
   void serveQueue(const std::string& key);
   void park(Session& session, Command command, std::vector<std::string> keys, int64_t timeoutMs);
@@ -103,13 +264,22 @@ namespace {
 
 struct Session : std::enable_shared_from_this<Session> {
   Session(TcpStoreServer::Impl& server, tcp::socket socket)
-      : server(server), socket(std::move(socket)), stallTimer(server.io) {}
+      : server(server), socket(std::move(socket)), serial(++server.sessionsOpened), stallTimer(server.io),
+        handshakeTimer(server.io) {}
 
   TcpStoreServer::Impl& server;
   tcp::socket socket;
+  const uint64_t serial;  // connections opened later have larger ones
   std::string peer = "?";
-  std::vector<char> in = std::vector<char>(4096);
+  // Input: bytes [begin, end) of `in` are received and not yet handled. While
+  // a read is in flight it writes after `end`, so nothing may move or resize
+  // the buffer then.
+  std::vector<char> in = std::vector<char>(kInitialBufferBytes);
   size_t begin = 0, end = 0;
+  bool readInFlight = false;
+  size_t reserved = 0;        // share of maxBufferedBytes for the frame at `begin`
+  size_t roomWanted = 0;      // the share it waits for, while in server.waitingForRoom
+  bool waitingForRoom = false;
   std::string out, writing;
   bool writeInFlight = false, closed = false, closeAfterWrite = false, handshaken = false;
   bool processPosted = false;
@@ -118,28 +288,52 @@ struct Session : std::enable_shared_from_this<Session> {
   bool stallArmed = false;
   bool progressed = false;  // bytes arrived since the stall clock was last set
   uint64_t stallGeneration = 0;
+  asio::steady_timer handshakeTimer;
+  Clock::time_point connectedAt = Clock::now();
+  std::list<Session*>::iterator unauthenticatedEntry;
+  bool listedUnauthenticated = false;
 
   void start() {
     std::error_code ec;
     socket.set_option(tcp::no_delay(true), ec);
     auto remote = socket.remote_endpoint(ec);
     if (!ec) peer = str(remote.address().to_string(), ":", remote.port());
-    updateStall();
+    server.admitUnauthenticated(*this);
+    const auto limit = std::min(server.options.handshakeTimeout, server.options.stallTimeout);
+    handshakeTimer.expires_after(limit);
+    handshakeTimer.async_wait([self = shared_from_this(), limit](std::error_code e) {
+      if (e || self->closed || self->handshaken) return;
+      self->fail(str("sent no complete handshake within ", limit.count(), " ms of connecting (", self->end - self->begin,
+                     " bytes buffered; DT_STORE_HANDSHAKE_TIMEOUT)"));
+    });
     read();
   }
 
+  // The largest the buffer may grow without a share of maxBufferedBytes.
+  size_t unreservedLimit() const { return handshaken ? kUnreservedBufferBytes : kPreAuthBufferBytes; }
+
+  // Starts a read unless one is in flight, the connection waits for room, or
+  // the buffer is full and may not grow: it grows only towards the frame
+  // being received (beyond unreservedLimit only with a reserved share), so
+  // memory follows the bytes that arrive, not the lengths peers claim.
   void read() {
-    if (closed) return;
-    if (in.size() - end < 1024) {
-      if (begin > 0) {
-        std::memmove(in.data(), in.data() + begin, end - begin);
-        end -= begin;
-        begin = 0;
-      }
-      if (in.size() - end < 1024) in.resize(in.size() * 2);
+    if (closed || readInFlight || waitingForRoom) return;
+    if (in.size() - end < kMinReadBytes && begin > 0) {
+      std::memmove(in.data(), in.data() + begin, end - begin);
+      end -= begin;
+      begin = 0;
     }
+    const size_t limit = std::max(unreservedLimit(), reserved);
+    if (in.size() - end < kMinReadBytes && in.size() < limit) {
+      in.resize(std::min(limit, std::max(in.size() * 2, end + kMinReadBytes)));
+    }
+    if (in.size() == end) return;  // resumed once handled frames make room
+    readInFlight = true;
     socket.async_read_some(asio::buffer(in.data() + end, in.size() - end),
-                           [self = shared_from_this()](std::error_code ec, size_t n) { self->onRead(ec, n); });
+                           [self = shared_from_this()](std::error_code ec, size_t n) {
+                             self->readInFlight = false;
+                             self->onRead(ec, n);
+                           });
   }
 
   void onRead(std::error_code ec, size_t n) {
@@ -159,44 +353,46 @@ struct Session : std::enable_shared_from_this<Session> {
     end += n;
     progressed = true;
     process();
-    read();
   }
 
-  // Handles every complete frame in the buffer, unless a request is parked.
+  // Handles every complete frame in the buffer, unless a request is parked,
+  // then reads on.
   void process() {
     processPosted = false;
     while (!closed && !pending && !closeAfterWrite && out.size() + writing.size() < kMaxQueuedReplyBytes) {
       const size_t available = end - begin;
       if (available < proto::kHeaderBytes) break;
       const uint32_t length = proto::readLength(in.data() + begin);
+      if (!handshaken && length > proto::kMaxHandshakeBytes) {
+        fail(str("claimed a frame of ", length, " bytes before completing the handshake (at most ",
+                 proto::kMaxHandshakeBytes, " allowed)"));
+        return;
+      }
       if (length == 0 || length > server.maxFrame) {
         fail(str("frame length ", length, " is outside 1..", server.maxFrame,
                  " (DT_STORE_MAX_VALUE_BYTES + framing)"));
         return;
       }
-      if (available < proto::kHeaderBytes + length) {
-        // Make room for the whole frame so the next reads complete it.
-        const size_t need = proto::kHeaderBytes + length;
-        if (in.size() - begin < need + 1024) {
-          std::memmove(in.data(), in.data() + begin, available);
-          begin = 0;
-          end = available;
-          if (in.size() < need + 1024) in.resize(need + 1024);
-        }
+      const size_t need = proto::kHeaderBytes + length;
+      if (available < need) {
+        if (need > unreservedLimit() && reserved == 0) server.reserveRoom(*this, need);
         break;
       }
       std::string_view body(in.data() + begin + proto::kHeaderBytes, length);
-      begin += proto::kHeaderBytes + length;
+      begin += need;
+      if (reserved > 0) server.releaseRoom(*this);
       handle(body);
     }
-    if (!closed && pending && end - begin > server.maxFrame + proto::kHeaderBytes) {
-      fail("sent more than a frame's worth of requests while one was still waiting");
-      return;
+    if (closed) return;
+    if (begin == end && !readInFlight) {
+      begin = end = 0;
+      // A large request is done: give its memory back.
+      if (in.size() > kUnreservedBufferBytes) std::vector<char>(kInitialBufferBytes).swap(in);
     }
-    if (begin == end) begin = end = 0;
     updateStall(progressed);
     progressed = false;
     flush();
+    read();
   }
 
   void continueLater() {
@@ -205,11 +401,11 @@ struct Session : std::enable_shared_from_this<Session> {
     asio::post(server.io, [self = shared_from_this()] { self->process(); });
   }
 
-  // A client stalls when it has sent part of a request (or not yet its
-  // handshake) and nothing more for stallTimeout.
+  // A client stalls when it has sent part of a request and nothing more for
+  // stallTimeout (the handshake has its own deadline, set in start()).
   // Bytes arriving restart the clock: a large value on a slow link is fine.
   void updateStall(bool gotBytes = false) {
-    const bool stalled = !closed && !pending && (!handshaken || end > begin);
+    const bool stalled = !closed && !pending && !waitingForRoom && handshaken && end > begin;
     if (stalled == stallArmed && !(stalled && gotBytes)) return;
     stallArmed = stalled;
     ++stallGeneration;
@@ -220,8 +416,7 @@ struct Session : std::enable_shared_from_this<Session> {
     stallTimer.expires_after(server.options.stallTimeout);
     stallTimer.async_wait([self = shared_from_this(), generation = stallGeneration](std::error_code ec) {
       if (ec || self->closed || generation != self->stallGeneration) return;
-      self->fail(str(self->handshaken ? "stalled in the middle of a request" : "sent no complete handshake",
-                     ": nothing received for ",
+      self->fail(str("stalled in the middle of a request: nothing received for ",
                      self->server.options.stallTimeout.count(), " ms (", self->end - self->begin,
                      " bytes buffered; DT_STORE_STALL_TIMEOUT)"));
     });
@@ -256,20 +451,33 @@ struct Session : std::enable_shared_from_this<Session> {
   void close(const std::string& reason, bool warn) {
     if (closed) return;
     closed = true;
-    if (warn) {
-      server.log->warn("store server {}: closing connection from {}: {}", server.addressText, peer, reason);
+    const std::string message =
+        str("store server ", server.addressText, ": closing connection from ", peer, ": ", reason);
+    if (warn && !handshaken) {
+      server.warnLimited(server.preAuthWarnings, message);
+    } else if (warn) {
+      server.log->warn("{}", message);
     } else {
-      server.log->debug("store server {}: connection from {} closed: {}", server.addressText, peer, reason);
+      server.log->debug("{}", message);
     }
     if (pending) {
       server.forget(pending);
       pending.reset();
     }
+    leaveUnauthenticated();
+    server.releaseRoom(*this);
     stallTimer.cancel();
+    handshakeTimer.cancel();
     std::error_code ignored;
     socket.shutdown(tcp::socket::shutdown_both, ignored);
     socket.close(ignored);
     server.sessions.erase(shared_from_this());
+  }
+
+  void leaveUnauthenticated() {
+    if (!listedUnauthenticated) return;
+    server.unauthenticated.erase(unauthenticatedEntry);
+    listedUnauthenticated = false;
   }
 
   // --- replies ---------------------------------------------------------------
@@ -283,6 +491,7 @@ struct Session : std::enable_shared_from_this<Session> {
 
   void handle(std::string_view body);
   void handleHello(proto::FrameReader& r);
+  void execute(Command command, proto::FrameReader& r);
 };
 
 void Session::handleHello(proto::FrameReader& r) {
@@ -296,7 +505,8 @@ void Session::handleHello(proto::FrameReader& r) {
     const std::string message = str("client speaks store protocol version ", version, ", this server (",
                                     server.addressText, ") speaks version ", proto::kVersion,
                                     "; run the same dtrain build on every host");
-    server.log->warn("store server {}: refusing {}: {}", server.addressText, peer, message);
+    server.warnLimited(server.preAuthWarnings,
+                       str("store server ", server.addressText, ": refusing ", peer, ": ", message));
     reply(Status::VersionMismatch).u16(proto::kVersion).bytes(message).finish();
     closeAfterWrite = true;
     return;
@@ -309,13 +519,16 @@ void Session::handleHello(proto::FrameReader& r) {
     const std::string message = str("the store at ", server.addressText, " refused the connection: ",
                                     token.empty() ? "no token given" : "wrong token",
                                     ". Every process of a job must use the same DT_STORE_TOKEN (dtrun sets it)");
-    server.log->warn("store server {}: refusing {} (rank {}): {}", server.addressText, peer, rank,
-                     token.empty() ? "missing token" : "wrong token");
+    server.warnLimited(server.preAuthWarnings, str("store server ", server.addressText, ": refusing ", peer,
+                                                   " (rank ", rank, "): ",
+                                                   token.empty() ? "missing token" : "wrong token"));
     reply(Status::AuthFailed).u16(proto::kVersion).bytes(message).finish();
     closeAfterWrite = true;
     return;
   }
   handshaken = true;
+  leaveUnauthenticated();
+  handshakeTimer.cancel();
   reply(Status::Ok).u16(proto::kVersion).finish();
   if (flags & proto::kHelloWorker) {
     {
@@ -330,6 +543,8 @@ void Session::handleHello(proto::FrameReader& r) {
 
 void Session::handle(std::string_view body) {
   uint8_t command = 0;
+  RequestId id;
+  const size_t replyStart = out.size();
   try {
     proto::FrameReader r(body);
     command = r.u8();
@@ -342,153 +557,12 @@ void Session::handle(std::string_view body) {
       handleHello(r);
       return;
     }
-    const size_t maxKey = server.options.maxKeyBytes;
-    const size_t maxValue = server.options.maxValueBytes;
-    auto& state = server.state;
-    switch (static_cast<Command>(command)) {
-      case Command::Set: {
-        std::string key = r.bytes(maxKey, "key");
-        std::string value = r.bytes(maxValue, "value");
-        r.expectEnd();
-        state.set(key, std::move(value));
-        replyOk();
-        server.notifyKey(key);
-        return;
-      }
-      case Command::Get: {
-        std::string key = r.bytes(maxKey, "key");
-        const int64_t timeoutMs = r.i64();
-        r.expectEnd();
-        if (const Bytes* value = state.find(key)) {
-          reply(Status::Ok).bytes(*value).finish();
-        } else {
-          server.park(*this, Command::Get, {std::move(key)}, timeoutMs);
-        }
-        return;
-      }
-      case Command::Add: {
-        std::string key = r.bytes(maxKey, "key");
-        const int64_t delta = r.i64();
-        r.expectEnd();
-        const int64_t value = state.add(key, delta);
-        reply(Status::Ok).i64(value).finish();
-        server.notifyKey(key);
-        return;
-      }
-      case Command::CompareSet: {
-        std::string key = r.bytes(maxKey, "key");
-        std::string expected = r.bytes(maxValue, "expected value");
-        std::string desired = r.bytes(maxValue, "desired value");
-        r.expectEnd();
-        bool wrote = false;
-        const Bytes result = state.compareSet(key, expected, desired, wrote);
-        reply(Status::Ok).bytes(result).finish();
-        if (wrote) server.notifyKey(key);
-        return;
-      }
-      case Command::Wait:
-      case Command::MultiGet: {
-        std::vector<std::string> keys = r.keys(maxKey);
-        const int64_t timeoutMs = r.i64();
-        r.expectEnd();
-        if (!state.hasAll(keys)) {
-          server.park(*this, static_cast<Command>(command), std::move(keys), timeoutMs);
-        } else if (static_cast<Command>(command) == Command::Wait) {
-          replyOk();
-        } else {
-          auto w = reply(Status::Ok);
-          w.u32(static_cast<uint32_t>(keys.size()));
-          for (const auto& key : keys) w.bytes(*state.find(key));
-          w.finish();
-        }
-        return;
-      }
-      case Command::Check: {
-        std::vector<std::string> keys = r.keys(maxKey);
-        r.expectEnd();
-        reply(Status::Ok).u8(state.hasAll(keys) ? 1 : 0).finish();
-        return;
-      }
-      case Command::Delete: {
-        std::string key = r.bytes(maxKey, "key");
-        r.expectEnd();
-        reply(Status::Ok).u8(state.erase(key) ? 1 : 0).finish();
-        return;
-      }
-      case Command::NumKeys:
-        r.expectEnd();
-        reply(Status::Ok).i64(state.size()).finish();
-        return;
-      case Command::Append: {
-        std::string key = r.bytes(maxKey, "key");
-        std::string value = r.bytes(maxValue, "value");
-        r.expectEnd();
-        const Bytes* current = state.find(key);
-        if (current && current->size() + value.size() > maxValue) {
-          replyError(Status::InvalidArgument,
-                     str("store append(\"", key, "\"): the value would grow to ", current->size() + value.size(),
-                         " bytes, over DT_STORE_MAX_VALUE_BYTES=", maxValue));
-          return;
-        }
-        state.append(key, value);
-        replyOk();
-        server.notifyKey(key);
-        return;
-      }
-      case Command::MultiSet: {
-        const uint32_t count = r.u32();
-        if (count > r.remaining() / 8) throw proto::ProtocolError(str("multiSet count ", count, " does not fit"));
-        std::vector<std::pair<std::string, std::string>> items;
-        items.reserve(count);
-        for (uint32_t i = 0; i < count; ++i) {
-          std::string key = r.bytes(maxKey, "key");
-          std::string value = r.bytes(maxValue, "value");
-          items.emplace_back(std::move(key), std::move(value));
-        }
-        r.expectEnd();
-        for (auto& [key, value] : items) state.set(key, std::move(value));
-        replyOk();
-        for (auto& item : items) server.notifyKey(item.first);
-        return;
-      }
-      case Command::QueuePush: {
-        std::string key = r.bytes(maxKey, "key");
-        std::string value = r.bytes(maxValue, "value");
-        r.expectEnd();
-        state.queuePush(key, std::move(value));
-        replyOk();
-        server.serveQueue(key);
-        return;
-      }
-      case Command::QueuePop: {
-        std::string key = r.bytes(maxKey, "key");
-        const bool block = r.u8() != 0;
-        const int64_t timeoutMs = r.i64();
-        r.expectEnd();
-        if (auto item = state.queuePop(key)) {
-          reply(Status::Ok).u8(1).bytes(*item).finish();
-        } else if (!block) {
-          reply(Status::Ok).u8(0).finish();
-        } else {
-          server.park(*this, Command::QueuePop, {std::move(key)}, timeoutMs);
-        }
-        return;
-      }
-      case Command::QueueLen: {
-        std::string key = r.bytes(maxKey, "key");
-        r.expectEnd();
-        reply(Status::Ok).i64(state.queueLen(key)).finish();
-        return;
-      }
-      case Command::Ping:
-        r.expectEnd();
-        replyOk();
-        return;
-      case Command::Hello:
-        fail("sent a second handshake");
-        return;
+    if (proto::isMutating(static_cast<Command>(command))) {
+      id.client = r.u64();
+      id.number = r.u64();
+      if (id.client != 0 && server.replay(*this, id, command)) return;
     }
-    fail(str("unknown command ", int(command)));
+    execute(static_cast<Command>(command), r);
   } catch (const proto::LimitError& e) {
     if (!handshaken) {
       fail(str("malformed handshake: ", e.what()));
@@ -502,6 +576,163 @@ void Session::handle(std::string_view body) {
   } catch (const InvalidArgument& e) {
     replyError(Status::InvalidArgument, e.what());
   }
+  if (id.client == 0 || closed) return;
+  if (pending) {
+    pending->id = id;
+    server.replies.rememberParked(id, pending, Clock::now());
+  } else {
+    server.replies.rememberReply(id, out.substr(replyStart), Clock::now());
+  }
+}
+
+void Session::execute(Command command, proto::FrameReader& r) {
+  const size_t maxKey = server.options.maxKeyBytes;
+  const size_t maxValue = server.options.maxValueBytes;
+  auto& state = server.state;
+  switch (command) {
+    case Command::Set: {
+      std::string key = r.bytes(maxKey, "key");
+      std::string value = r.bytes(maxValue, "value");
+      r.expectEnd();
+      state.set(key, std::move(value));
+      replyOk();
+      server.notifyKey(key);
+      return;
+    }
+    case Command::Get: {
+      std::string key = r.bytes(maxKey, "key");
+      const int64_t timeoutMs = r.i64();
+      r.expectEnd();
+      if (const Bytes* value = state.find(key)) {
+        reply(Status::Ok).bytes(*value).finish();
+      } else {
+        server.park(*this, Command::Get, {std::move(key)}, timeoutMs);
+      }
+      return;
+    }
+    case Command::Add: {
+      std::string key = r.bytes(maxKey, "key");
+      const int64_t delta = r.i64();
+      r.expectEnd();
+      const int64_t value = state.add(key, delta);
+      reply(Status::Ok).i64(value).finish();
+      server.notifyKey(key);
+      return;
+    }
+    case Command::CompareSet: {
+      std::string key = r.bytes(maxKey, "key");
+      std::string expected = r.bytes(maxValue, "expected value");
+      std::string desired = r.bytes(maxValue, "desired value");
+      r.expectEnd();
+      bool wrote = false;
+      const Bytes result = state.compareSet(key, expected, desired, wrote);
+      reply(Status::Ok).bytes(result).finish();
+      if (wrote) server.notifyKey(key);
+      return;
+    }
+    case Command::Wait:
+    case Command::MultiGet: {
+      std::vector<std::string> keys = r.keys(maxKey);
+      const int64_t timeoutMs = r.i64();
+      r.expectEnd();
+      if (!state.hasAll(keys)) {
+        server.park(*this, command, std::move(keys), timeoutMs);
+      } else if (command == Command::Wait) {
+        replyOk();
+      } else {
+        auto w = reply(Status::Ok);
+        w.u32(static_cast<uint32_t>(keys.size()));
+        for (const auto& key : keys) w.bytes(*state.find(key));
+        w.finish();
+      }
+      return;
+    }
+    case Command::Check: {
+      std::vector<std::string> keys = r.keys(maxKey);
+      r.expectEnd();
+      reply(Status::Ok).u8(state.hasAll(keys) ? 1 : 0).finish();
+      return;
+    }
+    case Command::Delete: {
+      std::string key = r.bytes(maxKey, "key");
+      r.expectEnd();
+      reply(Status::Ok).u8(state.erase(key) ? 1 : 0).finish();
+      return;
+    }
+    case Command::NumKeys:
+      r.expectEnd();
+      reply(Status::Ok).i64(state.size()).finish();
+      return;
+    case Command::Append: {
+      std::string key = r.bytes(maxKey, "key");
+      std::string value = r.bytes(maxValue, "value");
+      r.expectEnd();
+      const Bytes* current = state.find(key);
+      if (current && current->size() + value.size() > maxValue) {
+        replyError(Status::InvalidArgument,
+                   str("store append(\"", key, "\"): the value would grow to ", current->size() + value.size(),
+                       " bytes, over DT_STORE_MAX_VALUE_BYTES=", maxValue));
+        return;
+      }
+      state.append(key, value);
+      replyOk();
+      server.notifyKey(key);
+      return;
+    }
+    case Command::MultiSet: {
+      const uint32_t count = r.u32();
+      if (count > r.remaining() / 8) throw proto::ProtocolError(str("multiSet count ", count, " does not fit"));
+      std::vector<std::pair<std::string, std::string>> items;
+      items.reserve(count);
+      for (uint32_t i = 0; i < count; ++i) {
+        std::string key = r.bytes(maxKey, "key");
+        std::string value = r.bytes(maxValue, "value");
+        items.emplace_back(std::move(key), std::move(value));
+      }
+      r.expectEnd();
+      for (auto& [key, value] : items) state.set(key, std::move(value));
+      replyOk();
+      for (auto& item : items) server.notifyKey(item.first);
+      return;
+    }
+    case Command::QueuePush: {
+      std::string key = r.bytes(maxKey, "key");
+      std::string value = r.bytes(maxValue, "value");
+      r.expectEnd();
+      state.queuePush(key, std::move(value));
+      replyOk();
+      server.serveQueue(key);
+      return;
+    }
+    case Command::QueuePop: {
+      std::string key = r.bytes(maxKey, "key");
+      const bool block = r.u8() != 0;
+      const int64_t timeoutMs = r.i64();
+      r.expectEnd();
+      if (auto item = state.queuePop(key)) {
+        reply(Status::Ok).u8(1).bytes(*item).finish();
+      } else if (!block) {
+        reply(Status::Ok).u8(0).finish();
+      } else {
+        server.park(*this, Command::QueuePop, {std::move(key)}, timeoutMs);
+      }
+      return;
+    }
+    case Command::QueueLen: {
+      std::string key = r.bytes(maxKey, "key");
+      r.expectEnd();
+      reply(Status::Ok).i64(state.queueLen(key)).finish();
+      return;
+    }
+    case Command::Ping:
+      r.expectEnd();
+      replyOk();
+      return;
+    case Command::Hello:
+      fail("sent a second handshake");
+      return;
+  }
+  fail(str("unknown command ", int(command)));
 }
 
 }  // namespace
@@ -523,6 +754,127 @@ void TcpStoreServer::Impl::accept() {
     session->start();
     accept();
   });
+}
+
+void TcpStoreServer::Impl::warnLimited(WarningBudget& budget, const std::string& message) {
+  uint64_t suppressed = 0;
+  if (!budget.allow(Clock::now(), suppressed)) return;
+  if (suppressed == 0) {
+    log->warn("{}", message);
+  } else {
+    log->warn("{} ({} more like this were not logged)", message, suppressed);
+  }
+}
+
+void TcpStoreServer::Impl::admitUnauthenticated(Session& session) {
+  if (unauthenticated.size() >= options.maxUnauthenticated && !unauthenticated.empty()) {
+    // Dropping the oldest rather than refusing the newest keeps real clients
+    // in: they send their handshake at once, so a flood of silent connections
+    // cannot keep them out for longer than it takes to open the cap's worth.
+    Session& oldest = *unauthenticated.front();
+    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - oldest.connectedAt);
+    warnLimited(capWarnings, str("store server ", addressText, ": ", unauthenticated.size(),
+                                 " connections are waiting for their handshake, the cap "
+                                 "(DT_STORE_MAX_UNAUTHENTICATED=", options.maxUnauthenticated,
+                                 "); closing the oldest, from ", oldest.peer, " (connected ", age.count(),
+                                 " ms ago), to admit ", session.peer));
+    oldest.close("dropped for a newer connection: too many connections waiting for their handshake", false);
+  }
+  unauthenticated.push_back(&session);
+  session.unauthenticatedEntry = std::prev(unauthenticated.end());
+  session.listedUnauthenticated = true;
+}
+
+bool TcpStoreServer::Impl::reserveRoom(Session& session, size_t need) {
+  const bool fits = reservedBytes == 0 || reservedBytes + need <= options.maxBufferedBytes;
+  if (waitingForRoom.empty() && fits) {
+    reservedBytes += need;
+    session.reserved = need;
+    return true;
+  }
+  warnLimited(capWarnings, str("store server ", addressText, ": requests in progress hold ", reservedBytes,
+                               " bytes of input, the cap (DT_STORE_MAX_BUFFERED_BYTES=", options.maxBufferedBytes,
+                               "); not reading the ", need, "-byte request from ", session.peer,
+                               " until they complete (", waitingForRoom.size() + 1, " connections waiting)"));
+  session.waitingForRoom = true;
+  session.roomWanted = need;
+  waitingForRoom.push_back(session.shared_from_this());
+  session.updateStall();
+  return false;
+}
+
+void TcpStoreServer::Impl::releaseRoom(Session& session) {
+  if (session.waitingForRoom) {
+    session.waitingForRoom = false;
+    auto self = session.shared_from_this();
+    waitingForRoom.erase(std::remove(waitingForRoom.begin(), waitingForRoom.end(), self), waitingForRoom.end());
+  }
+  reservedBytes -= session.reserved;
+  session.reserved = 0;
+  // First come first served: the head waits until it fits, nobody overtakes it.
+  while (!waitingForRoom.empty()) {
+    Session& next = *waitingForRoom.front();
+    if (reservedBytes != 0 && reservedBytes + next.roomWanted > options.maxBufferedBytes) break;
+    auto admitted = std::move(waitingForRoom.front());
+    waitingForRoom.pop_front();
+    reservedBytes += next.roomWanted;
+    next.reserved = next.roomWanted;
+    next.waitingForRoom = false;
+    next.updateStall(true);
+    next.read();
+  }
+}
+
+bool TcpStoreServer::Impl::replay(Session& session, RequestId id, uint8_t command) {
+  ReplyMemory::Entry* entry = replies.find(id.client, Clock::now());
+  if (!entry) return false;
+  WaiterPtr parked = entry->parked && !entry->parked->done ? entry->parked : nullptr;
+  if (id.number > entry->number) {
+    // The client has moved on, so its parked request was abandoned with the
+    // connection it came on: it must not take a queue item nobody will get.
+    if (parked) {
+      auto abandoned = parked->session;
+      forget(parked);
+      entry->parked.reset();
+      if (abandoned && abandoned.get() != &session) {
+        abandoned->pending.reset();
+        abandoned->close("its client sent newer requests on another connection", false);
+      }
+    }
+    return false;
+  }
+  if (id.number < entry->number) {
+    session.replyError(Status::Error,
+                       str("store ", proto::commandName(command), " request #", id.number, " of client ", std::hex,
+                           id.client, std::dec, " is older than its latest request #", entry->number,
+                           ": a stale repeat, not applied"));
+    return true;
+  }
+  if (!entry->reply.empty()) {
+    log->debug("store server {}: {} request #{} from {} repeated; answered from memory", addressText,
+               proto::commandName(command), id.number, session.peer);
+    session.out += entry->reply;
+    return true;
+  }
+  if (parked) {
+    auto previous = parked->session;
+    if (previous && previous->serial > session.serial) {
+      // A late copy of a request its client already sent again on a newer
+      // connection: this older one is dead to the client.
+      session.close("a late copy of a request its client repeated on a newer connection", false);
+      return true;
+    }
+    // Still waiting on the connection the request first came on, which its
+    // client has given up: the request moves over to this one.
+    parked->session = session.shared_from_this();
+    session.pending = parked;
+    if (previous && previous.get() != &session) {
+      previous->pending.reset();
+      previous->close("its client repeated the waiting request on another connection", false);
+    }
+    return true;
+  }
+  return false;  // it never completed (its connection closed while it waited): apply it now
 }
 
 void TcpStoreServer::Impl::park(Session& session, Command command, std::vector<std::string> keys,
@@ -577,6 +929,7 @@ void TcpStoreServer::Impl::answer(const WaiterPtr& waiter) {
   waiter->timer.cancel();
   auto session = std::move(waiter->session);
   session->pending.reset();
+  const size_t replyStart = session->out.size();
   switch (waiter->command) {
     case Command::Get:
       session->reply(Status::Ok).bytes(*state.find(waiter->keys[0])).finish();
@@ -597,6 +950,7 @@ void TcpStoreServer::Impl::answer(const WaiterPtr& waiter) {
     default:
       break;
   }
+  if (waiter->id.client != 0) replies.rememberAnswer(waiter->id, session->out.substr(replyStart), Clock::now());
   session->flush();
   session->continueLater();
 }
@@ -609,11 +963,13 @@ void TcpStoreServer::Impl::expire(const WaiterPtr& waiter) {
   std::vector<std::string> missing =
       waiter->command == Command::QueuePop ? waiter->keys : state.missing(waiter->keys);
   const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - waiter->start);
+  const size_t replyStart = session->out.size();
   auto w = session->reply(Status::Timeout);
   w.u32(static_cast<uint32_t>(missing.size()));
   for (const auto& key : missing) w.bytes(key);
   w.i64(waited.count());
   w.finish();
+  if (waiter->id.client != 0) replies.rememberAnswer(waiter->id, session->out.substr(replyStart), Clock::now());
   session->flush();
   session->continueLater();
 }
@@ -642,6 +998,7 @@ void TcpStoreServer::Impl::closeAll() {
   auto all = sessions;
   for (auto& session : all) session->close("server shutting down", false);
   sessions.clear();
+  waitingForRoom.clear();
   keyWaiters.clear();
   queueWaiters.clear();
 }
@@ -652,6 +1009,15 @@ std::shared_ptr<TcpStoreServer> TcpStoreServer::start(TcpStoreServerOptions opti
     options.maxValueBytes = static_cast<size_t>(env::getInt("DT_STORE_MAX_VALUE_BYTES"));
   }
   if (options.stallTimeout.count() <= 0) options.stallTimeout = env::getDuration("DT_STORE_STALL_TIMEOUT");
+  if (options.handshakeTimeout.count() <= 0) {
+    options.handshakeTimeout = env::getDuration("DT_STORE_HANDSHAKE_TIMEOUT");
+  }
+  if (options.maxUnauthenticated == 0) {
+    options.maxUnauthenticated = static_cast<size_t>(std::max<int64_t>(1, env::getInt("DT_STORE_MAX_UNAUTHENTICATED")));
+  }
+  if (options.maxBufferedBytes == 0) {
+    options.maxBufferedBytes = static_cast<size_t>(std::max<int64_t>(1, env::getInt("DT_STORE_MAX_BUFFERED_BYTES")));
+  }
   raiseFileLimit();
 
   auto impl = std::make_unique<Impl>();

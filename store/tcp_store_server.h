@@ -10,6 +10,26 @@
 //    and a malformed frame, an unknown command, or a client that stalls in the
 //    middle of a request for stallTimeout loses its connection with a logged
 //    reason (peer address). Stored data is never dropped for that.
+//  * Memory follows what peers have proven, not what they claim:
+//    - before its handshake a connection may claim a frame of at most
+//      store_proto::kMaxHandshakeBytes (larger: closed at once), must complete
+//      the handshake within handshakeTimeout, and buffers at most 16 KiB;
+//    - at most maxUnauthenticated connections may be waiting for their
+//      handshake; one more closes the oldest of them (a real client sends its
+//      handshake at once, so it is never the oldest for long);
+//    - after the handshake a connection's buffer grows with the bytes that
+//      arrive, never ahead of them; a request over 64 KiB takes a share of
+//      maxBufferedBytes while it arrives, and a connection whose request does
+//      not fit is not read (TCP pushes back on its sender) until earlier
+//      large requests complete, first come first served.
+//    Warnings about unauthenticated peers and about the caps are rate-limited
+//    (10 per 10 s each, then a count of those left out).
+//  * Exactly once: the reply to each client's latest mutating request is
+//    remembered (store_proto's request ids), so a request repeated after a
+//    lost connection or a timeout is answered, not applied again. Memory:
+//    the latest reply of at most 65536 clients, 64 MiB of replies, each kept
+//    until its client has been idle for an hour, least recently used first
+//    out. A client forgotten that way gets its repeat applied again.
 //  * waitForWorkers(n, timeout) blocks the caller (any thread but the loop's)
 //    until n worker clients have completed the handshake, or throws
 //    TimeoutError: "3/4 joined; missing: rank 2".
@@ -34,6 +54,15 @@ struct TcpStoreServerOptions {
   // How long a client may sit in the middle of a request (or before its
   // handshake) before it is disconnected. 0: DT_STORE_STALL_TIMEOUT.
   std::chrono::milliseconds stallTimeout{0};
+  // How long a new connection has for its handshake (the smaller of this and
+  // stallTimeout applies). 0: DT_STORE_HANDSHAKE_TIMEOUT.
+  std::chrono::milliseconds handshakeTimeout{0};
+  // Connections still waiting for their handshake; at the cap a new one
+  // closes the oldest. 0: DT_STORE_MAX_UNAUTHENTICATED.
+  size_t maxUnauthenticated = 0;
+  // Input buffered for large requests across all connections. 0:
+  // DT_STORE_MAX_BUFFERED_BYTES.
+  size_t maxBufferedBytes = 0;
 };
 
 class TcpStoreServer {

@@ -30,6 +30,22 @@ const char* commandName(uint8_t command) {
   return "unknown";
 }
 
+bool isMutating(Command command) {
+  switch (command) {
+    case Command::Set:
+    case Command::Add:
+    case Command::CompareSet:
+    case Command::Delete:
+    case Command::Append:
+    case Command::MultiSet:
+    case Command::QueuePush:
+    case Command::QueuePop:
+      return true;
+    default:
+      return false;
+  }
+}
+
 void FrameReader::raw(void* p, size_t n) {
   if (remaining() < n) {
     throw ProtocolError(str("truncated frame: needed ", n, " more bytes at offset ", pos_, " of ", body_.size()));

@@ -11,6 +11,19 @@
 // Hello reply: Ok + u16 server version, or VersionMismatch / AuthFailed +
 // u16 server version + string message (then the server closes).
 //
+// Before the handshake succeeds a frame may claim at most kMaxHandshakeBytes;
+// a larger claim closes the connection (an unauthenticated peer must not make
+// the server reserve memory).
+//
+// Requests that change the store (isMutating) carry, right after the command
+// byte, u64 client id + u64 request number (the "request id"). A client picks
+// a random non-zero id once per client object, keeps it across reconnects and
+// numbers its requests 1, 2, ...; a request it sends again after losing its
+// connection or timing out keeps its number. The server remembers the reply to
+// each client's latest request and answers a repeat with it instead of applying
+// the request twice; an older number than the latest is refused (Error) and
+// not applied. Client id 0 opts out (every request is applied).
+//
 // Blocking requests carry their timeout (i64 ms); the server enforces it and
 // answers Timeout (u32 count + missing keys, i64 waited ms), so a timed-out
 // wait costs no cancellation round trip and leaves the stream in step.
@@ -28,31 +41,41 @@
 namespace dt::store_proto {
 
 constexpr uint32_t kMagic = 0x54534444;  // "DDST" on the wire
-constexpr uint16_t kVersion = 1;
+// 2: request ids on mutating requests.
+constexpr uint16_t kVersion = 2;
 constexpr size_t kHeaderBytes = 4;
 // Framing overhead allowed on top of the value limit in one frame.
 constexpr size_t kFrameSlack = 64 * 1024;
+// The largest frame a connection may claim before its handshake succeeded
+// (a Hello with the longest token the server reads is about 4.1 KiB).
+constexpr size_t kMaxHandshakeBytes = 8 * 1024;
 constexpr uint8_t kHelloWorker = 1;  // counts towards waitForWorkers
 
+// "id" is the request id of mutating requests: u64 client id, u64 request number.
 enum class Command : uint8_t {
   Hello = 1,
-  Set = 2,         // key, value                -> Ok
-  Get = 3,         // key, i64 timeout          -> Ok value | Timeout
-  Add = 4,         // key, i64 delta            -> Ok i64
-  CompareSet = 5,  // key, expected, desired    -> Ok value
-  Wait = 6,        // keys, i64 timeout         -> Ok | Timeout
-  Check = 7,       // keys                      -> Ok u8
-  Delete = 8,      // key                       -> Ok u8
-  NumKeys = 9,     //                           -> Ok i64
-  Append = 10,     // key, value                -> Ok
-  MultiGet = 11,   // keys, i64 timeout         -> Ok u32 n, values | Timeout
-  MultiSet = 12,   // u32 n, n x (key, value)   -> Ok
-  QueuePush = 13,  // key, value                -> Ok
-  QueuePop = 14,   // key, u8 block, i64 timeout -> Ok u8 has, [value] | Timeout
-  QueueLen = 15,   // key                       -> Ok i64
-  Ping = 16,       //                           -> Ok
+  Set = 2,         // id, key, value                -> Ok
+  Get = 3,         // key, i64 timeout              -> Ok value | Timeout
+  Add = 4,         // id, key, i64 delta            -> Ok i64
+  CompareSet = 5,  // id, key, expected, desired    -> Ok value
+  Wait = 6,        // keys, i64 timeout             -> Ok | Timeout
+  Check = 7,       // keys                          -> Ok u8
+  Delete = 8,      // id, key                       -> Ok u8
+  NumKeys = 9,     //                               -> Ok i64
+  Append = 10,     // id, key, value                -> Ok
+  MultiGet = 11,   // keys, i64 timeout             -> Ok u32 n, values | Timeout
+  MultiSet = 12,   // id, u32 n, n x (key, value)   -> Ok
+  QueuePush = 13,  // id, key, value                -> Ok
+  QueuePop = 14,   // id, key, u8 block, i64 timeout -> Ok u8 has, [value] | Timeout
+  QueueLen = 15,   // key                           -> Ok i64
+  Ping = 16,       //                               -> Ok
 };
 constexpr uint8_t kMaxCommand = 16;
+// Bytes of a request id on the wire (u64 client id + u64 request number).
+constexpr size_t kRequestIdBytes = 16;
+
+// Whether the command changes the store (and so carries a request id).
+bool isMutating(Command command);
 
 enum class Status : uint8_t {
   Ok = 0,
@@ -87,6 +110,7 @@ class FrameWriter {
   FrameWriter& u32(uint32_t v) { return raw(&v, 4); }
   FrameWriter& i32(int32_t v) { return raw(&v, 4); }
   FrameWriter& i64(int64_t v) { return raw(&v, 8); }
+  FrameWriter& u64(uint64_t v) { return raw(&v, 8); }
   FrameWriter& bytes(std::string_view s) {
     u32(static_cast<uint32_t>(s.size()));
     out_.append(s.data(), s.size());
@@ -121,6 +145,7 @@ class FrameReader {
   uint32_t u32() { uint32_t v; raw(&v, 4); return v; }
   int32_t i32() { int32_t v; raw(&v, 4); return v; }
   int64_t i64() { int64_t v; raw(&v, 8); return v; }
+  uint64_t u64() { uint64_t v; raw(&v, 8); return v; }
   // A string of at most maxBytes (ProtocolError naming `what` otherwise).
   std::string bytes(size_t maxBytes, const char* what);
   std::vector<std::string> keys(size_t maxKeyBytes);
