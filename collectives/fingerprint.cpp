@@ -72,4 +72,16 @@ CollectiveFingerprint CollectiveFingerprint::parse(const std::string& text) {
   return fp;
 }
 
+bool CollectiveFingerprint::agreesWith(const CollectiveFingerprint& other) const {
+  if (!sizesMayDiffer()) return *this == other;
+  if (op != other.op || seq != other.seq || reduceOp != other.reduceOp || root != other.root ||
+      tensors.size() != other.tensors.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].dtype != other.tensors[i].dtype) return false;
+  }
+  return true;
+}
+
 }  // namespace dt

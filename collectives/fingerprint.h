@@ -38,6 +38,12 @@ struct CollectiveFingerprint {
   // Throws InvalidArgument for text serialize() could not have produced.
   static CollectiveFingerprint parse(const std::string& text);
 
+  // Ranks of one allToAll may pass different sizes (uneven splits); for
+  // those ops only the dtypes must agree.
+  bool sizesMayDiffer() const { return op == "allToAll" || op == "allToAllSingle"; }
+  // Whether two ranks' fingerprints describe the same collective.
+  bool agreesWith(const CollectiveFingerprint& other) const;
+
   bool operator==(const CollectiveFingerprint&) const = default;
 };
 

@@ -9,6 +9,8 @@
 //    numbers its calls itself (1, 2, ...). It appears in every error message
 //    and in fingerprints.
 //  * root / peer: group ranks (0 .. size-1).
+//  * split sizes (allToAllSingle): rows along dim 0 sent to / received from
+//    each rank; empty means equal splits.
 //  * tag: distinguishes concurrent send/recv pairs between the same two ranks;
 //    a send matches the recv with the same tag, in order.
 #pragma once
@@ -71,6 +73,18 @@ struct RecvOptions {
 };
 
 struct AllToAllOptions {
+  OpTimeout timeout;
+  uint64_t seq = 0;
+};
+
+struct GatherOptions {
+  int root = 0;
+  OpTimeout timeout;
+  uint64_t seq = 0;
+};
+
+struct ScatterOptions {
+  int root = 0;
   OpTimeout timeout;
   uint64_t seq = 0;
 };

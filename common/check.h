@@ -3,6 +3,9 @@
 //   DT_CHECK(cond, "context ", value)         -> dt::InvalidArgument
 //   DT_CHECK_EQ(a, b, "context")  (also _NE, _LT, _LE, _GT, _GE)
 //   DT_INTERNAL_CHECK(cond, ...)              -> dt::Error ("internal error")
+//   DT_REQUIRE(cond, "what is wrong ", value) -> dt::InvalidArgument with that
+//       message alone: for a caller's bad value, where the condition and
+//       file:line would only say "internal problem" to a user.
 //
 // The message names the condition, both operands with their values, and
 // file:line, e.g.
@@ -46,6 +49,13 @@ std::string checkOperand(const T& value) {
       ::dt::detail::throwCheckFailure<::dt::InvalidArgument>(__FILE__, __LINE__, #cond, \
                                                              ::dt::str(__VA_ARGS__)); \
     }                                                                                 \
+  } while (0)
+
+#define DT_REQUIRE(cond, ...)                                  \
+  do {                                                         \
+    if (!(cond)) [[unlikely]] {                                \
+      throw ::dt::InvalidArgument(::dt::str(__VA_ARGS__));     \
+    }                                                          \
   } while (0)
 
 #define DT_INTERNAL_CHECK(cond, ...)                                                           \

@@ -9,25 +9,25 @@ std::string describe(const std::exception& e) {
   return std::string("std::exception: ") + e.what();
 }
 
-std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string& prefix) {
+std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string& prefix, const std::string& suffix) {
   try {
     std::rethrow_exception(cause);
   } catch (const TimeoutError& e) {
-    return std::make_exception_ptr(TimeoutError(prefix + e.what()));
+    return std::make_exception_ptr(TimeoutError(prefix + e.what() + suffix));
   } catch (const DesyncError& e) {
-    return std::make_exception_ptr(DesyncError(prefix + e.what()));
+    return std::make_exception_ptr(DesyncError(prefix + e.what() + suffix));
   } catch (const NetworkError& e) {
-    return std::make_exception_ptr(NetworkError(prefix + e.what()));
+    return std::make_exception_ptr(NetworkError(prefix + e.what() + suffix));
   } catch (const InvalidArgument& e) {
-    return std::make_exception_ptr(InvalidArgument(prefix + e.what()));
+    return std::make_exception_ptr(InvalidArgument(prefix + e.what() + suffix));
   } catch (const NotSupportedError& e) {
-    return std::make_exception_ptr(NotSupportedError(prefix + e.what()));
+    return std::make_exception_ptr(NotSupportedError(prefix + e.what() + suffix));
   } catch (const BackendError& e) {
-    return std::make_exception_ptr(BackendError(prefix + e.what()));
+    return std::make_exception_ptr(BackendError(prefix + e.what() + suffix));
   } catch (const Error& e) {
-    return std::make_exception_ptr(Error(prefix + e.what()));
+    return std::make_exception_ptr(Error(prefix + e.what() + suffix));
   } catch (const std::exception& e) {
-    return std::make_exception_ptr(BackendError(prefix + e.what()));
+    return std::make_exception_ptr(BackendError(prefix + e.what() + suffix));
   }
 }
 

@@ -49,7 +49,8 @@ std::string describe(const std::exception& e);
 
 // The same error with `prefix` put before its message, keeping its dt type
 // (another std::exception becomes a BackendError), for adding context while
-// an error travels up.
-std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string& prefix);
+// an error travels up; `suffix` goes after it.
+std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string& prefix,
+                              const std::string& suffix = "");
 
 }  // namespace dt

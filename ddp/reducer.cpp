@@ -365,7 +365,7 @@ void Reducer::launchReadyBuckets() {
       throw InvalidArgument(str("[", who(), "] DDP: the comm hook returned no Work for bucket ", index));
     }
     std::shared_ptr<Timing> timing = timing_;
-    bucket.work->then([timing](Work&) {
+    bucket.work->thenInline([timing](Work&) {
       const int64_t now = nowNs();
       int64_t seen = timing->lastDoneNs.load();
       while (seen < now && !timing->lastDoneNs.compare_exchange_weak(seen, now)) {

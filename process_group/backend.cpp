@@ -25,5 +25,51 @@ WorkPtr Backend::recv(const std::vector<Tensor>&, int, const RecvOptions&) { thr
 WorkPtr Backend::allToAll(const std::vector<Tensor>&, const std::vector<Tensor>&, const AllToAllOptions&) {
   throwNotSupported("allToAll");
 }
+WorkPtr Backend::gather(const std::vector<Tensor>&, const Tensor&, const GatherOptions&) { throwNotSupported("gather"); }
+WorkPtr Backend::scatter(const Tensor&, const std::vector<Tensor>&, const ScatterOptions&) {
+  throwNotSupported("scatter");
+}
+WorkPtr Backend::allgatherIntoTensor(const Tensor&, const Tensor&, const AllgatherOptions&) {
+  throwNotSupported("allgatherIntoTensor");
+}
+WorkPtr Backend::reduceScatterTensor(const Tensor&, const Tensor&, const ReduceScatterOptions&) {
+  throwNotSupported("reduceScatterTensor");
+}
+WorkPtr Backend::allToAllSingle(const Tensor&, const Tensor&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                const AllToAllOptions&) {
+  throwNotSupported("allToAllSingle");
+}
+WorkPtr Backend::monitoredBarrier(const BarrierOptions&) { throwNotSupported("monitoredBarrier"); }
+
+WorkPtr Backend::batchIsendIrecv(const std::vector<P2POp>& ops) {
+  const std::string who = str("rank ", rank(), "/", size(), " ", name());
+  if (ops.empty()) throw InvalidArgument(str("[", who, "] batchIsendIrecv: empty batch"));
+  // Everything is checked before the first post, so bad input loses nothing.
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2POp& op = ops[i];
+    const char* kind = op.isSend ? "send" : "recv";
+    if (op.peer < 0 || op.peer >= size() || op.peer == rank()) {
+      throw InvalidArgument(str("[", who, "] batchIsendIrecv: op ", i, " (", kind, ") names peer rank ", op.peer,
+                                "; it must be another rank of the group (size ", size(), ")"));
+    }
+    if (op.tensors.empty()) throw InvalidArgument(str("[", who, "] batchIsendIrecv: op ", i, " (", kind, ") has no tensors"));
+    for (const auto& t : op.tensors) {
+      if (!t.defined() || t.dtype() != op.tensors[0].dtype() || t.device() != op.tensors[0].device()) {
+        throw InvalidArgument(str("[", who, "] batchIsendIrecv: op ", i, " (", kind,
+                                  ") needs defined tensors of one dtype and device"));
+      }
+    }
+  }
+  std::vector<WorkPtr> works;
+  works.reserve(ops.size());
+  for (const P2POp& op : ops) {
+    if (op.isSend) {
+      works.push_back(send(op.tensors, op.peer, SendOptions{op.tag, op.timeout, 0}));
+    } else {
+      works.push_back(recv(op.tensors, op.peer, RecvOptions{op.tag, op.timeout, 0}));
+    }
+  }
+  return allOf(str("batchIsendIrecv of ", ops.size(), " ops (", who, ")"), std::move(works));
+}
 
 }  // namespace dt

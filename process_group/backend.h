@@ -24,7 +24,23 @@
 //    input and `size()` outputs of its shape; reduceScatter one output and
 //    `size()` inputs of its shape; allToAll `size()` inputs and `size()`
 //    outputs (input j goes to rank j, output i comes from rank i; sizes may
-//    differ per peer but must match pairwise).
+//    differ per peer but must match pairwise). gather: every rank's input of
+//    one shape; the root passes `size()` outputs of it, the others none.
+//    scatter: the mirror image. The *IntoTensor / *Tensor / *Single forms
+//    take one buffer of `size()` equal blocks, block r for rank r, cut from
+//    its elements in row-major order (a [size * n, ...] or [size, n, ...]
+//    tensor is cut along dim 0; any strides); allToAllSingle cuts input and output along dim 0 by the
+//    split sizes (row counts per rank; empty: equal), which must match
+//    pairwise across ranks.
+//  * monitoredBarrier: a barrier coordinated by rank 0 through the store, not
+//    the transport, so that it can name the ranks that did not arrive within
+//    the timeout: the Work fails on every rank with a TimeoutError naming
+//    them (and the group is broken, as after any failed collective).
+//  * batchIsendIrecv posts every send and recv of the batch in order before
+//    any is waited for (so a batch that both sends to and receives from the
+//    same peers cannot deadlock) and returns one Work that completes when
+//    all have. Bad input anywhere in the batch throws before anything is
+//    posted.
 #pragma once
 
 #include <exception>
@@ -37,6 +53,22 @@
 #include "tensor/tensor.h"
 
 namespace dt {
+
+// One send or recv of a batch (batchIsendIrecv).
+struct P2POp {
+  bool isSend = true;
+  std::vector<Tensor> tensors;
+  int peer = 0;
+  uint32_t tag = 0;
+  OpTimeout timeout;
+
+  static P2POp send(std::vector<Tensor> tensors, int peer, uint32_t tag = 0) {
+    return {true, std::move(tensors), peer, tag, std::nullopt};
+  }
+  static P2POp recv(std::vector<Tensor> tensors, int peer, uint32_t tag = 0) {
+    return {false, std::move(tensors), peer, tag, std::nullopt};
+  }
+};
 
 class Backend {
  public:
@@ -59,6 +91,15 @@ class Backend {
   virtual WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, const RecvOptions& options = {});
   virtual WorkPtr allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            const AllToAllOptions& options = {});
+  virtual WorkPtr gather(const std::vector<Tensor>& outputs, const Tensor& input, const GatherOptions& options = {});
+  virtual WorkPtr scatter(const Tensor& output, const std::vector<Tensor>& inputs, const ScatterOptions& options = {});
+  virtual WorkPtr allgatherIntoTensor(const Tensor& output, const Tensor& input, const AllgatherOptions& options = {});
+  virtual WorkPtr reduceScatterTensor(const Tensor& output, const Tensor& input,
+                                      const ReduceScatterOptions& options = {});
+  virtual WorkPtr allToAllSingle(const Tensor& output, const Tensor& input, const std::vector<int64_t>& outputSplits,
+                                 const std::vector<int64_t>& inputSplits, const AllToAllOptions& options = {});
+  virtual WorkPtr monitoredBarrier(const BarrierOptions& options = {});
+  WorkPtr batchIsendIrecv(const std::vector<P2POp>& ops);
 
   // The error that broke the backend, or nullptr while healthy.
   virtual std::exception_ptr brokenCause() const { return nullptr; }

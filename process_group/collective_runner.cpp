@@ -46,6 +46,16 @@ std::string rankList(const std::vector<int>& ranks) {
 
 const char* isAre(const std::vector<int>& ranks) { return ranks.size() == 1 ? "is" : "are"; }
 
+bool isTimeout(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const TimeoutError&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 std::string fingerprintKey(uint64_t seq, int r) { return str("dt_fp/", seq, "/", r); }
 std::string failureKey(int r) { return str("dt_failed/", r); }
 
@@ -265,6 +275,9 @@ void CollectiveRunner::runTask(Task& task) {
     failure = explainFailure(std::current_exception(), task);
   }
   if (failure) {
+    if (isTimeout(failure)) {
+      failure = withPrefix(failure, "", " [the group is broken now: later ops fail at once; ProcessGroup::isBroken()]");
+    }
     fail(failure);
     task.work->markFailed(failure);
   } else {
@@ -300,6 +313,7 @@ void CollectiveRunner::checkFingerprint(const CollectiveFingerprint& fingerprint
     } catch (const std::exception&) {
       theirs.op = "<unreadable fingerprint>";
     }
+    if (fingerprint.agreesWith(theirs)) continue;
     others[theirs.describe() + (theirs.seq != seq ? str(" as #", theirs.seq) : std::string())].push_back(r);
   }
   // Keys of the previous collective are no longer read by anyone: every
@@ -311,6 +325,57 @@ void CollectiveRunner::checkFingerprint(const CollectiveFingerprint& fingerprint
   throw DesyncError(str("[", who(), "] collective #", seq, " mismatch: this rank called ",
                         fingerprint.describe(), "; ", join(parts, "; "),
                         ". Every rank must issue the same collectives in the same order"));
+}
+
+// ---- monitored barrier ---------------------------------------------------------------------------
+
+WorkPtr CollectiveRunner::monitoredBarrier(uint64_t requestedSeq, const OpTimeout& timeout) {
+  return enqueue(requestedSeq, "monitoredBarrier", CollectiveFingerprint{}, timeout,
+                 [this](Millis limit, const CollectiveFingerprint& fp) {
+    const std::string base = str("dt_mbarrier/", fp.seq);
+    auto arrivedKey = [&](int r) { return str(base, "/arrived/", r); };
+    const std::string verdictKey = base + "/verdict";
+    const std::string head = str("[", who(), "] monitoredBarrier #", fp.seq);
+    store_->set(arrivedKey(rank_), "1");
+    if (rank_ == 0) {
+      std::vector<std::string> keys;
+      for (int r = 0; r < size_; ++r) keys.push_back(arrivedKey(r));
+      std::vector<int> missing;
+      try {
+        store_->wait(keys, limit);
+      } catch (const TimeoutError&) {
+        for (int r = 0; r < size_; ++r) {
+          if (!store_->check({keys[r]})) missing.push_back(r);
+        }
+      }
+      const std::string verdict =
+          missing.empty() ? "" : str(rankList(missing), " did not arrive within ", formatDuration(limit));
+      store_->set(verdictKey, missing.empty() ? "ok" : verdict);
+      for (int r = 0; r < size_; ++r) store_->deleteKey(keys[r]);
+      // Every rank arrived here, so all have read the previous verdict.
+      if (lastMonitoredBarrier_ != 0 && missing.empty()) {
+        store_->deleteKey(str("dt_mbarrier/", lastMonitoredBarrier_, "/verdict"));
+      }
+      lastMonitoredBarrier_ = fp.seq;
+      if (!missing.empty()) {
+        throw TimeoutError(str(head, ": ", verdict, " (", size_ - static_cast<int>(missing.size()), " of ", size_,
+                               " did). ", stuckSummary(fp.seq)));
+      }
+      return;
+    }
+    std::optional<Bytes> verdict;
+    try {
+      verdict = store_->get(verdictKey, limit);
+    } catch (const TimeoutError&) {
+      // Rank 0 decides `limit` after it arrives; it may have come later than this rank.
+      if (!store_->check({arrivedKey(0)}) && !store_->check({verdictKey})) {
+        throw TimeoutError(str(head, ": rank 0, which coordinates it, did not arrive within ", formatDuration(limit),
+                               ". ", stuckSummary(fp.seq)));
+      }
+      verdict = store_->get(verdictKey, limit);
+    }
+    if (*verdict != "ok") throw TimeoutError(str(head, ": rank 0 reports that ", *verdict));
+  });
 }
 
 // ---- failure diagnosis ------------------------------------------------------------------------------

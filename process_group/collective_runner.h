@@ -26,6 +26,8 @@
 //    op's context. Any failure publishes this rank's failure report, aborts
 //    the transport (so peers fail promptly instead of at their timeout) and
 //    breaks the group: every later op fails at once with the original cause.
+//    A TimeoutError that breaks the group says so (unlike Work::wait's own
+//    timeout, which leaves the op running and the group healthy).
 //  * With fingerprint checks (DT_DEBUG=detail) every rank publishes the op's
 //    fingerprint to the store before running it and compares the others';
 //    a mismatch is a DesyncError on every rank naming what each called.
@@ -134,6 +136,10 @@ class CollectiveRunner {
   // rank called when they differ. For a backend that detected a mismatch cheaply.
   void checkFingerprint(const CollectiveFingerprint& fingerprint, Millis timeout);
 
+  // A barrier through the store, coordinated by rank 0, that names the ranks
+  // that did not arrive within the timeout (Backend::monitoredBarrier).
+  WorkPtr monitoredBarrier(uint64_t requestedSeq, const OpTimeout& timeout);
+
   // For work outside the queue (point to point): a failed Work when the group
   // is broken or shut down, else nullptr. `what` names the call.
   WorkPtr rejectIfUnusable(const std::string& what, const std::string& description);
@@ -197,6 +203,7 @@ class CollectiveRunner {
   bool running_ = false;  // a body runs (on the worker or inline)
   std::exception_ptr broken_;
   uint64_t localSeq_ = 0;
+  uint64_t lastMonitoredBarrier_ = 0;  // touched only by the thread running a body
   bool workerTicking_ = false;  // the idle worker wakes by itself every tick
   std::chrono::steady_clock::time_point tickUntil_{};
   std::thread worker_;

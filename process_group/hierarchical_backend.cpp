@@ -53,12 +53,8 @@ HierarchicalBackend::HierarchicalBackend(StorePtr store, int rank, int size, con
 HierarchicalBackend::~HierarchicalBackend() { shutdown(); }
 
 WorkPtr HierarchicalBackend::allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options) {
-  DT_CHECK(!tensors.empty(), "[rank ", rank_, "/", size_, " shm+gloo] allreduce: empty tensor list");
-  for (const auto& t : tensors) checkCpu(t, "allreduce", str("rank ", rank_, "/", size_, " shm+gloo"), "shm+gloo");
-  reduceFunction(tensors[0].dtype(), options.reduceOp);
-  CollectiveFingerprint fp;
-  fp.tensors = signatures(tensors);
-  fp.reduceOp = options.reduceOp;
+  CollectiveFingerprint fp = checkAllreduce(
+      CpuCallSite{str("rank ", rank_, "/", size_, " shm+gloo"), "shm+gloo", rank_, size_, options.seq}, tensors, options);
   const ReduceOp op = options.reduceOp;
   return runner_->enqueue(options.seq, "allreduce", std::move(fp), options.timeout,
                           [this, tensors, op](std::chrono::milliseconds limit, const CollectiveFingerprint&) {
@@ -102,6 +98,27 @@ WorkPtr HierarchicalBackend::allToAll(const std::vector<Tensor>& outputs, const 
                                       const AllToAllOptions& options) {
   return whole_->allToAll(outputs, inputs, options);
 }
+WorkPtr HierarchicalBackend::gather(const std::vector<Tensor>& outputs, const Tensor& input, const GatherOptions& options) {
+  return whole_->gather(outputs, input, options);
+}
+WorkPtr HierarchicalBackend::scatter(const Tensor& output, const std::vector<Tensor>& inputs,
+                                     const ScatterOptions& options) {
+  return whole_->scatter(output, inputs, options);
+}
+WorkPtr HierarchicalBackend::allgatherIntoTensor(const Tensor& output, const Tensor& input,
+                                                 const AllgatherOptions& options) {
+  return whole_->allgatherIntoTensor(output, input, options);
+}
+WorkPtr HierarchicalBackend::reduceScatterTensor(const Tensor& output, const Tensor& input,
+                                                 const ReduceScatterOptions& options) {
+  return whole_->reduceScatterTensor(output, input, options);
+}
+WorkPtr HierarchicalBackend::allToAllSingle(const Tensor& output, const Tensor& input,
+                                            const std::vector<int64_t>& outputSplits,
+                                            const std::vector<int64_t>& inputSplits, const AllToAllOptions& options) {
+  return whole_->allToAllSingle(output, input, outputSplits, inputSplits, options);
+}
+WorkPtr HierarchicalBackend::monitoredBarrier(const BarrierOptions& options) { return whole_->monitoredBarrier(options); }
 
 std::exception_ptr HierarchicalBackend::brokenCause() const {
   if (auto cause = runner_->brokenCause()) return cause;

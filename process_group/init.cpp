@@ -65,8 +65,8 @@ ResolvedInit resolveInit(const InitOptions& options) {
                                       : requireInt("WORLD_SIZE", "dtrun and torchrun set it for each worker");
     if (auto lr = getVar("LOCAL_RANK")) out.localRank = static_cast<int>(env::parseInt(*lr, "LOCAL_RANK"));
   }
-  DT_CHECK(out.worldSize >= 1, "initProcessGroup: world size must be >= 1, got ", out.worldSize);
-  DT_CHECK(out.rank >= 0 && out.rank < out.worldSize, "initProcessGroup: rank ", out.rank,
+  DT_REQUIRE(out.worldSize >= 1, "initProcessGroup: world size must be >= 1, got ", out.worldSize);
+  DT_REQUIRE(out.rank >= 0 && out.rank < out.worldSize, "initProcessGroup: rank ", out.rank,
            " is outside [0, ", out.worldSize, ")");
   if (options.store) {
     out.source = "options";

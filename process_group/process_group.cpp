@@ -123,10 +123,10 @@ std::string localHostId() {
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::create(StorePtr store, int rank, int size, ProcessGroupOptions options) {
-  DT_CHECK(store != nullptr, "ProcessGroup::create: store is null");
-  DT_CHECK(size >= 1, "ProcessGroup::create: size must be >= 1, got ", size);
-  DT_CHECK(rank >= 0 && rank < size, "ProcessGroup::create: rank ", rank, " is outside [0, ", size, ")");
-  DT_CHECK(!options.name.empty() && options.name.find('/') == std::string::npos,
+  DT_REQUIRE(store != nullptr, "ProcessGroup::create: store is null");
+  DT_REQUIRE(size >= 1, "ProcessGroup::create: size must be >= 1, got ", size);
+  DT_REQUIRE(rank >= 0 && rank < size, "ProcessGroup::create: rank ", rank, " is outside [0, ", size, ")");
+  DT_REQUIRE(!options.name.empty() && options.name.find('/') == std::string::npos,
            "ProcessGroup::create: group name ", quoteBytes(options.name), " must be non-empty without '/'");
   // Every rank adds 1; creation k of this name sees values in
   // [k*size+1, (k+1)*size] because no rank can start creation k+1 before all
@@ -188,20 +188,25 @@ Backend& ProcessGroup::backendFor(const Device& device) {
 }
 
 template <typename Fn>
-WorkPtr ProcessGroup::numbered(const char* op, const Device& device, uint64_t& seqField, Fn&& call) {
+WorkPtr ProcessGroup::numbered(const char* op, const Device& device, uint64_t& seqField, std::vector<Tensor> result,
+                               Fn&& call) {
   requireMember(op);
   Backend& backend = backendFor(device);
   // Holding the lock across the call keeps issue order == sequence order
   // when several threads issue (backends only enqueue here).
   std::lock_guard<std::mutex> lock(mutex_);
   seqField = seq_ + 1;
+  WorkPtr work;
   try {
-    WorkPtr work = call(backend);
-    ++seq_;
-    return work;
+    work = call(backend);
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument(str(op, " #", seqField, " (not issued): ", e.what()));
+    // The CPU backends already say "<op> #<seq> (not issued)"; others get it here.
+    if (std::string(e.what()).find(" (not issued)") != std::string::npos) throw;
+    throw InvalidArgument(str("[", who(), "] ", op, " #", seqField, " (not issued): ", e.what()));
   }
+  ++seq_;
+  work->setResult(std::move(result));
+  return work;
 }
 
 namespace {
@@ -211,38 +216,73 @@ Device deviceOf(const std::vector<Tensor>& tensors) {
 }  // namespace
 
 WorkPtr ProcessGroup::allreduce(const std::vector<Tensor>& tensors, AllreduceOptions options) {
-  return numbered("allreduce", deviceOf(tensors), options.seq,
+  return numbered("allreduce", deviceOf(tensors), options.seq, tensors,
                   [&](Backend& b) { return b.allreduce(tensors, options); });
 }
 
 WorkPtr ProcessGroup::broadcast(const std::vector<Tensor>& tensors, BroadcastOptions options) {
-  return numbered("broadcast", deviceOf(tensors), options.seq,
+  return numbered("broadcast", deviceOf(tensors), options.seq, tensors,
                   [&](Backend& b) { return b.broadcast(tensors, options); });
 }
 
 WorkPtr ProcessGroup::allgather(const std::vector<Tensor>& outputs, const Tensor& input, AllgatherOptions options) {
-  return numbered("allgather", input.defined() ? input.device() : Device::cpu(), options.seq,
+  return numbered("allgather", input.defined() ? input.device() : Device::cpu(), options.seq, outputs,
                   [&](Backend& b) { return b.allgather(outputs, input, options); });
 }
 
 WorkPtr ProcessGroup::reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
                                     ReduceScatterOptions options) {
-  return numbered("reduceScatter", output.defined() ? output.device() : Device::cpu(), options.seq,
+  return numbered("reduceScatter", output.defined() ? output.device() : Device::cpu(), options.seq, {output},
                   [&](Backend& b) { return b.reduceScatter(output, inputs, options); });
 }
 
 WorkPtr ProcessGroup::reduce(const std::vector<Tensor>& tensors, ReduceOptions options) {
-  return numbered("reduce", deviceOf(tensors), options.seq, [&](Backend& b) { return b.reduce(tensors, options); });
+  return numbered("reduce", deviceOf(tensors), options.seq, tensors, [&](Backend& b) { return b.reduce(tensors, options); });
 }
 
 WorkPtr ProcessGroup::barrier(BarrierOptions options) {
-  return numbered("barrier", Device::cpu(), options.seq, [&](Backend& b) { return b.barrier(options); });
+  return numbered("barrier", Device::cpu(), options.seq, {}, [&](Backend& b) { return b.barrier(options); });
 }
 
 WorkPtr ProcessGroup::allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                                AllToAllOptions options) {
-  return numbered("allToAll", deviceOf(inputs), options.seq,
+  return numbered("allToAll", deviceOf(inputs), options.seq, outputs,
                   [&](Backend& b) { return b.allToAll(outputs, inputs, options); });
+}
+
+namespace {
+Device deviceOf(const Tensor& t) { return t.defined() ? t.device() : Device::cpu(); }
+}  // namespace
+
+WorkPtr ProcessGroup::gather(const std::vector<Tensor>& outputs, const Tensor& input, GatherOptions options) {
+  return numbered("gather", deviceOf(input), options.seq, outputs,
+                  [&](Backend& b) { return b.gather(outputs, input, options); });
+}
+
+WorkPtr ProcessGroup::scatter(const Tensor& output, const std::vector<Tensor>& inputs, ScatterOptions options) {
+  return numbered("scatter", deviceOf(output), options.seq, {output},
+                  [&](Backend& b) { return b.scatter(output, inputs, options); });
+}
+
+WorkPtr ProcessGroup::allgatherIntoTensor(const Tensor& output, const Tensor& input, AllgatherOptions options) {
+  return numbered("allgatherIntoTensor", deviceOf(input), options.seq, {output},
+                  [&](Backend& b) { return b.allgatherIntoTensor(output, input, options); });
+}
+
+WorkPtr ProcessGroup::reduceScatterTensor(const Tensor& output, const Tensor& input, ReduceScatterOptions options) {
+  return numbered("reduceScatterTensor", deviceOf(output), options.seq, {output},
+                  [&](Backend& b) { return b.reduceScatterTensor(output, input, options); });
+}
+
+WorkPtr ProcessGroup::allToAllSingle(const Tensor& output, const Tensor& input, const std::vector<int64_t>& outputSplits,
+                                     const std::vector<int64_t>& inputSplits, AllToAllOptions options) {
+  return numbered("allToAllSingle", deviceOf(input), options.seq, {output},
+                  [&](Backend& b) { return b.allToAllSingle(output, input, outputSplits, inputSplits, options); });
+}
+
+WorkPtr ProcessGroup::monitoredBarrier(BarrierOptions options) {
+  return numbered("monitoredBarrier", Device::cpu(), options.seq, {},
+                  [&](Backend& b) { return b.monitoredBarrier(options); });
 }
 
 WorkPtr ProcessGroup::send(const std::vector<Tensor>& tensors, int dstRank, SendOptions options) {
@@ -252,16 +292,34 @@ WorkPtr ProcessGroup::send(const std::vector<Tensor>& tensors, int dstRank, Send
 
 WorkPtr ProcessGroup::recv(const std::vector<Tensor>& tensors, int srcRank, RecvOptions options) {
   requireMember("recv");
-  return backendFor(deviceOf(tensors)).recv(tensors, srcRank, options);
+  WorkPtr work = backendFor(deviceOf(tensors)).recv(tensors, srcRank, options);
+  work->setResult(tensors);
+  return work;
+}
+
+WorkPtr ProcessGroup::batchIsendIrecv(const std::vector<P2POp>& ops) {
+  requireMember("batchIsendIrecv");
+  WorkPtr work = backendFor(ops.empty() ? Device::cpu() : deviceOf(ops[0].tensors)).batchIsendIrecv(ops);
+  std::vector<Tensor> received;
+  for (const auto& op : ops) {
+    if (!op.isSend) received.insert(received.end(), op.tensors.begin(), op.tensors.end());
+  }
+  work->setResult(std::move(received));
+  return work;
+}
+
+std::exception_ptr ProcessGroup::brokenCause() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cpuBackend_ ? cpuBackend_->brokenCause() : nullptr;
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, ProcessGroupOptions options) {
   requireMember("newGroup");
-  DT_CHECK(!ranks.empty(), "[", who(), "] newGroup: empty rank list");
+  DT_REQUIRE(!ranks.empty(), "[", who(), "] newGroup: empty rank list");
   std::sort(ranks.begin(), ranks.end());
-  DT_CHECK(std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(), "[", who(),
+  DT_REQUIRE(std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(), "[", who(),
            "] newGroup: duplicate ranks in ", join(ranks, ","));
-  DT_CHECK(ranks.front() >= 0 && ranks.back() < size_, "[", who(), "] newGroup: ranks ", formatRanges(ranks),
+  DT_REQUIRE(ranks.front() >= 0 && ranks.back() < size_, "[", who(), "] newGroup: ranks ", formatRanges(ranks),
            " must lie in [0, ", size_, ")");
   int index;
   {

@@ -6,8 +6,17 @@
 //    all have connected (or throws TimeoutError after the group timeout).
 //  * Every collective gets the next sequence number of the group (1, 2, ...),
 //    assigned at issue; it appears in every error about that call. A call
-//    rejected at issue (bad input) consumes no number. send/recv are not
+//    rejected at issue (bad input) consumes no number and throws
+//    InvalidArgument reading "[rank 0/2 pg=default gloo] reduce #1 (not
+//    issued): root 2 is not a rank of the group (size 2)". send/recv are not
 //    collectives and are not numbered.
+//  * Every Work carries its result tensors (Work::result(), Work::future()):
+//    the reduced/broadcast tensors, the gather/scatter outputs, a recv's
+//    tensors; none for barriers and sends.
+//  * isBroken()/brokenCause(): after a failed collective (timeout, lost
+//    peer, desync, failed monitoredBarrier) the group is broken and every
+//    later op fails at once with that cause. A Work::wait(timeout) that
+//    merely expired leaves the group healthy.
 //  * Routing: each call goes to the backend for its tensors' device. CUDA ->
 //    nccl (NotSupportedError in a build without NCCL). CPU: at creation the
 //    ranks exchange host ids (localHostId()); a group on one host uses shm
@@ -99,6 +108,19 @@ class ProcessGroup {
   WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, RecvOptions options = {});
   WorkPtr allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                    AllToAllOptions options = {});
+  // See backend.h for the shapes of these.
+  WorkPtr gather(const std::vector<Tensor>& outputs, const Tensor& input, GatherOptions options = {});
+  WorkPtr scatter(const Tensor& output, const std::vector<Tensor>& inputs, ScatterOptions options = {});
+  WorkPtr allgatherIntoTensor(const Tensor& output, const Tensor& input, AllgatherOptions options = {});
+  WorkPtr reduceScatterTensor(const Tensor& output, const Tensor& input, ReduceScatterOptions options = {});
+  WorkPtr allToAllSingle(const Tensor& output, const Tensor& input, const std::vector<int64_t>& outputSplits = {},
+                         const std::vector<int64_t>& inputSplits = {}, AllToAllOptions options = {});
+  WorkPtr monitoredBarrier(BarrierOptions options = {});
+  WorkPtr batchIsendIrecv(const std::vector<P2POp>& ops);
+
+  // The error that broke the group, or nullptr while it is healthy.
+  std::exception_ptr brokenCause() const;
+  bool isBroken() const { return brokenCause() != nullptr; }
 
   // A subgroup of `ranks` (ranks of this group, any order, no duplicates;
   // group ranks follow ascending order). Collective over this group.
@@ -114,7 +136,7 @@ class ProcessGroup {
   void requireMember(const char* op) const;
   std::string who() const;
   template <typename Fn>
-  WorkPtr numbered(const char* op, const Device& device, uint64_t& seqField, Fn&& call);
+  WorkPtr numbered(const char* op, const Device& device, uint64_t& seqField, std::vector<Tensor> result, Fn&& call);
 
   StorePtr store_;  // this group's scope
   int rank_ = -1;

@@ -1,10 +1,93 @@
 #include "process_group/work.h"
 
+#include <atomic>
+#include <deque>
+#include <thread>
+#include <unistd.h>
+
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
 
 namespace dt {
+namespace {
+
+// The threads then() callbacks run on. Grows when no thread is idle, so that
+// a callback blocked on another Work's callbacks never waits for itself;
+// idle threads exit, so an idle process keeps none.
+class CallbackPool {
+ public:
+  // Leaked on purpose: callbacks may still run while static objects are
+  // destroyed at exit. A forked child gets a pool of its own (the parent's
+  // threads do not exist there and its mutex may be held).
+  static CallbackPool& instance() {
+    static std::atomic<CallbackPool*> pool{nullptr};
+    static std::mutex creating;
+    CallbackPool* current = pool.load(std::memory_order_acquire);
+    if (current != nullptr && current->pid_ == ::getpid()) return *current;
+    std::lock_guard<std::mutex> lock(creating);
+    current = pool.load(std::memory_order_acquire);
+    if (current == nullptr || current->pid_ != ::getpid()) {
+      current = new CallbackPool();
+      pool.store(current, std::memory_order_release);
+    }
+    return *current;
+  }
+
+  void post(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(task));
+    if (idle_ >= static_cast<int>(queue_.size()) || threads_ >= kMaxThreads) {
+      wake_.notify_one();
+      return;
+    }
+    ++threads_;
+    std::thread([this] { loop(); }).detach();
+  }
+
+ private:
+  static constexpr auto kIdleExit = std::chrono::seconds(5);
+  // Beyond this, tasks wait for a thread (only callbacks that block for long
+  // get here).
+  static constexpr int kMaxThreads = 64;
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      ++idle_;
+      const bool got = wake_.wait_for(lock, kIdleExit, [&] { return !queue_.empty(); });
+      --idle_;
+      if (!got) {
+        --threads_;
+        return;
+      }
+      auto task = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+
+  const pid_t pid_ = ::getpid();
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> queue_;
+  int idle_ = 0;
+  int threads_ = 0;
+};
+
+void runCallbacks(Work& work, std::vector<std::function<void(Work&)>>& callbacks) {
+  for (auto& cb : callbacks) {
+    try {
+      cb(work);
+    } catch (const std::exception& e) {
+      logger("process_group")->error("Work callback of {} threw: {}", work.description(), e.what());
+    }
+  }
+}
+
+}  // namespace
 
 Work::Work(std::string description) : description_(std::move(description)) {}
 
@@ -46,7 +129,8 @@ void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
   if (timeout) {
     if (!done_.wait_for(lock, *timeout, [&] { return completed_; })) {
       throw TimeoutError(str("Work::wait: ", description_, " still running after ", formatDuration(*timeout),
-                             " (the operation itself continues; its own timeout ends it)"));
+                             "; only this wait timed out: the op continues, the group is not broken by it, and "
+                             "the op's own timeout ends it; wait again, or check ProcessGroup::isBroken()"));
     }
   } else {
     done_.wait(lock, [&] { return completed_; });
@@ -62,11 +146,46 @@ void Work::then(std::function<void(Work&)> callback) {
       return;
     }
   }
-  try {
-    callback(*this);
-  } catch (const std::exception& e) {
-    logger("process_group")->error("Work::then callback of {} threw: {}", description_, e.what());
+  std::vector<std::function<void(Work&)>> one{std::move(callback)};
+  runCallbacks(*this, one);
+}
+
+void Work::thenInline(std::function<void(Work&)> callback) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!completed_) {
+      inlineCallbacks_.push_back(std::move(callback));
+      return;
+    }
   }
+  std::vector<std::function<void(Work&)>> one{std::move(callback)};
+  runCallbacks(*this, one);
+}
+
+void Work::setResult(std::vector<Tensor> tensors) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  result_ = std::move(tensors);
+}
+
+std::vector<Tensor> Work::result() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return result_;
+}
+
+std::shared_future<std::vector<Tensor>> Work::future() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!promise_) {
+    promise_.emplace();
+    future_ = promise_->get_future().share();
+    if (completed_) {
+      if (error_) {
+        promise_->set_exception(error_);
+      } else {
+        promise_->set_value(result_);
+      }
+    }
+  }
+  return future_;
 }
 
 void Work::markCompleted() { finish(nullptr); }
@@ -77,6 +196,7 @@ void Work::markFailed(std::exception_ptr error) {
 }
 
 void Work::finish(std::exception_ptr error) {
+  std::vector<std::function<void(Work&)>> inlineCallbacks;
   std::vector<std::function<void(Work&)>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -85,16 +205,50 @@ void Work::finish(std::exception_ptr error) {
     }
     completed_ = true;
     error_ = std::move(error);
+    if (promise_) {
+      if (error_) {
+        promise_->set_exception(error_);
+      } else {
+        promise_->set_value(result_);
+      }
+    }
+    inlineCallbacks.swap(inlineCallbacks_);
     callbacks.swap(callbacks_);
   }
   done_.notify_all();
-  for (auto& cb : callbacks) {
-    try {
-      cb(*this);
-    } catch (const std::exception& e) {
-      logger("process_group")->error("Work::then callback of {} threw: {}", description_, e.what());
-    }
+  runCallbacks(*this, inlineCallbacks);
+  if (callbacks.empty()) return;
+  std::shared_ptr<Work> self = weak_from_this().lock();
+  if (!self) {  // not held by a shared_ptr: nothing could keep it alive on another thread
+    runCallbacks(*this, callbacks);
+    return;
   }
+  CallbackPool::instance().post([self = std::move(self), callbacks = std::move(callbacks)]() mutable {
+    runCallbacks(*self, callbacks);
+  });
+}
+
+WorkPtr allOf(std::string description, std::vector<WorkPtr> works) {
+  auto all = std::make_shared<Work>(std::move(description));
+  if (works.empty()) {
+    all->markCompleted();
+    return all;
+  }
+  // The last to complete completes `all`, with the first failure in list order.
+  auto remaining = std::make_shared<std::atomic<size_t>>(works.size());
+  for (const auto& w : works) {
+    w->thenInline([all, works, remaining](Work&) {
+      if (remaining->fetch_sub(1) != 1) return;
+      for (const auto& part : works) {
+        if (std::exception_ptr error = part->exception()) {
+          all->markFailed(error);
+          return;
+        }
+      }
+      all->markCompleted();
+    });
+  }
+  return all;
 }
 
 }  // namespace dt

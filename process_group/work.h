@@ -6,11 +6,28 @@
 //    again is an internal error.
 //  * wait() blocks until completion and rethrows the backend's exception;
 //    wait(timeout) additionally throws dt::TimeoutError if the work is still
-//    running after `timeout` (the work itself keeps running).
-//  * then(cb) runs cb(work) exactly once: on the completing thread, or at once
-//    on the caller's thread when already complete. Callbacks run in
-//    registration order, outside the Work's lock; an exception from a callback
-//    is logged and swallowed (it must not take the backend's worker down).
+//    running after `timeout`. That error says the op continues and the group
+//    is not broken by it (unlike a TimeoutError the op itself fails with,
+//    which breaks the group): wait again, or check ProcessGroup::isBroken().
+//  * then(cb) runs cb(work) exactly once after completion, on dtrain's
+//    callback threads, never on the backend's worker: a slow callback cannot
+//    hold back the group's later collectives. Callbacks of one Work run in
+//    registration order, one after another; a callback registered on a Work
+//    that is already complete runs at once on the caller's thread. An
+//    exception from a callback is logged and swallowed.
+//    thenInline(cb) runs cb on the thread that completes the Work (usually
+//    the backend's worker), before the then() callbacks are handed over: for
+//    bookkeeping of a few microseconds only, since the worker starts the
+//    group's next collective after it returns.
+//  * result(): the tensors that hold the op's result once it succeeded (for
+//    ProcessGroup calls: allreduce's tensors, allgather's outputs, a recv's
+//    tensors, ...; empty for barrier and send). future() is a shared_future
+//    of the same tensors that rethrows the op's error (c10d's get_future).
+//    Both are set before the Work is handed out; their contents are only
+//    meaningful after success.
+//  * The callback threads: a small pool shared by the process, grown when
+//    every thread is busy (so a callback that waits on another Work's
+//    callbacks does not deadlock), idle threads exit after a few seconds.
 //  * Every method is thread-safe. Held by std::shared_ptr (WorkPtr).
 //  * A backend may give a Work a wait helper: wait() without a timeout calls
 //    it (on the waiting thread, once, before blocking), so that an op nobody
@@ -23,11 +40,14 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "tensor/tensor.h"
 
 namespace dt {
 
@@ -49,6 +69,9 @@ class Work : public std::enable_shared_from_this<Work> {
   std::exception_ptr exception() const;
   void wait(std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   void then(std::function<void(Work&)> callback);
+  void thenInline(std::function<void(Work&)> callback);
+  std::vector<Tensor> result() const;
+  std::shared_future<std::vector<Tensor>> future();
   const std::string& description() const { return description_; }
 
   // Backend side. Throws dt::Error when already completed.
@@ -56,6 +79,7 @@ class Work : public std::enable_shared_from_this<Work> {
   void markFailed(std::exception_ptr error);
   // Backend side, before the Work is handed out.
   void setWaitHelper(std::function<bool()> helper) { waitHelper_ = std::move(helper); }
+  void setResult(std::vector<Tensor> tensors);
 
  private:
   void finish(std::exception_ptr error);
@@ -65,10 +89,18 @@ class Work : public std::enable_shared_from_this<Work> {
   std::condition_variable done_;
   bool completed_ = false;
   std::exception_ptr error_;
+  std::vector<std::function<void(Work&)>> inlineCallbacks_;
   std::vector<std::function<void(Work&)>> callbacks_;
   std::function<bool()> waitHelper_;
+  std::vector<Tensor> result_;
+  std::optional<std::promise<std::vector<Tensor>>> promise_;  // made by the first future()
+  std::shared_future<std::vector<Tensor>> future_;
 };
 
 using WorkPtr = std::shared_ptr<Work>;
+
+// One Work that completes when all of `works` have: with the first failure
+// (in list order) or with success. Its result is left to the caller.
+WorkPtr allOf(std::string description, std::vector<WorkPtr> works);
 
 }  // namespace dt

@@ -6,9 +6,11 @@
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
+#include <gloo/gather.h>
 #include <gloo/reduce.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
+#include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -147,6 +149,7 @@ struct GlooBackend::Impl {
   std::thread p2pWorker;
 
   std::string who() const { return str("rank ", rank, "/", size, " pg=", options.groupName, " gloo"); }
+  CpuCallSite callSite(uint64_t seq) const { return CpuCallSite{who(), "gloo", rank, size, seq}; }
 
   // ---- set-up --------------------------------------------------------------
   void connect() {
@@ -252,6 +255,65 @@ struct GlooBackend::Impl {
   // ---- transfers (run on the worker thread) ----------------------------------------------
   uint32_t tagFor(uint64_t seq) const { return static_cast<uint32_t>(seq & 0xffffffffu); }
 
+  uint32_t currentTag() const { return tagFor(runner->progress().lastStarted()); }
+
+  // out holds size blocks of `bytes`; this rank's is already in place.
+  void allgatherInPlace(uint8_t* out, size_t bytes, Millis timeout) {
+    if (bytes == 0 || size == 1) return;
+    gloo::AllgatherOptions opts(context);
+    opts.setInput(out + bytes * rank, bytes);
+    opts.setOutput(out, bytes * size);
+    opts.setTag(currentTag());
+    opts.setTimeout(timeout);
+    gloo::allgather(opts);
+  }
+
+  // Block j of `send` (size blocks of `output`'s bytes) goes to rank j, which
+  // reduces the blocks it receives into `output`. All-to-all moves the bytes
+  // of a ring reduce-scatter, then each rank reduces locally.
+  void reduceScatterBlocks(const uint8_t* send, const Tensor& output, ReduceOp op, Millis timeout) {
+    const size_t bytes = output.nbytes();
+    const size_t count = static_cast<size_t>(output.numel());
+    if (bytes == 0) return;
+    std::vector<uint8_t> recvBuf(bytes * size);
+    if (size > 1) {
+      gloo::AlltoallOptions opts(context);
+      opts.setInput(const_cast<uint8_t*>(send), recvBuf.size());
+      opts.setOutput(recvBuf.data(), recvBuf.size());
+      opts.setTag(currentTag());
+      opts.setTimeout(timeout);
+      gloo::alltoall(opts);
+    } else {
+      std::memcpy(recvBuf.data(), send, bytes);
+    }
+    const ReduceFn fn = reduceFunction(output.dtype(), op);
+    for (int r = 1; r < size; ++r) fn(recvBuf.data(), recvBuf.data(), recvBuf.data() + bytes * r, count);
+    if (op == ReduceOp::Avg) divideBy(output.dtype(), recvBuf.data(), count, size);
+    Tensor out = output;
+    copyFromBytes(recvBuf.data(), out);
+  }
+
+  // send/recv: byte counts per rank, blocks back to back.
+  void allToAllBytes(uint8_t* send, std::vector<int64_t> sendCounts, uint8_t* recv, std::vector<int64_t> recvCounts,
+                     Millis timeout) {
+    if (size == 1) {
+      if (sendCounts[0] != recvCounts[0]) {
+        throw InvalidArgument(str("allToAll on one rank: the input holds ", sendCounts[0], " bytes, the output ",
+                                  recvCounts[0]));
+      }
+      if (sendCounts[0] > 0) std::memcpy(recv, send, static_cast<size_t>(sendCounts[0]));
+      return;
+    }
+    // Gloo wants valid pointers even for empty buffers.
+    uint8_t dummy[1];
+    gloo::AlltoallvOptions opts(context);
+    opts.setInput(send != nullptr ? send : dummy, std::move(sendCounts));
+    opts.setOutput(recv != nullptr ? recv : dummy, std::move(recvCounts));
+    opts.setTag(currentTag());
+    opts.setTimeout(timeout);
+    gloo::alltoallv(opts);
+  }
+
   void allreduceBuffer(void* data, size_t count, DType dtype, ReduceOp op, Millis opTimeout, uint32_t tag) {
     if (count == 0) return;
     const size_t width = itemSize(dtype);
@@ -264,9 +326,9 @@ struct GlooBackend::Impl {
 
 GlooBackend::GlooBackend(StorePtr store, int rank, int size, GlooBackendOptions options)
     : impl_(std::make_unique<Impl>()) {
-  DT_CHECK(store != nullptr, "GlooBackend: store is null");
-  DT_CHECK(size >= 1, "GlooBackend: group size must be >= 1, got ", size);
-  DT_CHECK(rank >= 0 && rank < size, "GlooBackend: rank ", rank, " is outside the group of size ", size);
+  DT_REQUIRE(store != nullptr, "GlooBackend: store is null");
+  DT_REQUIRE(size >= 1, "GlooBackend: group size must be >= 1, got ", size);
+  DT_REQUIRE(rank >= 0 && rank < size, "GlooBackend: rank ", rank, " is outside the group of size ", size);
   auto& d = *impl_;
   d.store = std::move(store);
   d.rank = rank;
@@ -312,7 +374,7 @@ void GlooBackend::shutdown() {
 
 WorkPtr GlooBackend::allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkAllreduce(CpuCallSite{d.who(), "gloo", d.rank, d.size}, tensors, options);
+  CollectiveFingerprint fp = checkAllreduce(d.callSite(options.seq), tensors, options);
   const ReduceOp op = options.reduceOp;
   return d.enqueue(options.seq, "allreduce", fp, options.timeout, [tensors, op](Impl& impl, Millis timeout) {
     Staged staged = stage(tensors);
@@ -328,7 +390,7 @@ WorkPtr GlooBackend::allreduce(const std::vector<Tensor>& tensors, const Allredu
 
 WorkPtr GlooBackend::broadcast(const std::vector<Tensor>& tensors, const BroadcastOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkBroadcast(CpuCallSite{d.who(), "gloo", d.rank, d.size}, tensors, options);
+  CollectiveFingerprint fp = checkBroadcast(d.callSite(options.seq), tensors, options);
   const int root = options.root;
   return d.enqueue(options.seq, "broadcast", fp, options.timeout, [tensors, root](Impl& impl, Millis timeout) {
     Staged staged = stage(tensors);
@@ -350,20 +412,13 @@ WorkPtr GlooBackend::broadcast(const std::vector<Tensor>& tensors, const Broadca
 WorkPtr GlooBackend::allgather(const std::vector<Tensor>& outputs, const Tensor& input,
                                const AllgatherOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkAllgather(CpuCallSite{d.who(), "gloo", d.rank, d.size}, outputs, input);
+  CollectiveFingerprint fp = checkAllgather(d.callSite(options.seq), outputs, input);
   return d.enqueue(options.seq, "allgather", fp, options.timeout, [outputs, input](Impl& impl, Millis timeout) {
     const size_t bytes = input.nbytes();
     if (bytes == 0) return;
     std::vector<uint8_t> gathered(bytes * impl.size);
     copyToBytes(input, gathered.data() + bytes * impl.rank);
-    if (impl.size > 1) {
-      gloo::AllgatherOptions opts(impl.context);
-      opts.setInput(gathered.data() + bytes * impl.rank, bytes);
-      opts.setOutput(gathered.data(), gathered.size());
-      opts.setTag(impl.tagFor(impl.runner->progress().lastStarted()));
-      opts.setTimeout(timeout);
-      gloo::allgather(opts);
-    }
+    impl.allgatherInPlace(gathered.data(), bytes, timeout);
     for (int r = 0; r < impl.size; ++r) {
       Tensor out = outputs[r];
       copyFromBytes(gathered.data() + bytes * r, out);
@@ -371,43 +426,50 @@ WorkPtr GlooBackend::allgather(const std::vector<Tensor>& outputs, const Tensor&
   });
 }
 
+WorkPtr GlooBackend::allgatherIntoTensor(const Tensor& output, const Tensor& input, const AllgatherOptions& options) {
+  auto& d = *impl_;
+  CollectiveFingerprint fp = checkAllgatherIntoTensor(d.callSite(options.seq), output, input);
+  return d.enqueue(options.seq, "allgatherIntoTensor", fp, options.timeout, [output, input](Impl& impl, Millis timeout) {
+    const size_t bytes = input.nbytes();
+    if (bytes == 0) return;
+    // Gathered straight into the caller's buffer when it is contiguous.
+    Tensor out = output.isContiguous() ? output : empty({output.numel()}, output.dtype());
+    auto* data = static_cast<uint8_t*>(out.dataPtr());
+    copyToBytes(input, data + bytes * impl.rank);
+    impl.allgatherInPlace(data, bytes, timeout);
+    if (!out.isSameAs(output)) {
+      Tensor target = output;
+      copyFromBytes(data, target);
+    }
+  });
+}
+
 WorkPtr GlooBackend::reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
                                    const ReduceScatterOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkReduceScatter(CpuCallSite{d.who(), "gloo", d.rank, d.size}, output, inputs, options);
-  const ReduceFn fn = reduceFunction(output.dtype(), options.reduceOp);
+  CollectiveFingerprint fp = checkReduceScatter(d.callSite(options.seq), output, inputs, options);
   const ReduceOp op = options.reduceOp;
-  return d.enqueue(options.seq, "reduceScatter", fp, options.timeout,
-                   [output, inputs, op, fn](Impl& impl, Millis timeout) {
-                     const size_t bytes = output.nbytes();
-                     const size_t count = static_cast<size_t>(output.numel());
-                     if (bytes == 0) return;
-                     // All-to-all moves chunk j to rank j (bandwidth of a ring
-                     // reduce-scatter); then each rank reduces its chunks locally.
-                     std::vector<uint8_t> sendBuf(bytes * impl.size), recvBuf(bytes * impl.size);
-                     for (int r = 0; r < impl.size; ++r) copyToBytes(inputs[r], sendBuf.data() + bytes * r);
-                     if (impl.size > 1) {
-                       gloo::AlltoallOptions opts(impl.context);
-                       opts.setInput(sendBuf.data(), sendBuf.size());
-                       opts.setOutput(recvBuf.data(), recvBuf.size());
-                       opts.setTag(impl.tagFor(impl.runner->progress().lastStarted()));
-                       opts.setTimeout(timeout);
-                       gloo::alltoall(opts);
-                     } else {
-                       recvBuf = sendBuf;
-                     }
-                     for (int r = 1; r < impl.size; ++r) {
-                       fn(recvBuf.data(), recvBuf.data(), recvBuf.data() + bytes * r, count);
-                     }
-                     if (op == ReduceOp::Avg) divideBy(output.dtype(), recvBuf.data(), count, impl.size);
-                     Tensor out = output;
-                     copyFromBytes(recvBuf.data(), out);
-                   });
+  return d.enqueue(options.seq, "reduceScatter", fp, options.timeout, [output, inputs, op](Impl& impl, Millis timeout) {
+    const size_t bytes = output.nbytes();
+    std::vector<uint8_t> sendBuf(bytes * impl.size);
+    for (int r = 0; r < impl.size && bytes > 0; ++r) copyToBytes(inputs[r], sendBuf.data() + bytes * r);
+    impl.reduceScatterBlocks(sendBuf.data(), output, op, timeout);
+  });
+}
+
+WorkPtr GlooBackend::reduceScatterTensor(const Tensor& output, const Tensor& input, const ReduceScatterOptions& options) {
+  auto& d = *impl_;
+  CollectiveFingerprint fp = checkReduceScatterTensor(d.callSite(options.seq), output, input, options);
+  const ReduceOp op = options.reduceOp;
+  return d.enqueue(options.seq, "reduceScatterTensor", fp, options.timeout, [output, input, op](Impl& impl, Millis timeout) {
+    const Tensor in = input.contiguous();
+    impl.reduceScatterBlocks(static_cast<const uint8_t*>(in.dataPtr()), output, op, timeout);
+  });
 }
 
 WorkPtr GlooBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkReduce(CpuCallSite{d.who(), "gloo", d.rank, d.size}, tensors, options);
+  CollectiveFingerprint fp = checkReduce(d.callSite(options.seq), tensors, options);
   const ReduceOp op = options.reduceOp;
   const int root = options.root;
   return d.enqueue(options.seq, "reduce", fp, options.timeout, [tensors, op, root](Impl& impl, Millis timeout) {
@@ -452,7 +514,7 @@ WorkPtr GlooBackend::barrier(const BarrierOptions& options) {
 WorkPtr GlooBackend::allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                               const AllToAllOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkAllToAll(CpuCallSite{d.who(), "gloo", d.rank, d.size}, outputs, inputs);
+  CollectiveFingerprint fp = checkAllToAll(d.callSite(options.seq), outputs, inputs);
   return d.enqueue(options.seq, "allToAll", fp, options.timeout, [outputs, inputs](Impl& impl, Millis timeout) {
     std::vector<int64_t> sendCounts, recvCounts;
     size_t sendTotal = 0, recvTotal = 0;
@@ -462,23 +524,13 @@ WorkPtr GlooBackend::allToAll(const std::vector<Tensor>& outputs, const std::vec
       sendTotal += inputs[r].nbytes();
       recvTotal += outputs[r].nbytes();
     }
-    std::vector<uint8_t> sendBuf(std::max<size_t>(sendTotal, 1)), recvBuf(std::max<size_t>(recvTotal, 1));
+    std::vector<uint8_t> sendBuf(sendTotal), recvBuf(recvTotal);
     size_t offset = 0;
     for (int r = 0; r < impl.size; ++r) {
       copyToBytes(inputs[r], sendBuf.data() + offset);
       offset += inputs[r].nbytes();
     }
-    if (impl.size > 1) {
-      gloo::AlltoallvOptions opts(impl.context);
-      opts.setInput(sendBuf.data(), sendCounts);
-      opts.setOutput(recvBuf.data(), recvCounts);
-      opts.setTag(impl.tagFor(impl.runner->progress().lastStarted()));
-      opts.setTimeout(timeout);
-      gloo::alltoallv(opts);
-    } else {
-      DT_CHECK_EQ(sendTotal, recvTotal, "allToAll on one rank: output size vs input size");
-      recvBuf = sendBuf;
-    }
+    impl.allToAllBytes(sendBuf.data(), std::move(sendCounts), recvBuf.data(), std::move(recvCounts), timeout);
     offset = 0;
     for (int r = 0; r < impl.size; ++r) {
       Tensor out = outputs[r];
@@ -486,6 +538,88 @@ WorkPtr GlooBackend::allToAll(const std::vector<Tensor>& outputs, const std::vec
       offset += outputs[r].nbytes();
     }
   });
+}
+
+WorkPtr GlooBackend::allToAllSingle(const Tensor& output, const Tensor& input, const std::vector<int64_t>& outputSplits,
+                                    const std::vector<int64_t>& inputSplits, const AllToAllOptions& options) {
+  auto& d = *impl_;
+  AllToAllSplits splits;
+  CollectiveFingerprint fp = checkAllToAllSingle(d.callSite(options.seq), output, input, outputSplits, inputSplits, splits);
+  return d.enqueue(options.seq, "allToAllSingle", fp, options.timeout,
+                   [output, input, splits](Impl& impl, Millis timeout) {
+    std::vector<int64_t> sendCounts, recvCounts;
+    for (int r = 0; r < impl.size; ++r) {
+      sendCounts.push_back(splits.sendRows[r] * static_cast<int64_t>(splits.rowBytes));
+      recvCounts.push_back(splits.recvRows[r] * static_cast<int64_t>(splits.rowBytes));
+    }
+    // Straight from and into the caller's buffers when they are contiguous.
+    Tensor in = input.contiguous();
+    Tensor out = output.isContiguous() ? output : empty(output.sizes(), output.dtype());
+    impl.allToAllBytes(static_cast<uint8_t*>(in.dataPtr()), std::move(sendCounts), static_cast<uint8_t*>(out.dataPtr()),
+                       std::move(recvCounts), timeout);
+    copyBackInto({output}, {out});
+  });
+}
+
+WorkPtr GlooBackend::gather(const std::vector<Tensor>& outputs, const Tensor& input, const GatherOptions& options) {
+  auto& d = *impl_;
+  CollectiveFingerprint fp = checkGather(d.callSite(options.seq), outputs, input, options);
+  const int root = options.root;
+  return d.enqueue(options.seq, "gather", fp, options.timeout, [outputs, input, root](Impl& impl, Millis timeout) {
+    const size_t bytes = input.nbytes();
+    if (bytes == 0) return;
+    const Tensor in = input.contiguous();
+    if (impl.size == 1) {
+      Tensor out = outputs[0];
+      copyFromBytes(in.dataPtr(), out);
+      return;
+    }
+    std::vector<uint8_t> gathered(impl.rank == root ? bytes * impl.size : 0);
+    gloo::GatherOptions opts(impl.context);
+    opts.setInput(static_cast<uint8_t*>(const_cast<void*>(in.dataPtr())), bytes);
+    if (impl.rank == root) opts.setOutput(gathered.data(), gathered.size());
+    opts.setRoot(root);
+    opts.setTag(impl.currentTag());
+    opts.setTimeout(timeout);
+    gloo::gather(opts);
+    for (int r = 0; r < impl.size && impl.rank == root; ++r) {
+      Tensor out = outputs[r];
+      copyFromBytes(gathered.data() + bytes * r, out);
+    }
+  });
+}
+
+WorkPtr GlooBackend::scatter(const Tensor& output, const std::vector<Tensor>& inputs, const ScatterOptions& options) {
+  auto& d = *impl_;
+  CollectiveFingerprint fp = checkScatter(d.callSite(options.seq), output, inputs, options);
+  const int root = options.root;
+  return d.enqueue(options.seq, "scatter", fp, options.timeout, [output, inputs, root](Impl& impl, Millis timeout) {
+    const size_t bytes = output.nbytes();
+    if (bytes == 0) return;
+    std::vector<Tensor> ins;  // the root's, contiguous
+    for (const auto& t : inputs) ins.push_back(t.contiguous());
+    Tensor out = output.isContiguous() ? output : empty(output.sizes(), output.dtype());
+    if (impl.size == 1) {
+      out.copy_(ins[0]);
+    } else {
+      gloo::ScatterOptions opts(impl.context);
+      if (impl.rank == root) {
+        std::vector<uint8_t*> pointers;
+        for (auto& t : ins) pointers.push_back(static_cast<uint8_t*>(t.dataPtr()));
+        opts.setInputs(pointers, bytes);
+      }
+      opts.setOutput(static_cast<uint8_t*>(out.dataPtr()), bytes);
+      opts.setRoot(root);
+      opts.setTag(impl.currentTag());
+      opts.setTimeout(timeout);
+      gloo::scatter(opts);
+    }
+    copyBackInto({output}, {out});
+  });
+}
+
+WorkPtr GlooBackend::monitoredBarrier(const BarrierOptions& options) {
+  return impl_->runner->monitoredBarrier(options.seq, options.timeout);
 }
 
 // ---- point to point ---------------------------------------------------------------------------

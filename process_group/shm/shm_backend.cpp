@@ -34,12 +34,11 @@ uint64_t hashText(uint64_t hash, std::string_view text) {
   return hash;
 }
 
-// What every rank's collective must agree on. allToAll's sizes may differ
-// per rank (uneven splits), so only its dtype counts there.
+// What every rank's collective must agree on (CollectiveFingerprint::agreesWith).
 uint64_t agreementHash(const CollectiveFingerprint& fp) {
   uint64_t h = hashText(1469598103934665603ull, fp.op);
   h = mix(h, fp.seq);
-  const bool sizesMayDiffer = fp.op == "allToAll";
+  const bool sizesMayDiffer = fp.sizesMayDiffer();
   for (const auto& t : fp.tensors) {
     h = mix(h, static_cast<uint64_t>(t.dtype));
     if (sizesMayDiffer) break;
@@ -58,7 +57,7 @@ std::pair<size_t, size_t> sliceOf(size_t count, int parts, int j) {
 }
 
 // One posted send or recv (p2p thread).
-struct P2POp {
+struct PostedTransfer {
   bool isSend = true;
   int peer = 0;
   uint32_t tag = 0;
@@ -77,7 +76,7 @@ struct Unexpected {
   uint32_t tag = 0;
   std::vector<uint8_t> bytes;
   size_t received = 0;
-  std::shared_ptr<P2POp> claimedBy;  // a recv posted while it was still arriving
+  std::shared_ptr<PostedTransfer> claimedBy;  // a recv posted while it was still arriving
 };
 
 }  // namespace
@@ -101,9 +100,9 @@ struct ShmBackend::Impl {
 
   // p2p
   std::mutex p2pMutex;
-  std::deque<std::shared_ptr<P2POp>> sends;           // in post order (per peer order kept)
-  std::list<std::shared_ptr<P2POp>> recvs;            // posted, not yet matched
-  std::vector<std::shared_ptr<P2POp>> receiving;      // per src: the recv a message is copied into
+  std::deque<std::shared_ptr<PostedTransfer>> sends;           // in post order (per peer order kept)
+  std::list<std::shared_ptr<PostedTransfer>> recvs;            // posted, not yet matched
+  std::vector<std::shared_ptr<PostedTransfer>> receiving;      // per src: the recv a message is copied into
   std::vector<std::shared_ptr<Unexpected>> arriving;  // per src: the unexpected message being copied
   std::list<std::shared_ptr<Unexpected>> unexpected;
   std::vector<uint64_t> messagesSent;                 // per dst
@@ -113,6 +112,7 @@ struct ShmBackend::Impl {
   std::vector<std::pair<WorkPtr, std::exception_ptr>> finished;
 
   std::string who() const { return str("rank ", rank, "/", size, " pg=", options.groupName, " shm"); }
+  CpuCallSite callSite(uint64_t seq) const { return CpuCallSite{who(), "shm", rank, size, seq}; }
 
   // ---- collective skeleton --------------------------------------------------------
   void begin(const CollectiveFingerprint& fp, Millis limit) {
@@ -267,7 +267,7 @@ struct ShmBackend::Impl {
     p2pThread = std::thread([this] { p2pLoop(); });
   }
 
-  void completeRecv(P2POp& op) {
+  void completeRecv(PostedTransfer& op) {
     if (!op.copyBackTo.empty()) unflattenInto(op.staging, op.copyBackTo);
     finished.emplace_back(op.work, nullptr);
   }
@@ -289,7 +289,7 @@ struct ShmBackend::Impl {
     }
   }
 
-  std::exception_ptr p2pError(const P2POp& op, const std::string& why, bool timedOut) const {
+  std::exception_ptr p2pError(const PostedTransfer& op, const std::string& why, bool timedOut) const {
     if (timedOut) {
       return std::make_exception_ptr(TimeoutError(str("[", who(), "] ", op.what, " timed out: ", why,
                                                       ". Did the peer post the matching call?")));
@@ -298,8 +298,8 @@ struct ShmBackend::Impl {
   }
 
   // Every send or recv not completed yet. p2pMutex held.
-  std::vector<std::shared_ptr<P2POp>> pendingP2P() const {
-    std::vector<std::shared_ptr<P2POp>> all(sends.begin(), sends.end());
+  std::vector<std::shared_ptr<PostedTransfer>> pendingP2P() const {
+    std::vector<std::shared_ptr<PostedTransfer>> all(sends.begin(), sends.end());
     all.insert(all.end(), recvs.begin(), recvs.end());
     for (auto& r : receiving) {
       if (r) all.push_back(r);
@@ -326,7 +326,7 @@ struct ShmBackend::Impl {
     // Sends, the oldest first per destination.
     std::vector<bool> blocked(static_cast<size_t>(size), false);
     for (auto it = sends.begin(); it != sends.end();) {
-      P2POp& op = **it;
+      PostedTransfer& op = **it;
       if (blocked[op.peer]) {
         ++it;
         continue;
@@ -385,7 +385,7 @@ struct ShmBackend::Impl {
           }
         }
         if (receiving[src]) {
-          P2POp& op = *receiving[src];
+          PostedTransfer& op = *receiving[src];
           if (meta.total != op.staging.nbytes()) {
             auto cause = p2pError(op, str("the message from rank ", src, " with tag ", meta.tag, " has ", meta.total,
                                           " bytes but the recv expects ", op.staging.nbytes()), false);
@@ -420,7 +420,7 @@ struct ShmBackend::Impl {
     return moved;
   }
 
-  void deliverHeld(const Unexpected& held, P2POp& op) {
+  void deliverHeld(const Unexpected& held, PostedTransfer& op) {
     if (held.bytes.size() != op.staging.nbytes()) {
       finished.emplace_back(op.work, p2pError(op, str("the message from rank ", held.src, " with tag ", held.tag,
                                                       " has ", held.bytes.size(), " bytes but the recv expects ",
@@ -480,7 +480,7 @@ struct ShmBackend::Impl {
   WorkPtr post(bool isSend, const std::vector<Tensor>& tensors, int peer, uint32_t tag, const OpTimeout& opTimeout) {
     const char* op = isSend ? "send" : "recv";
     checkPointToPoint(CpuCallSite{who(), "shm", rank, size}, op, tensors, peer);
-    auto p = std::make_shared<P2POp>();
+    auto p = std::make_shared<PostedTransfer>();
     p->isSend = isSend;
     p->peer = peer;
     p->tag = tag;
@@ -509,7 +509,7 @@ struct ShmBackend::Impl {
     return work;
   }
 
-  void enqueueP2P(std::shared_ptr<P2POp> p, bool isSend, int peer, uint32_t tag) {
+  void enqueueP2P(std::shared_ptr<PostedTransfer> p, bool isSend, int peer, uint32_t tag) {
     startP2P();
     if (isSend) {
       sends.push_back(std::move(p));
@@ -544,15 +544,15 @@ struct ShmBackend::Impl {
 
 ShmBackend::ShmBackend(StorePtr store, int rank, int size, ShmBackendOptions options)
     : impl_(std::make_unique<Impl>()) {
-  DT_CHECK(store != nullptr, "ShmBackend: store is null");
-  DT_CHECK(size >= 1, "ShmBackend: group size must be >= 1, got ", size);
-  DT_CHECK(rank >= 0 && rank < size, "ShmBackend: rank ", rank, " is outside the group of size ", size);
+  DT_REQUIRE(store != nullptr, "ShmBackend: store is null");
+  DT_REQUIRE(size >= 1, "ShmBackend: group size must be >= 1, got ", size);
+  DT_REQUIRE(rank >= 0 && rank < size, "ShmBackend: rank ", rank, " is outside the group of size ", size);
   auto& d = *impl_;
   d.rank = rank;
   d.size = size;
   d.options = std::move(options);
   d.timeout = d.options.resolvedTimeout();
-  DT_CHECK(d.options.slotBytes >= 4096, "ShmBackend: slotBytes must be at least 4096, got ", d.options.slotBytes);
+  DT_REQUIRE(d.options.slotBytes >= 4096, "ShmBackend: slotBytes must be at least 4096, got ", d.options.slotBytes);
   d.options.smallBytes = std::min(d.options.smallBytes, d.options.slotBytes);
 
   shm::SegmentOptions so;
@@ -610,7 +610,7 @@ WorkPtr collective(ShmBackend::Impl& d, uint64_t seq, const char* op, Collective
 
 WorkPtr ShmBackend::allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkAllreduce(CpuCallSite{d.who(), "shm", d.rank, d.size}, tensors, options);
+  CollectiveFingerprint fp = checkAllreduce(d.callSite(options.seq), tensors, options);
   const ReduceOp op = options.reduceOp;
   return collective(d, options.seq, "allreduce", std::move(fp), options.timeout,
                     [tensors, op](Impl& impl) {
@@ -625,7 +625,7 @@ WorkPtr ShmBackend::allreduce(const std::vector<Tensor>& tensors, const Allreduc
 
 WorkPtr ShmBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkReduce(CpuCallSite{d.who(), "shm", d.rank, d.size}, tensors, options);
+  CollectiveFingerprint fp = checkReduce(d.callSite(options.seq), tensors, options);
   const ReduceOp op = options.reduceOp;
   const int root = options.root;
   return collective(d, options.seq, "reduce", std::move(fp), options.timeout,
@@ -642,7 +642,7 @@ WorkPtr ShmBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptio
 
 WorkPtr ShmBackend::broadcast(const std::vector<Tensor>& tensors, const BroadcastOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkBroadcast(CpuCallSite{d.who(), "shm", d.rank, d.size}, tensors, options);
+  CollectiveFingerprint fp = checkBroadcast(d.callSite(options.seq), tensors, options);
   const int root = options.root;
   return collective(d, options.seq, "broadcast", std::move(fp), options.timeout,
                     [tensors, root](Impl& impl) {
@@ -654,76 +654,181 @@ WorkPtr ShmBackend::broadcast(const std::vector<Tensor>& tensors, const Broadcas
                     });
 }
 
+namespace {
+
+using Impl = ShmBackend::Impl;
+
+// Everyone publishes its input round by round; every rank (or only
+// `onlyTo`, for gather) copies all of them out.
+void allgatherRounds(Impl& impl, const std::vector<Tensor>& outputs, const Tensor& input, int onlyTo = -1) {
+  const Tensor in = input.contiguous();
+  const size_t bytes = in.nbytes();
+  const bool receives = onlyTo < 0 || impl.rank == onlyTo;
+  std::vector<Tensor> outs;
+  for (const auto& o : outputs) outs.push_back(o.isContiguous() ? o : emptyLike(o));
+  const size_t perRound = impl.pipelineBytes();
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(perRound, bytes - offset);
+    if (n > 0) std::memcpy(impl.mySlot(), static_cast<const uint8_t*>(in.dataPtr()) + offset, n);
+    impl.exchange();
+    for (int r = 0; r < impl.size && n > 0 && receives; ++r) {
+      std::memcpy(static_cast<uint8_t*>(outs[r].dataPtr()) + offset, impl.slotOf(r), n);
+    }
+    ++impl.rounds;
+    offset += n;
+  } while (offset < bytes);
+  copyBackInto(outputs, outs);
+}
+
+// The root publishes every rank's block round by round; each copies its own.
+void scatterRounds(Impl& impl, const Tensor& output, const std::vector<Tensor>& inputs, int root) {
+  const size_t bytes = output.nbytes();
+  std::vector<Tensor> ins;
+  for (const auto& t : inputs) ins.push_back(t.contiguous());
+  Tensor out = output.isContiguous() ? output : emptyLike(output);
+  const size_t region = (impl.seg->slotBytes() / static_cast<size_t>(impl.size)) / 64 * 64;
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(region, bytes - offset);
+    if (impl.rank == root) {
+      if (offset > 0) impl.seg->waitForAll(impl.deadline);  // before reusing a buffer the others may still read
+      for (int k = 0; k < impl.size && n > 0; ++k) {
+        std::memcpy(impl.mySlot() + static_cast<size_t>(k) * region,
+                    static_cast<const uint8_t*>(ins[k].dataPtr()) + offset, n);
+      }
+    }
+    impl.exchangeFrom(root);
+    if (n > 0) {
+      std::memcpy(static_cast<uint8_t*>(out.dataPtr()) + offset,
+                  impl.slotOf(root) + static_cast<size_t>(impl.rank) * region, n);
+    }
+    ++impl.rounds;
+    offset += n;
+  } while (offset < bytes);
+  copyBackInto({output}, {out});
+}
+
+void reduceScatterRounds(Impl& impl, const Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op) {
+  const ReduceFn fn = reduceFunction(output.dtype(), op);
+  const size_t width = itemSize(output.dtype());
+  const size_t count = static_cast<size_t>(output.numel());
+  std::vector<Tensor> ins;
+  for (const auto& t : inputs) ins.push_back(t.contiguous());
+  Tensor out = output.isContiguous() ? output : emptyLike(output);
+  // Per round every rank publishes m elements of each of its inputs.
+  const size_t m = std::max<size_t>(1, impl.seg->slotBytes() / (width * impl.size));
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(m, count - offset);
+    for (int k = 0; k < impl.size && n > 0; ++k) {
+      std::memcpy(impl.mySlot() + static_cast<size_t>(k) * n * width,
+                  static_cast<const uint8_t*>(ins[k].dataPtr()) + offset * width, n * width);
+    }
+    impl.exchange();
+    if (n > 0) {
+      std::vector<const uint8_t*> parts;
+      for (int j = 0; j < impl.size; ++j) parts.push_back(impl.slotOf(j) + static_cast<size_t>(impl.rank) * n * width);
+      uint8_t* dst = static_cast<uint8_t*>(out.dataPtr()) + offset * width;
+      Impl::reduceInOrder(fn, width, dst, parts, n);
+      if (op == ReduceOp::Avg) divideBy(output.dtype(), dst, n, impl.size);
+    }
+    ++impl.rounds;
+    offset += n;
+  } while (offset < count);
+  copyBackInto({output}, {out});
+}
+
+void allToAllRounds(Impl& impl, const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs) {
+  const int w = impl.size;
+  std::vector<Tensor> ins, outs;
+  for (const auto& t : inputs) ins.push_back(t.contiguous());
+  for (const auto& t : outputs) outs.push_back(t.isContiguous() ? t : emptyLike(t));
+  // First exchange: every rank's send sizes, so all agree on the rounds.
+  auto* sizes = reinterpret_cast<uint64_t*>(impl.mySlot());
+  for (int k = 0; k < w; ++k) sizes[k] = ins[k].nbytes();
+  impl.exchange();
+  uint64_t largest = 0;
+  for (int j = 0; j < w; ++j) {
+    const auto* theirs = reinterpret_cast<const uint64_t*>(impl.slotOf(j));
+    for (int k = 0; k < w; ++k) largest = std::max(largest, theirs[k]);
+    if (theirs[impl.rank] != outs[j].nbytes()) {
+      throw InvalidArgument(str("rank ", j, " sends ", theirs[impl.rank], " bytes to this rank but output ", j,
+                                " holds ", outs[j].nbytes()));
+    }
+  }
+  ++impl.rounds;
+  const size_t region = (impl.seg->slotBytes() / static_cast<size_t>(w)) / 64 * 64;
+  for (uint64_t offset = 0; offset < largest; offset += region) {
+    for (int k = 0; k < w; ++k) {
+      const size_t have = ins[k].nbytes();
+      if (offset >= have) continue;
+      std::memcpy(impl.mySlot() + static_cast<size_t>(k) * region, static_cast<const uint8_t*>(ins[k].dataPtr()) + offset,
+                  std::min<size_t>(region, have - offset));
+    }
+    impl.exchange();
+    for (int j = 0; j < w; ++j) {
+      const size_t want = outs[j].nbytes();
+      if (offset >= want) continue;
+      std::memcpy(static_cast<uint8_t*>(outs[j].dataPtr()) + offset,
+                  impl.slotOf(j) + static_cast<size_t>(impl.rank) * region, std::min<size_t>(region, want - offset));
+    }
+    ++impl.rounds;
+  }
+  copyBackInto(outputs, outs);
+}
+
+}  // namespace
+
 WorkPtr ShmBackend::allgather(const std::vector<Tensor>& outputs, const Tensor& input, const AllgatherOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkAllgather(CpuCallSite{d.who(), "shm", d.rank, d.size}, outputs, input);
+  CollectiveFingerprint fp = checkAllgather(d.callSite(options.seq), outputs, input);
   return collective(d, options.seq, "allgather", std::move(fp), options.timeout,
-                    [outputs, input](Impl& impl) {
-                      const Tensor in = input.contiguous();
-                      const size_t bytes = in.nbytes();
-                      std::vector<Tensor> outs;
-                      for (const auto& o : outputs) outs.push_back(o.isContiguous() ? o : emptyLike(o));
-                      const size_t perRound = impl.pipelineBytes();
-                      size_t offset = 0;
-                      do {
-                        const size_t n = std::min(perRound, bytes - offset);
-                        if (n > 0) std::memcpy(impl.mySlot(), static_cast<const uint8_t*>(in.dataPtr()) + offset, n);
-                        impl.exchange();
-                        for (int r = 0; r < impl.size && n > 0; ++r) {
-                          std::memcpy(static_cast<uint8_t*>(outs[r].dataPtr()) + offset, impl.slotOf(r), n);
-                        }
-                        ++impl.rounds;
-                        offset += n;
-                      } while (offset < bytes);
-                      for (size_t r = 0; r < outputs.size(); ++r) {
-                        if (!outputs[r].isSameAs(outs[r])) {
-                          Tensor out = outputs[r];
-                          out.copy_(outs[r]);
-                        }
-                      }
-                    });
+                    [outputs, input](Impl& impl) { allgatherRounds(impl, outputs, input); });
+}
+
+WorkPtr ShmBackend::allgatherIntoTensor(const Tensor& output, const Tensor& input, const AllgatherOptions& options) {
+  auto& d = *impl_;
+  CollectiveFingerprint fp = checkAllgatherIntoTensor(d.callSite(options.seq), output, input);
+  return collective(d, options.seq, "allgatherIntoTensor", std::move(fp), options.timeout, [output, input](Impl& impl) {
+    Tensor flat = output.isContiguous() ? output : empty({output.numel()}, output.dtype());
+    allgatherRounds(impl, blocksOf(flat, impl.size, input.sizes()), input);
+    copyBackInto({output}, {flat.view(output.sizes())});
+  });
+}
+
+WorkPtr ShmBackend::gather(const std::vector<Tensor>& outputs, const Tensor& input, const GatherOptions& options) {
+  auto& d = *impl_;
+  CollectiveFingerprint fp = checkGather(d.callSite(options.seq), outputs, input, options);
+  const int root = options.root;
+  return collective(d, options.seq, "gather", std::move(fp), options.timeout,
+                    [outputs, input, root](Impl& impl) { allgatherRounds(impl, outputs, input, root); });
+}
+
+WorkPtr ShmBackend::scatter(const Tensor& output, const std::vector<Tensor>& inputs, const ScatterOptions& options) {
+  auto& d = *impl_;
+  CollectiveFingerprint fp = checkScatter(d.callSite(options.seq), output, inputs, options);
+  const int root = options.root;
+  return collective(d, options.seq, "scatter", std::move(fp), options.timeout,
+                    [output, inputs, root](Impl& impl) { scatterRounds(impl, output, inputs, root); });
 }
 
 WorkPtr ShmBackend::reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
                                   const ReduceScatterOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkReduceScatter(CpuCallSite{d.who(), "shm", d.rank, d.size}, output, inputs, options);
-  const ReduceFn fn = reduceFunction(output.dtype(), options.reduceOp);
+  CollectiveFingerprint fp = checkReduceScatter(d.callSite(options.seq), output, inputs, options);
   const ReduceOp op = options.reduceOp;
   return collective(d, options.seq, "reduceScatter", std::move(fp), options.timeout,
-                    [output, inputs, op, fn](Impl& impl) {
-                      const size_t width = itemSize(output.dtype());
-                      const size_t count = static_cast<size_t>(output.numel());
-                      std::vector<Tensor> ins;
-                      for (const auto& t : inputs) ins.push_back(t.contiguous());
-                      Tensor out = output.isContiguous() ? output : emptyLike(output);
-                      // Per round every rank publishes m elements of each of its inputs.
-                      const size_t m = std::max<size_t>(1, impl.seg->slotBytes() / (width * impl.size));
-                      size_t offset = 0;
-                      do {
-                        const size_t n = std::min(m, count - offset);
-                        for (int k = 0; k < impl.size && n > 0; ++k) {
-                          std::memcpy(impl.mySlot() + static_cast<size_t>(k) * n * width,
-                                      static_cast<const uint8_t*>(ins[k].dataPtr()) + offset * width, n * width);
-                        }
-                        impl.exchange();
-                        if (n > 0) {
-                          std::vector<const uint8_t*> parts;
-                          for (int j = 0; j < impl.size; ++j) {
-                            parts.push_back(impl.slotOf(j) + static_cast<size_t>(impl.rank) * n * width);
-                          }
-                          uint8_t* dst = static_cast<uint8_t*>(out.dataPtr()) + offset * width;
-                          Impl::reduceInOrder(fn, width, dst, parts, n);
-                          if (op == ReduceOp::Avg) divideBy(output.dtype(), dst, n, impl.size);
-                        }
-                        ++impl.rounds;
-                        offset += n;
-                      } while (offset < count);
-                      if (!out.isSameAs(output)) {
-                        Tensor target = output;
-                        target.copy_(out);
-                      }
-                    });
+                    [output, inputs, op](Impl& impl) { reduceScatterRounds(impl, output, inputs, op); });
+}
+
+WorkPtr ShmBackend::reduceScatterTensor(const Tensor& output, const Tensor& input, const ReduceScatterOptions& options) {
+  auto& d = *impl_;
+  CollectiveFingerprint fp = checkReduceScatterTensor(d.callSite(options.seq), output, input, options);
+  const ReduceOp op = options.reduceOp;
+  return collective(d, options.seq, "reduceScatterTensor", std::move(fp), options.timeout, [output, input, op](Impl& impl) {
+    reduceScatterRounds(impl, output, blocksOf(input.contiguous(), impl.size, output.sizes()), op);
+  });
 }
 
 WorkPtr ShmBackend::barrier(const BarrierOptions& options) {
@@ -732,56 +837,30 @@ WorkPtr ShmBackend::barrier(const BarrierOptions& options) {
                     [](Impl& impl) { impl.exchange(); });
 }
 
+WorkPtr ShmBackend::monitoredBarrier(const BarrierOptions& options) {
+  // Through the store, not shared memory: a rank that never arrives must not
+  // leave the others spinning on a segment it will never write.
+  return impl_->runner->monitoredBarrier(options.seq, options.timeout);
+}
+
 WorkPtr ShmBackend::allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                              const AllToAllOptions& options) {
   auto& d = *impl_;
-  CollectiveFingerprint fp = checkAllToAll(CpuCallSite{d.who(), "shm", d.rank, d.size}, outputs, inputs);
+  CollectiveFingerprint fp = checkAllToAll(d.callSite(options.seq), outputs, inputs);
   return collective(d, options.seq, "allToAll", std::move(fp), options.timeout,
-                    [outputs, inputs](Impl& impl) {
-                      const int w = impl.size;
-                      std::vector<Tensor> ins, outs;
-                      for (const auto& t : inputs) ins.push_back(t.contiguous());
-                      for (const auto& t : outputs) outs.push_back(t.isContiguous() ? t : emptyLike(t));
-                      // First exchange: every rank's send sizes, so all agree on the rounds.
-                      auto* sizes = reinterpret_cast<uint64_t*>(impl.mySlot());
-                      for (int k = 0; k < w; ++k) sizes[k] = ins[k].nbytes();
-                      impl.exchange();
-                      uint64_t largest = 0;
-                      for (int j = 0; j < w; ++j) {
-                        const auto* theirs = reinterpret_cast<const uint64_t*>(impl.slotOf(j));
-                        for (int k = 0; k < w; ++k) largest = std::max(largest, theirs[k]);
-                        if (theirs[impl.rank] != outs[j].nbytes()) {
-                          throw InvalidArgument(str("allToAll: rank ", j, " sends ", theirs[impl.rank],
-                                                    " bytes to this rank but output ", j, " holds ", outs[j].nbytes()));
-                        }
-                      }
-                      ++impl.rounds;
-                      const size_t region = (impl.seg->slotBytes() / static_cast<size_t>(w)) / 64 * 64;
-                      for (uint64_t offset = 0; offset < largest; offset += region) {
-                        for (int k = 0; k < w; ++k) {
-                          const size_t have = ins[k].nbytes();
-                          if (offset >= have) continue;
-                          std::memcpy(impl.mySlot() + static_cast<size_t>(k) * region,
-                                      static_cast<const uint8_t*>(ins[k].dataPtr()) + offset,
-                                      std::min<size_t>(region, have - offset));
-                        }
-                        impl.exchange();
-                        for (int j = 0; j < w; ++j) {
-                          const size_t want = outs[j].nbytes();
-                          if (offset >= want) continue;
-                          std::memcpy(static_cast<uint8_t*>(outs[j].dataPtr()) + offset,
-                                      impl.slotOf(j) + static_cast<size_t>(impl.rank) * region,
-                                      std::min<size_t>(region, want - offset));
-                        }
-                        ++impl.rounds;
-                      }
-                      for (size_t r = 0; r < outputs.size(); ++r) {
-                        if (!outputs[r].isSameAs(outs[r])) {
-                          Tensor out = outputs[r];
-                          out.copy_(outs[r]);
-                        }
-                      }
-                    });
+                    [outputs, inputs](Impl& impl) { allToAllRounds(impl, outputs, inputs); });
+}
+
+WorkPtr ShmBackend::allToAllSingle(const Tensor& output, const Tensor& input, const std::vector<int64_t>& outputSplits,
+                                   const std::vector<int64_t>& inputSplits, const AllToAllOptions& options) {
+  auto& d = *impl_;
+  AllToAllSplits splits;
+  CollectiveFingerprint fp = checkAllToAllSingle(d.callSite(options.seq), output, input, outputSplits, inputSplits, splits);
+  return collective(d, options.seq, "allToAllSingle", std::move(fp), options.timeout, [output, input, splits](Impl& impl) {
+    Tensor out = output.isContiguous() ? output : emptyLike(output);
+    allToAllRounds(impl, rowsOf(out, splits.recvRows), rowsOf(input.contiguous(), splits.sendRows));
+    copyBackInto({output}, {out});
+  });
 }
 
 WorkPtr ShmBackend::send(const std::vector<Tensor>& tensors, int dstRank, const SendOptions& options) {

@@ -77,6 +77,14 @@ class ShmBackend final : public Backend {
   WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, const RecvOptions& options = {}) override;
   WorkPtr allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                    const AllToAllOptions& options = {}) override;
+  WorkPtr gather(const std::vector<Tensor>& outputs, const Tensor& input, const GatherOptions& options = {}) override;
+  WorkPtr scatter(const Tensor& output, const std::vector<Tensor>& inputs, const ScatterOptions& options = {}) override;
+  WorkPtr allgatherIntoTensor(const Tensor& output, const Tensor& input, const AllgatherOptions& options = {}) override;
+  WorkPtr reduceScatterTensor(const Tensor& output, const Tensor& input,
+                              const ReduceScatterOptions& options = {}) override;
+  WorkPtr allToAllSingle(const Tensor& output, const Tensor& input, const std::vector<int64_t>& outputSplits,
+                         const std::vector<int64_t>& inputSplits, const AllToAllOptions& options = {}) override;
+  WorkPtr monitoredBarrier(const BarrierOptions& options = {}) override;
 
   std::exception_ptr brokenCause() const override;
   void shutdown() override;

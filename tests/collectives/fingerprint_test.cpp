@@ -54,6 +54,25 @@ TEST(Fingerprint, SerializeRoundTripsAndComparesEveryField) {
   EXPECT_EQ(CollectiveFingerprint::parse(empty.serialize()), empty);
 }
 
+TEST(Fingerprint, AllToAllAgreesOnDTypesOnly) {
+  CollectiveFingerprint a;
+  a.op = "allToAllSingle";
+  a.seq = 4;
+  a.tensors = {{DType::Int64, {3, 2}}};
+  CollectiveFingerprint b = a;
+  b.tensors[0].sizes = {7, 2};  // another rank's uneven split
+  EXPECT_TRUE(a.agreesWith(b));
+  b.tensors[0].dtype = DType::Int32;
+  EXPECT_FALSE(a.agreesWith(b));
+  CollectiveFingerprint c = a;
+  c.op = "allreduce";
+  CollectiveFingerprint d = c;
+  d.tensors[0].sizes = {7, 2};
+  EXPECT_TRUE(c.agreesWith(c));
+  EXPECT_FALSE(c.agreesWith(d));  // sizes count for every other op
+  EXPECT_FALSE(a.agreesWith(c));
+}
+
 TEST(Fingerprint, ParseRejectsGarbage) {
   testing::expectThrowsWith<InvalidArgument>([] { CollectiveFingerprint::parse("nonsense"); }, {"5"});
   testing::expectThrowsWith<InvalidArgument>([] { CollectiveFingerprint::parse("1;allreduce;float99[3];sum;"); },

@@ -13,6 +13,7 @@
 #include "common/strings.h"
 #include "store/hash_store.h"
 #include "store/prefix_store.h"
+#include "tensor/ops.h"
 #include "tensor/tensor.h"
 #include "tests/testing/testing.h"
 
@@ -278,6 +279,210 @@ TEST_P(BackendConformance, AllToAllWithUnevenSizes) {
       }
     });
   }
+}
+
+TEST_P(BackendConformance, AllToAllWithUnevenSizesPassesFingerprintChecks) {
+  // Ranks legitimately pass different sizes; only dtypes must agree.
+  BackendTestOptions o;
+  o.checkFingerprints = true;
+  withBackends(GetParam(), 3, [&](int rank, Backend& backend) {
+    std::vector<Tensor> inputs, outputs;
+    for (int j = 0; j < 3; ++j) {
+      inputs.push_back(full({rank + j + 1}, rank, DType::Int32));
+      outputs.push_back(full({j + rank + 1}, -1, DType::Int32));
+    }
+    backend.allToAll(outputs, inputs)->wait();
+    for (int j = 0; j < 3; ++j) EXPECT_EQ(outputs[j].toVector<int32_t>(), std::vector<int32_t>(j + rank + 1, j));
+    Tensor in = full({rank + 3, 2}, rank, DType::Int64);  // rank r sends 1 row to 0, 1 to 1, r+1 to 2
+    Tensor out = full({rank == 2 ? 6 : 3, 2}, -1, DType::Int64);
+    const std::vector<int64_t> sendRows = {1, 1, rank + 1};
+    const std::vector<int64_t> recvRows = rank == 2 ? std::vector<int64_t>{1, 2, 3} : std::vector<int64_t>{1, 1, 1};
+    backend.allToAllSingle(out, in, recvRows, sendRows)->wait();
+    std::vector<int64_t> want;
+    for (int j = 0; j < 3; ++j) want.insert(want.end(), 2 * recvRows[j], j);
+    EXPECT_EQ(out.toVector<int64_t>(), want);
+  }, o);
+}
+
+TEST_P(BackendConformance, GatherAndScatterEveryDTypeSizeAndRoot) {
+  for (int world : {1, 2, 3, 4}) {
+    withBackends(GetParam(), world, [&](int rank, Backend& backend) {
+      for (DType dtype : kDTypes) {
+        for (int64_t n : {0, 1, 1023}) {
+          for (int root = 0; root < world; ++root) {
+            const std::string what = str(toString(dtype), "[", n, "] world ", world, " root ", root);
+            Tensor in = makeInput(dtype, ReduceOp::Sum, rank, n);
+            std::vector<Tensor> outs;
+            if (rank == root) {
+              for (int r = 0; r < world; ++r) outs.push_back(full({n}, -99, dtype));
+            }
+            backend.gather(outs, in, {.root = root})->wait();
+            for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
+              EXPECT_EQ(outs[r].toVector<double>(), makeInput(dtype, ReduceOp::Sum, r, n).toVector<double>())
+                  << "gather " << what << " slot " << r;
+            }
+            // Scatter sends rank r the root's block r; blocks differ per destination.
+            std::vector<Tensor> blocks;
+            if (rank == root) {
+              for (int r = 0; r < world; ++r) blocks.push_back(makeInput(dtype, ReduceOp::Sum, r + 7 * root, n));
+            }
+            Tensor got = full({n}, -99, dtype);
+            backend.scatter(got, blocks, {.root = root})->wait();
+            EXPECT_EQ(got.toVector<double>(), makeInput(dtype, ReduceOp::Sum, rank + 7 * root, n).toVector<double>())
+                << "scatter " << what;
+          }
+        }
+      }
+    });
+  }
+}
+
+TEST_P(BackendConformance, FlatAllgatherAndReduceScatterEveryDTypeAndOp) {
+  for (int world : {1, 2, 3, 4}) {
+    withBackends(GetParam(), world, [&](int rank, Backend& backend) {
+      for (DType dtype : kDTypes) {
+        for (int64_t n : {0, 1, 1023}) {
+          // Gathered into a [world * n] buffer and into a strided [n, world] transpose.
+          Tensor in = makeInput(dtype, ReduceOp::Sum, rank, n);
+          Tensor flat = full({world * n}, -99, dtype);
+          backend.allgatherIntoTensor(flat, in)->wait();
+          Tensor strided = full({n, world}, -99, dtype).transpose(0, 1);
+          backend.allgatherIntoTensor(strided, in)->wait();
+          for (int r = 0; r < world; ++r) {
+            const auto want = makeInput(dtype, ReduceOp::Sum, r, n).toVector<double>();
+            EXPECT_EQ(flat.narrow(0, r * n, n).toVector<double>(), want) << "allgatherIntoTensor " << toString(dtype);
+            EXPECT_EQ(strided.select(0, r).toVector<double>(), want) << "allgatherIntoTensor strided " << toString(dtype);
+          }
+          for (ReduceOp op : kOps) {
+            // Block j of every rank's input goes to rank j (element index offset by j*n).
+            std::vector<double> v(static_cast<size_t>(world * n));
+            for (int64_t i = 0; i < world * n; ++i) v[i] = inputValue(op, rank, i);
+            Tensor input = fromVector<double>(v, {world, n}).to(dtype);
+            Tensor out = full({n}, -99, dtype);
+            backend.reduceScatterTensor(out, input, {.reduceOp = op})->wait();
+            const auto got = out.toVector<double>();
+            for (int64_t i = 0; i < n; ++i) {
+              const double want = expectedValue(dtype, op, world, i + rank * n);
+              if (got[i] != want) {
+                ADD_FAILURE() << "reduceScatterTensor " << toString(dtype) << " " << toString(op) << " world " << world
+                              << " element " << i << ": " << got[i] << " vs " << want;
+                break;
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
+TEST_P(BackendConformance, AllToAllSingleEqualAndUnevenSplits) {
+  for (int world : {1, 2, 3, 4}) {
+    withBackends(GetParam(), world, [&](int rank, Backend& backend) {
+      // Equal splits of 2 rows of 3: row values 100*from + 10*to + column.
+      std::vector<double> v;
+      for (int to = 0; to < world; ++to) {
+        for (int row = 0; row < 2; ++row) {
+          for (int c = 0; c < 3; ++c) v.push_back(100 * rank + 10 * to + c);
+        }
+      }
+      Tensor in = fromVector<double>(v, {2 * world, 3}).to(DType::Float32);
+      Tensor out = full({2 * world, 3}, -1);
+      backend.allToAllSingle(out, in, {}, {})->wait();
+      std::vector<float> want;
+      for (int from = 0; from < world; ++from) {
+        for (int row = 0; row < 2; ++row) {
+          for (int c = 0; c < 3; ++c) want.push_back(static_cast<float>(100 * from + 10 * rank + c));
+        }
+      }
+      EXPECT_EQ(out.toVector<float>(), want) << "equal splits, world " << world;
+      // Uneven: rank r sends (r + j) % 3 rows to rank j, a large one included.
+      auto rows = [](int from, int to) { return int64_t((from + to) % 3) * (to == 0 ? 4096 : 1); };
+      std::vector<int64_t> sendRows, recvRows;
+      std::vector<Tensor> sendParts;
+      int64_t recvTotal = 0;
+      for (int j = 0; j < world; ++j) {
+        sendRows.push_back(rows(rank, j));
+        recvRows.push_back(rows(j, rank));
+        recvTotal += recvRows.back();
+        sendParts.push_back(full({rows(rank, j), 2}, 1000.0 * rank + j, DType::Int64));
+      }
+      Tensor unevenIn = cat(sendParts, 0);
+      Tensor unevenOut = full({recvTotal, 2}, -1, DType::Int64);
+      backend.allToAllSingle(unevenOut, unevenIn, recvRows, sendRows)->wait();
+      std::vector<int64_t> wantUneven;
+      for (int i = 0; i < world; ++i) wantUneven.insert(wantUneven.end(), 2 * recvRows[i], 1000 * i + rank);
+      EXPECT_EQ(unevenOut.toVector<int64_t>(), wantUneven) << "uneven splits, world " << world;
+    });
+  }
+}
+
+TEST_P(BackendConformance, BatchIsendIrecvPostsEverythingFirstAndRejectsBadBatchesWhole) {
+  withBackends(GetParam(), 3, [&](int rank, Backend& backend) {
+    const int next = (rank + 1) % 3, prev = (rank + 2) % 3;
+    // Every rank receives before it sends in its batch: one at a time this
+    // would deadlock; posted together it cannot.
+    Tensor fromPrev = full({5}, -1), fromNext = full({70000}, -1, DType::Float64);
+    WorkPtr batch = backend.batchIsendIrecv({P2POp::recv({fromPrev}, prev, 1), P2POp::recv({fromNext}, next, 2),
+                                             P2POp::send({full({5}, rank)}, next, 1),
+                                             P2POp::send({full({70000}, 10.0 * rank, DType::Float64)}, prev, 2)});
+    batch->wait();
+    EXPECT_EQ(fromPrev.toVector<float>(), std::vector<float>(5, prev));
+    EXPECT_EQ(fromNext.toVector<double>(), std::vector<double>(70000, 10.0 * next));
+    // A bad op anywhere rejects the batch before anything is posted: the
+    // next exchange on the same tag sees only the new values.
+    expectThrowsWith<InvalidArgument>(
+        [&] { backend.batchIsendIrecv({P2POp::send({full({5}, 99)}, next, 1), P2POp::recv({fromPrev}, rank, 1)}); },
+        {"batchIsendIrecv", "op 1", "peer rank " + std::to_string(rank)});
+    expectThrowsWith<InvalidArgument>([&] { backend.batchIsendIrecv({}); }, {"empty batch"});
+    backend.batchIsendIrecv({P2POp::send({full({5}, rank + 50)}, next, 1), P2POp::recv({fromPrev}, prev, 1)})->wait();
+    EXPECT_EQ(fromPrev.toVector<float>(), std::vector<float>(5, prev + 50));
+  });
+}
+
+TEST_P(BackendConformance, MonitoredBarrierPassesAndNamesTheRanksThatDidNotArrive) {
+  BackendTestOptions o;
+  o.timeout = 20s;
+  withBackends(GetParam(), 4, [&](int rank, Backend& backend) {
+    for (int round = 0; round < 2; ++round) {
+      if (rank == round + 1) std::this_thread::sleep_for(200ms);  // late, but within the timeout
+      backend.monitoredBarrier()->wait();
+    }
+    if (rank >= 2) {
+      // Ranks 2 and 3 never come; stay alive until the others have given up.
+      std::this_thread::sleep_for(3s);
+      return;
+    }
+    auto work = backend.monitoredBarrier({.timeout = 1s});
+    const std::string message = expectThrowsWith<TimeoutError>(
+        [&] { work->wait(); }, {"monitoredBarrier #3", "ranks 2 and 3 did not arrive within 1000 ms", "broken"});
+    if (rank == 1) {
+      EXPECT_NE(message.find("rank 0 reports"), std::string::npos) << message;
+    }
+    EXPECT_NE(backend.brokenCause(), nullptr);
+    std::printf("rank %d: %s\n", rank, message.c_str());
+  }, o);
+}
+
+TEST_P(BackendConformance, BadInputReadsAsTheCallersProblem) {
+  withBackends(GetParam(), 2, [&](int rank, Backend& backend) {
+    Tensor t = zeros({3});
+    auto expectUserError = [](const std::function<void()>& call, const std::vector<std::string>& parts) {
+      const std::string message = expectThrowsWith<InvalidArgument>(call, parts);
+      EXPECT_EQ(message.find("check failed"), std::string::npos) << message;
+      EXPECT_EQ(message.find(".cpp:"), std::string::npos) << message;
+    };
+    expectUserError([&] { backend.reduce({t}, {.root = 2, .seq = 1}); },
+                    {"reduce #1 (not issued): root 2 is not a rank of the group (size 2)"});
+    expectUserError([&] { backend.gather({t, t}, t, {.root = 1 - rank}); }, {"gather", "only the root (rank"});
+    expectUserError([&] { backend.scatter(t, {}, {.root = rank}); }, {"scatter", "one input tensor per rank"});
+    expectUserError([&] { backend.allgatherIntoTensor(zeros({5}), t); }, {"allgatherIntoTensor", "must hold 2 x 3"});
+    expectUserError([&] { backend.reduceScatterTensor(t, zeros({7})); }, {"reduceScatterTensor", "must hold 2 x 3"});
+    expectUserError([&] { backend.allToAllSingle(zeros({4, 2}), zeros({4, 2}), {}, {1, 2}); },
+                    {"allToAllSingle", "add up to 3 rows", "has 4"});
+    expectUserError([&] { backend.allToAllSingle(zeros({3}), zeros({3}), {}, {}); }, {"cannot share equally"});
+    backend.allreduce({t})->wait();  // still healthy
+  });
 }
 
 TEST_P(BackendConformance, BarrierHoldsEveryRankUntilAllArrive) {

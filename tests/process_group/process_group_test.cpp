@@ -2,11 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <functional>
+#include <mutex>
 #include <thread>
 
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/hostlist.h"
+#include "common/strings.h"
 #include "process_group/init.h"
 #include "store/hash_store.h"
 #include "tests/testing/testing.h"
@@ -138,6 +142,109 @@ TEST(ProcessGroup, OpsRunWithoutAWaiterAndGroupsDoNotBlockEachOther) {
       EXPECT_EQ(z.toVector<float>(), std::vector<float>(4, 2.0f));
     });
   }
+}
+
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 3000 && !done(); ++i) std::this_thread::sleep_for(10ms);
+  return done();
+}
+
+// A callback registered with then() may take its time: the group's next
+// collective does not wait for it (it would never complete if the callback
+// ran on the worker, since the callback waits for it).
+TEST(ProcessGroup, SlowCallbacksDoNotHoldBackLaterCollectives) {
+  for (const std::string backend : {"shm", "gloo"}) {
+    auto store = std::make_shared<HashStore>();
+    runRanks(2, [&](int rank) {
+      ProcessGroupOptions o = fastOptions();
+      o.backend = backend;
+      auto pg = ProcessGroup::create(store, rank, 2, o);
+      Tensor x = full({16}, 1), y = full({16}, 2);
+      WorkPtr second;
+      std::atomic<bool> sawSecondComplete{false}, callbackDone{false};
+      std::mutex secondMutex;
+      WorkPtr first = pg->allreduce(x);
+      first->then([&](Work&) {
+        sawSecondComplete = eventually([&] {
+          std::lock_guard<std::mutex> lock(secondMutex);
+          return second && second->isCompleted();
+        });
+        callbackDone = true;
+      });
+      {
+        std::lock_guard<std::mutex> lock(secondMutex);
+        second = pg->allreduce(y);
+      }
+      second->wait();
+      EXPECT_EQ(y.toVector<float>(), std::vector<float>(16, 4.0f)) << backend;
+      EXPECT_TRUE(eventually([&] { return callbackDone.load(); })) << backend;
+      EXPECT_TRUE(sawSecondComplete.load()) << backend;
+    });
+  }
+}
+
+TEST(ProcessGroup, WorksCarryResultsAndFutures) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto pg = ProcessGroup::create(store, rank, 2, fastOptions());
+    Tensor x = full({4}, rank + 1);
+    auto reduced = pg->allreduce(x)->future().get();
+    ASSERT_EQ(reduced.size(), 1u);
+    EXPECT_TRUE(reduced[0].isSameAs(x));
+    EXPECT_EQ(reduced[0].toVector<float>(), std::vector<float>(4, 3.0f));
+    std::vector<Tensor> outs = {zeros({4}), zeros({4})};
+    WorkPtr gathered = pg->allgather(outs, x);
+    gathered->wait();
+    ASSERT_EQ(gathered->result().size(), 2u);
+    EXPECT_TRUE(gathered->result()[1].isSameAs(outs[1]));
+    EXPECT_TRUE(pg->barrier()->result().empty());
+    Tensor received = zeros({2});
+    WorkPtr batch = pg->batchIsendIrecv({P2POp::send({full({2}, 10 + rank)}, 1 - rank), P2POp::recv({received}, 1 - rank)});
+    auto got = batch->future().get();
+    ASSERT_EQ(got.size(), 1u);
+    EXPECT_TRUE(got[0].isSameAs(received));
+    EXPECT_EQ(received.toVector<float>(), std::vector<float>(2, 11.0f - rank));
+  });
+}
+
+TEST(ProcessGroup, AnExpiredWaitLeavesTheGroupHealthyATimedOutOpBreaksIt) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto pg = ProcessGroup::create(store, rank, 2, fastOptions());
+    Tensor t = full({8}, 1);
+    if (rank == 1) std::this_thread::sleep_for(500ms);
+    WorkPtr late = pg->allreduce(t);  // #1: rank 0 waits for rank 1
+    if (rank == 0) {
+      expectThrowsWith<TimeoutError>([&] { late->wait(50ms); }, {"allreduce #1", "only this wait timed out", "not broken"});
+      EXPECT_FALSE(pg->isBroken());
+      EXPECT_EQ(pg->brokenCause(), nullptr);
+    }
+    late->wait();
+    EXPECT_FALSE(pg->isBroken());
+    if (rank == 1) {
+      std::this_thread::sleep_for(3s);  // never issues #2
+      return;
+    }
+    WorkPtr stuck = pg->allreduce(t, {.timeout = 1s});
+    expectThrowsWith<TimeoutError>([&] { stuck->wait(); }, {"allreduce #2", "timed out", "the group is broken now"});
+    EXPECT_TRUE(pg->isBroken());
+    expectThrowsWith<TimeoutError>([&] { pg->barrier()->wait(); }, {"#3", "broken"});
+  });
+}
+
+TEST(ProcessGroup, BadInputReadsAsTheCallersProblem) {
+  auto store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    auto pg = ProcessGroup::create(store, rank, 2, fastOptions());
+    Tensor t = zeros({3});
+    const std::string message = expectThrowsWith<InvalidArgument>(
+        [&] { pg->reduce(t, {.root = 2}); },
+        {str("[rank ", rank, "/2 pg=default shm] reduce #1 (not issued): root 2 is not a rank of the group (size 2)")});
+    EXPECT_EQ(message.find("check failed"), std::string::npos) << message;
+    EXPECT_EQ(message.find(".cpp:"), std::string::npos) << message;
+    expectThrowsWith<InvalidArgument>([&] { pg->newGroup({0, 5}); }, {"newGroup: ranks 0, 5 must lie in [0, 2)"});
+    EXPECT_EQ(pg->lastSeq(), 0u);
+  });
 }
 
 TEST(ProcessGroup, NewGroupMembersAndNonMembers) {

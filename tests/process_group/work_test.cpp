@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
+#include <future>
 #include <thread>
 
 #include "common/errors.h"
@@ -13,6 +15,12 @@ namespace dt {
 namespace {
 
 using namespace std::chrono_literals;
+
+// Polls `done` (set by a callback on another thread) for up to 30 s.
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 3000 && !done(); ++i) std::this_thread::sleep_for(10ms);
+  return done();
+}
 
 TEST(Work, CompletesOnceAndRunsCallbacksOnce) {
   auto work = std::make_shared<Work>("allreduce #1 (test)");
@@ -31,10 +39,11 @@ TEST(Work, CompletesOnceAndRunsCallbacksOnce) {
   completer.join();
   EXPECT_TRUE(work->isSuccess());
   EXPECT_EQ(work->exception(), nullptr);
-  EXPECT_EQ(before.load(), 1);
+  EXPECT_TRUE(eventually([&] { return before.load() == 1; }));
   work->then([&](Work&) { after++; });  // already complete: runs at once
   EXPECT_EQ(after.load(), 1);
   testing::expectThrowsWith<Error>([&] { work->markCompleted(); }, {"completed twice", "allreduce #1"});
+  std::this_thread::sleep_for(50ms);
   EXPECT_EQ(before.load(), 1);
 }
 
@@ -55,18 +64,92 @@ TEST(Work, WaitRethrowsTheBackendErrorEveryTime) {
 
 TEST(Work, WaitWithTimeoutThrowsTimeoutButTheWorkContinues) {
   auto work = std::make_shared<Work>("barrier #2 (test)");
-  testing::expectThrowsWith<TimeoutError>([&] { work->wait(50ms); }, {"barrier #2", "still running", "50 ms"});
+  testing::expectThrowsWith<TimeoutError>([&] { work->wait(50ms); },
+                                          {"barrier #2", "still running", "50 ms", "only this wait timed out",
+                                           "not broken"});
   work->markCompleted();
   work->wait(50ms);
 }
 
 TEST(Work, CallbackExceptionsDoNotEscape) {
   auto work = std::make_shared<Work>("x");
-  int second = 0;
+  std::atomic<int> second{0};
   work->then([](Work&) { throw std::runtime_error("boom"); });
   work->then([&](Work&) { second++; });
+  work->thenInline([](Work&) { throw std::runtime_error("inline boom"); });
   work->markCompleted();
-  EXPECT_EQ(second, 1);
+  EXPECT_TRUE(eventually([&] { return second.load() == 1; }));
+}
+
+TEST(Work, ThenRunsOffTheCompletingThreadInOrderAndThenInlineOnIt) {
+  auto work = std::make_shared<Work>("allreduce #4 (test)");
+  std::thread::id completing, inlineRan, firstRan, secondRan;
+  std::atomic<int> order{0};
+  int firstAt = -1, secondAt = -1;
+  std::atomic<bool> slowReleased{false}, completerReturned{false};
+  work->then([&](Work&) {
+    firstRan = std::this_thread::get_id();
+    firstAt = order++;
+    // A slow callback: the completing thread must not wait for it.
+    EXPECT_TRUE(eventually([&] { return completerReturned.load(); }));
+    slowReleased = true;
+  });
+  work->then([&](Work&) {
+    secondRan = std::this_thread::get_id();
+    secondAt = order++;
+  });
+  work->thenInline([&](Work&) { inlineRan = std::this_thread::get_id(); });
+  std::thread completer([&] {
+    completing = std::this_thread::get_id();
+    work->markCompleted();
+    completerReturned = true;
+  });
+  completer.join();
+  EXPECT_TRUE(eventually([&] { return order.load() == 2; }));
+  EXPECT_TRUE(slowReleased.load());
+  EXPECT_EQ(inlineRan, completing);
+  EXPECT_NE(firstRan, completing);
+  EXPECT_EQ(firstRan, secondRan);
+  EXPECT_EQ(firstAt, 0);
+  EXPECT_EQ(secondAt, 1);
+}
+
+TEST(Work, CallbacksThatWaitForEachOtherDoNotDeadlock) {
+  // b's callback waits for a's callback, registered later on another Work:
+  // one callback thread would deadlock, the pool grows instead.
+  auto a = std::make_shared<Work>("a"), b = std::make_shared<Work>("b");
+  std::atomic<bool> aRan{false}, bSawA{false};
+  b->then([&](Work&) { bSawA = eventually([&] { return aRan.load(); }); });
+  b->markCompleted();
+  a->then([&](Work&) { aRan = true; });
+  a->markCompleted();
+  EXPECT_TRUE(eventually([&] { return bSawA.load(); }));
+}
+
+TEST(Work, FutureCarriesTheResultTensorsOrTheError) {
+  auto work = std::make_shared<Work>("allreduce #5 (test)");
+  Tensor t = full({3}, 7);
+  work->setResult({t});
+  auto early = work->future();
+  EXPECT_EQ(early.wait_for(0s), std::future_status::timeout);
+  work->markCompleted();
+  ASSERT_EQ(early.get().size(), 1u);
+  EXPECT_TRUE(early.get()[0].isSameAs(t));
+  EXPECT_TRUE(work->future().get()[0].isSameAs(t));  // made after completion
+  EXPECT_TRUE(work->result()[0].isSameAs(t));
+  auto failed = Work::failed("broadcast #6", std::make_exception_ptr(BackendError("peer 2 went away")));
+  testing::expectThrowsWith<BackendError>([&] { failed->future().get(); }, {"peer 2 went away"});
+}
+
+TEST(Work, AllOfCompletesWithTheLastAndReportsTheFirstFailure) {
+  auto a = std::make_shared<Work>("a"), b = std::make_shared<Work>("b");
+  auto all = allOf("batch", {a, b});
+  b->markCompleted();
+  EXPECT_FALSE(all->isCompleted());
+  a->markFailed(std::make_exception_ptr(BackendError("a broke")));
+  EXPECT_TRUE(all->isCompleted());
+  testing::expectThrowsWith<BackendError>([&] { all->wait(); }, {"a broke"});
+  EXPECT_TRUE(allOf("none", {})->isSuccess());
 }
 
 // A backend that implements nothing: every op must say which backend lacks which op.
@@ -89,6 +172,12 @@ TEST(Backend, MissingOpsThrowNotSupportedNamingBackendAndOp) {
   testing::expectThrowsWith<NotSupportedError>([&] { b.send({t}, 0); }, {"empty", "send"});
   testing::expectThrowsWith<NotSupportedError>([&] { b.recv({t}, 0); }, {"empty", "recv"});
   testing::expectThrowsWith<NotSupportedError>([&] { b.allToAll({t}, {t}); }, {"empty", "allToAll"});
+  testing::expectThrowsWith<NotSupportedError>([&] { b.gather({t}, t); }, {"empty", "gather"});
+  testing::expectThrowsWith<NotSupportedError>([&] { b.scatter(t, {t}); }, {"empty", "scatter"});
+  testing::expectThrowsWith<NotSupportedError>([&] { b.allgatherIntoTensor(t, t); }, {"empty", "allgatherIntoTensor"});
+  testing::expectThrowsWith<NotSupportedError>([&] { b.reduceScatterTensor(t, t); }, {"empty", "reduceScatterTensor"});
+  testing::expectThrowsWith<NotSupportedError>([&] { b.allToAllSingle(t, t, {}, {}); }, {"empty", "allToAllSingle"});
+  testing::expectThrowsWith<NotSupportedError>([&] { b.monitoredBarrier(); }, {"empty", "monitoredBarrier"});
 }
 
 }  // namespace
