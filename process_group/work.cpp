@@ -138,23 +138,15 @@ void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
   if (error_) std::rethrow_exception(error_);
 }
 
-void Work::then(std::function<void(Work&)> callback) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!completed_) {
-      callbacks_.push_back(std::move(callback));
-      return;
-    }
-  }
-  std::vector<std::function<void(Work&)>> one{std::move(callback)};
-  runCallbacks(*this, one);
-}
+void Work::then(std::function<void(Work&)> callback) { addCallback(callbacks_, std::move(callback)); }
 
-void Work::thenInline(std::function<void(Work&)> callback) {
+void Work::thenInline(std::function<void(Work&)> callback) { addCallback(inlineCallbacks_, std::move(callback)); }
+
+void Work::addCallback(std::vector<std::function<void(Work&)>>& list, std::function<void(Work&)> callback) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!completed_) {
-      inlineCallbacks_.push_back(std::move(callback));
+      list.push_back(std::move(callback));
       return;
     }
   }

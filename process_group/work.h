@@ -83,6 +83,8 @@ class Work : public std::enable_shared_from_this<Work> {
 
  private:
   void finish(std::exception_ptr error);
+  // Queues on `list` while running, else runs at once on this thread.
+  void addCallback(std::vector<std::function<void(Work&)>>& list, std::function<void(Work&)> callback);
 
   const std::string description_;
   mutable std::mutex mutex_;
