@@ -17,6 +17,7 @@ constexpr std::array kKnobs = {
     Knob{"DT_LOG_LEVEL", "warn", "Log level for every dtrain logger: trace, debug, info, warn, error, off.", "user"},
     Knob{"DT_NUM_THREADS", "", "Intra-op threads for tensor ops. Default: the machine's cores, or 1 when dtrun runs several ranks on one machine.", "user, dtrun"},
     Knob{"DT_DEBUG", "off", "Debug checks: off, info, or detail (detail compares collective fingerprints across ranks before every collective).", "user"},
+    Knob{"DT_DETECT_ANOMALY", "0", "Anomaly mode for every thread without a dt::AnomalyMode guard: 1 finds the first backward function that returns a NaN or Inf, forward also checks every op's forward output; 0 off. Read once, at the first tensor op.", "user"},
     // store
     Knob{"DT_STORE_TIMEOUT", "300s", "Default timeout of blocking store calls (get, wait, queuePop, barriers). Per-call timeouts override it.", "user"},
     Knob{"DT_STORE_CONNECT_TIMEOUT", "60s", "How long a store client keeps retrying to reach a server that is not up yet.", "user"},

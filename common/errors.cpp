@@ -22,6 +22,8 @@ std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string
     return std::make_exception_ptr(InvalidArgument(prefix + e.what() + suffix));
   } catch (const NotSupportedError& e) {
     return std::make_exception_ptr(NotSupportedError(prefix + e.what() + suffix));
+  } catch (const AnomalyError& e) {
+    return std::make_exception_ptr(AnomalyError(prefix + e.what() + suffix));
   } catch (const BackendError& e) {
     return std::make_exception_ptr(BackendError(prefix + e.what() + suffix));
   } catch (const Error& e) {

@@ -41,6 +41,9 @@ DT_DECLARE_ERROR(DesyncError);
 DT_DECLARE_ERROR(InvalidArgument);
 // The operation exists in the vocabulary but not in this backend/device/build.
 DT_DECLARE_ERROR(NotSupportedError);
+// Anomaly mode found an op that made a NaN or Inf (tensor/autograd/anomaly.h):
+// the computation ran as asked, its values went bad.
+DT_DECLARE_ERROR(AnomalyError);
 
 #undef DT_DECLARE_ERROR
 

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/check.h"
+#include "tensor/autograd/anomaly.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/loop.h"
 #include "tensor/internal/ops_internal.h"
@@ -37,8 +38,16 @@ TensorList FnNode::apply(TensorList&& grads) {
   return out;
 }
 
+std::optional<TensorList> FnNode::savedTensorsForReport() const {
+  TensorList out;
+  for (const auto& s : saved_) out.push_back(s.unpack(*this));
+  return out;
+}
+
 void recordFn(const char* name, const TensorList& inputs, std::vector<Tensor*> outputs,
               const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn) {
+  const bool anomalyActive = anomalyMayBeActive();
+  if (anomalyActive) [[unlikely]] anomalyCheckForward(name, inputs, outputs);
   if (!autograd::needsGrad(inputs)) return;
   std::vector<Shape> shapes;
   std::vector<DType> types;
@@ -48,6 +57,7 @@ void recordFn(const char* name, const TensorList& inputs, std::vector<Tensor*> o
   }
   auto node = std::make_shared<FnNode>(name, saved ? saved() : std::vector<SavedTensor>{}, std::move(fn),
                                        std::move(shapes), std::move(types));
+  if (anomalyActive) [[unlikely]] node->setAnomalyRecord(anomalyRecordFor(name, inputs));
   auto& edges = node->nextEdges();
   for (const Tensor& t : inputs) edges.push_back(autograd::edgeFor(t));
   node->setNumOutputs(static_cast<uint32_t>(outputs.size()));

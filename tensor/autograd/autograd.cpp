@@ -9,6 +9,7 @@
 #include "common/check.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "tensor/autograd/anomaly.h"
 #include "tensor/internal/detail.h"
 #include "tensor/ops.h"
 
@@ -324,6 +325,7 @@ void setHistory(Tensor& out, const std::shared_ptr<Node>& node, uint32_t nr) {
 }  // namespace
 
 void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std::initializer_list<Tensor*> outputs) {
+  if (detail::anomalyMayBeActive()) [[unlikely]] node->setAnomalyRecord(detail::anomalyRecordFor(node->name(), inputs));
   auto& edges = node->nextEdges();
   edges.clear();
   edges.reserve(inputs.size());
@@ -334,6 +336,7 @@ void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std
 }
 
 void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std::vector<Tensor>& outputs) {
+  if (detail::anomalyMayBeActive()) [[unlikely]] node->setAnomalyRecord(detail::anomalyRecordFor(node->name(), inputs));
   auto& edges = node->nextEdges();
   edges.clear();
   for (const Tensor& t : inputs) edges.push_back(edgeFor(t));
@@ -447,10 +450,12 @@ void runGraph(const std::vector<Edge>& rootEdges, TensorList rootGrads, bool ret
     }
     TensorList out;
     const bool anyGrad = std::any_of(grads.begin(), grads.end(), [](const Tensor& t) { return t.defined(); });
+    const detail::IncomingGradients incoming(grads);
     if (anyGrad) {  // all-zero (undefined) gradients contribute nothing downstream
       NoGradGuard noGrad;
       out = node->apply(std::move(grads));
     }
+    detail::anomalyCheckBackward(*node, incoming, out);
     if (!retainGraph) {
       node->releaseVariables();
       if (dynamic_cast<AccumulateGrad*>(node) == nullptr) node->markReleased();

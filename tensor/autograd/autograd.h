@@ -40,12 +40,15 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "tensor/tensor.h"
 
 namespace dt {
+
+struct AnomalyRecord;  // tensor/autograd/anomaly.h
 
 struct Edge {
   std::shared_ptr<Node> node;
@@ -110,6 +113,14 @@ class Node : public std::enable_shared_from_this<Node> {
   bool released() const { return released_; }
   void markReleased() { released_ = true; }
 
+  // Where the op that made this node was created; set only in anomaly mode (anomaly.h).
+  const std::shared_ptr<const AnomalyRecord>& anomalyRecord() const { return anomalyRecord_; }
+  void setAnomalyRecord(std::shared_ptr<const AnomalyRecord> record) { anomalyRecord_ = std::move(record); }
+  // The tensors this node saved for backward, for anomaly mode's report (was a
+  // saved tensor already non-finite?); nullopt when the node does not say.
+  // Called right after apply(), before releaseVariables().
+  virtual std::optional<TensorList> savedTensorsForReport() const { return std::nullopt; }
+
  protected:
   explicit Node(uint64_t sequenceNr) : sequenceNr_(sequenceNr) {}
 
@@ -124,6 +135,7 @@ class Node : public std::enable_shared_from_this<Node> {
   std::vector<Edge> nextEdges_;
   std::vector<PreHook> preHooks_;
   bool released_ = false;
+  std::shared_ptr<const AnomalyRecord> anomalyRecord_;
 };
 
 struct AutogradMeta {

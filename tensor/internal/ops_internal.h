@@ -34,6 +34,7 @@ class FnNode final : public Node {
     for (auto& s : saved_) s.reset();
     fn_ = nullptr;
   }
+  std::optional<TensorList> savedTensorsForReport() const override;
 
  private:
   const char* name_;

@@ -9,6 +9,42 @@
 
 namespace dt::nn {
 
+// ---- module stack -------------------------------------------------------------------------------------------
+
+namespace {
+// Raw pointers: a module outlives the call operator that pushed it.
+thread_local std::vector<const Module*> tModuleStack;
+
+// The name `module` has among caller's children, or "<TypeName>" when it is not one of them.
+std::string nameInCaller(const Module& caller, const Module& module) {
+  for (const auto& [name, child] : caller.namedChildren()) {
+    if (child.get() == &module) return name;
+  }
+  return str("<", module.typeName(), ">");
+}
+}  // namespace
+
+ModuleScope::ModuleScope(const Module& module) { tModuleStack.push_back(&module); }
+ModuleScope::~ModuleScope() { tModuleStack.pop_back(); }
+
+ModulePath currentModulePath() {
+  ModulePath out;
+  for (size_t i = 0; i < tModuleStack.size(); ++i) {
+    if (i > 0) {
+      out.types += " > ";
+      if (i > 1) out.path += ".";
+      out.path += nameInCaller(*tModuleStack[i - 1], *tModuleStack[i]);
+    }
+    out.types += tModuleStack[i]->typeName();
+  }
+  return out;
+}
+
+Tensor Module::operator()(const Tensor& input) {
+  ModuleScope scope(*this);
+  return forward(input);
+}
+
 Tensor Module::forward(const Tensor&) {
   throw NotSupportedError(str(typeName(), " has no single-tensor forward()"));
 }
@@ -180,7 +216,7 @@ void Sequential::pushBack(std::shared_ptr<Module> module) {
 
 Tensor Sequential::forward(const Tensor& x) {
   Tensor h = x;
-  for (auto& [n, m] : namedChildren()) h = m->forward(h);
+  for (auto& [n, m] : namedChildren()) h = (*m)(h);
   return h;
 }
 

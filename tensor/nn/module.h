@@ -11,6 +11,11 @@
 //  * Modules are not thread-safe; forward on one module from several threads
 //    is fine only if no one mutates it concurrently.
 //  * State dicts save/load as safetensors (tensor/nn/safetensors.h).
+//  * Module path: module(x) (operator()) runs forward with the module pushed
+//    on this thread's module stack, so ops know which module they ran in
+//    (currentModulePath(), used by anomaly mode). forward(x) called directly
+//    skips that, as PyTorch's module.forward(x) skips its hooks; a module whose
+//    forward takes other arguments puts a ModuleScope in its own call operator.
 #pragma once
 
 #include <filesystem>
@@ -25,6 +30,29 @@
 
 namespace dt::nn {
 
+class Module;
+
+// RAII: `module` is on this thread's module stack (innermost last) until destroyed.
+class ModuleScope {
+ public:
+  explicit ModuleScope(const Module& module);
+  ~ModuleScope();
+  ModuleScope(const ModuleScope&) = delete;
+  ModuleScope& operator=(const ModuleScope&) = delete;
+};
+
+struct ModulePath {
+  // Each module's name in the module that called it, as namedParameters()
+  // spells it ("net.block.inner"; a module that is not a registered child of
+  // its caller shows as "<TypeName>"); "" for the outermost module alone.
+  std::string path;
+  // The modules' types, outermost first ("Model > Net > Block > Inner").
+  std::string types;
+  bool empty() const { return types.empty(); }
+};
+// The modules whose call operator is running on this thread; empty outside any.
+ModulePath currentModulePath();
+
 class Module : public std::enable_shared_from_this<Module> {
  public:
   Module() = default;
@@ -34,7 +62,8 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // Single-tensor forward; modules with other signatures add their own.
   virtual Tensor forward(const Tensor& input);
-  Tensor operator()(const Tensor& input) { return forward(input); }
+  // forward(input) inside a ModuleScope (see the contract above).
+  Tensor operator()(const Tensor& input);
   virtual std::string typeName() const { return "Module"; }
 
   NamedTensors namedParameters(bool recurse = true) const;
