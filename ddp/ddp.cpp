@@ -188,7 +188,7 @@ void DistributedDataParallel::afterForward(const std::vector<Tensor>& outputs, d
 Tensor DistributedDataParallel::forward(const Tensor& input) {
   const auto start = Clock::now();
   beforeForward();
-  Tensor out = module_->forward(input);
+  Tensor out = (*module_)(input);  // the call operator, so ops know their module path
   afterForward({out}, std::chrono::duration<double, std::milli>(Clock::now() - start).count());
   return out;
 }

@@ -242,7 +242,7 @@ void anomalyCheckBackwardSlow(const Node& node, const IncomingGradients& incomin
     const NonFinite bad = findNonFinite(gradInputs[i]);
     if (!bad) continue;
     const std::shared_ptr<const AnomalyRecord>& record = node.anomalyRecord();
-    const std::string forwardOp = record ? record->op : forwardOpName(node.name());
+    const std::string forwardOp = record ? record->op : "its forward op";
     const std::string madeBy =
         record ? record->describe() : str(forwardOp, " (no record: anomaly mode was off when the op ran)");
     throw AnomalyError(str("anomaly mode: ", node.name(), " returned ", describeNonFinite(bad, gradInputs[i]),
