@@ -345,7 +345,9 @@ void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std
   for (Tensor& out : outputs) setHistory(out, node, nr++);
 }
 
-void rebaseHistory(Tensor& self, const std::shared_ptr<Node>& node) { setHistory(self, node, 0); }
+void rebaseHistory(Tensor& self, const std::shared_ptr<Node>& node, uint32_t outputNr) {
+  setHistory(self, node, outputNr);
+}
 
 }  // namespace autograd
 

@@ -231,8 +231,9 @@ Edge edgeFor(const Tensor& t);
 // Wires node's edges to inputs and makes it the gradFn of outputs.
 void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std::initializer_list<Tensor*> outputs);
 void recordNode(const std::shared_ptr<Node>& node, const TensorList& inputs, std::vector<Tensor>& outputs);
-// Makes an in-place op's result history of `self` (replaces self's gradFn).
-void rebaseHistory(Tensor& self, const std::shared_ptr<Node>& node);
+// Makes output `outputNr` of node the history of `self` (replaces self's gradFn):
+// an in-place op's result, or an output of a custom function (function.h).
+void rebaseHistory(Tensor& self, const std::shared_ptr<Node>& node, uint32_t outputNr = 0);
 // Sums grad over broadcast dims so it has `shape`.
 Tensor sumToShape(const Tensor& grad, const Shape& shape);
 

@@ -45,35 +45,31 @@ class Inner : public nn::Module {
   Plant plant_;
 };
 
-class Block : public nn::Module {
+// Calls its one registered child; the outermost one sums the result into a loss.
+class Wrapper : public nn::Module {
  public:
-  explicit Block(Plant plant) : inner_(registerModule("inner", std::make_shared<Inner>(plant))) {}
-  Tensor forward(const Tensor& x) override { return (*inner_)(x); }
-  std::string typeName() const override { return "Block"; }
+  Wrapper(std::string type, const std::string& childName, std::shared_ptr<nn::Module> child, bool sumResult = false)
+      : type_(std::move(type)), child_(registerModule(childName, std::move(child))), sumResult_(sumResult) {}
+  Tensor forward(const Tensor& x) override {
+    Tensor out = (*child_)(x);
+    return sumResult_ ? sum(out) : out;
+  }
+  std::string typeName() const override { return type_; }
 
  private:
-  std::shared_ptr<Inner> inner_;
-};
-
-class Net : public nn::Module {
- public:
-  explicit Net(Plant plant) : block_(registerModule("block", std::make_shared<Block>(plant))) {}
-  Tensor forward(const Tensor& x) override { return (*block_)(x); }
-  std::string typeName() const override { return "Net"; }
-
- private:
-  std::shared_ptr<Block> block_;
+  std::string type_;
+  std::shared_ptr<nn::Module> child_;
+  bool sumResult_;
 };
 
 // Model > Net > Block > Inner: the planted op runs in "net.block.inner"; the loss is a sum.
-class Model : public nn::Module {
+class Model : public Wrapper {
  public:
-  explicit Model(Plant plant) : net_(registerModule("net", std::make_shared<Net>(plant))) {}
-  Tensor forward(const Tensor& x) override { return sum((*net_)(x)); }
-  std::string typeName() const override { return "Model"; }
-
- private:
-  std::shared_ptr<Net> net_;
+  explicit Model(Plant plant)
+      : Wrapper("Model", "net",
+                std::make_shared<Wrapper>("Net", "block",
+                                          std::make_shared<Wrapper>("Block", "inner", std::make_shared<Inner>(plant))),
+                /*sumResult=*/true) {}
 };
 
 // Element 1 is the planted zero.
