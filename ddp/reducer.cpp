@@ -11,9 +11,13 @@
 #include "common/strings.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/ops.h"
+#include "tensor/profiler.h"
 
 namespace dt {
 namespace {
+
+// Profiler track ids of DDP buckets: far above any thread number.
+constexpr uint64_t kDdpTrackBase = uint64_t{1} << 32;
 
 using Clock = std::chrono::steady_clock;
 
@@ -360,6 +364,7 @@ void Reducer::launchReadyBuckets() {
       timing_->firstLaunchNs = nowNs();
     }
     if (!timing_->passEnded) ++timing_->launchedInBackward;
+    const int64_t profiledLaunchNs = profiler::recording() ? profiler::nowNs() : -1;
     bucket.work = hook_(*group_, grad);
     if (!bucket.work) {
       throw InvalidArgument(str("[", who(), "] DDP: the comm hook returned no Work for bucket ", index));
@@ -371,7 +376,21 @@ void Reducer::launchReadyBuckets() {
       while (seen < now && !timing->lastDoneNs.compare_exchange_weak(seen, now)) {
       }
     });
+    if (profiledLaunchNs >= 0) [[unlikely]] profileBucket(index, bucket, profiledLaunchNs);
   }
+}
+
+// The bucket from launch to done as a profiler event on a track of its own
+// (buckets in flight overlap, so they cannot share a thread's track).
+void Reducer::profileBucket(size_t index, Bucket& bucket, int64_t launchNs) const {
+  const int rank = group_->rank();
+  std::string args = str("\"bucket\": ", index, ", \"bytes\": ", bucket.buffer.nbytes(), ", \"params\": ",
+                         bucket.params.size());
+  bucket.work->thenInline([launchNs, rank, index, args = std::move(args)](Work& work) {
+    profiler::recordEvent("ddp bucket", EventCategory::Ddp, launchNs, profiler::nowNs(),
+                          work.isSuccess() ? args : args + ", \"failed\": true", rank, kDdpTrackBase + index,
+                          str("ddp bucket ", index));
+  });
 }
 
 void Reducer::finalize() {

@@ -19,6 +19,9 @@
 //    order, then (find-unused) the used-parameter map, then (once) the
 //    rebuild broadcast. shadowBackward() issues exactly those with zeros, for
 //    a rank that has joined (run out of data).
+//  * While a profiler records (tensor/profiler.h), each bucket is an event of
+//    category "ddp" from launch to done, with its bytes, on a track of its own
+//    ("ddp bucket <i>") since buckets in flight overlap.
 //  * Not thread-safe: forward, backward and every call here on one thread
 //    (Work completion callbacks only record times).
 #pragma once
@@ -101,6 +104,7 @@ class Reducer {
   void beginBackward();
   void markReady(size_t param, bool unusedHere);
   void launchReadyBuckets();
+  void profileBucket(size_t index, Bucket& bucket, int64_t launchNs) const;
   void finalize();
   void finishIteration(const DdpIterationStats& stats);
   void maybeRebuild(bool contribute);

@@ -9,6 +9,7 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "tensor/profiler.h"
 
 namespace dt {
 namespace {
@@ -266,6 +267,7 @@ void CollectiveRunner::workerLoop() {
 // transfer can no longer write into the caller's memory.
 void CollectiveRunner::runTask(Task& task) {
   std::exception_ptr failure;
+  const int64_t profiledStartNs = profiler::recording() ? profiler::nowNs() : -1;
   progress_->started(task.seq, task.op);
   try {
     if (options_.checkFingerprints) checkFingerprint(task.fingerprint, task.timeout);
@@ -274,6 +276,7 @@ void CollectiveRunner::runTask(Task& task) {
   } catch (...) {
     failure = explainFailure(std::current_exception(), task);
   }
+  if (profiledStartNs >= 0) [[unlikely]] recordProfile(task, profiledStartNs, failure != nullptr);
   if (failure) {
     if (isTimeout(failure)) {
       failure = withPrefix(failure, "", " [the group is broken now: later ops fail at once; ProcessGroup::isBroken()]");
@@ -283,6 +286,20 @@ void CollectiveRunner::runTask(Task& task) {
   } else {
     task.work->markCompleted();
   }
+}
+
+// The collective as a profiler event on the thread that ran it: issue (as the
+// time it queued), start, end, bytes, sequence number and group.
+void CollectiveRunner::recordProfile(const Task& task, int64_t startNs, bool failed) const {
+  const int64_t endNs = profiler::nowNs();
+  const int64_t issuedNs =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(task.enqueuedAt.time_since_epoch()).count();
+  std::string args = str("\"seq\": ", task.seq, ", \"bytes\": ", bytesOf(task.fingerprint), ", \"queued_us\": ",
+                         static_cast<double>(startNs - issuedNs) / 1e3, ", \"group\": \"", options_.groupName,
+                         "\", \"backend\": \"", options_.backendName, "\"");
+  if (failed) args += ", \"failed\": true";
+  const int globalRank = options_.globalRanks.empty() ? rank_ : options_.globalRanks[rank_];
+  profiler::recordEvent(task.op, EventCategory::Collective, startNs, endNs, std::move(args), globalRank);
 }
 
 // ---- fingerprints (DT_DEBUG=detail) -------------------------------------------------------------------

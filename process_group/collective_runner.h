@@ -31,6 +31,9 @@
 //  * With fingerprint checks (DT_DEBUG=detail) every rank publishes the op's
 //    fingerprint to the store before running it and compares the others';
 //    a mismatch is a DesyncError on every rank naming what each called.
+//  * While a profiler records (tensor/profiler.h), each op that runs is an
+//    event of category "collective" on the thread that ran it, from start to
+//    end, with its sequence number, bytes and time queued since issue.
 //  * Thread-safe. The abort callback may be called from any thread, also
 //    while a body runs, and must be idempotent. shutdown() fails queued work
 //    with "the group was shut down", aborts a body in flight, joins the worker
@@ -174,6 +177,7 @@ class CollectiveRunner {
 
   void workerLoop();
   void runTask(Task& task);
+  void recordProfile(const Task& task, int64_t startNs, bool failed) const;
   // The wait helper: runs the op of `work` on this thread if it is next.
   bool runIfNext(const Work* work);
   std::exception_ptr notStarted(const char* op, uint64_t seq) const;

@@ -9,6 +9,7 @@
 #include "tensor/internal/loop.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
+#include "tensor/internal/op_scope.h"
 
 namespace dt {
 
@@ -436,6 +437,7 @@ Tensor withScalar(const Tensor& a, double v, F op) {
 // ---- differentiable binary ops -------------------------------------------------------------------
 
 Tensor add(const Tensor& a, const Tensor& b, double alpha) {
+  detail::OpScope opScope("add", a, b);
   Tensor out = binaryKernel(a, b, Bin::Add, alpha);
   recordFn("AddBackward", {a, b}, out, nullptr, [alpha](const BackwardContext& c) -> TensorList {
     return {c.grads[0], alpha == 1.0 ? c.grads[0] : mul(c.grads[0], alpha)};
@@ -444,6 +446,7 @@ Tensor add(const Tensor& a, const Tensor& b, double alpha) {
 }
 
 Tensor sub(const Tensor& a, const Tensor& b, double alpha) {
+  detail::OpScope opScope("sub", a, b);
   Tensor out = binaryKernel(a, b, Bin::Sub, alpha);
   recordFn("SubBackward", {a, b}, out, nullptr, [alpha](const BackwardContext& c) -> TensorList {
     return {c.grads[0], c.needs[1] ? mul(c.grads[0], -alpha) : Tensor()};
@@ -452,6 +455,7 @@ Tensor sub(const Tensor& a, const Tensor& b, double alpha) {
 }
 
 Tensor mul(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("mul", a, b);
   Tensor out = binaryKernel(a, b, Bin::Mul);
   recordFn(
       "MulBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a), SavedTensor(b)}; },
@@ -462,6 +466,7 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor div(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("div", a, b);
   Tensor out = binaryKernel(a, b, Bin::Div);
   recordFn(
       "DivBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a), SavedTensor(b)}; },
@@ -475,6 +480,7 @@ Tensor div(const Tensor& a, const Tensor& b) {
 }
 
 Tensor pow(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("pow", a, b);
   Tensor out = binaryKernel(a, b, Bin::Pow);
   recordFn(
       "PowBackward", {a, b}, out,
@@ -516,8 +522,14 @@ Tensor minmaxBinary(const Tensor& a, const Tensor& b, Bin op, const char* name) 
 }
 }  // namespace
 
-Tensor maximum(const Tensor& a, const Tensor& b) { return minmaxBinary(a, b, Bin::Max, "MaximumBackward"); }
-Tensor minimum(const Tensor& a, const Tensor& b) { return minmaxBinary(a, b, Bin::Min, "MinimumBackward"); }
+Tensor maximum(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("maximum", a, b);
+  return minmaxBinary(a, b, Bin::Max, "MaximumBackward");
+}
+Tensor minimum(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("minimum", a, b);
+  return minmaxBinary(a, b, Bin::Min, "MinimumBackward");
+}
 
 Tensor add(const Tensor& a, double b) {
   return withScalar(a, b, [](const Tensor& x, const Tensor& s) { return add(x, s); });
@@ -536,6 +548,7 @@ Tensor rsub(const Tensor& a, double b) {
 }
 
 Tensor pow(const Tensor& a, double e) {
+  detail::OpScope opScope("pow", a);
   Tensor out = binaryKernel(a, scalarLike(e, a), Bin::Pow);
   if (isHalfLike(a.dtype()) && out.dtype() != a.dtype()) {
     NoGradGuard ng;
@@ -553,12 +566,14 @@ Tensor pow(const Tensor& a, double e) {
 // ---- unary ------------------------------------------------------------------------------------------
 
 Tensor neg(const Tensor& a) {
+  detail::OpScope opScope("neg", a);
   Tensor out = unaryKernel(a, Un::Neg);
   recordFn("NegBackward", {a}, out, nullptr, [](const BackwardContext& c) -> TensorList { return {neg(c.grads[0])}; });
   return out;
 }
 
 Tensor exp(const Tensor& a) {
+  detail::OpScope opScope("exp", a);
   Tensor out = unaryKernel(a, Un::Exp);
   recordFn(
       "ExpBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(out, true)}; },
@@ -567,6 +582,7 @@ Tensor exp(const Tensor& a) {
 }
 
 Tensor log(const Tensor& a) {
+  detail::OpScope opScope("log", a);
   Tensor out = unaryKernel(a, Un::Log);
   recordFn(
       "LogBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a)}; },
@@ -575,6 +591,7 @@ Tensor log(const Tensor& a) {
 }
 
 Tensor sqrt(const Tensor& a) {
+  detail::OpScope opScope("sqrt", a);
   Tensor out = unaryKernel(a, Un::Sqrt);
   recordFn(
       "SqrtBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(out, true)}; },
@@ -585,6 +602,7 @@ Tensor sqrt(const Tensor& a) {
 }
 
 Tensor abs(const Tensor& a) {
+  detail::OpScope opScope("abs", a);
   Tensor out = unaryKernel(a, Un::Abs);
   recordFn(
       "AbsBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a)}; },
@@ -593,6 +611,7 @@ Tensor abs(const Tensor& a) {
 }
 
 Tensor clamp(const Tensor& a, std::optional<double> lo, std::optional<double> hi) {
+  detail::OpScope opScope("clamp", a);
   const double l = lo.value_or(-INFINITY), h = hi.value_or(INFINITY);
   Tensor out = unaryKernel(a, Un::Clamp, l, h);
   recordFn(
@@ -611,6 +630,7 @@ Tensor detail::reluBackward(const Tensor& grad, const Tensor& output) {
 }
 
 Tensor relu(const Tensor& a) {
+  detail::OpScope opScope("relu", a);
   Tensor out = unaryKernel(a, Un::Relu);
   recordFn(
       "ReluBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(out, true)}; },
@@ -619,6 +639,7 @@ Tensor relu(const Tensor& a) {
 }
 
 Tensor gelu(const Tensor& a) {
+  detail::OpScope opScope("gelu", a);
   Tensor out = unaryKernel(a, Un::Gelu);
   recordFn(
       "GeluBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a)}; },
@@ -627,6 +648,7 @@ Tensor gelu(const Tensor& a) {
 }
 
 Tensor tanh(const Tensor& a) {
+  detail::OpScope opScope("tanh", a);
   Tensor out = unaryKernel(a, Un::Tanh);
   recordFn(
       "TanhBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(out, true)}; },
@@ -635,6 +657,7 @@ Tensor tanh(const Tensor& a) {
 }
 
 Tensor sigmoid(const Tensor& a) {
+  detail::OpScope opScope("sigmoid", a);
   Tensor out = unaryKernel(a, Un::Sigmoid);
   recordFn(
       "SigmoidBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(out, true)}; },
@@ -646,16 +669,35 @@ Tensor sigmoid(const Tensor& a) {
 
 // ---- comparisons and where -------------------------------------------------------------------------
 
-Tensor eq(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Eq); }
-Tensor ne(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Ne); }
-Tensor lt(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Lt); }
-Tensor le(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Le); }
-Tensor gt(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Gt); }
-Tensor ge(const Tensor& a, const Tensor& b) { return binaryKernel(a, b, Bin::Ge); }
+Tensor eq(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("eq", a, b);
+  return binaryKernel(a, b, Bin::Eq);
+}
+Tensor ne(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("ne", a, b);
+  return binaryKernel(a, b, Bin::Ne);
+}
+Tensor lt(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("lt", a, b);
+  return binaryKernel(a, b, Bin::Lt);
+}
+Tensor le(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("le", a, b);
+  return binaryKernel(a, b, Bin::Le);
+}
+Tensor gt(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("gt", a, b);
+  return binaryKernel(a, b, Bin::Gt);
+}
+Tensor ge(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("ge", a, b);
+  return binaryKernel(a, b, Bin::Ge);
+}
 Tensor gt(const Tensor& a, double b) { return gt(a, scalarLike(b, a)); }
 Tensor lt(const Tensor& a, double b) { return lt(a, scalarLike(b, a)); }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("where", cond, a, b);
   requireSameDevice(cond, a, "where");
   requireSameDevice(a, b, "where");
   if (cond.dtype() != DType::Bool) {
@@ -736,18 +778,27 @@ Tensor divAlpha(const Tensor& a, const Tensor& b, double) { return div(a, b); }
 }  // namespace
 
 Tensor& add_(Tensor& self, const Tensor& other, double alpha) {
+  detail::OpScope opScope("add_", self, other);
   return binaryInplace(self, other, Bin::Add, alpha, "add_", addAlpha);
 }
 Tensor& sub_(Tensor& self, const Tensor& other, double alpha) {
+  detail::OpScope opScope("sub_", self, other);
   return binaryInplace(self, other, Bin::Sub, alpha, "sub_", subAlpha);
 }
-Tensor& mul_(Tensor& self, const Tensor& other) { return binaryInplace(self, other, Bin::Mul, 1.0, "mul_", mulAlpha); }
-Tensor& div_(Tensor& self, const Tensor& other) { return binaryInplace(self, other, Bin::Div, 1.0, "div_", divAlpha); }
+Tensor& mul_(Tensor& self, const Tensor& other) {
+  detail::OpScope opScope("mul_", self, other);
+  return binaryInplace(self, other, Bin::Mul, 1.0, "mul_", mulAlpha);
+}
+Tensor& div_(Tensor& self, const Tensor& other) {
+  detail::OpScope opScope("div_", self, other);
+  return binaryInplace(self, other, Bin::Div, 1.0, "div_", divAlpha);
+}
 // A scalar does not promote the tensor (PyTorch's rule): float32 stays float32, no temporary.
 Tensor& add_(Tensor& self, double value) { return add_(self, scalarLike(value, self)); }
 Tensor& mul_(Tensor& self, double value) { return mul_(self, scalarLike(value, self)); }
 
 Tensor& relu_(Tensor& self) {
+  detail::OpScope opScope("relu_", self);
   if (inplaceNeedsGrad(self, {}, "relu_")) {
     commitInplace(self, relu(self));
     return self;
@@ -758,6 +809,7 @@ Tensor& relu_(Tensor& self) {
 }
 
 Tensor& clamp_(Tensor& self, std::optional<double> lo, std::optional<double> hi) {
+  detail::OpScope opScope("clamp_", self);
   if (inplaceNeedsGrad(self, {}, "clamp_")) {
     commitInplace(self, clamp(self.clone(), lo, hi));
     return self;
@@ -768,6 +820,7 @@ Tensor& clamp_(Tensor& self, std::optional<double> lo, std::optional<double> hi)
 }
 
 Tensor& sqrt_(Tensor& self) {
+  detail::OpScope opScope("sqrt_", self);
   if (inplaceNeedsGrad(self, {}, "sqrt_")) {
     commitInplace(self, sqrt(self));
     return self;
@@ -778,6 +831,7 @@ Tensor& sqrt_(Tensor& self) {
 }
 
 void addInPlace(Tensor& dst, const Tensor& src, double alpha) {
+  detail::OpScope opScope("addInPlace", dst, src);
   NoGradGuard ng;
   requireSameDevice(dst, src, "add_");
   if (dst.sizes() != src.sizes() && broadcastShapes(dst.sizes(), src.sizes(), "add_") != dst.sizes()) {
@@ -800,12 +854,14 @@ void addInPlace(Tensor& dst, const Tensor& src, double alpha) {
 }
 
 Tensor& addcmul_(Tensor& self, const Tensor& t1, const Tensor& t2, double value) {
+  detail::OpScope opScope("addcmul_", self, t1, t2);
   NoGradGuard ng;
   addInPlace(self, mul(t1, t2), value);
   return self;
 }
 
 Tensor& addcdiv_(Tensor& self, const Tensor& t1, const Tensor& t2, double value) {
+  detail::OpScope opScope("addcdiv_", self, t1, t2);
   NoGradGuard ng;
   addInPlace(self, div(t1, t2), value);
   return self;
@@ -872,26 +928,31 @@ Tensor& fillRandom(Tensor& self, const char* op, F next) {
 }  // namespace
 
 Tensor& normal_(Tensor& self, double meanValue, double stdValue, Generator& g) {
+  detail::OpScope opScope("normal_", self);
   return fillRandom(self, "normal_", [&] { return meanValue + stdValue * g.nextNormal(); });
 }
 
 Tensor& uniform_(Tensor& self, double low, double high, Generator& g) {
+  detail::OpScope opScope("uniform_", self);
   return fillRandom(self, "uniform_", [&] { return low + (high - low) * g.nextDouble(); });
 }
 
 Tensor randn(Shape sizes, Generator& g, DType dtype) {
+  detail::OpScope opScope("randn");
   Tensor t = empty(std::move(sizes), dtype);
   normal_(t, 0.0, 1.0, g);
   return t;
 }
 
 Tensor rand(Shape sizes, Generator& g, DType dtype) {
+  detail::OpScope opScope("rand");
   Tensor t = empty(std::move(sizes), dtype);
   uniform_(t, 0.0, 1.0, g);
   return t;
 }
 
 Tensor randint(int64_t low, int64_t high, Shape sizes, Generator& g, DType dtype) {
+  detail::OpScope opScope("randint");
   DT_CHECK_LT(low, high, "randint: empty range");
   Tensor t = empty(std::move(sizes), DType::Int64);
   int64_t* p = t.data<int64_t>();
@@ -901,6 +962,7 @@ Tensor randint(int64_t low, int64_t high, Shape sizes, Generator& g, DType dtype
 }
 
 bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol) {
+  detail::OpScope opScope("allclose", a, b);
   if (a.sizes() != b.sizes()) return false;
   const auto x = a.toVector<double>(), y = b.toVector<double>();
   for (size_t i = 0; i < x.size(); ++i) {

@@ -8,6 +8,7 @@
 #include "tensor/internal/detail.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
+#include "tensor/internal/op_scope.h"
 
 namespace dt {
 
@@ -87,6 +88,7 @@ Tensor mmNoGrad(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 Tensor mm(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("mm", a, b);
   if (a.dim() != 2 || b.dim() != 2 || a.sizes()[1] != b.sizes()[0]) {
     throw InvalidArgument(str("mm: shapes ", a.describe(), " and ", b.describe(), " cannot be multiplied (expected [n, k] x [k, m])"));
   }
@@ -116,6 +118,7 @@ Tensor bmmNoGrad(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("bmm", a, b);
   if (a.dim() != 3 || b.dim() != 3 || a.sizes()[0] != b.sizes()[0] || a.sizes()[2] != b.sizes()[1]) {
     throw InvalidArgument(str("bmm: shapes ", a.describe(), " and ", b.describe(),
                               " cannot be multiplied (expected [B, n, k] x [B, k, m])"));
@@ -132,6 +135,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  detail::OpScope opScope("matmul", a, b);
   const int64_t da = a.dim(), db = b.dim();
   if (da == 0 || db == 0) {
     throw InvalidArgument(str("matmul: both arguments need at least 1 dim, got ", a.describe(), " and ", b.describe()));
@@ -170,6 +174,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  detail::OpScope opScope("linear", x, weight, bias);
   const char* op = "linear";
   requireSameDevice(x, weight, op);
   if (weight.dim() != 2 || x.dim() < 1 || x.sizes().back() != weight.sizes()[1]) {

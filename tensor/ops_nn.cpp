@@ -8,6 +8,7 @@
 #include "tensor/internal/detail.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
+#include "tensor/internal/op_scope.h"
 
 namespace dt {
 
@@ -95,6 +96,7 @@ Tensor softmaxForward(const Tensor& a, int64_t dim, bool logMode) {
 }  // namespace
 
 Tensor softmax(const Tensor& a, int64_t dim) {
+  detail::OpScope opScope("softmax", a);
   Tensor out = softmaxForward(a, dim, false);
   const int64_t d = a.dim() == 0 ? 0 : wrapDim(dim, a.dim(), "softmax");
   recordFn(
@@ -109,6 +111,7 @@ Tensor softmax(const Tensor& a, int64_t dim) {
 }
 
 Tensor logSoftmax(const Tensor& a, int64_t dim) {
+  detail::OpScope opScope("logSoftmax", a);
   Tensor out = softmaxForward(a, dim, true);
   const int64_t d = a.dim() == 0 ? 0 : wrapDim(dim, a.dim(), "logSoftmax");
   recordFn(
@@ -179,6 +182,7 @@ void crossEntropyBackward(const T* lsm, const int64_t* target, const double* gsc
 }  // namespace
 
 Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options) {
+  detail::OpScope opScope("crossEntropy", logits, target);
   const char* op = "crossEntropy";
   requireSameDevice(logits, target, op);
   requireFloat(logits, op);
@@ -255,6 +259,7 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
 }
 
 Tensor mseLoss(const Tensor& input, const Tensor& target, Reduction reduction) {
+  detail::OpScope opScope("mseLoss", input, target);
   if (input.sizes() != target.sizes()) {
     throw InvalidArgument(str("mseLoss: input ", input.describe(), " and target ", target.describe(), " differ in shape"));
   }
@@ -268,6 +273,7 @@ Tensor mseLoss(const Tensor& input, const Tensor& target, Reduction reduction) {
 // ---- embedding -------------------------------------------------------------------------------------------
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  detail::OpScope opScope("embedding", weight, indices);
   requireSameDevice(weight, indices, "embedding");
   if (weight.dim() != 2) throw InvalidArgument(str("embedding: weight must be 2-D, got ", weight.describe()));
   if (indices.dtype() != DType::Int64 && indices.dtype() != DType::Int32) {
@@ -376,6 +382,7 @@ void layerNormBackward(const T* x, const T* w, const T* g, const double* meanIn,
 
 Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, const Tensor& weight, const Tensor& bias,
                  double eps) {
+  detail::OpScope opScope("layerNorm", x, weight, bias);
   const char* op = "layerNorm";
   requireCpu(x, op);
   requireFloat(x, op);
@@ -446,6 +453,7 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
 // ---- dropout -----------------------------------------------------------------------------------------------------
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator& generator) {
+  detail::OpScope opScope("dropout", x);
   if (p < 0 || p > 1) throw InvalidArgument(str("dropout: probability must be in [0, 1], got ", p));
   requireFloat(x, "dropout");
   if (!training || p == 0.0) return x;
@@ -465,6 +473,7 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& generator) {
 // ---- cat / stack / indexSelect -------------------------------------------------------------------------------------
 
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
+  detail::OpScope opScope("cat", tensors);
   if (tensors.empty()) throw InvalidArgument("cat: expected a non-empty list of tensors");
   const Tensor& first = tensors[0];
   dim = wrapDim(dim, first.dim(), "cat");
@@ -510,6 +519,7 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
+  detail::OpScope opScope("stack", tensors);
   if (tensors.empty()) throw InvalidArgument("stack: expected a non-empty list of tensors");
   dim = wrapDim(dim, tensors[0].dim() + 1, "stack");
   std::vector<Tensor> parts;
@@ -524,6 +534,7 @@ Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
 }
 
 Tensor indexSelect(const Tensor& a, int64_t dim, const Tensor& index) {
+  detail::OpScope opScope("indexSelect", a, index);
   requireSameDevice(a, index, "indexSelect");
   if (index.dtype() != DType::Int64 && index.dtype() != DType::Int32) {
     throw InvalidArgument(str("indexSelect: index must be int64/int32, got ", index.describe()));

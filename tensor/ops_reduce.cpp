@@ -8,6 +8,7 @@
 #include "tensor/internal/loop.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
+#include "tensor/internal/op_scope.h"
 
 namespace dt {
 
@@ -125,14 +126,19 @@ Tensor sumImpl(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim, 
 
 }  // namespace
 
-Tensor sum(const Tensor& a) { return sumImpl(a, {}, false, true); }
+Tensor sum(const Tensor& a) {
+  detail::OpScope opScope("sum", a);
+  return sumImpl(a, {}, false, true);
+}
 Tensor sum(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) {
+  detail::OpScope opScope("sum", a);
   return sumImpl(a, dims, keepdim, dims.empty());
 }
 
 Tensor mean(const Tensor& a) { return mean(a, {}, false); }
 
 Tensor mean(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) {
+  detail::OpScope opScope("mean", a);
   requireFloat(a, "mean");
   std::vector<bool> mask = dims.empty() ? std::vector<bool>(static_cast<size_t>(a.dim()), true) : reduceMask(a, dims, "mean");
   int64_t count = 1;
@@ -262,8 +268,14 @@ ValuesIndices extremeDim(const Tensor& a, int64_t dim, bool keepdim, bool isMax)
 
 }  // namespace
 
-ValuesIndices max(const Tensor& a, int64_t dim, bool keepdim) { return extremeDim(a, dim, keepdim, true); }
-ValuesIndices min(const Tensor& a, int64_t dim, bool keepdim) { return extremeDim(a, dim, keepdim, false); }
+ValuesIndices max(const Tensor& a, int64_t dim, bool keepdim) {
+  detail::OpScope opScope("max", a);
+  return extremeDim(a, dim, keepdim, true);
+}
+ValuesIndices min(const Tensor& a, int64_t dim, bool keepdim) {
+  detail::OpScope opScope("min", a);
+  return extremeDim(a, dim, keepdim, false);
+}
 
 Tensor max(const Tensor& a) {
   DT_CHECK_GT(a.numel(), 0, "max: empty tensor ", a.describe());
@@ -275,6 +287,7 @@ Tensor min(const Tensor& a) {
 }
 
 Tensor amax(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) {
+  detail::OpScope opScope("amax", a);
   std::vector<int64_t> ds = dims.empty() ? std::vector<int64_t>{} : normalizeDims(dims, a.dim(), "amax");
   if (ds.empty()) {
     for (int64_t i = 0; i < a.dim(); ++i) ds.push_back(i);

@@ -1,5 +1,6 @@
 #include "tensor/storage.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "common/config.h"
+#include "tensor/profiler.h"
 #if DT_HAVE_CUDA
 #include "tensor/cuda/cuda.h"
 #endif
@@ -51,10 +53,35 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 constexpr size_t kCacheMinBytes = 64 * 1024;
 constexpr size_t kCacheMaxBytes = size_t{512} << 20;  // idle bytes kept at most
 
+// Always-on counters: relaxed atomics, so counting costs a few uncontended
+// read-modify-writes per allocation and never a lock.
+struct Counters {
+  std::atomic<size_t> allocatedBytes{0};
+  std::atomic<size_t> peakBytes{0};
+  std::atomic<size_t> totalBytes{0};
+  std::atomic<uint64_t> allocations{0};
+  std::atomic<uint64_t> frees{0};
+
+  void onAllocate(size_t bytes) {
+    totalBytes.fetch_add(bytes, std::memory_order_relaxed);
+    allocations.fetch_add(1, std::memory_order_relaxed);
+    const size_t now = allocatedBytes.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    size_t peak = peakBytes.load(std::memory_order_relaxed);
+    while (now > peak && !peakBytes.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+  }
+  void onFree(size_t bytes) {
+    frees.fetch_add(1, std::memory_order_relaxed);
+    allocatedBytes.fetch_sub(bytes, std::memory_order_relaxed);
+  }
+};
+
 class CpuAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t bytes) override {
     const size_t rounded = roundSize(bytes);
+    counters_.onAllocate(rounded);
+    const bool listSmall = profiler::recording();
     if (rounded >= kCacheMinBytes) {
       std::lock_guard lock(mu_);
       auto it = cache_.find(rounded);
@@ -62,6 +89,7 @@ class CpuAllocator final : public Allocator {
         void* p = it->second.back();
         it->second.pop_back();
         cachedBytes_ -= rounded;
+        liveOps_[p] = profiler::currentOp();
         return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
       }
     }
@@ -72,6 +100,7 @@ class CpuAllocator final : public Allocator {
       p = std::aligned_alloc(alignment, rounded);
     }
     if (p == nullptr) {
+      counters_.onFree(rounded);
       throw Error(str("cpu allocator: out of memory allocating ", bytes, " bytes"));
     }
     // Large tensors on transparent huge pages: fewer page faults on first
@@ -81,11 +110,61 @@ class CpuAllocator final : public Allocator {
     if (rounded >= kCacheMinBytes) {
       std::lock_guard lock(mu_);
       sizes_[p] = rounded;
+      liveOps_[p] = profiler::currentOp();
+      return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
     }
-    return DataPtr(p, this, rounded >= kCacheMinBytes ? &CpuAllocator::release : &CpuAllocator::freeSmall,
-                   Device::cpu());
+    if (listSmall) [[unlikely]] {
+      std::lock_guard lock(mu_);
+      listedSmall_[p] = {rounded, profiler::currentOp()};
+      return DataPtr(p, this, &CpuAllocator::freeListedSmall, Device::cpu());
+    }
+    // The block's size rides in the deleter's context: small frees need no lookup.
+    return DataPtr(p, reinterpret_cast<void*>(rounded), &CpuAllocator::freeSmall, Device::cpu());
   }
   DeviceType deviceType() const override { return DeviceType::CPU; }
+
+  MemoryStats stats(Device device) override {
+    MemoryStats s;
+    s.device = device;
+    s.allocatedBytes = counters_.allocatedBytes.load(std::memory_order_relaxed);
+    s.peakAllocatedBytes = std::max(s.allocatedBytes, counters_.peakBytes.load(std::memory_order_relaxed));
+    s.totalAllocatedBytes = counters_.totalBytes.load(std::memory_order_relaxed);
+    s.allocations = counters_.allocations.load(std::memory_order_relaxed);
+    s.frees = counters_.frees.load(std::memory_order_relaxed);
+    s.reservedBytes = s.allocatedBytes + cachedBytes();
+    for (const MemoryBlock& block : snapshot(device).blocks) {
+      if (s.largestLiveBlocks.size() == 8) break;
+      s.largestLiveBlocks.push_back(block.bytes);
+    }
+    return s;
+  }
+  void resetPeakStats(Device) override {
+    counters_.peakBytes.store(counters_.allocatedBytes.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  }
+  MemorySnapshot snapshot(Device device) override {
+    MemorySnapshot snap;
+    snap.device = device;
+    size_t listedBytes = 0;
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& [p, op] : liveOps_) {
+        snap.blocks.push_back({p, sizes_.at(p), op != nullptr ? op : ""});
+      }
+      for (const auto& [p, block] : listedSmall_) {
+        snap.blocks.push_back({p, block.bytes, block.op != nullptr ? block.op : ""});
+      }
+    }
+    for (const MemoryBlock& b : snap.blocks) listedBytes += b.bytes;
+    std::sort(snap.blocks.begin(), snap.blocks.end(),
+              [](const MemoryBlock& a, const MemoryBlock& b) { return a.bytes > b.bytes; });
+    const uint64_t live = counters_.allocations.load(std::memory_order_relaxed) -
+                          counters_.frees.load(std::memory_order_relaxed);
+    const size_t liveBytes = counters_.allocatedBytes.load(std::memory_order_relaxed);
+    // Other threads may allocate between the reads above: never report a negative remainder.
+    snap.unlistedBlocks = live > snap.blocks.size() ? live - snap.blocks.size() : 0;
+    snap.unlistedBytes = liveBytes > listedBytes ? liveBytes - listedBytes : 0;
+    return snap;
+  }
 
   void emptyCache() {
     std::lock_guard lock(mu_);
@@ -106,17 +185,40 @@ class CpuAllocator final : public Allocator {
   }
 
  private:
+  struct SmallBlock {
+    size_t bytes = 0;
+    const char* op = nullptr;
+  };
+
   static size_t roundSize(size_t bytes) {
     // Never hand out null, even for 0 bytes; big blocks round to pages so sizes repeat.
     const size_t unit = bytes >= kHugePageBytes ? kHugePageBytes : bytes >= (size_t{1} << 20) ? 4096 : kCpuAlignment;
     const size_t r = (bytes + unit - 1) / unit * unit;
     return r == 0 ? kCpuAlignment : r;
   }
-  static void freeSmall(void*, void* ptr) { std::free(ptr); }
+  static CpuAllocator& instance();
+  static void freeSmall(void* size, void* ptr) {
+    instance().counters_.onFree(reinterpret_cast<size_t>(size));
+    std::free(ptr);
+  }
+  static void freeListedSmall(void* ctx, void* ptr) { static_cast<CpuAllocator*>(ctx)->unlistSmall(ptr); }
   static void release(void* ctx, void* ptr) { static_cast<CpuAllocator*>(ctx)->cacheBlock(ptr); }
+  void unlistSmall(void* p) {
+    size_t bytes = 0;
+    {
+      std::lock_guard lock(mu_);
+      auto it = listedSmall_.find(p);
+      bytes = it->second.bytes;
+      listedSmall_.erase(it);
+    }
+    counters_.onFree(bytes);
+    std::free(p);
+  }
   void cacheBlock(void* p) {
     std::lock_guard lock(mu_);
     const size_t size = sizes_.at(p);
+    counters_.onFree(size);
+    liveOps_.erase(p);
     if (cachedBytes_ + size > kCacheMaxBytes) {
       sizes_.erase(p);
       std::free(p);
@@ -126,9 +228,14 @@ class CpuAllocator final : public Allocator {
     cachedBytes_ += size;
   }
 
+  Counters counters_;
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<void*>> cache_;
-  std::unordered_map<void*, size_t> sizes_;
+  std::unordered_map<void*, size_t> sizes_;  // every block of kCacheMinBytes and more, live or cached
+  // Live blocks of kCacheMinBytes and more -> the op that made them (nullptr when none was profiled).
+  std::unordered_map<void*, const char*> liveOps_;
+  // Small blocks made while a profiler recorded.
+  std::unordered_map<void*, SmallBlock> listedSmall_;
   size_t cachedBytes_ = 0;
 };
 
@@ -143,6 +250,8 @@ CpuAllocator& cpuAllocator() {
   }();
   return *instance;
 }
+
+CpuAllocator& CpuAllocator::instance() { return cpuAllocator(); }
 
 std::array<std::atomic<Allocator*>, 2>& registry() {
   static std::array<std::atomic<Allocator*>, 2> table{&cpuAllocator(), nullptr};
@@ -171,6 +280,20 @@ Allocator& allocatorFor(Device device) {
 
 void emptyCpuCache() { cpuAllocator().emptyCache(); }
 size_t cpuCachedBytes() { return cpuAllocator().cachedBytes(); }
+
+namespace {
+NotSupportedError noStats(Device device) {
+  return NotSupportedError(str("memory statistics: the allocator for ", device.str(), " does not report them"));
+}
+}  // namespace
+
+MemoryStats Allocator::stats(Device device) { throw noStats(device); }
+void Allocator::resetPeakStats(Device device) { throw noStats(device); }
+MemorySnapshot Allocator::snapshot(Device device) { throw noStats(device); }
+
+MemoryStats memoryStats(Device device) { return allocatorFor(device).stats(device); }
+void resetPeakMemoryStats(Device device) { allocatorFor(device).resetPeakStats(device); }
+MemorySnapshot memorySnapshot(Device device) { return allocatorFor(device).snapshot(device); }
 
 void registerAllocator(DeviceType type, Allocator* allocator) {
   registry()[static_cast<size_t>(type)].store(allocator, std::memory_order_release);

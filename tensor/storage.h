@@ -15,6 +15,9 @@
 //    tensor/cuda/cuda.h serves CUDA devices; without it allocatorFor(CUDA)
 //    throws NotSupportedError naming the device. registerAllocator() replaces
 //    either (tests use it for fakes).
+//  * Allocators report memory statistics (tensor/memory_stats.h) through
+//    stats()/resetPeakStats()/snapshot(); the defaults throw
+//    NotSupportedError naming the device, so an allocator opts in.
 //  * Storage is a cheap, shared handle (copies share the bytes). Its contents
 //    are not synchronised: concurrent writers must coordinate themselves.
 #pragma once
@@ -23,6 +26,7 @@
 #include <memory>
 
 #include "tensor/device.h"
+#include "tensor/memory_stats.h"
 
 namespace dt {
 
@@ -59,6 +63,9 @@ class Allocator {
   // the index, which is right for the CPU.
   virtual DataPtr allocateOn(Device device, size_t bytes) { return allocate(bytes); }
   virtual DeviceType deviceType() const = 0;
+  virtual MemoryStats stats(Device device);
+  virtual void resetPeakStats(Device device);
+  virtual MemorySnapshot snapshot(Device device);
 };
 
 // The allocator for device.type; throws NotSupportedError if none is registered.

@@ -13,6 +13,7 @@
 #include "tensor/internal/loop.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
+#include "tensor/internal/op_scope.h"
 
 namespace dt {
 
@@ -154,6 +155,7 @@ Tensor emptyStrided(Shape sizes, Shape strides, DType dtype, Device device) {
 Tensor emptyLike(const Tensor& t) { return empty(t.sizes(), t.dtype(), t.device()); }
 
 Tensor zeros(Shape sizes, DType dtype, Device device) {
+  detail::OpScope opScope("zeros");
   Tensor t = empty(std::move(sizes), dtype, device);
   if (t.device().isCpu()) {
     std::memset(t.dataPtr(), 0, t.nbytes());
@@ -167,6 +169,7 @@ Tensor ones(Shape sizes, DType dtype, Device device) { return full(std::move(siz
 Tensor onesLike(const Tensor& t) { return ones(t.sizes(), t.dtype(), t.device()); }
 
 Tensor full(Shape sizes, double value, DType dtype, Device device) {
+  detail::OpScope opScope("full");
   Tensor t = empty(std::move(sizes), dtype, device);
   t.fill_(value);
   return t;
@@ -201,6 +204,7 @@ std::ostream& operator<<(std::ostream& out, const TensorOptions& options) {
 }
 
 Tensor arange(int64_t n, DType dtype) {
+  detail::OpScope opScope("arange");
   DT_CHECK_GE(n, 0, "arange: n must be non-negative");
   Tensor t = empty({n}, dtype);
   dispatchDType(dtype, [&]<typename T>() {
@@ -211,6 +215,7 @@ Tensor arange(int64_t n, DType dtype) {
 }
 
 Tensor arange(double start, double end, double step, DType dtype) {
+  detail::OpScope opScope("arange");
   DT_CHECK(step != 0.0, "arange: step must be non-zero");
   const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((end - start) / step)));
   Tensor t = empty({n}, dtype);
@@ -388,6 +393,7 @@ Shape broadcastStrides(const Tensor& src, const Shape& shape, const char* op) {
 }  // namespace
 
 Tensor& Tensor::copy_(const Tensor& src) {
+  detail::OpScope opScope("copy_", *this, src);
   const char* op = "copy_";
   if (gradModeEnabled() && (src.requiresGrad() || requiresGrad())) {
     detail::inplaceNeedsGrad(*this, {src}, op);
@@ -425,6 +431,7 @@ Tensor Tensor::contiguous() const {
 
 Tensor Tensor::to(DType target) const {
   if (dtype() == target) return *this;
+  detail::OpScope opScope("to", *this);
   Tensor out = empty(sizes(), target, device());
   {
     NoGradGuard noGrad;
@@ -437,12 +444,14 @@ Tensor Tensor::to(DType target) const {
 
 Tensor Tensor::to(Device target) const {
   if (device() == target) return *this;
+  detail::OpScope opScope("to", *this);
   Tensor out = empty(sizes(), dtype(), target);
   out.copy_(*this);
   return out;
 }
 
 Tensor& Tensor::fill_(double value) {
+  detail::OpScope opScope("fill_", *this);
   checkCpu(*this, "fill_");
   if (detail::inplaceNeedsGrad(*this, {}, "fill_")) {
     throw NotSupportedError(str("fill_ on ", describe(), " which has autograd history (", gradFn()->name(),

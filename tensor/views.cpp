@@ -5,6 +5,7 @@
 #include "tensor/internal/detail.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/tensor.h"
+#include "tensor/internal/op_scope.h"
 
 namespace dt {
 
@@ -33,6 +34,7 @@ TensorList scatterIntoView(const Shape& inShape, DType dtype, const Tensor& g,
 }  // namespace
 
 Tensor Tensor::clone() const {
+  detail::OpScope opScope("clone", *this);
   Tensor out = empty(sizes(), dtype(), device());
   {
     NoGradGuard ng;
@@ -43,6 +45,7 @@ Tensor Tensor::clone() const {
 }
 
 Tensor Tensor::view(Shape newSizes) const {
+  detail::OpScope opScope("view", *this);
   Tensor out = viewNoGrad(*this, std::move(newSizes));
   const Shape in = sizes();
   return recordView("ViewBackward", *this, out, [in](const BackwardContext& c) -> TensorList {
@@ -51,11 +54,13 @@ Tensor Tensor::view(Shape newSizes) const {
 }
 
 Tensor Tensor::reshape(Shape newSizes) const {
+  detail::OpScope opScope("reshape", *this);
   if (canView(*this, newSizes)) return view(std::move(newSizes));
   return clone().view(std::move(newSizes));
 }
 
 Tensor Tensor::flatten(int64_t startDim, int64_t endDim) const {
+  detail::OpScope opScope("flatten", *this);
   if (dim() == 0) return reshape({1});
   startDim = wrapDim(startDim, dim(), "flatten");
   endDim = wrapDim(endDim, dim(), "flatten");
@@ -70,6 +75,7 @@ Tensor Tensor::flatten(int64_t startDim, int64_t endDim) const {
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  detail::OpScope opScope("narrow", *this);
   Tensor out = narrowNoGrad(*this, d, start, length);
   const Shape in = sizes();
   const DType t = dtype();
@@ -79,6 +85,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  detail::OpScope opScope("slice", *this);
   Tensor out = sliceNoGrad(*this, d, start, end, step);
   const Shape in = sizes();
   const DType t = dtype();
@@ -88,6 +95,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
+  detail::OpScope opScope("select", *this);
   Tensor out = selectNoGrad(*this, d, index);
   const Shape in = sizes();
   const DType t = dtype();
@@ -97,6 +105,7 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  detail::OpScope opScope("transpose", *this);
   d0 = wrapDim(d0, dim(), "transpose");
   d1 = wrapDim(d1, dim(), "transpose");
   Shape perm(static_cast<size_t>(dim()));
@@ -106,12 +115,14 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
 }
 
 Tensor Tensor::t() const {
+  detail::OpScope opScope("t", *this);
   DT_CHECK_LE(dim(), 2, "t(): expects a tensor with <= 2 dims, got ", describe());
   if (dim() < 2) return *this;
   return transpose(0, 1);
 }
 
 Tensor Tensor::permute(Shape dims) const {
+  detail::OpScope opScope("permute", *this);
   Tensor out = permuteNoGrad(*this, dims);
   Shape inverse(dims.size());
   for (size_t i = 0; i < dims.size(); ++i) inverse[wrapDim(dims[i], dim(), "permute")] = static_cast<int64_t>(i);
@@ -121,12 +132,14 @@ Tensor Tensor::permute(Shape dims) const {
 }
 
 Tensor Tensor::expand(Shape target) const {
+  detail::OpScope opScope("expand", *this);
   Tensor out = expandNoGrad(*this, target);
   // FnNode sums the gradient back to the input shape.
   return recordView("ExpandBackward", *this, out, [](const BackwardContext& c) -> TensorList { return {c.grads[0]}; });
 }
 
 Tensor Tensor::squeeze() const {
+  detail::OpScope opScope("squeeze", *this);
   Tensor out = squeezeNoGrad(*this, std::nullopt);
   const Shape in = sizes();
   return recordView("SqueezeBackward", *this, out,
@@ -134,6 +147,7 @@ Tensor Tensor::squeeze() const {
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
+  detail::OpScope opScope("squeeze", *this);
   Tensor out = squeezeNoGrad(*this, d);
   const Shape in = sizes();
   return recordView("SqueezeBackward", *this, out,
@@ -141,6 +155,7 @@ Tensor Tensor::squeeze(int64_t d) const {
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
+  detail::OpScope opScope("unsqueeze", *this);
   Tensor out = unsqueezeNoGrad(*this, d);
   const Shape in = sizes();
   return recordView("UnsqueezeBackward", *this, out,
@@ -148,6 +163,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
 }
 
 Tensor Tensor::asStrided(Shape newSizes, Shape newStrides, int64_t offset) const {
+  detail::OpScope opScope("asStrided", *this);
   Tensor out = asStridedNoGrad(*this, newSizes, newStrides, offset);
   const Shape inSizes = sizes(), inStrides = strides();
   const int64_t inOffset = storageOffset(), outOffset = out.storageOffset();

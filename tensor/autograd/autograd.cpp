@@ -11,6 +11,7 @@
 #include "common/strings.h"
 #include "tensor/autograd/anomaly.h"
 #include "tensor/internal/detail.h"
+#include "tensor/internal/op_scope.h"
 #include "tensor/ops.h"
 
 namespace dt {
@@ -455,6 +456,7 @@ void runGraph(const std::vector<Edge>& rootEdges, TensorList rootGrads, bool ret
     const detail::IncomingGradients incoming(grads);
     if (anyGrad) {  // all-zero (undefined) gradients contribute nothing downstream
       NoGradGuard noGrad;
+      detail::BackwardScope profileScope(*node);
       out = node->apply(std::move(grads));
     }
     detail::anomalyCheckBackward(*node, incoming, out);
