@@ -5,9 +5,14 @@
 // steps, median; GEMM 3 warm-up + 10 timed, median. Prints a table on stderr
 // and RESULT lines on stdout (format of bench/peers/README.md).
 //
+// Then the profiler's cost per recorded op: N tiny adds with no profiler and
+// with one recording (tensor/profiler.h), in thread CPU time, interleaved over
+// 9 rounds; the fastest round of each (the least disturbed), per op.
+//
 // Usage: tensor_bench [--threads N] [--warmup W] [--steps S]
 #include <cblas.h>
 #include <sys/resource.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -24,6 +29,7 @@
 #include "tensor/ops.h"
 #include "tensor/optim/optim.h"
 #include "tensor/parallel.h"
+#include "tensor/profiler.h"
 
 namespace {
 
@@ -113,6 +119,35 @@ int main(int argc, char** argv) {
     }));
   }
   const double tDt = dt::bench::median(dtTimes), tBlas = dt::bench::median(blasTimes);
+
+  // ---- profiler cost per recorded op: tiny adds, off vs on ----
+  constexpr int kTinyOps = 20000;
+  dt::Tensor tiny = dt::ones({4});
+  // Thread CPU time, not wall time: on a shared machine, time spent descheduled
+  // would otherwise swamp a difference of tens of nanoseconds.
+  auto threadCpuSeconds = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+  };
+  auto tinyOps = [&] {
+    const double t0 = threadCpuSeconds();
+    for (int i = 0; i < kTinyOps; ++i) dt::Tensor r = dt::add(tiny, tiny);
+    return (threadCpuSeconds() - t0) / kTinyOps;
+  };
+  std::vector<double> offTimes, onTimes, eventsOnlyTimes;
+  for (int round = 0; round < 9; ++round) {
+    offTimes.push_back(tinyOps());
+    {
+      dt::Profiler profiler;
+      onTimes.push_back(tinyOps());
+    }
+    dt::Profiler eventsOnly(dt::ProfilerOptions{.profileMemory = false});
+    eventsOnlyTimes.push_back(tinyOps());
+  }
+  const double opOff = *std::min_element(offTimes.begin(), offTimes.end());
+  const double opOn = *std::min_element(onTimes.begin(), onTimes.end());
+  const double opEventsOnly = *std::min_element(eventsOnlyTimes.begin(), eventsOnlyTimes.end());
   const double flops = 2.0 * n * n * n;
   const double rss = peakRssMb();
 
@@ -121,7 +156,9 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "%-34s %9.2f ms %8.1f GF/s\n", "sgemm 1024^3 cblas_sgemm direct", tBlas * 1e3, flops / tBlas / 1e9);
   std::fprintf(stderr, "%-34s %9.2f ms %8.1f samples/s\n", "MLP step (median of 30)", med * 1e3, kBatch / med);
   std::fprintf(stderr, "%-34s %9.2f ms   min %.2f ms\n", "MLP step (mean)", mean * 1e3, minD * 1e3);
-  std::fprintf(stderr, "%-34s %9.1f MB   (last loss %.4f)\n\n", "peak RSS", rss, lastLoss);
+  std::fprintf(stderr, "%-34s %9.1f MB   (last loss %.4f)\n", "peak RSS", rss, lastLoss);
+  std::fprintf(stderr, "%-34s %9.1f ns   profiler on %.1f ns (+%.1f ns per recorded op; +%.1f ns without profileMemory)\n\n",
+               "tiny add, profiler off", opOff * 1e9, opOn * 1e9, (opOn - opOff) * 1e9, (opEventsOnly - opOff) * 1e9);
 
   std::printf("RESULT sgemm impl=dtrain m=%d n=%d k=%d threads=%d blas=%s time_ms=%.3f gflops=%.2f\n", n, n, n, threads,
               blas.c_str(), tDt * 1e3, flops / tDt / 1e9);
@@ -131,5 +168,9 @@ int main(int argc, char** argv) {
       "RESULT ddp_mlp impl=dtrain world=1 batch=%lld threads=%d blas=%s steps=%d step_ms=%.2f min_ms=%.2f mean_ms=%.2f "
       "samples_per_s=%.1f peak_rss_mb=%.1f\n",
       static_cast<long long>(kBatch), threads, blas.c_str(), steps, med * 1e3, minD * 1e3, mean * 1e3, kBatch / med, rss);
+  std::printf(
+      "RESULT profiler_overhead impl=dtrain op=add4 ops=%d off_ns=%.1f on_ns=%.1f per_op_ns=%.1f "
+      "per_op_ns_without_memory=%.1f\n",
+      kTinyOps, opOff * 1e9, opOn * 1e9, (opOn - opOff) * 1e9, (opEventsOnly - opOff) * 1e9);
   return 0;
 }

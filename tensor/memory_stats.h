@@ -13,9 +13,10 @@
 //  * Counting is always on and costs a few relaxed atomic updates per
 //    allocation and free. The per-block list behind memorySnapshot() holds
 //    every live block of 64 KiB and more at all times (the CPU allocator
-//    tracks those for its cache anyway) and, while a profiler records, also
-//    the smaller blocks made then, each with the op that made it (the
-//    innermost profiled op on the allocating thread, or a backward node).
+//    tracks those for its cache anyway) and, while a profiler with
+//    profileMemory (the default) records, also the smaller blocks made then;
+//    each block made while a profiler records carries the op that made it
+//    (the innermost profiled op on the allocating thread, or a backward node).
 //    Blocks smaller than 64 KiB made while no profiler recorded are counted,
 //    not listed.
 //  * Thread-safe; each call is a consistent-enough view (counters are read

@@ -53,6 +53,7 @@ struct Registry {
   std::vector<std::shared_ptr<ThreadBuffer>> buffers;
   std::vector<int64_t> activeStarts;  // start time of every profiler recording now
   int shapeRecorders = 0;
+  int memoryProfilers = 0;
   uint64_t nextThreadId = 1;
 };
 
@@ -63,6 +64,7 @@ Registry& registry() {
 }
 
 std::atomic<bool> gRecordShapes{false};
+std::atomic<bool> gProfileMemory{false};
 std::atomic<int> gRank{-1};  // -1: not set, read RANK on first use
 thread_local std::shared_ptr<ThreadBuffer> tBuffer;
 thread_local const char* tCurrentOp = nullptr;
@@ -73,6 +75,7 @@ ThreadBuffer& threadBuffer() {
     Registry& reg = registry();
     std::lock_guard lock(reg.mutex);
     buffer->threadId = reg.nextThreadId++;
+    buffer->events.reserve(1024);
     reg.buffers.push_back(buffer);
     tBuffer = std::move(buffer);
   }
@@ -227,6 +230,7 @@ void recordEvent(const char* name, EventCategory category, int64_t startNs, int6
 }
 
 const char* currentOp() { return tCurrentOp; }
+bool profilingMemory() { return gProfileMemory.load(std::memory_order_relaxed); }
 
 }  // namespace profiler
 
@@ -311,6 +315,7 @@ Profiler::Profiler(ProfilerOptions options) : session_(std::make_shared<Session>
   session_->startNs = profiler::nowNs();
   reg.activeStarts.push_back(session_->startNs);
   if (options_.recordShapes && reg.shapeRecorders++ == 0) gRecordShapes.store(true, std::memory_order_relaxed);
+  if (options_.profileMemory && reg.memoryProfilers++ == 0) gProfileMemory.store(true, std::memory_order_relaxed);
   gRecording.store(true, std::memory_order_relaxed);
 }
 
@@ -331,6 +336,7 @@ void Profiler::stop() {
     std::lock_guard lock(reg.mutex);
     reg.activeStarts.erase(std::find(reg.activeStarts.begin(), reg.activeStarts.end(), startNs));
     if (options_.recordShapes && --reg.shapeRecorders == 0) gRecordShapes.store(false, std::memory_order_relaxed);
+    if (options_.profileMemory && --reg.memoryProfilers == 0) gProfileMemory.store(false, std::memory_order_relaxed);
     const bool last = reg.activeStarts.empty();
     if (last) gRecording.store(false, std::memory_order_relaxed);
     // Events that began before every remaining profiler started are no one's any more.

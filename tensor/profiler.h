@@ -50,6 +50,10 @@ struct ProfilerOptions {
   // Records the input shapes of each op ("[32, 1024], [1024, 1024]"); the
   // table can then split rows by shape. Costs a string per op.
   bool recordShapes = false;
+  // Lists every block allocated while recording with the op that made it
+  // (memorySnapshot(), tensor/memory_stats.h). Costs a locked list insert per
+  // small allocation; off, small blocks are only counted.
+  bool profileMemory = true;
 };
 
 struct ProfileEvent {
@@ -150,6 +154,8 @@ void recordEvent(const char* name, EventCategory category, int64_t startNs, int6
                  int rank = -1, uint64_t track = 0, std::string trackName = {});
 // The op the calling thread is in (innermost OpScope), or nullptr. Maintained only while recording.
 const char* currentOp();
+// True while a profiler with profileMemory records.
+bool profilingMemory();
 
 }  // namespace profiler
 }  // namespace dt

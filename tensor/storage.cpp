@@ -81,7 +81,7 @@ class CpuAllocator final : public Allocator {
   DataPtr allocate(size_t bytes) override {
     const size_t rounded = roundSize(bytes);
     counters_.onAllocate(rounded);
-    const bool listSmall = profiler::recording();
+    const bool listSmall = profiler::profilingMemory();
     if (rounded >= kCacheMinBytes) {
       std::lock_guard lock(mu_);
       auto it = cache_.find(rounded);

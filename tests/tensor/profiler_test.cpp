@@ -6,10 +6,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <thread>
+
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -24,6 +28,16 @@ namespace dt {
 namespace {
 
 int64_t steadyNs() { return profiler::nowNs(); }
+
+// Exit status and combined output of a shell command.
+std::pair<int, std::string> runCommand(const std::string& command) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return {-1, "popen failed: " + command};
+  std::string output;
+  char buffer[4096];
+  while (fgets(buffer, sizeof buffer, pipe) != nullptr) output += buffer;
+  return {pclose(pipe), output};
+}
 
 // Runs a small MLP step (forward, loss, backward) under recordFunction ranges.
 void trainingStep(int steps = 2) {
@@ -266,15 +280,34 @@ meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
 assert any(m["name"] == "process_name" and m["args"]["name"] == "rank 3" for m in meta), meta
 print("ok", len(events))
 )";
-  const std::string command = "python3 " + checker + " " + path + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buffer[4096];
-  while (fgets(buffer, sizeof buffer, pipe) != nullptr) output += buffer;
-  const int status = pclose(pipe);
+  const auto [status, output] = runCommand("python3 " + checker + " " + path);
   EXPECT_EQ(status, 0) << output;
   EXPECT_EQ(output.rfind("ok", 0), 0u) << output;
+}
+
+// Runs in a child process started by the next test, with DT_PROFILE set.
+TEST(Profiler, ChildUnderDtProfile) {
+  if (std::getenv("DT_PROFILE") == nullptr) GTEST_SKIP() << "the child of ProcessProfileIsWrittenAtExit";
+  EXPECT_TRUE(profiler::recording());
+  trainingStep(1);
+}
+
+TEST(Profiler, ProcessProfileIsWrittenAtExit) {
+  testing::TempDir dir;
+  const std::string pattern = (dir.path() / "trace-{rank}.json").string();
+  const auto [status, output] = runCommand("DT_PROFILE=" + pattern +
+                                           " RANK=2 /proc/" + std::to_string(getpid()) +
+                                           "/exe --gtest_filter=Profiler.ChildUnderDtProfile");
+  ASSERT_EQ(status, 0) << output;
+  const std::filesystem::path trace = dir.path() / "trace-2.json";
+  ASSERT_TRUE(std::filesystem::exists(trace)) << output;
+  std::ifstream in(trace);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"name\": \"linear\""), std::string::npos);
+  EXPECT_NE(text.find("\"pid\": 2"), std::string::npos);
+  std::ifstream tableFile(trace.string() + ".txt");
+  const std::string table((std::istreambuf_iterator<char>(tableFile)), std::istreambuf_iterator<char>());
+  EXPECT_NE(table.find("linear"), std::string::npos) << table;
 }
 
 TEST(Profiler, WritingToAnUnwritablePathNamesThePath) {
@@ -361,6 +394,16 @@ TEST(MemoryStats, SnapshotNamesTheOpThatMadeEachBlockWhileProfiling) {
   const void* productAddress = product.storage().data();
   product = Tensor();
   for (const auto& block : memorySnapshot().blocks) EXPECT_NE(block.address, productAddress);
+}
+
+TEST(MemoryStats, WithoutProfileMemorySmallBlocksAreOnlyCounted) {
+  Tensor a = ones({8, 8});
+  Tensor product;
+  {
+    Profiler profiler(ProfilerOptions{.profileMemory = false});
+    product = mm(a, a);
+  }
+  for (const auto& block : memorySnapshot().blocks) EXPECT_NE(block.address, product.storage().data());
 }
 
 TEST(MemoryStats, BigBlocksAreListedEvenWithoutProfilingAndCountsStayConsistent) {
