@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <unordered_set>
 
 #include "common/env.h"
 #include "common/errors.h"
@@ -86,6 +87,16 @@ void append(RawEvent&& event) {
   ThreadBuffer& buffer = threadBuffer();
   std::lock_guard lock(buffer.mutex);
   buffer.events.push_back(std::move(event));
+}
+
+// Node names are computed strings; the thread's current op and the memory
+// snapshot keep a pointer to the name past the node's lifetime, so each
+// distinct name is stored once for the life of the process (a few dozen).
+const char* internName(std::string name) {
+  static std::mutex* mutex = new std::mutex();
+  static auto* names = new std::unordered_set<std::string>();
+  std::lock_guard lock(*mutex);
+  return names->insert(std::move(name)).first->c_str();
 }
 
 std::string formatShapes(const Tensor* const* inputs, size_t count) {
@@ -266,9 +277,9 @@ void OpScope::end() {
 }
 
 void BackwardScope::begin(const Node& node) {
-  name_ = node.name();
+  name_ = internName(node.name());
   outerOp_ = tCurrentOp;
-  tCurrentOp = name_.c_str();
+  tCurrentOp = name_;
   startNs_ = profiler::nowNs();
 }
 
@@ -276,7 +287,7 @@ void BackwardScope::end() {
   RawEvent event;
   event.endNs = profiler::nowNs();
   event.startNs = startNs_;
-  event.ownedName = std::move(name_);
+  event.literalName = name_;
   event.category = EventCategory::Backward;
   event.rank = Profiler::rank();
   tCurrentOp = outerOp_;

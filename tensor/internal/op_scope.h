@@ -58,7 +58,7 @@ class BackwardScope {
   void begin(const Node& node);
   void end();
 
-  std::string name_;
+  const char* name_ = nullptr;  // interned: outlives the node
   const char* outerOp_ = nullptr;
   int64_t startNs_ = -1;
 };

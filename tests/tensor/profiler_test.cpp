@@ -396,6 +396,26 @@ TEST(MemoryStats, SnapshotNamesTheOpThatMadeEachBlockWhileProfiling) {
   for (const auto& block : memorySnapshot().blocks) EXPECT_NE(block.address, productAddress);
 }
 
+TEST(MemoryStats, BlocksMadeInBackwardNameAnOpThatWasRecorded) {
+  Tensor w = ones({32, 32}).setRequiresGrad(true);
+  std::vector<std::string> recorded;
+  {
+    Profiler profiler;
+    sum(mul(w, w)).backward();
+    profiler.stop();
+    for (const auto& e : profiler.events()) recorded.push_back(e.name);
+  }
+  // The nodes are gone by now; the names their blocks carry must still read.
+  ASSERT_TRUE(w.grad().defined());
+  bool found = false;
+  for (const auto& block : memorySnapshot().blocks) {
+    if (block.address != w.grad().storage().data()) continue;
+    found = true;
+    EXPECT_NE(std::find(recorded.begin(), recorded.end(), block.op), recorded.end()) << block.op;
+  }
+  EXPECT_TRUE(found);
+}
+
 TEST(MemoryStats, WithoutProfileMemorySmallBlocksAreOnlyCounted) {
   Tensor a = ones({8, 8});
   Tensor product;
