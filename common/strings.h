@@ -46,6 +46,10 @@ std::string formatDuration(std::chrono::milliseconds duration);
 // maxChars ("\"abc\\x00...\" (40 bytes)").
 std::string quoteBytes(std::string_view bytes, size_t maxChars = 64);
 
+// `text` escaped for the inside of a JSON string (quotes, backslashes and
+// control characters); UTF-8 passes through unchanged.
+std::string jsonEscape(std::string_view text);
+
 std::vector<std::string> split(std::string_view text, char separator);
 std::string trim(std::string_view text);
 

@@ -669,30 +669,19 @@ Tensor sigmoid(const Tensor& a) {
 
 // ---- comparisons and where -------------------------------------------------------------------------
 
-Tensor eq(const Tensor& a, const Tensor& b) {
-  detail::OpScope opScope("eq", a, b);
-  return binaryKernel(a, b, Bin::Eq);
+namespace {
+Tensor comparison(const char* name, const Tensor& a, const Tensor& b, Bin op) {
+  detail::OpScope opScope(name, a, b);
+  return binaryKernel(a, b, op);
 }
-Tensor ne(const Tensor& a, const Tensor& b) {
-  detail::OpScope opScope("ne", a, b);
-  return binaryKernel(a, b, Bin::Ne);
-}
-Tensor lt(const Tensor& a, const Tensor& b) {
-  detail::OpScope opScope("lt", a, b);
-  return binaryKernel(a, b, Bin::Lt);
-}
-Tensor le(const Tensor& a, const Tensor& b) {
-  detail::OpScope opScope("le", a, b);
-  return binaryKernel(a, b, Bin::Le);
-}
-Tensor gt(const Tensor& a, const Tensor& b) {
-  detail::OpScope opScope("gt", a, b);
-  return binaryKernel(a, b, Bin::Gt);
-}
-Tensor ge(const Tensor& a, const Tensor& b) {
-  detail::OpScope opScope("ge", a, b);
-  return binaryKernel(a, b, Bin::Ge);
-}
+}  // namespace
+
+Tensor eq(const Tensor& a, const Tensor& b) { return comparison("eq", a, b, Bin::Eq); }
+Tensor ne(const Tensor& a, const Tensor& b) { return comparison("ne", a, b, Bin::Ne); }
+Tensor lt(const Tensor& a, const Tensor& b) { return comparison("lt", a, b, Bin::Lt); }
+Tensor le(const Tensor& a, const Tensor& b) { return comparison("le", a, b, Bin::Le); }
+Tensor gt(const Tensor& a, const Tensor& b) { return comparison("gt", a, b, Bin::Gt); }
+Tensor ge(const Tensor& a, const Tensor& b) { return comparison("ge", a, b, Bin::Ge); }
 Tensor gt(const Tensor& a, double b) { return gt(a, scalarLike(b, a)); }
 Tensor lt(const Tensor& a, double b) { return lt(a, scalarLike(b, a)); }
 

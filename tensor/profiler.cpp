@@ -99,6 +99,18 @@ const char* internName(std::string name) {
   return names->insert(std::move(name)).first->c_str();
 }
 
+// The end of an op or backward scope: `name` is a literal or interned.
+void appendScopeEvent(const char* name, EventCategory category, int64_t startNs, std::string shapes) {
+  RawEvent event;
+  event.endNs = profiler::nowNs();
+  event.startNs = startNs;
+  event.literalName = name;
+  event.category = category;
+  event.rank = Profiler::rank();
+  event.shapes = std::move(shapes);
+  append(std::move(event));
+}
+
 std::string formatShapes(const Tensor* const* inputs, size_t count) {
   std::string out;
   for (size_t i = 0; i < count; ++i) {
@@ -114,23 +126,6 @@ std::string formatShapes(const Tensor* const* inputs, size_t count) {
       out += std::to_string(sizes[d]);
     }
     out += ']';
-  }
-  return out;
-}
-
-std::string jsonEscape(std::string_view text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
-      out += buf;
-    } else {
-      out += c;
-    }
   }
   return out;
 }
@@ -266,14 +261,8 @@ void OpScope::begin(const char* name, const Tensor* const* inputs, size_t count)
 }
 
 void OpScope::end() {
-  RawEvent event;
-  event.endNs = profiler::nowNs();
-  event.startNs = startNs_;
-  event.literalName = name_;
-  event.rank = Profiler::rank();
-  event.shapes = std::move(shapes_);
   tCurrentOp = outerOp_;
-  append(std::move(event));
+  appendScopeEvent(name_, EventCategory::Op, startNs_, std::move(shapes_));
 }
 
 void BackwardScope::begin(const Node& node) {
@@ -284,14 +273,8 @@ void BackwardScope::begin(const Node& node) {
 }
 
 void BackwardScope::end() {
-  RawEvent event;
-  event.endNs = profiler::nowNs();
-  event.startNs = startNs_;
-  event.literalName = name_;
-  event.category = EventCategory::Backward;
-  event.rank = Profiler::rank();
   tCurrentOp = outerOp_;
-  append(std::move(event));
+  appendScopeEvent(name_, EventCategory::Backward, startNs_, {});
 }
 
 }  // namespace detail
