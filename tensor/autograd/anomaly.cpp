@@ -23,7 +23,7 @@ constexpr std::string_view kEnvName = "DT_DETECT_ANOMALY";
 std::once_flag gEnvironmentRead;
 AnomalyOptions gEnvironmentOptions{.enabled = false};
 
-// Trivially constructible, so reading them costs no TLS initialisation check.
+// Constant-initialised with trivial destructors, so reading them costs no TLS initialisation check.
 thread_local bool tGuardActive = false;
 thread_local AnomalyOptions tGuardOptions{};
 // Set while a check runs ops of its own (copies, contiguous), so they are not checked in turn.
