@@ -10,15 +10,15 @@
 //  * Bytes are the allocator's block sizes (requests rounded up to its
 //    alignment), the memory actually held for tensors. Reserved bytes add the
 //    idle blocks the allocator keeps cached for reuse.
-//  * Counting is always on and costs a few relaxed atomic updates per
-//    allocation and free. The per-block list behind memorySnapshot() holds
-//    every live block of 64 KiB and more at all times (the CPU allocator
-//    tracks those for its cache anyway) and, while a profiler with
-//    profileMemory (the default) records, also the smaller blocks made then;
-//    each block made while a profiler records carries the op that made it
-//    (the innermost profiled op on the allocating thread, or a backward node).
-//    Blocks smaller than 64 KiB made while no profiler recorded are counted,
-//    not listed.
+//  * Counting is always on and costs one relaxed atomic add per allocation
+//    and per free (plus unlocked stores to the calling thread's counters).
+//    The per-block list behind memorySnapshot() holds every live block of
+//    64 KiB and more at all times (the CPU allocator tracks those for its
+//    cache anyway) and, while a profiler with profileMemory (the default)
+//    records, also the smaller blocks made then. A block made while a
+//    profiler records carries the op that made it (the innermost profiled op
+//    on the allocating thread, or a backward node). Blocks smaller than 64 KiB
+//    made while no profiler recorded are counted, not listed.
 //  * Thread-safe; each call is a consistent-enough view (counters are read
 //    one by one while other threads allocate).
 #pragma once

@@ -53,34 +53,78 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 constexpr size_t kCacheMinBytes = 64 * 1024;
 constexpr size_t kCacheMaxBytes = size_t{512} << 20;  // idle bytes kept at most
 
-// Always-on counters: relaxed atomics, so counting costs a few uncontended
-// read-modify-writes per allocation and never a lock.
-struct Counters {
-  std::atomic<size_t> allocatedBytes{0};
-  std::atomic<size_t> peakBytes{0};
-  std::atomic<size_t> totalBytes{0};
+// Always-on counters. The live total is one shared atomic (the peak needs it);
+// the cumulative counts are per thread, each written by its thread alone with
+// plain (unlocked) relaxed stores and summed when read, so that counting costs
+// one locked add per allocation and one per free.
+struct ThreadCounters {
+  std::atomic<uint64_t> totalBytes{0};
   std::atomic<uint64_t> allocations{0};
   std::atomic<uint64_t> frees{0};
 
+  static void bump(std::atomic<uint64_t>& counter, uint64_t by) {
+    counter.store(counter.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+  }
+};
+
+class Counters {
+ public:
   void onAllocate(size_t bytes) {
-    totalBytes.fetch_add(bytes, std::memory_order_relaxed);
-    allocations.fetch_add(1, std::memory_order_relaxed);
-    const size_t now = allocatedBytes.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    size_t peak = peakBytes.load(std::memory_order_relaxed);
-    while (now > peak && !peakBytes.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    ThreadCounters& mine = threadCounters();
+    ThreadCounters::bump(mine.totalBytes, bytes);
+    ThreadCounters::bump(mine.allocations, 1);
+    const size_t now = allocatedBytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    size_t peak = peakBytes_.load(std::memory_order_relaxed);
+    while (now > peak && !peakBytes_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
     }
   }
   void onFree(size_t bytes) {
-    frees.fetch_add(1, std::memory_order_relaxed);
-    allocatedBytes.fetch_sub(bytes, std::memory_order_relaxed);
+    ThreadCounters::bump(threadCounters().frees, 1);
+    allocatedBytes_.fetch_sub(bytes, std::memory_order_relaxed);
   }
+
+  void lockForFork() { threadsMutex_.lock(); }
+  void unlockAfterFork() { threadsMutex_.unlock(); }
+  size_t allocatedBytes() const { return allocatedBytes_.load(std::memory_order_relaxed); }
+  size_t peakBytes() const { return peakBytes_.load(std::memory_order_relaxed); }
+  void resetPeak() { peakBytes_.store(allocatedBytes(), std::memory_order_relaxed); }
+  struct Sums {
+    uint64_t totalBytes = 0, allocations = 0, frees = 0;
+  };
+  Sums sums() {
+    Sums out;
+    std::lock_guard lock(threadsMutex_);
+    for (const ThreadCounters* t : threads_) {
+      out.totalBytes += t->totalBytes.load(std::memory_order_relaxed);
+      out.allocations += t->allocations.load(std::memory_order_relaxed);
+      out.frees += t->frees.load(std::memory_order_relaxed);
+    }
+    return out;
+  }
+
+ private:
+  ThreadCounters& threadCounters() {
+    // A plain pointer (no TLS destructor): frees may run during thread exit.
+    thread_local ThreadCounters* mine = nullptr;
+    if (mine == nullptr) [[unlikely]] {
+      // Kept after the thread ends: its counts stay part of the sums.
+      mine = new ThreadCounters();
+      std::lock_guard lock(threadsMutex_);
+      threads_.push_back(mine);
+    }
+    return *mine;
+  }
+
+  std::atomic<size_t> allocatedBytes_{0};
+  std::atomic<size_t> peakBytes_{0};
+  std::mutex threadsMutex_;
+  std::vector<ThreadCounters*> threads_;
 };
 
 class CpuAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t bytes) override {
     const size_t rounded = roundSize(bytes);
-    counters_.onAllocate(rounded);
     const bool listSmall = profiler::profilingMemory();
     if (rounded >= kCacheMinBytes) {
       std::lock_guard lock(mu_);
@@ -89,6 +133,7 @@ class CpuAllocator final : public Allocator {
         void* p = it->second.back();
         it->second.pop_back();
         cachedBytes_ -= rounded;
+        counters_.onAllocate(rounded);
         liveOps_[p] = profiler::currentOp();
         return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
       }
@@ -100,13 +145,13 @@ class CpuAllocator final : public Allocator {
       p = std::aligned_alloc(alignment, rounded);
     }
     if (p == nullptr) {
-      counters_.onFree(rounded);
       throw Error(str("cpu allocator: out of memory allocating ", bytes, " bytes"));
     }
     // Large tensors on transparent huge pages: fewer page faults on first
     // touch and fewer TLB misses in every sweep over them (memcpy, reductions,
     // the kernel's socket copies). Advisory: ignored where THP is off.
     if (alignment == kHugePageBytes) ::madvise(p, rounded, MADV_HUGEPAGE);
+    counters_.onAllocate(rounded);
     if (rounded >= kCacheMinBytes) {
       std::lock_guard lock(mu_);
       sizes_[p] = rounded;
@@ -126,11 +171,12 @@ class CpuAllocator final : public Allocator {
   MemoryStats stats(Device device) override {
     MemoryStats s;
     s.device = device;
-    s.allocatedBytes = counters_.allocatedBytes.load(std::memory_order_relaxed);
-    s.peakAllocatedBytes = std::max(s.allocatedBytes, counters_.peakBytes.load(std::memory_order_relaxed));
-    s.totalAllocatedBytes = counters_.totalBytes.load(std::memory_order_relaxed);
-    s.allocations = counters_.allocations.load(std::memory_order_relaxed);
-    s.frees = counters_.frees.load(std::memory_order_relaxed);
+    s.allocatedBytes = counters_.allocatedBytes();
+    s.peakAllocatedBytes = std::max(s.allocatedBytes, counters_.peakBytes());
+    const Counters::Sums sums = counters_.sums();
+    s.totalAllocatedBytes = sums.totalBytes;
+    s.allocations = sums.allocations;
+    s.frees = sums.frees;
     s.reservedBytes = s.allocatedBytes + cachedBytes();
     for (const MemoryBlock& block : snapshot(device).blocks) {
       if (s.largestLiveBlocks.size() == 8) break;
@@ -139,7 +185,7 @@ class CpuAllocator final : public Allocator {
     return s;
   }
   void resetPeakStats(Device) override {
-    counters_.peakBytes.store(counters_.allocatedBytes.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    counters_.resetPeak();
   }
   MemorySnapshot snapshot(Device device) override {
     MemorySnapshot snap;
@@ -157,9 +203,9 @@ class CpuAllocator final : public Allocator {
     for (const MemoryBlock& b : snap.blocks) listedBytes += b.bytes;
     std::sort(snap.blocks.begin(), snap.blocks.end(),
               [](const MemoryBlock& a, const MemoryBlock& b) { return a.bytes > b.bytes; });
-    const uint64_t live = counters_.allocations.load(std::memory_order_relaxed) -
-                          counters_.frees.load(std::memory_order_relaxed);
-    const size_t liveBytes = counters_.allocatedBytes.load(std::memory_order_relaxed);
+    const Counters::Sums sums = counters_.sums();
+    const uint64_t live = sums.allocations - sums.frees;
+    const size_t liveBytes = counters_.allocatedBytes();
     // Other threads may allocate between the reads above: never report a negative remainder.
     snap.unlistedBlocks = live > snap.blocks.size() ? live - snap.blocks.size() : 0;
     snap.unlistedBytes = liveBytes > listedBytes ? liveBytes - listedBytes : 0;
@@ -177,8 +223,14 @@ class CpuAllocator final : public Allocator {
     cache_.clear();
     cachedBytes_ = 0;
   }
-  void lockForFork() { mu_.lock(); }
-  void unlockAfterFork() { mu_.unlock(); }
+  void lockForFork() {
+    mu_.lock();
+    counters_.lockForFork();
+  }
+  void unlockAfterFork() {
+    counters_.unlockAfterFork();
+    mu_.unlock();
+  }
   size_t cachedBytes() {
     std::lock_guard lock(mu_);
     return cachedBytes_;

@@ -40,28 +40,6 @@ DType dtypeFromSafetensors(const std::string& name) {
 
 namespace {
 
-std::string jsonEscape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out;
-}
-
 // Minimal JSON reader for the header: objects, arrays, strings, integers.
 struct Json {
   enum Kind { Object, Array, String, Number, Other } kind = Other;

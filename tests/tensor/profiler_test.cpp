@@ -350,6 +350,23 @@ TEST(MemoryStats, RiseAndFallAsTensorsAreMadeAndFreed) {
   EXPECT_EQ(memoryStats().allocatedBytes, start.allocatedBytes);
 }
 
+TEST(MemoryStats, CountsFromManyThreadsAddUp) {
+  const MemoryStats start = memoryStats();
+  constexpr int kThreads = 4, kTensors = 100;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([] {
+      for (int i = 0; i < kTensors; ++i) Tensor small = empty({10});  // one 64-byte block each
+    });
+  }
+  for (auto& t : threads) t.join();
+  const MemoryStats after = memoryStats();
+  EXPECT_EQ(after.allocations - start.allocations, uint64_t{kThreads * kTensors});
+  EXPECT_EQ(after.frees - start.frees, uint64_t{kThreads * kTensors});
+  EXPECT_EQ(after.totalAllocatedBytes - start.totalAllocatedBytes, size_t{kThreads * kTensors * 64});
+  EXPECT_EQ(after.allocatedBytes, start.allocatedBytes);
+}
+
 TEST(MemoryStats, PeakTracksTheHighestPointUntilReset) {
   resetPeakMemoryStats();
   const size_t base = memoryStats().allocatedBytes;
