@@ -22,9 +22,13 @@
 //    predictable branch at entry and a branch on a local flag at exit. While
 //    recording, about one clock read pair and one buffer append per event
 //    (docs/profiling.md has the measured numbers).
-//  * Rank: events carry the process's rank: Profiler::setRank(), else the
-//    RANK environment variable, else 0. Collectives carry their group's rank
-//    (threads-as-ranks tests get one pid per rank in the trace).
+//  * Rank: ops, backward and user events carry the process's rank:
+//    Profiler::setRank(), else the RANK environment variable, else 0.
+//    Collectives and DDP buckets carry their group's (global) rank, so with
+//    threads as ranks those get one pid per rank in the trace.
+//  * Memory: events stay in the per-thread buffers until the profilers that
+//    may want them have stopped (roughly 150 bytes each, plus shapes);
+//    stop() copies its events out, costing time linear in the events held.
 //  * DT_PROFILE=path profiles the whole process from start-up and writes the
 //    trace to `path` (with "{rank}" replaced by the rank; without one, and
 //    with WORLD_SIZE > 1, ".rank<r>" goes before the extension) and the table to
@@ -51,7 +55,7 @@ struct ProfilerOptions {
   // table can then split rows by shape. Costs a string per op.
   bool recordShapes = false;
   // Lists every block allocated while recording with the op that made it
-  // (memorySnapshot(), tensor/memory_stats.h). Costs a locked list insert per
+  // (memorySnapshot(), tensor/memory_stats.h). Costs a locked map insert per
   // small allocation; off, small blocks are only counted.
   bool profileMemory = true;
 };
