@@ -26,14 +26,6 @@ std::vector<std::pair<DType, std::vector<Tensor>>> byDType(const std::vector<Ten
 
 }  // namespace
 
-void checkCpu(const Tensor& t, const char* op, const std::string& who, const char* backend) {
-  if (!t.defined()) throw InvalidArgument(str("[", who, "] ", op, ": undefined tensor"));
-  if (!t.device().isCpu()) {
-    throw InvalidArgument(str("[", who, "] ", op, ": the ", backend, " backend takes CPU tensors, got ", t.describe(),
-                              " on ", t.device().str(), "; use the nccl backend for CUDA tensors"));
-  }
-}
-
 std::vector<TensorSignature> signatures(const std::vector<Tensor>& tensors) {
   std::vector<TensorSignature> out;
   out.reserve(tensors.size());

@@ -2,8 +2,6 @@
 // fingerprints, and staging of tensor lists into contiguous buffers.
 //
 // Contract: pure helpers, thread-safe for distinct tensors.
-//  * checkCpu throws InvalidArgument for an undefined or non-CPU tensor,
-//    naming the op, the backend and the tensor.
 //  * stage(tensors): a single contiguous tensor is used as is (the backend
 //    works in place); otherwise one flat buffer per dtype (in first-seen
 //    order), whose copyBack() writes the results into the original tensors.
@@ -18,7 +16,6 @@
 
 namespace dt {
 
-void checkCpu(const Tensor& t, const char* op, const std::string& who, const char* backend);
 std::vector<TensorSignature> signatures(const std::vector<Tensor>& tensors);
 
 struct Staged {

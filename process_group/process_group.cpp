@@ -210,6 +210,7 @@ WorkPtr ProcessGroup::numbered(const char* op, const Device& device, uint64_t& s
 }
 
 namespace {
+Device deviceOf(const Tensor& t) { return t.defined() ? t.device() : Device::cpu(); }
 Device deviceOf(const std::vector<Tensor>& tensors) {
   return !tensors.empty() && tensors[0].defined() ? tensors[0].device() : Device::cpu();
 }
@@ -226,13 +227,13 @@ WorkPtr ProcessGroup::broadcast(const std::vector<Tensor>& tensors, BroadcastOpt
 }
 
 WorkPtr ProcessGroup::allgather(const std::vector<Tensor>& outputs, const Tensor& input, AllgatherOptions options) {
-  return numbered("allgather", input.defined() ? input.device() : Device::cpu(), options.seq, outputs,
+  return numbered("allgather", deviceOf(input), options.seq, outputs,
                   [&](Backend& b) { return b.allgather(outputs, input, options); });
 }
 
 WorkPtr ProcessGroup::reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
                                     ReduceScatterOptions options) {
-  return numbered("reduceScatter", output.defined() ? output.device() : Device::cpu(), options.seq, {output},
+  return numbered("reduceScatter", deviceOf(output), options.seq, {output},
                   [&](Backend& b) { return b.reduceScatter(output, inputs, options); });
 }
 
@@ -249,10 +250,6 @@ WorkPtr ProcessGroup::allToAll(const std::vector<Tensor>& outputs, const std::ve
   return numbered("allToAll", deviceOf(inputs), options.seq, outputs,
                   [&](Backend& b) { return b.allToAll(outputs, inputs, options); });
 }
-
-namespace {
-Device deviceOf(const Tensor& t) { return t.defined() ? t.device() : Device::cpu(); }
-}  // namespace
 
 WorkPtr ProcessGroup::gather(const std::vector<Tensor>& outputs, const Tensor& input, GatherOptions options) {
   return numbered("gather", deviceOf(input), options.seq, outputs,
