@@ -138,20 +138,43 @@ void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
   if (error_) std::rethrow_exception(error_);
 }
 
-void Work::then(std::function<void(Work&)> callback) { addCallback(callbacks_, std::move(callback)); }
-
-void Work::thenInline(std::function<void(Work&)> callback) { addCallback(inlineCallbacks_, std::move(callback)); }
-
-void Work::addCallback(std::vector<std::function<void(Work&)>>& list, std::function<void(Work&)> callback) {
+void Work::then(std::function<void(Work&)> callback) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!completed_) {
-      list.push_back(std::move(callback));
+    // While earlier callbacks still run on the pool, a late one joins them
+    // there, so that callbacks keep their registration order.
+    if (!completed_ || callbacksDraining_) {
+      callbacks_.push_back(std::move(callback));
       return;
     }
   }
   std::vector<std::function<void(Work&)>> one{std::move(callback)};
   runCallbacks(*this, one);
+}
+
+void Work::thenInline(std::function<void(Work&)> callback) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!completed_) {
+      inlineCallbacks_.push_back(std::move(callback));
+      return;
+    }
+  }
+  std::vector<std::function<void(Work&)>> one{std::move(callback)};
+  runCallbacks(*this, one);
+}
+
+void Work::drainCallbacks(std::vector<std::function<void(Work&)>> batch) {
+  for (;;) {
+    runCallbacks(*this, batch);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (callbacks_.empty()) {
+      callbacksDraining_ = false;
+      return;
+    }
+    batch.clear();
+    batch.swap(callbacks_);
+  }
 }
 
 void Work::setResult(std::vector<Tensor> tensors) {
@@ -206,17 +229,18 @@ void Work::finish(std::exception_ptr error) {
     }
     inlineCallbacks.swap(inlineCallbacks_);
     callbacks.swap(callbacks_);
+    callbacksDraining_ = !callbacks.empty();
   }
   done_.notify_all();
   runCallbacks(*this, inlineCallbacks);
   if (callbacks.empty()) return;
   std::shared_ptr<Work> self = weak_from_this().lock();
   if (!self) {  // not held by a shared_ptr: nothing could keep it alive on another thread
-    runCallbacks(*this, callbacks);
+    drainCallbacks(std::move(callbacks));
     return;
   }
   CallbackPool::instance().post([self = std::move(self), callbacks = std::move(callbacks)]() mutable {
-    runCallbacks(*self, callbacks);
+    self->drainCallbacks(std::move(callbacks));
   });
 }
 

@@ -13,7 +13,8 @@
 //    callback threads, never on the backend's worker: a slow callback cannot
 //    hold back the group's later collectives. Callbacks of one Work run in
 //    registration order, one after another; a callback registered on a Work
-//    that is already complete runs at once on the caller's thread. An
+//    that is already complete runs at once on the caller's thread (after
+//    the earlier ones, on their thread, if those still run). An
 //    exception from a callback is logged and swallowed.
 //    thenInline(cb) runs cb on the thread that completes the Work (usually
 //    the backend's worker), before the then() callbacks are handed over: for
@@ -83,8 +84,8 @@ class Work : public std::enable_shared_from_this<Work> {
 
  private:
   void finish(std::exception_ptr error);
-  // Queues on `list` while running, else runs at once on this thread.
-  void addCallback(std::vector<std::function<void(Work&)>>& list, std::function<void(Work&)> callback);
+  // Runs `batch`, then whatever then() queued meanwhile, until none is left.
+  void drainCallbacks(std::vector<std::function<void(Work&)>> batch);
 
   const std::string description_;
   mutable std::mutex mutex_;
@@ -93,6 +94,7 @@ class Work : public std::enable_shared_from_this<Work> {
   std::exception_ptr error_;
   std::vector<std::function<void(Work&)>> inlineCallbacks_;
   std::vector<std::function<void(Work&)>> callbacks_;
+  bool callbacksDraining_ = false;  // then() callbacks still running after completion
   std::function<bool()> waitHelper_;
   std::vector<Tensor> result_;
   std::optional<std::promise<std::vector<Tensor>>> promise_;  // made by the first future()

@@ -114,6 +114,25 @@ TEST(Work, ThenRunsOffTheCompletingThreadInOrderAndThenInlineOnIt) {
   EXPECT_EQ(secondAt.load(), 1);
 }
 
+TEST(Work, ALateCallbackWaitsForTheEarlierOnesStillRunning) {
+  auto work = std::make_shared<Work>("allreduce #6 (test)");
+  std::atomic<int> order{0};
+  std::atomic<int> slowAt{-1}, lateAt{-1};
+  std::atomic<bool> lateRegistered{false};
+  work->then([&](Work&) {
+    EXPECT_TRUE(eventually([&] { return lateRegistered.load(); }));
+    slowAt = order++;
+  });
+  work->markCompleted();
+  // The Work is complete but its first callback still runs on the pool: the
+  // late one queues behind it instead of running now on this thread.
+  work->then([&](Work&) { lateAt = order++; });
+  lateRegistered = true;
+  EXPECT_TRUE(eventually([&] { return lateAt.load() >= 0; }));
+  EXPECT_EQ(slowAt.load(), 0);
+  EXPECT_EQ(lateAt.load(), 1);
+}
+
 TEST(Work, CallbacksThatWaitForEachOtherDoNotDeadlock) {
   // b's callback waits for a's callback, registered later on another Work:
   // one callback thread would deadlock, the pool grows instead.
