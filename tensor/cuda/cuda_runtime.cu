@@ -5,6 +5,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "tensor/cuda/cuda.h"
+#include "tensor/cuda/stream.h"
 
 namespace dt::cuda {
 namespace {
@@ -38,20 +39,6 @@ const Probe& probe() {
   }();
   return result;
 }
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(Device device) {
-    cudaGetDevice(&previous_);
-    throwIfFailed(cudaSetDevice(device.index), "set device", device);
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 class CudaAllocator final : public Allocator {
  public:
