@@ -4,12 +4,18 @@
 #include <cstring>
 
 #include "common/check.h"
+#include "common/config.h"
 #include "tensor/autograd/anomaly.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/loop.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
 #include "tensor/internal/op_scope.h"
+
+#if DT_HAVE_CUDA
+#include "tensor/cuda/cuda.h"
+#include "tensor/internal/cuda_ops.h"
+#endif
 
 namespace dt {
 
@@ -73,17 +79,36 @@ void recordFn(const char* name, const TensorList& inputs, std::vector<Tensor*> o
 void requireCpu(const Tensor& t, const char* op) {
   if (!t.defined()) throw InvalidArgument(str(op, ": got an undefined tensor"));
   if (!t.device().isCpu()) {
+#if DT_HAVE_CUDA
+    throw NotSupportedError(str(op, " is not supported on device ", t.device(), " (tensor ", t.describe(),
+                                "): it has no CUDA kernel yet; move the tensor to the cpu (to(Device::cpu())) for "
+                                "this op"));
+#else
     throw NotSupportedError(str(op, " is not supported on device ", t.device(), " (tensor ", t.describe(),
                                 "): this build has cpu kernels only"));
+#endif
   }
+}
+
+bool cudaPathFor(const Tensor& t, const char* op) {
+#if DT_HAVE_CUDA
+  if (cuda::deviceCount() == 0) {
+    throw NotSupportedError(str(op, " is not supported on device ", t.device(), " (tensor ", t.describe(),
+                                "): ", cuda::unavailableReason()));
+  }
+  return true;
+#else
+  requireCpu(t, op);
+  return false;
+#endif
 }
 
 void requireSameDevice(const Tensor& a, const Tensor& b, const char* op) {
   if (a.device() != b.device()) {
-    throw InvalidArgument(str(op, ": tensors are on different devices: ", a.describe(), " on ", a.device(), " and ",
-                              b.describe(), " on ", b.device()));
+    throw InvalidArgument(str(op, ": Expected all tensors to be on the same device, but found at least two devices, ",
+                              a.device(), " and ", b.device(), "! (tensors on different devices: ", a.describe(),
+                              " and ", b.describe(), ")"));
   }
-  requireCpu(a, op);
 }
 
 void requireFloat(const Tensor& t, const char* op) {
@@ -200,6 +225,12 @@ const char* binName(Bin op) {
 
 bool isCompare(Bin op) { return op >= Bin::Eq && op <= Bin::Ge; }
 
+#if DT_HAVE_CUDA
+// The CUDA kernels take Bin and Un by value: the enums must stay in step.
+static_assert(static_cast<int>(Bin::Ge) == static_cast<int>(cuda::BinaryOp::Ge));
+static_assert(static_cast<int>(Bin::AbsGrad) == static_cast<int>(cuda::BinaryOp::AbsGrad));
+#endif
+
 constexpr double kInvSqrt2 = 0.70710678118654752440;
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 
@@ -291,6 +322,7 @@ Tensor binaryKernel(const Tensor& a, const Tensor& b, Bin op, double alpha = 1.0
   NoGradGuard noGrad;  // conversions inside kernels are not part of the graph
   const char* name = binName(op);
   requireSameDevice(a, b, name);
+  const bool onGpu = onCuda(a, name);
   const Shape shape = broadcastShapes(a.sizes(), b.sizes(), name);
   const DType resultType = arithType(a.dtype(), b.dtype(), op);
   const DType ct = computeType(resultType);
@@ -298,9 +330,15 @@ Tensor binaryKernel(const Tensor& a, const Tensor& b, Bin op, double alpha = 1.0
   const DType outType = isCompare(op) ? DType::Bool : ct;
   Tensor target = out;
   if (!target.defined() || target.dtype() != outType) {
-    target = empty(shape, outType);
+    target = empty(shape, outType, a.device());
   }
   const Shape as = stridesFor(A, shape), bs = stridesFor(B, shape);
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    cuda::binary(a.device(), static_cast<cuda::BinaryOp>(op), ct, target.dataPtr(), A.dataPtr(), B.dataPtr(),
+                 cudaGeometry(shape, {target.strides(), as, bs}, name), alpha);
+#endif
+  } else {
   detail::ElementLoop<3> loop(shape,
                               {static_cast<char*>(target.dataPtr()), static_cast<char*>(const_cast<void*>(A.dataPtr())),
                                static_cast<char*>(const_cast<void*>(B.dataPtr()))},
@@ -308,6 +346,7 @@ Tensor binaryKernel(const Tensor& a, const Tensor& b, Bin op, double alpha = 1.0
                               {static_cast<int64_t>(itemSize(outType)), static_cast<int64_t>(itemSize(ct)),
                                static_cast<int64_t>(itemSize(ct))});
   dispatchCompute(ct, name, [&]<typename T>() { binaryDispatchOp<T>(loop, op, alpha); });
+  }
   if (out.defined() && !target.isSameAs(out)) {
     out.copy_(target);
     return out;
@@ -317,6 +356,11 @@ Tensor binaryKernel(const Tensor& a, const Tensor& b, Bin op, double alpha = 1.0
 }
 
 enum class Un { Neg, Exp, Log, Sqrt, Abs, Clamp, Relu, Gelu, Tanh, Sigmoid, Fill };
+
+#if DT_HAVE_CUDA
+static_assert(static_cast<int>(Un::Sigmoid) == static_cast<int>(cuda::UnaryOp::Sigmoid));
+static_assert(static_cast<int>(Un::Clamp) == static_cast<int>(cuda::UnaryOp::Clamp));
+#endif
 
 const char* unName(Un op) {
   switch (op) {
@@ -390,19 +434,26 @@ bool floatOnly(Un op) {
 Tensor unaryKernel(const Tensor& a, Un op, double p0 = 0, double p1 = 0, Tensor out = Tensor()) {
   NoGradGuard noGrad;
   const char* name = unName(op);
-  requireCpu(a, name);
+  const bool onGpu = onCuda(a, name);
   DType resultType = a.dtype();
   if (resultType == DType::Bool) resultType = DType::Int64;
   if (floatOnly(op) && !isFloatingPoint(resultType)) resultType = DType::Float32;
   const DType ct = computeType(resultType);
   const Tensor A = a.to(ct);
   Tensor target = out;
-  if (!target.defined() || target.dtype() != ct) target = empty(a.sizes(), ct);
+  if (!target.defined() || target.dtype() != ct) target = empty(a.sizes(), ct, a.device());
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    cuda::unary(a.device(), static_cast<cuda::UnaryOp>(op), ct, target.dataPtr(), A.dataPtr(),
+                cudaGeometry(a.sizes(), {target.strides(), A.strides()}, name), p0, p1);
+#endif
+  } else {
   detail::ElementLoop<2> loop(a.sizes(),
                               {static_cast<char*>(target.dataPtr()), static_cast<char*>(const_cast<void*>(A.dataPtr()))},
                               {target.strides().data(), A.strides().data()},
                               {static_cast<int64_t>(itemSize(ct)), static_cast<int64_t>(itemSize(ct))});
   dispatchCompute(ct, name, [&]<typename T>() { unaryDispatchOp<T>(loop, op, p0, p1); });
+  }
   if (out.defined() && !target.isSameAs(out)) {
     out.copy_(target);
     return out;
@@ -421,7 +472,8 @@ Tensor scalarLike(double v, const Tensor& like) {
   if (!isFloatingPoint(t) && v != std::floor(v)) t = DType::Float32;
   if (t == DType::Bool) t = DType::Int64;
   if (isHalfLike(t)) t = DType::Float32;
-  return scalarTensor(v, t);
+  // On like's device: a CUDA operand gets a device scalar (one fill kernel, no host wait).
+  return full({}, v, t, like.device());
 }
 
 // op(a, scalar) keeping a's dtype for float16/bfloat16 (the scalar is not rounded to 16 bits).
@@ -488,11 +540,11 @@ Tensor pow(const Tensor& a, const Tensor& b) {
       [](const BackwardContext& c) -> TensorList {
         const Tensor& g = c.grads[0];
         const Tensor &x = c.saved[0], &y = c.saved[1], &o = c.saved[2];
-        Tensor ga = c.needs[0] ? mul(g, mul(y, pow(x, sub(y, scalarTensor(1.0, y.dtype()))))) : Tensor();
+        Tensor ga = c.needs[0] ? mul(g, mul(y, pow(x, sub(y, full({}, 1.0, y.dtype(), y.device()))))) : Tensor();
         Tensor gb;
         if (c.needs[1]) {
           // d/dy x^y = x^y log x; defined as 0 where x == 0 (PyTorch's convention).
-          Tensor lg = where(eq(x, scalarTensor(0.0, x.dtype())), zerosLike(x), log(x));
+          Tensor lg = where(eq(x, full({}, 0.0, x.dtype(), x.device())), zerosLike(x), log(x));
           gb = mul(g, mul(o, lg));
         }
         return {ga, gb};
@@ -618,8 +670,8 @@ Tensor clamp(const Tensor& a, std::optional<double> lo, std::optional<double> hi
       "ClampBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a)}; },
       [l, h](const BackwardContext& c) -> TensorList {
         const Tensor& x = c.saved[0];
-        Tensor inside = mul(ge(x, scalarTensor(l, DType::Float64)).to(DType::Int64),
-                            le(x, scalarTensor(h, DType::Float64)).to(DType::Int64));
+        Tensor inside = mul(ge(x, full({}, l, DType::Float64, x.device())).to(DType::Int64),
+                            le(x, full({}, h, DType::Float64, x.device())).to(DType::Int64));
         return {where(inside.to(DType::Bool), c.grads[0], zerosLike(c.grads[0]))};
       });
   return out;
@@ -689,6 +741,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   detail::OpScope opScope("where", cond, a, b);
   requireSameDevice(cond, a, "where");
   requireSameDevice(a, b, "where");
+  const bool onGpu = onCuda(a, "where");
   if (cond.dtype() != DType::Bool) {
     throw InvalidArgument(str("where: condition must be bool, got ", cond.describe()));
   }
@@ -700,9 +753,15 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
     A = a.to(rt);
     B = b.to(rt);
   }
-  Tensor out = empty(shape, rt);
+  Tensor out = empty(shape, rt, a.device());
   const Shape cs = stridesFor(cond, shape), as = stridesFor(A, shape), bs = stridesFor(B, shape);
   const int64_t isz = static_cast<int64_t>(itemSize(rt));
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    cuda::where(a.device(), rt, out.dataPtr(), cond.dataPtr(), A.dataPtr(), B.dataPtr(),
+                cudaGeometry(shape, {out.strides(), cs, as, bs}, "where"));
+#endif
+  } else {
   detail::ElementLoop<4> loop(shape,
                               {static_cast<char*>(out.dataPtr()), static_cast<char*>(const_cast<void*>(cond.dataPtr())),
                                static_cast<char*>(const_cast<void*>(A.dataPtr())),
@@ -714,6 +773,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
       std::memcpy(p[0] + i * s[0], c ? p[2] + i * s[2] : p[3] + i * s[3], static_cast<size_t>(isz));
     }
   });
+  }
   recordFn(
       "WhereBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(cond)}; },
       [](const BackwardContext& c) -> TensorList {
@@ -827,7 +887,8 @@ void addInPlace(Tensor& dst, const Tensor& src, double alpha) {
     throw InvalidArgument(str("add_: cannot accumulate ", src.describe(), " into ", dst.describe()));
   }
   // Fast path: contiguous float32 of equal shape (gradient accumulation, optimizer steps).
-  if (dst.dtype() == DType::Float32 && src.dtype() == DType::Float32 && dst.isContiguous() && src.isContiguous() &&
+  if (dst.device().isCpu() && dst.dtype() == DType::Float32 && src.dtype() == DType::Float32 && dst.isContiguous() &&
+      src.isContiguous() &&
       dst.sizes() == src.sizes()) {
     float* d = dst.data<float>();
     const float* s = src.data<float>();
@@ -904,7 +965,8 @@ void manualSeed(uint64_t seed) { defaultGenerator().manualSeed(seed); }
 namespace {
 template <typename F>
 Tensor& fillRandom(Tensor& self, const char* op, F next) {
-  requireCpu(self, op);
+  // A CUDA tensor gets the same cpu-generated sequence through copy_ (the stream stays the cpu's).
+  (void)onCuda(self, op);
   requireFloat(self, op);
   // Generate contiguously in float64, then convert: same sequence whatever the dtype.
   Tensor tmp = empty(self.sizes(), DType::Float64);

@@ -1,14 +1,19 @@
-// Matrix products through OpenBLAS. Transposed operands become CblasTrans
-// (no copies); only operands whose strides BLAS cannot express are copied.
+// Matrix products through OpenBLAS on the cpu and cuBLAS on CUDA. Transposed operands become
+// CblasTrans / CUBLAS_OP_T (no copies); only operands whose strides BLAS cannot express are copied.
 #include <cblas.h>
 
 #include <optional>
 
 #include "common/check.h"
+#include "common/config.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
 #include "tensor/internal/op_scope.h"
+
+#if DT_HAVE_CUDA
+#include "tensor/cuda/kernels.h"
+#endif
 
 namespace dt {
 
@@ -51,9 +56,17 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double be
     }
     return;
   }
-  numThreads();  // makes sure OpenBLAS's thread count follows DT_NUM_THREADS
   BlasOperand A = blasOperand(a), B = blasOperand(b);
   const int ldc = static_cast<int>(std::max<int64_t>(out.strides()[0], std::max<int64_t>(1, n)));
+  if (!out.device().isCpu()) {
+#if DT_HAVE_CUDA
+    cuda::gemm(out.device(), out.dtype(), A.trans == CblasTrans, B.trans == CblasTrans, m, n, k, alpha, A.data, A.ld,
+               B.data, B.ld, beta, out.dataPtr(), ldc);
+    out.bumpVersion();
+#endif
+    return;
+  }
+  numThreads();  // makes sure OpenBLAS's thread count follows DT_NUM_THREADS
   if (out.dtype() == DType::Float32) {
     cblas_sgemm(CblasRowMajor, A.trans, B.trans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                 static_cast<float>(alpha), static_cast<const float*>(A.data), A.ld, static_cast<const float*>(B.data),
@@ -68,6 +81,7 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double be
 
 DType gemmType(const Tensor& a, const Tensor& b, const char* op) {
   requireSameDevice(a, b, op);
+  (void)onCuda(a, op);  // the gate: gemm() dispatches on the output's device
   if (a.dtype() != b.dtype()) {
     throw InvalidArgument(str(op, ": dtypes differ: ", a.describe(), " and ", b.describe()));
   }
@@ -80,7 +94,7 @@ DType gemmType(const Tensor& a, const Tensor& b, const char* op) {
 Tensor mmNoGrad(const Tensor& a, const Tensor& b) {
   NoGradGuard noGrad;
   const DType ct = gemmType(a, b, "mm");
-  Tensor out = empty({a.sizes()[0], b.sizes()[1]}, ct);
+  Tensor out = empty({a.sizes()[0], b.sizes()[1]}, ct, a.device());
   gemm(a.to(ct), b.to(ct), out, 1.0, 0.0);
   return out.to(a.dtype());
 }
@@ -108,7 +122,7 @@ Tensor bmmNoGrad(const Tensor& a, const Tensor& b) {
   const DType ct = gemmType(a, b, "bmm");
   const Tensor A = a.to(ct), B = b.to(ct);
   const int64_t batch = a.sizes()[0];
-  Tensor out = empty({batch, a.sizes()[1], b.sizes()[2]}, ct);
+  Tensor out = empty({batch, a.sizes()[1], b.sizes()[2]}, ct, a.device());
   for (int64_t i = 0; i < batch; ++i) {
     Tensor o = detail::selectNoGrad(out, 0, i);
     gemm(detail::selectNoGrad(A, 0, i), detail::selectNoGrad(B, 0, i), o, 1.0, 0.0);
@@ -177,6 +191,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   detail::OpScope opScope("linear", x, weight, bias);
   const char* op = "linear";
   requireSameDevice(x, weight, op);
+  if (bias.defined()) requireSameDevice(x, bias, op);
   if (weight.dim() != 2 || x.dim() < 1 || x.sizes().back() != weight.sizes()[1]) {
     throw InvalidArgument(str("linear: input ", x.describe(), " does not match weight ", weight.describe(),
                               " (expected input [*, ", weight.dim() == 2 ? weight.sizes()[1] : -1, "])"));
@@ -194,7 +209,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   Tensor x2 = detail::canView(x, {rows, in}) ? detail::viewNoGrad(x, {rows, in}) : detail::viewNoGrad(x.contiguous(), {rows, in});
   x2 = x2.to(ct);
   const Tensor w = weight.to(ct);
-  Tensor out = empty({rows, outF}, ct);
+  Tensor out = empty({rows, outF}, ct, x.device());
   double beta = 0.0;
   if (bias.defined()) {
     // Bias rows first, then the gemm accumulates onto them (beta = 1): no separate add pass.
@@ -221,12 +236,12 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
         const Tensor& ws = c.saved[1];
         Tensor gx, gw, gb;
         if (c.needs[0]) {
-          gx = empty({rows, ws.sizes()[1]}, ct);
+          gx = empty({rows, ws.sizes()[1]}, ct, ws.device());
           gemm(g2, ws, gx, 1.0, 0.0);  // [rows, out] . [out, in]
           gx = detail::viewNoGrad(gx, xShape);
         }
         if (c.needs[1]) {
-          gw = empty(ws.sizes(), ct);
+          gw = empty(ws.sizes(), ct, ws.device());
           gemm(g2.t(), xs, gw, 1.0, 0.0);  // [out, rows] . [rows, in]
         }
         if (hasBias && c.needs[2]) gb = sum(g2, {0}, false);

@@ -5,10 +5,15 @@
 #include <limits>
 
 #include "common/check.h"
+#include "common/config.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
 #include "tensor/internal/op_scope.h"
+
+#if DT_HAVE_CUDA
+#include "tensor/cuda/kernels.h"
+#endif
 
 namespace dt {
 
@@ -78,13 +83,17 @@ void softmaxRows(const T* x, T* y, int64_t rows, int64_t n, bool logMode) {
 
 Tensor softmaxForward(const Tensor& a, int64_t dim, bool logMode) {
   const char* op = logMode ? "logSoftmax" : "softmax";
-  requireCpu(a, op);
+  const bool onGpu = onCuda(a, op);
   requireFloat(a, op);
   dim = wrapDim(dim, a.dim(), op);
   const DType ct = computeType(a.dtype());
   Tensor rows = lastDimRows(a, dim, ct);
   Tensor out = emptyLike(rows);
-  if (ct == DType::Float32) {
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    cuda::softmaxRows(a.device(), ct, out.dataPtr(), rows.dataPtr(), rows.sizes()[0], rows.sizes()[1], logMode);
+#endif
+  } else if (ct == DType::Float32) {
     softmaxRows(rows.data<float>(), out.data<float>(), rows.sizes()[0], rows.sizes()[1], logMode);
   } else {
     softmaxRows(rows.data<double>(), out.data<double>(), rows.sizes()[0], rows.sizes()[1], logMode);
@@ -185,6 +194,7 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
   detail::OpScope opScope("crossEntropy", logits, target);
   const char* op = "crossEntropy";
   requireSameDevice(logits, target, op);
+  const bool onGpu = onCuda(logits, op);
   requireFloat(logits, op);
   if (target.dtype() != DType::Int64 && target.dtype() != DType::Int32) {
     throw InvalidArgument(str("crossEntropy: target must hold class indices (int64/int32), got ", target.describe()));
@@ -208,28 +218,58 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
     rows = rows.to(ct).contiguous();
     lsm = emptyLike(rows);
     tgt = target.to(DType::Int64).contiguous();
-    if (ct == DType::Float32) {
+    if (onGpu) {
+#if DT_HAVE_CUDA
+      cuda::softmaxRows(logits.device(), ct, lsm.dataPtr(), rows.dataPtr(), n, c, true);
+#endif
+    } else if (ct == DType::Float32) {
       softmaxRows(rows.data<float>(), lsm.data<float>(), n, c, true);
     } else {
       softmaxRows(rows.data<double>(), lsm.data<double>(), n, c, true);
     }
   }
-  std::vector<double> losses(static_cast<size_t>(n));
+  std::vector<double> losses;
   int64_t valid = 0;
-  dispatchDType(ct, [&]<typename T>() {
-    if constexpr (std::is_floating_point_v<T>) {
-      crossEntropyForward(static_cast<const T*>(lsm.dataPtr()), tgt.data<int64_t>(), n, c, options, losses.data(),
-                          valid);
-    }
-  });
   Tensor out;
-  if (options.reduction == Reduction::None) {
-    out = fromVector<double>(losses, single ? Shape{} : Shape{n}).to(logits.dtype());
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    // The per-row losses stay on the device; the status read back (bad target, valid count)
+    // is this op's one wait: the error must be raised here and the mean needs the count.
+    NoGradGuard ng;
+    Tensor lossT = empty({n}, DType::Float64, logits.device());
+    const cuda::CrossEntropyStatus status =
+        cuda::crossEntropyForward(logits.device(), ct, lossT.data<double>(), lsm.dataPtr(), tgt.data<int64_t>(), n, c,
+                                  options.ignoreIndex, options.labelSmoothing);
+    if (status.badPosition >= 0) {
+      throw InvalidArgument(str("crossEntropy: target ", status.badTarget, " at position ", status.badPosition,
+                                " is out of range for ", c, " classes (ignoreIndex is ", options.ignoreIndex, ")"));
+    }
+    valid = status.valid;
+    if (options.reduction == Reduction::None) {
+      out = lossT.reshape(single ? Shape{} : Shape{n}).to(logits.dtype());
+    } else {
+      Tensor total = sum(lossT);
+      // NaN when all are ignored, like PyTorch.
+      if (options.reduction == Reduction::Mean) total = div(total, static_cast<double>(valid));
+      out = total.to(logits.dtype());
+    }
+#endif
   } else {
-    double total = 0;
-    for (double l : losses) total += l;
-    if (options.reduction == Reduction::Mean) total /= static_cast<double>(valid);  // NaN when all ignored, like PyTorch
-    out = scalarTensor(total, logits.dtype());
+    losses.resize(static_cast<size_t>(n));
+    dispatchDType(ct, [&]<typename T>() {
+      if constexpr (std::is_floating_point_v<T>) {
+        crossEntropyForward(static_cast<const T*>(lsm.dataPtr()), tgt.data<int64_t>(), n, c, options, losses.data(),
+                            valid);
+      }
+    });
+    if (options.reduction == Reduction::None) {
+      out = fromVector<double>(losses, single ? Shape{} : Shape{n}).to(logits.dtype());
+    } else {
+      double total = 0;
+      for (double l : losses) total += l;
+      if (options.reduction == Reduction::Mean) total /= static_cast<double>(valid);  // NaN when all ignored, like PyTorch
+      out = scalarTensor(total, logits.dtype());
+    }
   }
   const Reduction reduction = options.reduction;
   recordFn(
@@ -238,6 +278,16 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
         const Tensor& l = ctx.saved[0];
         const Tensor& t = ctx.saved[1];
         Tensor g = ctx.grads[0].to(DType::Float64).contiguous();
+        if (!l.device().isCpu()) {
+          Tensor out2 = emptyLike(l);
+#if DT_HAVE_CUDA
+          cuda::crossEntropyBackward(l.device(), l.dtype(), out2.dataPtr(), l.dataPtr(), t.data<int64_t>(),
+                                     g.data<double>(), reduction == Reduction::None,
+                                     reduction == Reduction::Mean ? static_cast<double>(valid) : 1.0, n, c,
+                                     options.ignoreIndex, options.labelSmoothing);
+#endif
+          return {single ? out2.reshape({c}) : out2};
+        }
         std::vector<double> scale(static_cast<size_t>(n));
         for (int64_t i = 0; i < n; ++i) {
           if (reduction == Reduction::None) {
@@ -275,6 +325,7 @@ Tensor mseLoss(const Tensor& input, const Tensor& target, Reduction reduction) {
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
   detail::OpScope opScope("embedding", weight, indices);
   requireSameDevice(weight, indices, "embedding");
+  const bool onGpu = onCuda(weight, "embedding");
   if (weight.dim() != 2) throw InvalidArgument(str("embedding: weight must be 2-D, got ", weight.describe()));
   if (indices.dtype() != DType::Int64 && indices.dtype() != DType::Int32) {
     throw InvalidArgument(str("embedding: indices must be int64/int32, got ", indices.describe()));
@@ -287,26 +338,45 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
     idx = indices.to(DType::Int64).contiguous();
     w = weight.contiguous();
   }
-  const int64_t* ip = idx.data<int64_t>();
-  for (int64_t i = 0; i < idx.numel(); ++i) {
-    if (ip[i] < 0 || ip[i] >= num) {
-      throw InvalidArgument(str("embedding: index ", ip[i], " out of range for weight ", weight.describe(), " (",
-                                num, " rows)"));
-    }
-  }
+  auto outOfRange = [&](int64_t value) {
+    return InvalidArgument(str("embedding: index ", value, " out of range for weight ", weight.describe(), " (", num,
+                               " rows)"));
+  };
   Shape outShape = indices.sizes();
   outShape.push_back(dim);
-  Tensor out = empty(outShape, weight.dtype());
-  const size_t rowBytes = static_cast<size_t>(dim) * weight.itemsize();
-  const char* src = static_cast<const char*>(w.dataPtr());
-  char* dst = static_cast<char*>(out.dataPtr());
-  for (int64_t i = 0; i < idx.numel(); ++i) std::memcpy(dst + i * rowBytes, src + ip[i] * rowBytes, rowBytes);
+  Tensor out = empty(outShape, weight.dtype(), weight.device());
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    // The range check reads one word back (a kernel cannot throw): this op's one wait.
+    int64_t bad = 0;
+    if (cuda::firstIndexOutOfRange(weight.device(), idx.data<int64_t>(), idx.numel(), num, &bad) >= 0) {
+      throw outOfRange(bad);
+    }
+    cuda::gatherRows(weight.device(), weight.itemsize(), out.dataPtr(), w.dataPtr(), idx.data<int64_t>(), idx.numel(),
+                     dim);
+#endif
+  } else {
+    const int64_t* ip = idx.data<int64_t>();
+    for (int64_t i = 0; i < idx.numel(); ++i) {
+      if (ip[i] < 0 || ip[i] >= num) throw outOfRange(ip[i]);
+    }
+    const size_t rowBytes = static_cast<size_t>(dim) * weight.itemsize();
+    const char* src = static_cast<const char*>(w.dataPtr());
+    char* dst = static_cast<char*>(out.dataPtr());
+    for (int64_t i = 0; i < idx.numel(); ++i) std::memcpy(dst + i * rowBytes, src + ip[i] * rowBytes, rowBytes);
+  }
   recordFn(
       "EmbeddingBackward", {weight}, out, [&] { return std::vector<SavedTensor>{SavedTensor(idx)}; },
       [num, dim](const BackwardContext& c) -> TensorList {
         const Tensor& ind = c.saved[0];
         Tensor g = c.grads[0].to(DType::Float64).contiguous();
-        Tensor gw = zeros({num, dim}, DType::Float64);
+        Tensor gw = zeros({num, dim}, DType::Float64, g.device());
+        if (!g.device().isCpu()) {
+#if DT_HAVE_CUDA
+          cuda::scatterAddRows(g.device(), gw.data<double>(), g.data<double>(), ind.data<int64_t>(), ind.numel(), dim);
+#endif
+          return {gw};
+        }
         const int64_t* p = ind.data<int64_t>();
         const double* gp = g.data<double>();
         double* wp = gw.data<double>();
@@ -384,7 +454,9 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
                  double eps) {
   detail::OpScope opScope("layerNorm", x, weight, bias);
   const char* op = "layerNorm";
-  requireCpu(x, op);
+  const bool onGpu = onCuda(x, op);
+  if (weight.defined()) requireSameDevice(x, weight, op);
+  if (bias.defined()) requireSameDevice(x, bias, op);
   requireFloat(x, op);
   const int64_t k = static_cast<int64_t>(normalizedShape.size());
   bool ok = k >= 1 && k <= x.dim();
@@ -409,8 +481,14 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
     if (weight.defined()) wc = weight.to(ct).contiguous();
     if (bias.defined()) bc = bias.to(ct).contiguous();
   }
-  Tensor y = empty(x.sizes(), ct);
-  Tensor meanT = empty({rows}, DType::Float64), rstdT = empty({rows}, DType::Float64);
+  Tensor y = empty(x.sizes(), ct, x.device());
+  Tensor meanT = empty({rows}, DType::Float64, x.device()), rstdT = empty({rows}, DType::Float64, x.device());
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    cuda::layerNormForward(x.device(), ct, y.dataPtr(), meanT.data<double>(), rstdT.data<double>(), xc.dataPtr(),
+                           wc.defined() ? wc.dataPtr() : nullptr, bc.defined() ? bc.dataPtr() : nullptr, rows, d, eps);
+#endif
+  } else {
   dispatchDType(ct, [&]<typename T>() {
     if constexpr (std::is_floating_point_v<T>) {
       layerNormForward<T>(static_cast<const T*>(xc.dataPtr()), wc.defined() ? static_cast<const T*>(wc.dataPtr()) : nullptr,
@@ -418,6 +496,7 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
                           meanT.data<double>(), rstdT.data<double>(), rows, d, eps);
     }
   });
+  }
   if (ct != x.dtype()) {
     NoGradGuard ng;
     y = y.to(x.dtype());
@@ -432,8 +511,17 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
         const Tensor &xs = c.saved[0], &ws = c.saved[1], &mu = c.saved[2], &rs = c.saved[3];
         Tensor g = c.grads[0].to(ct).contiguous();
         Tensor gx = c.needs[0] ? emptyLike(xs) : Tensor();
-        Tensor gw = hasW && c.needs[1] ? zeros({d}, DType::Float64) : Tensor();
-        Tensor gb = hasB && c.needs[2] ? zeros({d}, DType::Float64) : Tensor();
+        const Device dev = xs.device();
+        Tensor gw = hasW && c.needs[1] ? zeros({d}, DType::Float64, dev) : Tensor();
+        Tensor gb = hasB && c.needs[2] ? zeros({d}, DType::Float64, dev) : Tensor();
+        if (!dev.isCpu()) {
+#if DT_HAVE_CUDA
+          cuda::layerNormBackward(dev, ct, gx.defined() ? gx.dataPtr() : nullptr,
+                                  gw.defined() ? gw.data<double>() : nullptr, gb.defined() ? gb.data<double>() : nullptr,
+                                  xs.dataPtr(), hasW ? ws.dataPtr() : nullptr, g.dataPtr(), mu.data<double>(),
+                                  rs.data<double>(), rows, d);
+#endif
+        } else {
         dispatchDType(ct, [&]<typename T>() {
           if constexpr (std::is_floating_point_v<T>) {
             layerNormBackward<T>(static_cast<const T*>(xs.dataPtr()), hasW ? static_cast<const T*>(ws.dataPtr()) : nullptr,
@@ -442,6 +530,7 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
                                  gw.defined() ? gw.data<double>() : nullptr, gb.defined() ? gb.data<double>() : nullptr);
           }
         });
+        }
         const Shape wshape = hasW ? ws.sizes() : Shape{d};
         if (gw.defined()) gw = gw.reshape(wshape);
         if (gb.defined()) gb = gb.reshape(wshape);
@@ -458,7 +547,7 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& generator) {
   requireFloat(x, "dropout");
   if (!training || p == 0.0) return x;
   if (p == 1.0) return mul(x, zerosLike(x));
-  Tensor mask = empty(x.sizes(), x.dtype());
+  Tensor mask = empty(x.sizes(), x.dtype(), x.device());
   {
     NoGradGuard ng;
     Tensor u = empty(x.sizes(), DType::Float32);
@@ -494,7 +583,7 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
     total += t.sizes()[dim];
   }
   outShape[dim] = total;
-  Tensor out = empty(outShape, first.dtype());
+  Tensor out = empty(outShape, first.dtype(), first.device());
   std::vector<int64_t> lengths;
   {
     NoGradGuard ng;
@@ -544,7 +633,9 @@ Tensor indexSelect(const Tensor& a, int64_t dim, const Tensor& index) {
   Tensor idx;
   {
     NoGradGuard ng;
-    idx = index.to(DType::Int64).contiguous();
+    // The indices drive host loops of row copies (each a kernel on CUDA): they are read on the cpu.
+    (void)onCuda(a, "indexSelect");
+    idx = index.to(DType::Int64).to(Device::cpu()).contiguous();
   }
   const int64_t size = a.dim() == 0 ? 1 : a.sizes()[dim];
   const int64_t* ip = idx.data<int64_t>();
@@ -556,7 +647,7 @@ Tensor indexSelect(const Tensor& a, int64_t dim, const Tensor& index) {
   }
   Shape outShape = a.sizes();
   if (a.dim() > 0) outShape[dim] = idx.numel();
-  Tensor out = empty(outShape, a.dtype());
+  Tensor out = empty(outShape, a.dtype(), a.device());
   {
     NoGradGuard ng;
     for (int64_t i = 0; i < idx.numel(); ++i) {
@@ -568,7 +659,7 @@ Tensor indexSelect(const Tensor& a, int64_t dim, const Tensor& index) {
   recordFn(
       "IndexSelectBackward", {a}, out, [&] { return std::vector<SavedTensor>{SavedTensor(idx)}; },
       [dim, inShape, dt](const BackwardContext& c) -> TensorList {
-        Tensor gin = zeros(inShape, dt);
+        Tensor gin = zeros(inShape, dt, c.grads[0].device());
         const int64_t* p = c.saved[0].data<int64_t>();
         for (int64_t i = 0; i < c.saved[0].numel(); ++i) {
           Tensor dst = selectNoGrad(gin, dim, p[i]);

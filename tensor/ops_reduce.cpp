@@ -4,11 +4,16 @@
 #include <limits>
 
 #include "common/check.h"
+#include "common/config.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/loop.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
 #include "tensor/internal/op_scope.h"
+
+#if DT_HAVE_CUDA
+#include "tensor/cuda/kernels.h"
+#endif
 
 namespace dt {
 
@@ -98,17 +103,50 @@ Tensor sumKernel(const Tensor& a, const std::vector<bool>& mask, DType ct) {
   return out;
 }
 
+#if DT_HAVE_CUDA
+// The CUDA sum: reduced dims moved last and made contiguous, then one block per output element.
+Tensor cudaSumKernel(const Tensor& a, const std::vector<bool>& mask, DType ct) {
+  NoGradGuard noGrad;
+  Shape perm;
+  int64_t n = 1;
+  for (int64_t i = 0; i < a.dim(); ++i) {
+    if (!mask[i]) perm.push_back(i);
+  }
+  for (int64_t i = 0; i < a.dim(); ++i) {
+    if (mask[i]) {
+      perm.push_back(i);
+      n *= a.sizes()[i];
+    }
+  }
+  Tensor out = empty(reducedShape(a.sizes(), mask, true), ct, a.device());
+  if (n == 0) {
+    out.fill_(0.0);
+    return out;
+  }
+  const Tensor rows = detail::permuteNoGrad(a, perm).to(ct).contiguous();
+  cuda::sumRows(a.device(), ct, out.dataPtr(), rows.dataPtr(), out.numel(), n);
+  return out;
+}
+#endif
+
 DType sumType(DType t) {
   if (t == DType::Bool || t == DType::Int32) return DType::Int64;
   return t;
 }
 
 Tensor sumImpl(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim, bool allDims) {
-  requireCpu(a, "sum");
+  const bool onGpu = onCuda(a, "sum");
   std::vector<bool> mask = allDims ? std::vector<bool>(static_cast<size_t>(a.dim()), true) : reduceMask(a, dims, "sum");
   const DType rt = sumType(a.dtype());
   const DType ct = computeType(rt);
-  Tensor out = sumKernel(a, mask, ct);
+  Tensor out;
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    out = cudaSumKernel(a, mask, ct);
+#endif
+  } else {
+    out = sumKernel(a, mask, ct);
+  }
   Shape finalShape = reducedShape(a.sizes(), mask, keepdim);
   if (!keepdim) out = detail::viewNoGrad(out, finalShape);
   if (rt != ct) {
@@ -160,7 +198,7 @@ struct RowView {
 
 RowView rowsFor(const Tensor& a, int64_t dim, const char* op) {
   NoGradGuard noGrad;
-  requireCpu(a, op);
+  (void)onCuda(a, op);  // the gate only: the views below work on any device
   RowView v;
   if (a.dim() == 0) {
     v.rows = a.to(computeType(a.dtype())).reshape({1, 1});
@@ -188,8 +226,15 @@ RowView rowsFor(const Tensor& a, int64_t dim, const char* op) {
 // values and int64 indices of the max (isMax) or min along rows; NaN wins like PyTorch.
 std::pair<Tensor, Tensor> rowExtreme(const RowView& v, bool isMax) {
   const int64_t m = v.rows.sizes()[0], r = v.r;
-  Tensor vals = empty({m}, v.rows.dtype());
-  Tensor idx = empty({m}, DType::Int64);
+  Tensor vals = empty({m}, v.rows.dtype(), v.rows.device());
+  Tensor idx = empty({m}, DType::Int64, v.rows.device());
+  if (!v.rows.device().isCpu()) {
+#if DT_HAVE_CUDA
+    cuda::extremeRows(v.rows.device(), v.rows.dtype(), vals.dataPtr(), idx.data<int64_t>(), v.rows.dataPtr(), m, r,
+                      isMax);
+#endif
+    return {vals, idx};
+  }
   int64_t* ip = idx.data<int64_t>();
   dispatchDType(v.rows.dtype(), [&]<typename T>() {
     if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
@@ -245,12 +290,19 @@ ValuesIndices extremeDim(const Tensor& a, int64_t dim, bool keepdim, bool isMax)
           // Scatter the gradient to the chosen index of each row.
           Tensor g = c.grads[0].contiguous().to(DType::Float64);
           Tensor ind = c.saved[0].contiguous();
-          Tensor out = zeros(inShape, DType::Float64);
+          Tensor out = zeros(inShape, DType::Float64, g.device());
           if (inShape.empty()) return {g.reshape({})};
           const int64_t r = inShape[d];
           int64_t inner = 1;
           for (size_t i = d + 1; i < inShape.size(); ++i) inner *= inShape[i];
           const int64_t outer = shapeNumel(inShape) / (r * inner);
+          if (!g.device().isCpu()) {
+#if DT_HAVE_CUDA
+            cuda::scatterRows(g.device(), DType::Float64, out.dataPtr(), g.dataPtr(), ind.data<int64_t>(), outer, r,
+                              inner);
+#endif
+            return {out};
+          }
           const double* gp = g.data<double>();
           const int64_t* ip = ind.data<int64_t>();
           double* op2 = out.data<double>();

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "common/check.h"
+#include "common/config.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
@@ -14,6 +15,12 @@
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
 #include "tensor/internal/op_scope.h"
+
+#if DT_HAVE_CUDA
+#include "tensor/cuda/cuda.h"
+#include "tensor/cuda/stream.h"
+#include "tensor/internal/cuda_ops.h"
+#endif
 
 namespace dt {
 
@@ -343,13 +350,6 @@ Tensor fromBlob(void* data, Shape sizes, Shape strides, DType dtype, BlobDeleter
 
 namespace {
 
-void checkCpu(const Tensor& t, const char* op) {
-  if (!t.device().isCpu()) {
-    throw NotSupportedError(str(op, " is not supported on device ", t.device(), " in this build (tensor ",
-                                t.describe(), "); only cpu kernels exist"));
-  }
-}
-
 template <typename To, typename From>
 void convertRun(char* dst, const char* src, int64_t ds, int64_t ss, int64_t n) {
   if (ds == static_cast<int64_t>(sizeof(To)) && ss == static_cast<int64_t>(sizeof(From))) {
@@ -401,12 +401,22 @@ Tensor& Tensor::copy_(const Tensor& src) {
       NoGradGuard noGrad;
       copy_(src);
     }
+    // The gradient goes back to the source's device.
     detail::recordFn("CopyBackward", {src}, *this, nullptr,
-                     [](const detail::BackwardContext& c) -> TensorList { return {c.grads[0]}; });
+                     [srcDevice = src.device()](const detail::BackwardContext& c) -> TensorList {
+                       return {c.grads[0].to(srcDevice)};
+                     });
     return *this;
   }
-  checkCpu(*this, op);
-  checkCpu(src, op);
+  const bool dstCuda = detail::onCuda(*this, op);
+  const bool srcCuda = detail::onCuda(src, op);
+  if (dstCuda || srcCuda) {
+#if DT_HAVE_CUDA
+    detail::cudaCopy(*this, src);
+    bumpVersion();
+#endif
+    return *this;
+  }
   Shape srcStrides = broadcastStrides(src, sizes(), op);
   if (numel() == 0) return *this;
   const DType dt = dtype(), st = src.dtype();
@@ -446,16 +456,30 @@ Tensor Tensor::to(Device target) const {
   if (device() == target) return *this;
   detail::OpScope opScope("to", *this);
   Tensor out = empty(sizes(), dtype(), target);
-  out.copy_(*this);
+  {
+    NoGradGuard noGrad;
+    out.copy_(*this);
+  }
+  detail::recordFn("ToDeviceBackward", {*this}, out, nullptr,
+                   [source = device()](const detail::BackwardContext& c) -> TensorList {
+                     return {c.grads[0].to(source)};
+                   });
   return out;
 }
 
 Tensor& Tensor::fill_(double value) {
   detail::OpScope opScope("fill_", *this);
-  checkCpu(*this, "fill_");
+  const bool onGpu = detail::onCuda(*this, "fill_");
   if (detail::inplaceNeedsGrad(*this, {}, "fill_")) {
     throw NotSupportedError(str("fill_ on ", describe(), " which has autograd history (", gradFn()->name(),
                                 "); use zerosLike/full or detach() first"));
+  }
+  if (onGpu) {
+#if DT_HAVE_CUDA
+    cuda::fill(device(), dtype(), dataPtr(), detail::cudaGeometry(sizes(), {strides()}, "fill_"), value);
+    bumpVersion();
+#endif
+    return *this;
   }
   dispatchDType(dtype(), [&]<typename T>() {
     const T v = convertScalar<T>(value);
@@ -474,10 +498,57 @@ Tensor& Tensor::fill_(double value) {
   return *this;
 }
 
+#if DT_HAVE_CUDA
+namespace {
+
+// cudaMemcpy runs on the legacy default stream, which orders itself with the default stream
+// but not with a non-blocking one: when the caller's current stream is one, wait for it
+// before the copy (its kernels may still use the bytes)...
+void settleBefore(Device device) {
+  if (!device.isCuda()) return;
+  const cuda::Stream s = cuda::currentStream(device);
+  if (!s.isDefault()) s.synchronize();
+}
+
+// ...and after a copy to the device, wait for the legacy stream (a copy from pageable memory
+// may return before its DMA lands) so the current stream's next kernel sees the bytes.
+void settleAfter(Device device) {
+  if (!device.isCuda()) return;
+  if (!cuda::currentStream(device).isDefault()) cuda::Stream::defaultFor(device).synchronize();
+}
+
+}  // namespace
+
+void detail::cudaCopy(Tensor& dst, const Tensor& src) {
+  NoGradGuard noGrad;
+  const Shape srcStrides = broadcastStrides(src, dst.sizes(), "copy_");
+  if (dst.numel() == 0) return;
+  if (dst.device() == src.device()) {
+    cuda::copy(dst.device(), dst.dtype(), dst.dataPtr(), src.dtype(), src.dataPtr(),
+               cudaGeometry(dst.sizes(), {dst.strides(), srcStrides}, "copy_"));
+    return;
+  }
+  // Across devices only dense bytes move: convert and lay out on the source side, land in a
+  // dense buffer on the destination side, then scatter into dst's strides there.
+  Tensor staged = src;
+  if (src.sizes() != dst.sizes() || src.dtype() != dst.dtype() || !src.isContiguous()) {
+    staged = empty(dst.sizes(), dst.dtype(), src.device());
+    staged.copy_(src);
+  }
+  Tensor landing = dst.isContiguous() ? dst : empty(dst.sizes(), dst.dtype(), dst.device());
+  settleBefore(src.device());
+  settleBefore(dst.device());
+  cuda::copyBytes(landing.dataPtr(), dst.device(), staged.dataPtr(), src.device(), dst.nbytes());
+  settleAfter(dst.device());
+  if (!landing.isSameAs(dst)) dst.copy_(landing);
+}
+#endif
+
 namespace detail {
 
 void readScalars(const Tensor& t, DType as, void* out) {
-  checkCpu(t, "reading values");
+  // A CUDA tensor is copied to the host by copy_ below, which waits for the device.
+  (void)onCuda(t, "reading values");
   NoGradGuard noGrad;
   Tensor dst = Tensor(makeImpl(Storage(DataPtr(out, nullptr, nullptr, Device::cpu()), t.numel() * itemSize(as)),
                                t.sizes(), contiguousStrides(t.sizes()), 0, as, nullptr));
@@ -746,7 +817,13 @@ std::string Tensor::toString() const {
   if (!defined()) return "tensor(undefined)";
   std::ostringstream out;
   out << "tensor(" << describe() << ") ";
-  if (!device().isCpu()) return out.str() + "<not on cpu>";
+  if (!device().isCpu()) {
+#if DT_HAVE_CUDA
+    if (cuda::deviceCount() == 0) return out.str() + "<not on cpu>";
+#else
+    return out.str() + "<not on cpu>";
+#endif
+  }
   std::vector<double> values = toVector<double>();
   int64_t pos = 0;
   printRecursive(out, values, sizes(), 0, pos, isFloatingPoint(dtype()));

@@ -25,7 +25,7 @@ Tensor recordView(const char* name, const Tensor& base, Tensor out, BackwardFn f
 // Gradient of a strided view of base: zeros of base's shape with g written into the same view.
 TensorList scatterIntoView(const Shape& inShape, DType dtype, const Tensor& g,
                            const std::function<Tensor(const Tensor&)>& makeView) {
-  Tensor z = zeros(inShape, dtype);
+  Tensor z = zeros(inShape, dtype, g.device());
   Tensor v = makeView(z);
   v.copy_(g);
   return {z};
@@ -172,8 +172,10 @@ Tensor Tensor::asStrided(Shape newSizes, Shape newStrides, int64_t offset) const
                     [=](const BackwardContext& c) -> TensorList {
                       // Accumulate into a buffer with the storage's geometry (elements hit several
                       // times by an overlapping view get every contribution), then read the input's view.
+                      // Accumulated on the host (overlapping views make this a serial scatter); a
+                      // CUDA gradient goes there and back.
                       Tensor buf = zeros({storageElems}, DType::Float64);
-                      Tensor g = c.grads[0].to(DType::Float64).contiguous();
+                      Tensor g = c.grads[0].to(DType::Float64).to(Device::cpu()).contiguous();
                       double* base = buf.data<double>();
                       const double* gp = g.data<double>();
                       const int64_t n = g.numel();
@@ -187,7 +189,7 @@ Tensor Tensor::asStrided(Shape newSizes, Shape newStrides, int64_t offset) const
                           idx[d] = 0;
                         }
                       }
-                      return {asStridedNoGrad(buf, inSizes, inStrides, inOffset).contiguous()};
+                      return {asStridedNoGrad(buf, inSizes, inStrides, inOffset).contiguous().to(c.grads[0].device())};
                     });
 }
 

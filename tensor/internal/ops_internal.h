@@ -53,9 +53,21 @@ inline void recordFn(const char* name, const TensorList& inputs, Tensor& out,
   recordFn(name, inputs, std::vector<Tensor*>{&out}, saved, std::move(fn));
 }
 
-// Throws NotSupportedError unless t is on the CPU.
+// Throws NotSupportedError unless t is on the CPU: for ops (and paths of ops) without a CUDA
+// kernel. The message names the op, the device and why (a cpu-only build, or no CUDA kernel yet).
 void requireCpu(const Tensor& t, const char* op);
+// Throws InvalidArgument in PyTorch's words ("Expected all tensors to be on the same device, but
+// found at least two devices, cuda:0 and cpu!") naming op and both tensors. It checks devices
+// only: the caller then dispatches with onCuda().
 void requireSameDevice(const Tensor& a, const Tensor& b, const char* op);
+// Whether op takes its CUDA path for t: false on the cpu (inline, so the cpu path pays one
+// compare); true for a CUDA tensor in a CUDA build on a machine with a device; otherwise throws
+// NotSupportedError naming op, device and reason (a cpu-only build, no usable device).
+bool cudaPathFor(const Tensor& t, const char* op);
+inline bool onCuda(const Tensor& t, const char* op) {
+  if (t.device().isCpu()) [[likely]] return false;
+  return cudaPathFor(t, op);
+}
 void requireFloat(const Tensor& t, const char* op);
 // float16/bfloat16 compute in float32.
 DType computeType(DType t);

@@ -2,11 +2,16 @@
 
 #include <cmath>
 
+#include "common/config.h"
 #include "common/errors.h"
 #include "common/strings.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/ops.h"
 #include "tensor/parallel.h"
+
+#if DT_HAVE_CUDA
+#include "tensor/cuda/kernels.h"
+#endif
 
 namespace dt::optim {
 
@@ -168,15 +173,28 @@ void AdamW::step() {
     Tensor g = gradient.to(p.dtype()).contiguous();
     Tensor& m = state(i, "exp_avg");
     Tensor& v = state(i, "exp_avg_sq");
-    Tensor& stepT = state(i, "step");
+    Tensor& stepT = state(i, "step");  // stays on the cpu: the bias corrections are host arithmetic
     if (!m.defined()) m = zerosLike(p);
     if (!v.defined()) v = zerosLike(p);
+    // State loaded from a checkpoint on another device follows its parameter (as PyTorch's load does).
+    if (m.device() != p.device()) m = m.to(p.device()).contiguous();
+    if (v.device() != p.device()) v = v.to(p.device()).contiguous();
+    if (g.device() != p.device()) {
+      throw InvalidArgument(str("AdamW: parameter ", i, " is ", p.describe(), " but its gradient is ", g.describe()));
+    }
     if (!stepT.defined()) stepT = zeros({}, DType::Float64);
     const double t = stepT.item<double>() + 1.0;
     stepT.fill_(t);
     const double bc1 = 1.0 - std::pow(o.beta1, t);
     const double bc2Sqrt = std::sqrt(1.0 - std::pow(o.beta2, t));
-    if (p.dtype() == DType::Float32) {
+    if (!p.device().isCpu()) {
+#if DT_HAVE_CUDA
+      cuda::adamw(p.device(), p.dtype(), p.dataPtr(), g.dataPtr(), m.dataPtr(), v.dataPtr(), p.numel(), lr_, o.beta1,
+                  o.beta2, o.eps, o.weightDecay, bc1, bc2Sqrt);
+#else
+      throw NotSupportedError(str("AdamW: parameter ", i, " is ", p.describe(), ": this build has cpu kernels only"));
+#endif
+    } else if (p.dtype() == DType::Float32) {
       adamwKernel(p.data<float>(), g.data<float>(), m.data<float>(), v.data<float>(), p.numel(), lr_, o.beta1, o.beta2,
                   o.eps, o.weightDecay, bc1, bc2Sqrt);
     } else {

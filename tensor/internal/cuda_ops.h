@@ -1,0 +1,21 @@
+// Internal: glue between the ops (tensor/ops_*.cpp, tensor.cpp, optim) and tensor/cuda/kernels.h.
+// Only included under DT_HAVE_CUDA. Helpers take tensors already on one CUDA device and return
+// tensors on it; nothing here waits for the device.
+#pragma once
+
+#include <vector>
+
+#include "tensor/cuda/kernels.h"
+#include "tensor/tensor.h"
+
+namespace dt::detail {
+
+// Iteration geometry for sizes with one stride vector per operand (output first).
+inline cuda::Geometry cudaGeometry(const Shape& sizes, std::vector<Shape> strides, const char* op) {
+  return cuda::makeGeometry(sizes, strides, op);
+}
+
+// Copies src (any device, broadcastable to dst) into dst, converting dtype; dst may be strided.
+void cudaCopy(Tensor& dst, const Tensor& src);
+
+}  // namespace dt::detail
