@@ -1,9 +1,10 @@
 // Where a tensor's bytes live.
 //
 // Contract: plain value type, thread-safe, no allocation except str().
-// CUDA is named from the start so that the GPU issue adds kernels and an
-// allocator without changing this vocabulary; in a CPU-only build a CUDA
-// device can be named but not allocated on (allocatorFor throws).
+// A CUDA device can always be named; it can be allocated on only in a build
+// with CUDA (DT_HAVE_CUDA) on a machine that has it: deviceAvailable() says
+// whether it can, and deviceUnavailableReason() why not, without touching
+// CUDA for CPU devices (a CPU-only program never initialises the driver).
 #pragma once
 
 #include <ostream>
@@ -23,9 +24,20 @@ struct Device {
   bool isCuda() const { return type == DeviceType::CUDA; }
   // "cpu", "cuda:0"
   std::string str() const;
+  // "cpu", "cuda" (= cuda:0), "cuda:N"; anything else throws InvalidArgument
+  // naming the text.
+  static Device parse(const std::string& text);
   bool operator==(const Device& other) const = default;
 };
 
 std::ostream& operator<<(std::ostream& out, const Device& device);
+
+// How many devices of `type` this process can use: 1 for the CPU; for CUDA
+// 0 without a driver, a device or a CUDA build.
+int deviceCount(DeviceType type);
+// True when tensors can be allocated on `device` in this process.
+bool deviceAvailable(Device device);
+// Why deviceAvailable(device) is false, in a sentence ("" when it is true).
+std::string deviceUnavailableReason(Device device);
 
 }  // namespace dt

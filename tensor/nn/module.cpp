@@ -126,6 +126,35 @@ void Module::zeroGrad(bool setToNone) {
   zeroGrads(params, setToNone);
 }
 
+void Module::to(Device device) {
+  // Every copy is made before any tensor is repointed, so a failed copy (no
+  // such device, out of memory) leaves the whole module where it was.
+  std::vector<Tensor> tensors;
+  for (const auto& [name, p] : namedParameters()) {
+    tensors.push_back(p);
+    if (Tensor g = p.grad(); g.defined()) tensors.push_back(g);
+  }
+  for (const auto& [name, b] : namedBuffers()) tensors.push_back(b);
+  std::vector<std::pair<Tensor, Tensor>> moves;
+  {
+    NoGradGuard noGrad;
+    for (const Tensor& t : tensors) {
+      if (t.device() != device) moves.emplace_back(t, t.detach().to(device));
+    }
+  }
+  // Like PyTorch's param.data = param.data.to(device): the TensorImpl (and
+  // its autograd metadata) stays, its memory is the copy's.
+  for (auto& [t, moved] : moves) {
+    TensorImpl& impl = *t.unsafeImpl();
+    const TensorImpl& from = *moved.unsafeImpl();
+    impl.storage = from.storage;
+    impl.strides = from.strides;
+    impl.offset = from.offset;
+    impl.refreshGeometry();
+    impl.version->value.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
 NamedTensors Module::stateDict() const {
   NamedTensors out = namedParameters();
   for (auto& b : namedBuffers()) out.push_back(b);

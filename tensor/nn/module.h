@@ -77,6 +77,12 @@ class Module : public std::enable_shared_from_this<Module> {
   bool isTraining() const { return training_; }
   // setToNone drops the gradient tensors (like PyTorch's default); otherwise zeroes them.
   void zeroGrad(bool setToNone = true);
+  // Moves every parameter, buffer and gradient (recursively) to `device` in
+  // place: each keeps its identity (handles held elsewhere see the new
+  // device), so move a model before building its optimizer or DDP wrapper
+  // only because those check devices when they start, not because handles
+  // break. Not differentiable; a no-op for tensors already there.
+  void to(Device device);
 
   // Parameters then buffers, each in registration order.
   NamedTensors stateDict() const;

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "common/config.h"
+#include "common/strings.h"
 #include "common/errors.h"
 #include "tensor/dtype.h"
 #include "tensor/ops.h"
@@ -105,6 +106,24 @@ TEST(Device, NamesAndEquality) {
   std::ostringstream out;
   out << Device::cuda(3);
   EXPECT_EQ(out.str(), "cuda:3");
+}
+
+TEST(Device, ParseAndAvailability) {
+  EXPECT_EQ(Device::parse("cpu"), Device::cpu());
+  EXPECT_EQ(Device::parse("cuda"), Device::cuda(0));
+  EXPECT_EQ(Device::parse("cuda:2"), Device::cuda(2));
+  for (const char* bad : {"", "gpu", "cuda:", "cuda:-1", "cuda:1x", "CPU"}) {
+    testing::expectThrowsWith<InvalidArgument>([&] { Device::parse(bad); }, {str("\"", bad, "\""), "cpu, cuda, cuda:N"});
+  }
+  EXPECT_TRUE(deviceAvailable(Device::cpu()));
+  EXPECT_EQ(deviceUnavailableReason(Device::cpu()), "");
+  // Far past any machine's device count: unavailable, with a reason either way.
+  EXPECT_FALSE(deviceAvailable(Device::cuda(4096)));
+  EXPECT_FALSE(deviceUnavailableReason(Device::cuda(4096)).empty());
+  EXPECT_EQ(deviceCount(DeviceType::CPU), 1);
+  const int gpus = deviceCount(DeviceType::CUDA);
+  EXPECT_EQ(deviceAvailable(Device::cuda(0)), gpus > 0);
+  EXPECT_FALSE(deviceAvailable(Device::cuda(gpus)));
 }
 
 TEST(Storage, CpuAlignedAndCudaUnsupported) {

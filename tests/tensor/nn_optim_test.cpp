@@ -173,6 +173,32 @@ TEST(Module, StateDictSaveLoadKeepsParameterIdentity) {
   expectThrowsWith<InvalidArgument>([&] { b.loadStateDict(wrongShape, false); }, {"[4, 3]", "[3, 4]"});
 }
 
+TEST(Module, ToMovesEveryTensorInPlaceOrNothing) {
+  Block block;
+  block.fc1->weight.setGrad(full({3, 4}, 0.5));
+  const Tensor weight = block.fc1->weight;  // a handle taken before the move
+  const std::vector<float> values = weight.toVector<float>();
+  const void* memory = weight.storage().data();
+  block.to(Device::cpu());
+  EXPECT_EQ(weight.storage().data(), memory) << "moving to where it already is copies nothing";
+
+  if (!deviceAvailable(Device::cuda(0))) {
+    // No device to move to: the error names it and nothing moved.
+    EXPECT_THROW(block.to(Device::cuda(0)), Error);
+    for (const auto& [name, t] : block.stateDict()) EXPECT_TRUE(t.device().isCpu()) << name;
+    EXPECT_EQ(weight.storage().data(), memory);
+    EXPECT_EQ(weight.toVector<float>(), values);
+    GTEST_SKIP() << "moving to cuda:0 needs a CUDA device: " << deviceUnavailableReason(Device::cuda(0));
+  }
+  block.to(Device::cuda(0));
+  EXPECT_TRUE(weight.isSameAs(block.fc1->weight));
+  for (const auto& [name, t] : block.stateDict()) EXPECT_EQ(t.device(), Device::cuda(0)) << name;
+  EXPECT_EQ(weight.grad().device(), Device::cuda(0));
+  block.to(Device::cpu());
+  EXPECT_EQ(weight.toVector<float>(), values);
+  EXPECT_EQ(weight.grad().toVector<float>(), std::vector<float>(12, 0.5f));
+}
+
 // Hand-computed reference values from the published update rules.
 TEST(Optim, SGDPlainAndMomentumNesterovWeightDecay) {
   Tensor p = fromVector<float>({1.0f, -2.0f}).setRequiresGrad(true);
