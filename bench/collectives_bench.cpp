@@ -1,6 +1,8 @@
-// collectives_bench: allreduce (sum) and broadcast (root 0) of float32 CPU
-// tensors through dtrain's ProcessGroup on the Gloo or shm backend
-// (--backend, default gloo; impl=dtrain-<backend>), with the methodology
+// collectives_bench: allreduce (sum) and broadcast (root 0) of float32
+// tensors through dtrain's ProcessGroup on the Gloo or shm backend (CPU
+// tensors) or NCCL (tensors on cuda:<local rank mod GPUs>; a rep ends when the
+// stream has finished it) (--backend, default gloo; impl=dtrain-<backend>),
+// with the methodology
 // of bench/peers/torch_allreduce.py so the numbers pair up:
 //   * per size: warm-up max(2, reps/10) ops, then `reps` timed ops (200 up to
 //     64 KiB, 50 at 1 MiB, 15 at 16 MiB, 7 at 64 MiB), each preceded by a
@@ -11,7 +13,7 @@
 //     8 reps outside the timed region.
 //
 // Usage:
-//   collectives_bench --nproc 4 [--backend gloo|shm] [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R]
+//   collectives_bench --nproc 4 [--backend gloo|shm|nccl] [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R]
 //     forks 4 ranks on this machine (rank 0 hosts the store on a free port);
 //   collectives_bench (with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT or dtrun's
 //     variables set) runs as one rank of an externally launched job.
@@ -30,6 +32,10 @@
 #include "common/strings.h"
 #include "process_group/init.h"
 #include "tensor/tensor.h"
+
+#if DT_HAVE_CUDA
+#include "tensor/cuda/stream.h"
+#endif
 
 namespace {
 
@@ -72,17 +78,22 @@ Args parseArgs(int argc, char** argv) {
     else if (arg == "--backend") a.backend = next();
     else {
       std::fprintf(stderr, "unknown argument %s\nusage: collectives_bench [--nproc N] [--sizes 4K,1M] "
-                           "[--ops allreduce,broadcast] [--reps R] [--warmup W] [--backend gloo|shm] [--impl NAME]\n", arg.c_str());
+                           "[--ops allreduce,broadcast] [--reps R] [--warmup W] [--backend gloo|shm|nccl] [--impl NAME]\n", arg.c_str());
       std::exit(2);
     }
   }
-  if (a.backend != "gloo" && a.backend != "shm") {
-    std::fprintf(stderr, "--backend must be gloo or shm, got %s\n", a.backend.c_str());
+  if (a.backend != "gloo" && a.backend != "shm" && a.backend != "nccl") {
+    std::fprintf(stderr, "--backend must be gloo, shm or nccl, got %s\n", a.backend.c_str());
+    std::exit(2);
+  }
+  if (a.backend == "nccl" && !dt::deviceAvailable(dt::Device::cuda(0))) {
+    std::fprintf(stderr, "--backend nccl needs a CUDA device: %s\n", dt::deviceUnavailableReason(dt::Device::cuda(0)).c_str());
     std::exit(2);
   }
   if (a.impl.empty()) a.impl = "dtrain-" + a.backend;
-  // The ranks' initProcessGroup reads it (it is inherited through fork).
-  ::setenv("DT_BACKEND", a.backend.c_str(), 1);
+  // The ranks' initProcessGroup reads it (it is inherited through fork);
+  // NCCL is chosen by the tensors' device, the group's CPU side stays default.
+  if (a.backend != "nccl") ::setenv("DT_BACKEND", a.backend.c_str(), 1);
   return a;
 }
 
@@ -99,10 +110,24 @@ std::string human(size_t bytes) {
   return dt::str(bytes, " B");
 }
 
+int localRank() {
+  const char* value = std::getenv("LOCAL_RANK");  // set by dtrun and by rankMain's fork
+  return value != nullptr ? std::atoi(value) : 0;
+}
+
 int runRank(const Args& args) {
   using Clock = std::chrono::steady_clock;
   auto pg = dt::initProcessGroup();
   const int rank = pg->rank(), world = pg->size();
+  const bool onGpu = args.backend == "nccl";
+  const dt::Device device = onGpu ? dt::Device::cuda(localRank() % dt::deviceCount(dt::DeviceType::CUDA))
+                                  : dt::Device::cpu();
+  // The host waits for the device: a rep is over when its result is in memory.
+  auto finish = [&] {
+#if DT_HAVE_CUDA
+    if (onGpu) dt::cuda::currentStream(device).synchronize();
+#endif
+  };
   if (rank == 0) {
     std::fprintf(stderr, "# collectives_bench: %s, world %d, float32, threads=1\n", args.impl.c_str(), world);
     std::fprintf(stderr, "# %-10s %12s %10s %12s %12s %10s %10s %6s\n", "op", "size", "count", "time(us)", "min(us)",
@@ -111,7 +136,7 @@ int runRank(const Args& args) {
   for (const auto& op : args.ops) {
     for (size_t bytes : args.sizes) {
       const int64_t count = static_cast<int64_t>(bytes / 4);
-      dt::Tensor buf = dt::ones({count});
+      dt::Tensor buf = dt::ones({count}, dt::DType::Float32, device);
       const int reps = args.reps > 0 ? args.reps : defaultReps(bytes);
       const int warmup = args.warmup > 0 ? args.warmup : std::max(2, reps / 10);
       const bool isAllreduce = op == "allreduce";
@@ -125,9 +150,11 @@ int runRank(const Args& args) {
         } else {
           pg->broadcast(buf)->wait();
         }
+        finish();
       };
       for (int i = 0; i < warmup; ++i) run();
       buf.fill_(1.0);
+      finish();
       dt::Tensor durations = dt::zeros({reps}, dt::DType::Float64);
       double* d = durations.data<double>();
       for (int i = 0; i < reps; ++i) {
@@ -135,7 +162,10 @@ int runRank(const Args& args) {
         const auto t0 = Clock::now();
         run();
         d[i] = std::chrono::duration<double>(Clock::now() - t0).count();
-        if (isAllreduce && (i & 7) == 7) buf.fill_(1.0);  // outside the timed region
+        if (isAllreduce && (i & 7) == 7) {  // outside the timed region
+          buf.fill_(1.0);
+          finish();
+        }
       }
       dt::AllreduceOptions maxOpts;
       maxOpts.reduceOp = dt::ReduceOp::Max;

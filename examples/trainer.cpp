@@ -105,7 +105,7 @@ data and model
                           where Debian's dataset-fashion-mnist package puts them)
   --hidden H1,H2,...      hidden layer sizes of the MLP 784-H1-...-10 (default 256,128)
   --dropout P             dropout after each hidden layer (default 0)
-  --device cpu|cuda       (default cpu; cuda is not supported yet)
+  --device cpu|cuda|cuda:N  (default cpu; cuda: each rank takes GPU LOCAL_RANK mod the GPU count)
 training
   --epochs E              passes over the training set (default 10)
   --steps N               total steps instead of epochs (default 0: use --epochs)
@@ -162,6 +162,15 @@ std::string choice(const std::string& value, const std::string& flag, const std:
   throw InvalidArgument(str("trainer: ", flag, " \"", value, "\" is not one of ", dt::join(allowed, ", ")));
 }
 
+std::string deviceName(const std::string& value, const std::string& flag) {
+  try {
+    dt::Device::parse(value);
+  } catch (const InvalidArgument&) {
+    throw InvalidArgument(str("trainer: ", flag, " \"", value, "\" is not one of cpu, cuda, cuda:N"));
+  }
+  return value;
+}
+
 Config parseArgs(int argc, char** argv, bool& help) {
   Config c;
   for (int i = 1; i < argc; ++i) {
@@ -203,7 +212,7 @@ Config parseArgs(int argc, char** argv, bool& help) {
     else if (flag == "--checkpoint-every") c.checkpointEvery = parsePositive(value, flag, 0);
     else if (flag == "--keep") c.keep = static_cast<int>(parsePositive(value, flag));
     else if (flag == "--resume") c.resume = choice(value, flag, {"auto", "never"});
-    else if (flag == "--device") c.device = choice(value, flag, {"cpu", "cuda"});
+    else if (flag == "--device") c.device = deviceName(value, flag);
     else if (flag == "--bench-warmup") c.benchWarmup = parsePositive(value, flag, 0);
     else throw InvalidArgument(str("trainer: unknown flag ", flag, "; see --help"));
   }
@@ -281,7 +290,7 @@ std::string exact(double v) {
 uint64_t fingerprint(const std::vector<dt::Tensor>& tensors) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (const dt::Tensor& t : tensors) {
-    const dt::Tensor c = t.detach().contiguous();
+    const dt::Tensor c = t.detach().to(dt::Device::cpu()).contiguous();
     const auto* p = static_cast<const unsigned char*>(c.dataPtr());
     for (size_t i = 0; i < c.nbytes(); ++i) {
       h ^= p[i];
@@ -327,7 +336,24 @@ struct EvalResult {
 };
 
 // Every rank evaluates its share of the test set (examples r, r + W, ...); sums are allreduced.
-EvalResult evaluate(dt::nn::Module& model, const dt::data::Dataset& test, dt::ProcessGroup& group) {
+// --device cuda: the GPU of this rank's local rank, as torchrun users write
+// cuda:LOCAL_RANK; cuda:N names one explicitly.
+dt::Device deviceFor(const std::string& text) {
+  dt::Device device = dt::Device::parse(text);
+  if (device.isCpu()) return device;
+  if (text == "cuda") {
+    const int localRank = dt::resolveInit({}).localRank;  // from dtrun, torchrun's or SLURM's variables
+    const int count = dt::deviceCount(dt::DeviceType::CUDA);
+    if (count > 0) device = dt::Device::cuda(localRank % count);
+  }
+  if (!dt::deviceAvailable(device)) {
+    throw dt::NotSupportedError(str("trainer: --device ", text, " (", device.str(), ") is not usable here: ",
+                                    dt::deviceUnavailableReason(device), "; use --device cpu"));
+  }
+  return device;
+}
+
+EvalResult evaluate(dt::nn::Module& model, const dt::data::Dataset& test, dt::ProcessGroup& group, dt::Device device) {
   dt::NoGradGuard noGrad;
   model.eval();
   double correct = 0, lossSum = 0, count = 0;
@@ -337,9 +363,10 @@ EvalResult evaluate(dt::nn::Module& model, const dt::data::Dataset& test, dt::Pr
   for (size_t begin = 0; begin < indices.size(); begin += kBatch) {
     const size_t n = std::min(kBatch, indices.size() - begin);
     const dt::data::Batch b = test.get(std::span<const int64_t>(indices.data() + begin, n));
-    const dt::Tensor logits = model(b.inputs);
-    lossSum += dt::crossEntropy(logits, b.targets, {.reduction = dt::Reduction::Sum}).item<float>();
-    correct += dt::sum(dt::eq(dt::argmax(logits, 1), b.targets)).item<int64_t>();
+    const dt::Tensor targets = b.targets.to(device);
+    const dt::Tensor logits = model(b.inputs.to(device));
+    lossSum += dt::crossEntropy(logits, targets, {.reduction = dt::Reduction::Sum}).item<float>();
+    correct += dt::sum(dt::eq(dt::argmax(logits, 1), targets)).item<int64_t>();
     count += static_cast<double>(n);
   }
   model.train();
@@ -353,8 +380,8 @@ EvalResult evaluate(dt::nn::Module& model, const dt::data::Dataset& test, dt::Pr
 
 class Trainer {
  public:
-  Trainer(Config config, std::shared_ptr<dt::ProcessGroup> group)
-      : c_(std::move(config)), group_(std::move(group)), rank_(group_->rank()), world_(group_->size()) {}
+  Trainer(Config config, std::shared_ptr<dt::ProcessGroup> group, dt::Device device)
+      : c_(std::move(config)), group_(std::move(group)), rank_(group_->rank()), world_(group_->size()), device_(device) {}
 
   int run();
 
@@ -374,6 +401,7 @@ class Trainer {
   std::shared_ptr<dt::ProcessGroup> group_;
   int rank_;
   int world_;
+  dt::Device device_;
   int64_t restartCount_ = 0;
   std::shared_ptr<dt::data::ImageClassificationDataset> train_, test_;
   std::optional<dt::data::DistributedSampler> sampler_;
@@ -400,8 +428,8 @@ class Trainer {
 // runs in eval mode, so dropout draws nothing, and takes no optimizer step.
 void Trainer::settleBuckets(dt::DistributedDataParallel& ddp, int64_t perRank) {
   model_->eval();
-  dt::Tensor x = dt::zeros({perRank, train_->features()});
-  dt::Tensor y = dt::zeros({perRank}, dt::DType::Int64);
+  dt::Tensor x = dt::zeros({perRank, train_->features()}, dt::DType::Float32, device_);
+  dt::Tensor y = dt::zeros({perRank}, dt::DType::Int64, device_);
   dt::crossEntropy(ddp(x), y).backward();
   optimizer_->zeroGrad();
   model_->train();
@@ -488,8 +516,10 @@ void Trainer::saveCheckpoint(int64_t step, const std::string& reason) {
   if (rank_ != 0) return;
 
   dt::NamedTensors tensors;
-  for (const auto& [name, t] : model_->stateDict()) tensors.emplace_back("model." + name, t);
-  for (const auto& [name, t] : optimizer_->stateDict()) tensors.emplace_back("optim." + name, t);
+  // Checkpoints hold host copies, so that any device (or none) can resume them.
+  const dt::Device cpu = dt::Device::cpu();
+  for (const auto& [name, t] : model_->stateDict()) tensors.emplace_back("model." + name, t.to(cpu));
+  for (const auto& [name, t] : optimizer_->stateDict()) tensors.emplace_back("optim." + name, t.to(cpu));
   for (int r = 0; r < world_; ++r) tensors.emplace_back(str("rng.rank", r), all[static_cast<size_t>(r)]);
   trainer::Manifest m;
   const auto pos = sampler_->positionAfter(step);
@@ -530,6 +560,7 @@ int Trainer::run() {
   dropoutRng_.manualSeed(c_.seed * 0x9e3779b97f4a7c15ull + 1000 + static_cast<uint64_t>(rank_));
   constexpr int64_t kClasses = 10;
   model_ = buildModel(c_, train_->features(), kClasses, initRng_, dropoutRng_);
+  model_->to(device_);  // initialised on the CPU, so every device starts from the same values
   modelName_ = modelName(train_->features(), c_.hidden, kClasses);
   if (c_.optimizer == "adamw") {
     optimizer_ = std::make_unique<dt::optim::AdamW>(model_->parameters(), dt::optim::AdamWOptions{.lr = c_.learningRate(), .weightDecay = c_.decay()});
@@ -547,7 +578,7 @@ int Trainer::run() {
   int64_t paramCount = 0;
   for (const auto& p : params) paramCount += p.numel();
 
-  say(str("trainer: ", world_, " rank(s); ", train_->describe(), "; MLP ", modelName_, " (", paramCount, " parameters",
+  say(str("trainer: ", world_, " rank(s) on ", device_.isCpu() ? std::string("cpu") : str("cuda (rank 0: ", device_.str(), ")"), "; ", train_->describe(), "; MLP ", modelName_, " (", paramCount, " parameters",
           c_.dropout > 0 ? str(", dropout ", c_.dropout) : "", "); ", c_.optimizer == "adamw" ? "AdamW" : "SGD", " lr ",
           c_.learningRate(), " ", c_.schedule, "; global batch ", c_.globalBatch, " (", perRank, " per rank); ", epochs,
           " epoch(s) = ", totalSteps_, " steps; ",
@@ -580,7 +611,7 @@ int Trainer::run() {
     dt::data::LoadedBatch batch = loader.next();
     optimizer_->setLr(lrAt(step));
     optimizer_->zeroGrad();
-    dt::Tensor loss = dt::crossEntropy(ddp(batch.batch.inputs), batch.batch.targets);
+    dt::Tensor loss = dt::crossEntropy(ddp(batch.batch.inputs.to(device_)), batch.batch.targets.to(device_));
     loss.backward();  // returns with gradients averaged over the ranks
     optimizer_->step();
     lastLoss = loss.item<float>();
@@ -643,7 +674,7 @@ int Trainer::run() {
   const double spread = dt::max(dt::abs(highest - lowest)).item<float>();
 
   std::optional<EvalResult> eval;
-  if (c_.eval) eval = evaluate(*model_, *test_, *group_);
+  if (c_.eval) eval = evaluate(*model_, *test_, *group_, device_);
   if (c_.bench && rank_ == 0) {
     if (!benchStart) {
       std::fprintf(stderr, "trainer: --bench measured nothing: it needs more than --bench-warmup %lld steps (ran %lld)\n",
@@ -652,9 +683,9 @@ int Trainer::run() {
       const double seconds = std::chrono::duration<double>(loopEnd - *benchStart).count();
       const int64_t measured = step - benchFromStep;
       const auto stats = loader.stats();
-      std::printf("RESULT trainer impl=dtrain world=%d global_batch=%lld model=%s optimizer=%s steps=%lld step_ms=%.3f "
+      std::printf("RESULT trainer impl=dtrain device=%s world=%d global_batch=%lld model=%s optimizer=%s steps=%lld step_ms=%.3f "
                   "samples_per_s=%.1f data_wait_ms=%.3f\n",
-                  world_, static_cast<long long>(c_.globalBatch), modelName_.c_str(), c_.optimizer.c_str(),
+                  device_.isCpu() ? "cpu" : "cuda", world_, static_cast<long long>(c_.globalBatch), modelName_.c_str(), c_.optimizer.c_str(),
                   static_cast<long long>(measured), 1e3 * seconds / static_cast<double>(measured),
                   static_cast<double>(measured * c_.globalBatch) / seconds, stats.waitMs);
     }
@@ -704,13 +735,10 @@ int main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
-    if (config.device != "cpu") {
-      throw dt::NotSupportedError(str("trainer: --device ", config.device,
-                                      " is not supported yet: dtrain's CUDA tensors and NCCL backend have not landed; use --device cpu"));
-    }
+    const dt::Device device = deviceFor(config.device);
     installStopHandlers();
     auto group = dt::initProcessGroup();
-    Trainer trainer(config, group);
+    Trainer trainer(config, group, device);
     return trainer.run();
   } catch (const std::exception& e) {
     const char* rank = std::getenv("RANK");

@@ -19,7 +19,7 @@ Timing   --warmup steps, a barrier, then --steps timed steps (data loading inclu
 
 Rank 0 prints one line (the same keys as `trainer --bench`):
 
-  RESULT trainer impl=torch world=2 global_batch=128 model=784-256-128-10 optimizer=adamw steps=300 step_ms=.. samples_per_s=..
+  RESULT trainer impl=torch device=cpu world=2 global_batch=128 model=784-256-128-10 optimizer=adamw steps=300 step_ms=.. samples_per_s=..
 """
 import argparse
 import gzip
@@ -125,7 +125,7 @@ def main():
     seconds = time.perf_counter() - start
     if rank == 0:
         name = "-".join(["784"] + [str(h) for h in hidden] + ["10"])
-        print(f"RESULT trainer impl=torch world={world} global_batch={args.global_batch} model={name} "
+        print(f"RESULT trainer impl=torch device=cpu world={world} global_batch={args.global_batch} model={name} "
               f"optimizer=adamw steps={args.steps} step_ms={1e3 * seconds / args.steps:.3f} "
               f"samples_per_s={args.steps * args.global_batch / seconds:.1f}", flush=True)
     if distributed:

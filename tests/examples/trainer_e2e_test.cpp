@@ -6,12 +6,14 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "common/strings.h"
+#include "tensor/device.h"
 #include "tests/examples/trainer_harness.h"
 #include "tests/testing/testing.h"
 
@@ -59,6 +61,42 @@ TEST(TrainerE2E, FourRanksLearnFashionMnistAndEndWithIdenticalParameters) {
   EXPECT_TRUE(fs::exists(dir.path() / "ck" / (checkpointName(100) + ".safetensors"))) << "periodic checkpoint";
   EXPECT_FALSE(fs::exists(dir.path() / "ck" / (checkpointName(50) + ".json"))) << "--keep 2 removed the oldest";
   EXPECT_EQ(std::distance(fs::directory_iterator(dir.path() / "ck"), fs::directory_iterator()), 4) << "two checkpoints, two files each";
+}
+
+// On a GPU machine: the same job on cuda and on cpu, resumed from a checkpoint written on
+// the other device; NCCL carries the gradients (one rank: NCCL 2.28 refuses two ranks per GPU).
+TEST(TrainerE2E, CudaTrainsLikeCpuAndCheckpointsMoveBetweenDevices) {
+  if (!deviceAvailable(Device::cuda(0))) GTEST_SKIP() << "needs a CUDA device: " << deviceUnavailableReason(Device::cuda(0));
+  TempDir dir;
+  writeFashionSlice(dir.path() / "data", 4000, 1000);
+  const std::vector<std::string> job = {"--data", (dir.path() / "data").string(), "--steps", "200", "--global-batch", "64",
+                                        "--log-every", "50", "--checkpoint-every", "100"};
+  std::map<std::string, std::pair<double, double>> results;  // device -> (train loss, test accuracy)
+  for (const std::string device : {"cpu", "cuda"}) {
+    const auto r = runProcess(dtrunTrainer(1, job + std::vector<std::string>{"--device", device, "--checkpoint-dir",
+                                                                            (dir.path() / device).string()}),
+                              150s);
+    ASSERT_EQ(r.exitCode, 0) << outputOf(r);
+    EXPECT_THAT(outputOf(r), HasSubstr(device == "cpu" ? "rank(s) on cpu" : "rank(s) on cuda (rank 0: cuda:0)"));
+    const auto loss = finalValue(outputOf(r), "train loss");
+    const auto accuracy = finalValue(outputOf(r), "test accuracy");
+    ASSERT_TRUE(loss && accuracy) << outputOf(r);
+    results[device] = {*loss, *accuracy};
+  }
+  // Different kernels sum in different orders: close, not bitwise.
+  EXPECT_NEAR(results["cuda"].first, results["cpu"].first, 0.05);
+  EXPECT_NEAR(results["cuda"].second, results["cpu"].second, 0.02);
+  // The cpu run's step-100 checkpoint resumed on cuda (checkpoints hold host copies).
+  fs::remove(dir.path() / "cpu" / (checkpointName(200) + ".json"));
+  fs::remove(dir.path() / "cpu" / (checkpointName(200) + ".safetensors"));
+  const auto resumed = runProcess(dtrunTrainer(1, job + std::vector<std::string>{"--device", "cuda", "--checkpoint-dir",
+                                                                                 (dir.path() / "cpu").string()}),
+                                  150s);
+  ASSERT_EQ(resumed.exitCode, 0) << outputOf(resumed);
+  EXPECT_THAT(outputOf(resumed), HasSubstr("resumed from"));
+  const auto accuracy = finalValue(outputOf(resumed), "test accuracy");
+  ASSERT_TRUE(accuracy) << outputOf(resumed);
+  EXPECT_NEAR(*accuracy, results["cpu"].second, 0.02);
 }
 
 TEST(TrainerE2E, OneTwoAndFourRanksWithTheSameGlobalBatchAgree) {
@@ -256,9 +294,16 @@ TEST(TrainerE2E, BadSettingsAreOneLineErrorsWithTheValues) {
   EXPECT_NE(r.exitCode, 0);
   EXPECT_THAT(outputOf(r), HasSubstr("--global-batch 64 is not divisible by the world size 3"));
 
-  r = runProcess(dtrunTrainer(1, {"--device", "cuda"}), 60s);
+  r = runProcess(dtrunTrainer(1, {"--device", "gpu"}), 60s);
   EXPECT_NE(r.exitCode, 0);
-  EXPECT_THAT(outputOf(r), HasSubstr("dt::NotSupportedError: trainer: --device cuda is not supported yet"));
+  EXPECT_THAT(outputOf(r), HasSubstr("--device \"gpu\" is not one of cpu, cuda, cuda:N"));
+
+  if (!deviceAvailable(Device::cuda(0))) {
+    r = runProcess(dtrunTrainer(1, {"--device", "cuda"}), 60s);
+    EXPECT_NE(r.exitCode, 0);
+    EXPECT_THAT(outputOf(r), HasSubstr("trainer: --device cuda (cuda:0) is not usable here: " +
+                                       deviceUnavailableReason(Device::cuda(0)) + "; use --device cpu"));
+  }
 
   r = runProcess(dtrunTrainer(1, {"--lr", "fast"}), 60s);
   EXPECT_NE(r.exitCode, 0);
