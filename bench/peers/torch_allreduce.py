@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""PyTorch peer for bench/collectives_bench: gloo all_reduce(SUM) and broadcast(src 0) of
-float32 CPU tensors, timed the same way dtrain's collectives_bench times its own.
+"""PyTorch peer for bench/collectives_bench: all_reduce(SUM) and broadcast(src 0) of float32
+tensors, gloo on the CPU or (--backend nccl) NCCL on cuda:<LOCAL_RANK mod GPUs>, timed the
+same way dtrain's collectives_bench times its own (with NCCL a rep ends at
+torch.cuda.synchronize()).
 
 Start it with any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT:
 
@@ -46,19 +48,22 @@ def reps_for(nbytes):
     return 7
 
 
-def measure(call, reset, reps, warmup, periodic_reset):
+def measure(call, reset, reps, warmup, periodic_reset, finish):
     """Per-rep durations in seconds on this rank (warm-up excluded)."""
     for _ in range(warmup):
         call()
     reset()
+    finish()
     durations = []
     for i in range(reps):
         dist.barrier()
         start = time.perf_counter()
         call()
+        finish()
         durations.append(time.perf_counter() - start)
         if periodic_reset and i % 8 == 7:
             reset()
+            finish()
     return durations
 
 
@@ -69,11 +74,20 @@ def main():
     parser.add_argument("--ops", default="allreduce,broadcast")
     parser.add_argument("--reps", type=int, default=0, help="timed reps per size (0: by size)")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up calls per size (0: max(2, reps/10))")
-    parser.add_argument("--impl", default="torch-gloo", help="the impl= label")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--impl", default="", help="the impl= label (default torch-<backend>)")
     args = parser.parse_args()
+    impl = args.impl or f"torch-{args.backend}"
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group(backend="gloo", init_method="env://")
+    device = torch.device("cpu")
+    finish = lambda: None
+    if args.backend == "nccl":
+        import os
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        finish = torch.cuda.synchronize
+    dist.init_process_group(backend=args.backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     for op in args.ops.split(","):
@@ -81,22 +95,22 @@ def main():
             raise SystemExit(f"torch_allreduce.py: unknown op {op!r}")
         bus_factor = 2.0 * (world - 1) / world if op == "allreduce" else 1.0
         for nbytes in map(size_in_bytes, args.sizes.split(",")):
-            tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+            tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
             if op == "allreduce":
                 call = lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
             else:
                 call = lambda: dist.broadcast(tensor, src=0)
             reps = args.reps or reps_for(nbytes)
             warmup = args.warmup or max(2, reps // 10)
-            mine = measure(call, lambda: tensor.fill_(1.0), reps, warmup, op == "allreduce")
+            mine = measure(call, lambda: tensor.fill_(1.0), reps, warmup, op == "allreduce", finish)
 
-            slowest = torch.tensor(mine, dtype=torch.float64)
+            slowest = torch.tensor(mine, dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if rank == 0:
-                per_rep = slowest.tolist()
+                per_rep = slowest.cpu().tolist()
                 t = statistics.median(per_rep)
                 algbw = nbytes / t / 1e9
-                print(f"RESULT {op} impl={args.impl} world={world} bytes={nbytes} reps={reps} "
+                print(f"RESULT {op} impl={impl} world={world} bytes={nbytes} reps={reps} "
                       f"threads={args.threads} time_us={t * 1e6:.1f} min_us={min(per_rep) * 1e6:.1f} "
                       f"algbw_GBps={algbw:.3f} busbw_GBps={algbw * bus_factor:.3f}", flush=True)
 

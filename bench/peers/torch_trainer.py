@@ -6,7 +6,9 @@ Data     Fashion-MNIST's gzip'd IDX files (read with gzip + numpy), pixels scale
          TensorDataset, a DistributedSampler (shuffle, seed 0, set_epoch each epoch) and a
          DataLoader(batch_size = global batch / world, num_workers = --workers).
 Model    MLP 784-256-128-10 with ReLU (--hidden), seed 0; DistributedDataParallel over gloo
-         (default 25 MB buckets) when launched with RANK set, world 1 included.
+         (default 25 MB buckets) when launched with RANK set, world 1 included. --device cuda:
+         the model on cuda:<LOCAL_RANK mod GPUs>, batches copied there each step, DDP over
+         NCCL, as the trainer's --device cuda.
 Step     zero_grad(set_to_none=True), forward, cross-entropy, backward (gradients averaged
          by DDP), AdamW(lr 1e-3, weight_decay 1e-4) with the learning rate set per step on a
          cosine schedule, as the trainer does; torch.set_num_threads(1).
@@ -80,12 +82,17 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
 
     distributed = "RANK" in os.environ
     if distributed:
-        dist.init_process_group(backend="gloo", init_method="env://")
+        dist.init_process_group(backend="nccl" if args.device == "cuda" else "gloo", init_method="env://")
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
     if args.global_batch % world:
@@ -96,7 +103,7 @@ def main():
     loader = DataLoader(train, batch_size=args.global_batch // world, sampler=sampler,
                         num_workers=args.workers, persistent_workers=args.workers > 0)
     hidden = [int(h) for h in args.hidden.split(",")]
-    model = make_model(hidden)
+    model = make_model(hidden).to(device)
     if distributed:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -115,17 +122,22 @@ def main():
         if step == args.warmup:
             if distributed:
                 dist.barrier()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
             start = time.perf_counter()
         x, y = next(stream)
+        x, y = x.to(device), y.to(device)
         for group in opt.param_groups:
             group["lr"] = args.lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         opt.step()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     if rank == 0:
         name = "-".join(["784"] + [str(h) for h in hidden] + ["10"])
-        print(f"RESULT trainer impl=torch device=cpu world={world} global_batch={args.global_batch} model={name} "
+        print(f"RESULT trainer impl=torch device={args.device} world={world} global_batch={args.global_batch} model={name} "
               f"optimizer=adamw steps={args.steps} step_ms={1e3 * seconds / args.steps:.3f} "
               f"samples_per_s={args.steps * args.global_batch / seconds:.1f}", flush=True)
     if distributed:
