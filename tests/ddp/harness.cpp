@@ -89,12 +89,13 @@ std::vector<Tensor> trainRank(const TrainSpec& spec, const std::shared_ptr<Proce
   const int rank = group->rank();
   // Different starting values on every rank: DDP must copy rank 0's.
   auto model = std::make_shared<TestNet>(rank == 0 ? 42 : 4242 + static_cast<uint64_t>(rank), spec.deadLayer);
+  model->to(spec.device);
   auto ddp = std::make_shared<DistributedDataParallel>(model, group, spec.ddp);
   auto optimizer = makeOptimizer(ddp->parameters());
   auto forwardBackward = [&](int step, int micro) {
     auto [x, y] = batchFor(spec, step, micro, rank);
     model->useSkip = !spec.branchy || usesBranch(step, rank);
-    crossEntropy((*ddp)(x), y).backward();
+    crossEntropy((*ddp)(x.to(spec.device)), y.to(spec.device)).backward();
   };
   auto loop = [&] {
     for (int step = 0; step < spec.stepsOf(rank); ++step) {
@@ -113,7 +114,7 @@ std::vector<Tensor> trainRank(const TrainSpec& spec, const std::shared_ptr<Proce
     ddp->join(loop);
   }
   std::vector<Tensor> out;
-  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
+  for (const auto& p : model->parameters()) out.push_back(p.detach().to(Device::cpu()).clone());
   return out;
 }
 

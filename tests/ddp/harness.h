@@ -28,6 +28,8 @@ struct TrainSpec {
   std::vector<int> stepsPerRank;
   // Registers a layer no forward ever uses.
   bool deadLayer = false;
+  // Where the model and batches live (cuda: NCCL carries the gradients).
+  Device device = Device::cpu();
 
   int stepsOf(int rank) const { return stepsPerRank.empty() ? steps : stepsPerRank.at(rank); }
   int maxSteps() const;
