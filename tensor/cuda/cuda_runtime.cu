@@ -40,32 +40,6 @@ const Probe& probe() {
   return result;
 }
 
-class CudaAllocator final : public Allocator {
- public:
-  // The current device, when the caller does not name one.
-  DataPtr allocate(size_t bytes) override {
-    int current = 0;
-    cudaGetDevice(&current);
-    return allocateOn(Device::cuda(current), bytes);
-  }
-  DeviceType deviceType() const override { return DeviceType::CUDA; }
-
-  DataPtr allocateOn(Device device, size_t bytes) override {
-    if (deviceCount() == 0) {
-      throw NotSupportedError(str("cannot allocate ", bytes, " bytes on ", device.str(), ": ", unavailableReason()));
-    }
-    if (device.index < 0 || device.index >= deviceCount()) {
-      throw InvalidArgument(str("device ", device.str(), " does not exist; this machine has ", deviceCount(),
-                                " CUDA device(s)"));
-    }
-    if (bytes == 0) return DataPtr(nullptr, nullptr, nullptr, device);
-    DeviceGuard guard(device);
-    void* ptr = nullptr;
-    throwIfFailed(cudaMalloc(&ptr, bytes), str("malloc of ", bytes, " bytes").c_str(), device);
-    return DataPtr(ptr, nullptr, [](void*, void* p) { cudaFree(p); }, device);
-  }
-};
-
 __global__ void fillKernel(float* dst, size_t n, float value) {
   const size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
   if (i < n) dst[i] = value;
@@ -75,11 +49,6 @@ __global__ void fillKernel(float* dst, size_t n, float value) {
 
 int deviceCount() { return probe().count; }
 std::string unavailableReason() { return probe().reason; }
-
-Allocator& cudaAllocator() {
-  static CudaAllocator allocator;
-  return allocator;
-}
 
 void copyBytes(void* dst, Device dstDevice, const void* src, Device srcDevice, size_t bytes) {
   if (bytes == 0) return;
