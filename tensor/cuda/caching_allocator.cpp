@@ -197,13 +197,22 @@ void BlockCache::cache(Block* block) {
 }
 
 void BlockCache::processPending(bool wait) {
-  auto done = [wait](std::unique_ptr<UseMarker>& marker) {
-    if (wait) marker->wait();
-    return wait || marker->done();
-  };
   std::vector<Block*> still;
-  for (Block* block : pending_) {
-    std::erase_if(block->markers, done);
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Block* block = pending_[i];
+    // One marker at a time, so that a marker that throws (a device error)
+    // leaves every list intact: the block stays pending, never half-released.
+    try {
+      auto& markers = block->markers;
+      for (auto it = markers.begin(); it != markers.end();) {
+        if (wait) (*it)->wait();
+        it = wait || (*it)->done() ? markers.erase(it) : it + 1;
+      }
+    } catch (...) {
+      still.insert(still.end(), pending_.begin() + static_cast<std::ptrdiff_t>(i), pending_.end());
+      pending_ = std::move(still);
+      throw;
+    }
     if (block->markers.empty()) {
       stats_.pendingBytes -= block->size;
       cache(block);

@@ -30,13 +30,17 @@ constexpr StreamId kStreamC = 0xc0;
 struct MarkerState {
   StreamId stream = 0;
   bool done = false;
+  bool fail = false;  // done() throws, as a device error would
   int waits = 0;
 };
 
 class FakeMarker final : public UseMarker {
  public:
   explicit FakeMarker(std::shared_ptr<MarkerState> state) : state_(std::move(state)) {}
-  bool done() override { return state_->done; }
+  bool done() override {
+    if (state_->fail) throw BackendError("fake marker failure");
+    return state_->done;
+  }
   void wait() override {
     ++state_->waits;
     state_->done = true;
@@ -266,6 +270,30 @@ TEST(CachingAllocator, RecordStreamHoldsAFreedBlockUntilTheMarkerIsDone) {
   EXPECT_EQ(raw.markers.size(), 2u);
   cache.free(b);
   cache.free(c);
+}
+
+TEST(CachingAllocator, AMarkerThatFailsKeepsItsBlockPending) {
+  FakeRaw raw(64 * MiB);
+  BlockCache cache("fake:0", raw);
+  void* a = cache.allocate(4096, kStreamA);
+  void* other = cache.allocate(4096, kStreamA);
+  cache.recordStream(other, kStreamC);
+  cache.recordStream(a, kStreamB);
+  cache.free(other);
+  cache.free(a);
+  ASSERT_EQ(raw.markers.size(), 2u);
+  raw.markers[1]->fail = true;  // a's marker
+  testing::expectThrowsWith<BackendError>([&] { cache.allocate(4096, kStreamA); }, {"fake marker failure"});
+  EXPECT_EQ(segmentOf(cache, a).blocks[0].state, BlockState::AwaitingStreams);
+  EXPECT_EQ(segmentOf(cache, a).blocks[1].state, BlockState::AwaitingStreams);
+  EXPECT_EQ(cache.stats().pendingBytes, 8192u);
+  raw.markers[1]->fail = false;
+  raw.markers[0]->done = true;
+  raw.markers[1]->done = true;
+  void* b = cache.allocate(4096, kStreamA);
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(cache.stats().pendingBytes, 0u);
+  cache.free(b);
 }
 
 TEST(CachingAllocator, EmptyCacheReturnsIdleSegmentsAndWaitsForPendingOnes) {
