@@ -29,6 +29,7 @@
 
 #if DT_HAVE_CUDA
 #include "tensor/cuda/cuda.h"
+#include "tensor/cuda/kernels.h"
 #include "tensor/cuda/stream.h"
 #endif
 
@@ -459,6 +460,38 @@ TEST(CudaOps, RunsOnTheCurrentStream) {
   Tensor ref = a;
   for (int i = 0; i < 8; ++i) ref = add(mm(ref, ref.t()), 1.0) / 256.0;
   expectMatches(ref.to(kGpu).to(Device::cpu()), result.to(kGpu), Tol{1e-4, 1e-5}, "chain on a side stream");
+#endif
+}
+
+// The launch geometry is host code: it runs in every CUDA build, device or not.
+TEST(CudaKernels, GeometryMergesDimsEveryOperandWalksAsOne) {
+#if DT_HAVE_CUDA
+  // A contiguous [2, 3, 4] with a broadcast [3, 1] operand: the last two dims stay apart for
+  // the broadcast operand, the first two cannot merge for it either.
+  cuda::Geometry g = cuda::makeGeometry({2, 3, 4}, {{12, 4, 1}, {0, 1, 0}}, "test");
+  EXPECT_EQ(g.ndim, 3);
+  EXPECT_EQ(g.numel, 24);
+  // Two contiguous operands collapse to one dim; size-1 dims vanish.
+  g = cuda::makeGeometry({2, 1, 3, 4}, {{12, 12, 4, 1}, {12, 99, 4, 1}}, "test");
+  ASSERT_EQ(g.ndim, 1);
+  EXPECT_EQ(g.sizes[0], 24);
+  EXPECT_EQ(g.strides[1][0], 1);
+  // A transposed operand keeps two dims with its own strides.
+  g = cuda::makeGeometry({3, 5}, {{5, 1}, {1, 3}}, "test");
+  ASSERT_EQ(g.ndim, 2);
+  EXPECT_EQ(g.strides[1][0], 1);
+  EXPECT_EQ(g.strides[1][1], 3);
+  // A 0-dim tensor: one element, no dims.
+  g = cuda::makeGeometry({}, {{}, {}}, "test");
+  EXPECT_EQ(g.ndim, 0);
+  EXPECT_EQ(g.numel, 1);
+  // Nine dims that cannot merge exceed the kernels' limit, and the error says what to do.
+  std::vector<int64_t> sizes(9, 2), strides(9);
+  for (int i = 0; i < 9; ++i) strides[static_cast<size_t>(i)] = int64_t{1} << (2 * (8 - i));  // gaps: no merging
+  expectThrowsWith<NotSupportedError>([&] { cuda::makeGeometry(sizes, {strides}, "add"); },
+                                      {"add", "9 dims", "limit of 8", "contiguous()"});
+#else
+  GTEST_SKIP() << "needs a CUDA build: " << whyNoCuda();
 #endif
 }
 
