@@ -18,6 +18,10 @@
 #include "process_group/gloo/gloo_backend.h"
 #include "process_group/hierarchical_backend.h"
 #endif
+#if DT_HAVE_NCCL
+#include "process_group/nccl/nccl_backend.h"
+#include "tensor/cuda/cuda.h"
+#endif
 
 namespace dt {
 namespace {
@@ -110,6 +114,29 @@ BackendPtr makeCpuBackend(const StorePtr& store, int rank, int size, const Proce
 #endif
 }
 
+// backend "nccl" puts barriers on NCCL too; CPU tensors still go to the CPU
+// backend chosen by host layout, as with no backend named.
+ProcessGroupOptions cpuOptions(ProcessGroupOptions options) {
+  if (options.backend == "nccl") options.backend.clear();
+  return options;
+}
+
+void checkBackendName(const ProcessGroupOptions& options) {
+  const auto& backend = options.backend;
+#if !DT_HAVE_NCCL
+  if (backend == "nccl") {
+    throw NotSupportedError(str("process group ", options.name,
+                                ": backend nccl is not available in this build (DT_HAVE_NCCL=0); use gloo or shm, or "
+                                "rebuild with -DDT_USE_CUDA=ON -DDT_USE_NCCL=ON"));
+  }
+#endif
+  if (!backend.empty() && backend != "gloo" && backend != "shm" && backend != "nccl") {
+    throw InvalidArgument(str("process group ", options.name, ": unknown backend ", quoteBytes(backend),
+                              "; use gloo, shm or nccl (or leave it unset: shm within a host, gloo across hosts, "
+                              "nccl for CUDA tensors)"));
+  }
+}
+
 }  // namespace
 
 std::string localHostId() {
@@ -143,16 +170,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(StorePtr store, int rank, int
   group->options_ = std::move(options);
   group->timeout_ = group->options_.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
   group->parentRanks_ = ranks;
-  const auto& backend = group->options_.backend;
-  if (backend == "nccl") {
-    throw NotSupportedError(str("process group ", group->options_.name,
-                                ": backend nccl is not available in this build (DT_HAVE_NCCL=0); use gloo or shm"));
-  }
-  if (!backend.empty() && backend != "gloo" && backend != "shm") {
-    throw InvalidArgument(str("process group ", group->options_.name, ": unknown backend ", quoteBytes(backend),
-                              "; use gloo, shm or nccl (or leave it unset: shm within a host, gloo across hosts)"));
-  }
-  group->cpuBackend_ = makeCpuBackend(scoped, rank, size, group->options_, group->timeout_, ranks);
+  checkBackendName(group->options_);
+  group->cpuBackend_ = makeCpuBackend(scoped, rank, size, cpuOptions(group->options_), group->timeout_, ranks);
   return group;
 }
 
@@ -181,10 +200,30 @@ void ProcessGroup::requireMember(const char* op) const {
 
 Backend& ProcessGroup::backendFor(const Device& device) {
   requireMember("backendFor");
-  if (device.isCpu() || options_.backend == "gloo" || options_.backend == "shm") return *cpuBackend_;
+  if (device.isCpu()) return *cpuBackend_;
+  if (options_.backend == "gloo" || options_.backend == "shm") {
+    throw InvalidArgument(str("[", who(), "] tensors on ", device.str(), ": the group was created with backend ",
+                              options_.backend, ", which takes CPU tensors only; move the tensors to the CPU, or "
+                              "leave the backend unset (or \"nccl\") so that CUDA tensors go to NCCL"));
+  }
+#if DT_HAVE_NCCL
+  if (cuda::deviceCount() == 0) {
+    throw NotSupportedError(str("[", who(), "] tensors on ", device.str(), " need the nccl backend, which cannot run "
+                                "here: ", cuda::unavailableReason()));
+  }
+  std::lock_guard<std::mutex> lock(ncclMutex_);
+  if (!ncclBackend_) {
+    // Lazily: a CPU-only program never pays for it. Not collective (the
+    // communicators are made by the first op on each device).
+    ncclBackend_ = std::make_shared<NcclBackend>(store_, rank_, size_,
+                                                 backendOptions<NcclBackendOptions>(options_, timeout_, parentRanks_));
+  }
+  return *ncclBackend_;
+#else
   throw NotSupportedError(str("[", who(), "] tensors on ", device.str(),
                               " need the nccl backend, which this build does not have (DT_HAVE_NCCL=0); "
-                              "move the tensors to the CPU or build with CUDA and NCCL"));
+                              "move the tensors to the CPU or build with -DDT_USE_CUDA=ON -DDT_USE_NCCL=ON"));
+#endif
 }
 
 template <typename Fn>
@@ -242,7 +281,9 @@ WorkPtr ProcessGroup::reduce(const std::vector<Tensor>& tensors, ReduceOptions o
 }
 
 WorkPtr ProcessGroup::barrier(BarrierOptions options) {
-  return numbered("barrier", Device::cpu(), options.seq, {}, [&](Backend& b) { return b.barrier(options); });
+  // Any CUDA device routes to the one NCCL backend, which picks the device.
+  const Device device = options_.backend == "nccl" ? Device::cuda(0) : Device::cpu();
+  return numbered("barrier", device, options.seq, {}, [&](Backend& b) { return b.barrier(options); });
 }
 
 WorkPtr ProcessGroup::allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
@@ -306,8 +347,14 @@ WorkPtr ProcessGroup::batchIsendIrecv(const std::vector<P2POp>& ops) {
 }
 
 std::exception_ptr ProcessGroup::brokenCause() const {
+  BackendPtr nccl;
+  {
+    std::lock_guard<std::mutex> lock(ncclMutex_);
+    nccl = ncclBackend_;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
-  return cpuBackend_ ? cpuBackend_->brokenCause() : nullptr;
+  if (std::exception_ptr cause = cpuBackend_ ? cpuBackend_->brokenCause() : nullptr) return cause;
+  return nccl ? nccl->brokenCause() : nullptr;
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, ProcessGroupOptions options) {
@@ -339,19 +386,26 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
   if (it == ranks.end()) return group;  // non-member handle
   group->rank_ = static_cast<int>(it - ranks.begin());
   group->store_ = std::make_shared<PrefixStore>(str("sub", index), store_);
-  group->cpuBackend_ =
-      makeCpuBackend(group->store_, group->rank_, group->size_, group->options_, group->timeout_, group->parentRanks_);
+  checkBackendName(group->options_);
+  group->cpuBackend_ = makeCpuBackend(group->store_, group->rank_, group->size_, cpuOptions(group->options_),
+                                      group->timeout_, group->parentRanks_);
   return group;
 }
 
 void ProcessGroup::destroy() {
   BackendPtr backend;
+  BackendPtr nccl;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (destroyed_) return;
     destroyed_ = true;
     backend = std::move(cpuBackend_);
   }
+  {
+    std::lock_guard<std::mutex> lock(ncclMutex_);
+    nccl = std::move(ncclBackend_);
+  }
+  if (nccl) nccl->shutdown();
   if (backend) backend->shutdown();
 }
 

@@ -18,7 +18,12 @@
 //    later op fails at once with that cause. A Work::wait(timeout) that
 //    merely expired leaves the group healthy.
 //  * Routing: each call goes to the backend for its tensors' device. CUDA ->
-//    nccl (NotSupportedError in a build without NCCL). CPU: at creation the
+//    nccl, created lazily by the first call on CUDA tensors (its
+//    communicators by the first op on each device; see
+//    nccl/nccl_backend.h). A build without NCCL or a machine without a CUDA
+//    device throws NotSupportedError naming the device and the reason.
+//    backend "nccl" also sends barrier() to NCCL; "gloo"/"shm" reject CUDA
+//    tensors (InvalidArgument). CPU: at creation the
 //    ranks exchange host ids (localHostId()); a group on one host uses shm
 //    (shared memory), a group with one rank per host gloo, and a group with
 //    several ranks on several hosts both (shm within a host, gloo across:
@@ -55,7 +60,9 @@ struct ProcessGroupOptions {
   std::string name = "default";
   // Default op and set-up timeout; nullopt: DT_PG_TIMEOUT (10 min).
   std::optional<std::chrono::milliseconds> timeout;
-  // "" routes by device and host; "gloo", "shm" or "nccl" forces one backend.
+  // "" routes by device and host; "gloo" or "shm" forces the CPU backend (and
+  // rejects CUDA tensors); "nccl" routes as "" does and also puts barrier()
+  // on NCCL (DT_HAVE_NCCL builds only).
   std::string backend;
   // This rank's host identity for routing; "" -> localHostId(). Ranks with
   // the same id share memory (threads of one test may pretend otherwise).
@@ -145,6 +152,8 @@ class ProcessGroup {
   std::chrono::milliseconds timeout_{0};
   std::vector<int> parentRanks_;
   BackendPtr cpuBackend_;
+  mutable std::mutex ncclMutex_;  // guards ncclBackend_ (made by the first CUDA call)
+  BackendPtr ncclBackend_;
   mutable std::mutex mutex_;
   uint64_t seq_ = 0;
   int subgroups_ = 0;

@@ -118,8 +118,27 @@ std::exception_ptr Work::exception() const {
   return error_;
 }
 
+void Work::setDeviceWait(std::function<void()> deviceWait) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  deviceWait_ = std::move(deviceWait);
+}
+
+bool Work::hasDeviceWait() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<bool>(deviceWait_);
+}
+
 void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
+  if (!timeout && deviceWait_) {
+    if (error_) std::rethrow_exception(error_);
+    // A completed op's event has completed too: there is nothing to wait for.
+    if (completed_) return;
+    auto deviceWait = deviceWait_;
+    lock.unlock();
+    deviceWait();
+    return;
+  }
   if (!completed_ && !timeout && waitHelper_) {
     auto helper = waitHelper_;
     lock.unlock();

@@ -35,6 +35,15 @@
 //    has started yet can run on the thread that waits for it instead of
 //    paying a worker thread's wake-up. The helper must leave the op's
 //    completion to the usual path and return whether it did anything.
+//  * Device work (NCCL) may carry a device wait instead: wait() without a
+//    timeout then does not block the host. If the Work already failed it
+//    rethrows; if it is still running it calls the device wait, which makes
+//    the caller's current CUDA stream wait for the op's completion event, and
+//    returns at once (an error found later surfaces at the next wait(), op or
+//    isCompleted()/exception() check). wait(timeout) still blocks the host
+//    until completion or timeout, and the backend still completes the Work
+//    on the host (markCompleted once the op's event has completed), so
+//    isCompleted(), then(), future() and result() read as for any Work.
 #pragma once
 
 #include <chrono>
@@ -80,6 +89,9 @@ class Work : public std::enable_shared_from_this<Work> {
   void markFailed(std::exception_ptr error);
   // Backend side, before the Work is handed out.
   void setWaitHelper(std::function<bool()> helper) { waitHelper_ = std::move(helper); }
+  // Backend side, before the Work is handed out: see "device wait" above.
+  void setDeviceWait(std::function<void()> deviceWait);
+  bool hasDeviceWait() const;
   void setResult(std::vector<Tensor> tensors);
 
  private:
@@ -96,6 +108,7 @@ class Work : public std::enable_shared_from_this<Work> {
   std::vector<std::function<void(Work&)>> callbacks_;
   bool callbacksDraining_ = false;  // then() callbacks still running after completion
   std::function<bool()> waitHelper_;
+  std::function<void()> deviceWait_;
   std::vector<Tensor> result_;
   std::optional<std::promise<std::vector<Tensor>>> promise_;  // made by the first future()
   std::shared_future<std::vector<Tensor>> future_;

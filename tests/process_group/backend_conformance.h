@@ -28,9 +28,20 @@ struct BackendTestOptions {
   std::string groupName = "test";
 };
 
+// What a backend lacks; each non-empty entry is the reason the tests that
+// need the feature skip (NCCL: no tags, contiguous tensors only).
+struct UnsupportedFeatures {
+  std::string tags;     // send/recv tags other than 0
+  std::string strided;  // non-contiguous tensors
+};
+
 struct BackendFactory {
   std::string name;
+  // Where the suite makes its tensors: the CPU, or cuda:<rank> for every
+  // rank (a world size above the number of GPUs is skipped with the reason,
+  // as is every test on a machine without one).
   Device device = Device::cpu();
+  UnsupportedFeatures unsupported;
   // Called concurrently on every rank's thread with a store scoped to the group.
   std::function<BackendPtr(StorePtr store, int rank, int size, const BackendTestOptions& options)> make;
 };

@@ -1,0 +1,283 @@
+// What the NCCL backend does beyond the conformance suite: Work's device
+// wait, the watchdog's timeout report, communicator rendezvous timeouts, and
+// ProcessGroup's routing of CUDA tensors. Built in every configuration: the
+// Work and routing-error cases run everywhere; the others need NCCL and a
+// GPU and skip with the reason otherwise.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "common/config.h"
+#include "common/errors.h"
+#include "process_group/process_group.h"
+#include "process_group/work.h"
+#include "store/hash_store.h"
+#include "tensor/tensor.h"
+#include "tests/testing/testing.h"
+#if DT_HAVE_CUDA
+#include "tensor/cuda/cuda.h"
+#include "tensor/cuda/stream.h"
+#endif
+#if DT_HAVE_NCCL
+#include <cuda_runtime.h>
+
+#include "process_group/nccl/nccl_backend.h"
+#endif
+
+namespace dt {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::expectThrowsWith;
+using testing::runRanks;
+
+// ---- Work's device wait (no GPU needed: the wait is a stand-in) -------------------------------
+
+TEST(NcclWork, WaitWithoutTimeoutCallsTheDeviceWaitAndDoesNotBlock) {
+  auto work = std::make_shared<Work>("allreduce #1 (test)");
+  std::atomic<int> deviceWaits{0};
+  work->setDeviceWait([&] { deviceWaits.fetch_add(1); });
+  EXPECT_TRUE(work->hasDeviceWait());
+  const auto t0 = std::chrono::steady_clock::now();
+  work->wait();  // still running: only the caller's stream would wait
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  EXPECT_EQ(deviceWaits.load(), 1);
+  EXPECT_FALSE(work->isCompleted());
+  // wait(timeout) blocks the host as for any Work.
+  expectThrowsWith<TimeoutError>([&] { work->wait(50ms); }, {"allreduce #1", "still running after 50 ms"});
+  std::atomic<bool> calledBack{false};
+  work->then([&](Work& w) { calledBack = w.isSuccess(); });
+  auto future = work->future();
+  work->markCompleted();
+  EXPECT_TRUE(work->isCompleted());
+  work->wait();  // complete: nothing left to wait for on the device either
+  EXPECT_EQ(deviceWaits.load(), 1);
+  work->wait(1s);
+  future.get();
+  for (int i = 0; i < 200 && !calledBack; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_TRUE(calledBack.load());
+}
+
+TEST(NcclWork, WaitRethrowsAFailureInsteadOfWaitingOnTheDevice) {
+  auto work = std::make_shared<Work>("broadcast #4 (test)");
+  std::atomic<int> deviceWaits{0};
+  work->setDeviceWait([&] { deviceWaits.fetch_add(1); });
+  work->markFailed(std::make_exception_ptr(BackendError("broadcast #4 failed: ncclRemoteError")));
+  expectThrowsWith<BackendError>([&] { work->wait(); }, {"broadcast #4", "ncclRemoteError"});
+  expectThrowsWith<BackendError>([&] { work->wait(1s); }, {"ncclRemoteError"});
+  EXPECT_EQ(deviceWaits.load(), 0);
+}
+
+// ---- routing: the error a user gets where NCCL cannot run ----------------------------------------
+
+TEST(NcclRouting, CudaTensorsWhereNcclCannotRunNameTheDeviceAndTheReason) {
+#if DT_HAVE_NCCL
+  if (cuda::deviceCount() > 0) GTEST_SKIP() << "this machine runs NCCL; ProcessGroupNccl.* covers routing there";
+  const std::string reason = cuda::unavailableReason();
+#else
+  const std::string reason = "DT_HAVE_NCCL=0";
+#endif
+  auto pg = ProcessGroup::create(std::make_shared<HashStore>(), 0, 1);
+  const std::string message =
+      expectThrowsWith<NotSupportedError>([&] { pg->backendFor(Device::cuda(0)); }, {"cuda:0", "nccl", reason});
+  EXPECT_NE(message.find("pg=default"), std::string::npos) << message;
+  EXPECT_EQ(pg->backendFor(Device::cpu()).name(), "shm");  // CPU tensors are unaffected
+  pg->destroy();
+}
+
+TEST(NcclRouting, BackendOptionNcclIsAcceptedWhereBuiltAndCpuTensorsStayOnTheCpuBackend) {
+  auto store = std::make_shared<HashStore>();
+  ProcessGroupOptions o;
+  o.backend = "nccl";
+  o.timeout = 30s;
+#if DT_HAVE_NCCL
+  // Creating the group touches no GPU (NCCL starts with the first CUDA op),
+  // so this runs on a machine without one too.
+  runRanks(2, [&](int rank) {
+    auto pg = ProcessGroup::create(store, rank, 2, o);
+    EXPECT_EQ(pg->backendFor(Device::cpu()).name(), "shm");
+    Tensor t = full({4}, rank + 1);
+    pg->allreduce(t)->wait();
+    EXPECT_EQ(t.toVector<float>(), std::vector<float>(4, 3));
+    pg->destroy();
+  });
+#else
+  expectThrowsWith<NotSupportedError>([&] { ProcessGroup::create(store, 0, 1, o); },
+                                      {"backend nccl", "DT_HAVE_NCCL=0", "DT_USE_NCCL=ON"});
+#endif
+}
+
+TEST(NcclRouting, CpuBackendOptionsRejectCudaTensorsSayingWhy) {
+  ProcessGroupOptions o;
+  o.backend = "shm";
+  auto pg = ProcessGroup::create(std::make_shared<HashStore>(), 0, 1, o);
+  expectThrowsWith<InvalidArgument>([&] { pg->backendFor(Device::cuda(0)); }, {"cuda:0", "backend shm", "CPU tensors"});
+  pg->destroy();
+}
+
+#if DT_HAVE_NCCL
+
+// "" when this machine can run NCCL on `gpus` GPUs, else why not.
+std::string gpuSkipReason(int gpus = 1) {
+  const int devices = cuda::deviceCount();
+  if (devices == 0) return "needs a CUDA device: " + cuda::unavailableReason();
+  if (devices < gpus) {
+    return "needs " + std::to_string(gpus) + " GPUs: NCCL 2.28 rejects two ranks on one GPU; this machine has " +
+           std::to_string(devices);
+  }
+  return "";
+}
+
+// ---- NcclBackend without a GPU: the checks at the call ------------------------------------------
+
+NcclBackendOptions fastOptions(const std::string& group, std::chrono::milliseconds timeout = 30s) {
+  NcclBackendOptions o;
+  o.groupName = group;
+  o.timeout = timeout;
+  o.progressInterval = 100ms;
+  o.failureReportWindow = 1000ms;
+  return o;
+}
+
+TEST(NcclBackend, RejectsWhatNcclCannotTakeAtTheCallWithoutAGpu) {
+  // Construction is not collective and touches no GPU; the checks come
+  // before any communicator exists.
+  NcclBackend backend(std::make_shared<HashStore>(), 0, 2, fastOptions("checks"));
+  EXPECT_EQ(backend.name(), "nccl");
+  Tensor cpu = zeros({3});
+  expectThrowsWith<InvalidArgument>([&] { backend.allreduce({cpu}, {.seq = 5}); },
+                                    {"[rank 0/2 pg=checks nccl] allreduce #5 (not issued)", "takes CUDA tensors",
+                                     "tensor 0 float32[3] on cpu"});
+  expectThrowsWith<InvalidArgument>([&] { backend.allreduce({}); }, {"allreduce", "empty tensor list"});
+  expectThrowsWith<InvalidArgument>([&] { backend.broadcast({cpu}, {.root = 3}); }, {"broadcast", "root 3"});
+  expectThrowsWith<InvalidArgument>([&] { backend.send({cpu}, 0); }, {"send", "on cpu"});
+  expectThrowsWith<InvalidArgument>([&] { backend.allgather({cpu}, cpu); }, {"allgather", "on cpu"});
+  EXPECT_EQ(backend.brokenCause(), nullptr);  // bad input breaks nothing
+  backend.shutdown();
+  backend.shutdown();  // idempotent
+}
+
+// ---- with a GPU --------------------------------------------------------------------------------
+
+#define DT_NEED_GPUS(n)                                                         \
+  do {                                                                          \
+    if (const std::string why = gpuSkipReason(n); !why.empty()) GTEST_SKIP() << why; \
+  } while (0)
+
+TEST(NcclBackend, WorkWaitOrdersTheCallersStreamAndTheHostSeesCompletion) {
+  DT_NEED_GPUS(1);
+  NcclBackend backend(std::make_shared<HashStore>(), 0, 1, fastOptions("work"));
+  Tensor t = full({1 << 20}, 3.0, DType::Float32, Device::cuda(0));
+  auto work = backend.allreduce({t}, {.reduceOp = ReduceOp::Avg});
+  EXPECT_TRUE(work->hasDeviceWait());
+  std::atomic<bool> calledBack{false};
+  work->then([&](Work& w) { calledBack = w.isSuccess(); });
+  work->wait();  // the default stream now waits for the op; the copy below runs after it
+  EXPECT_EQ(t.toVector<float>(), std::vector<float>(1 << 20, 3.0f));
+  work->wait(60s);  // the host: the watchdog completes the Work once the event has
+  EXPECT_TRUE(work->isCompleted());
+  EXPECT_TRUE(work->isSuccess());
+  for (int i = 0; i < 200 && !calledBack; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_TRUE(calledBack.load());
+  // Bad input on a GPU: dtype, layout, devices.
+  expectThrowsWith<InvalidArgument>(
+      [&] { backend.allreduce({zeros({2}, DType::Bool, Device::cuda(0))}, {.reduceOp = ReduceOp::Max}); },
+      {"allreduce", "bool", "max"});
+  Tensor strided = zeros({4, 3}, DType::Float32, Device::cuda(0)).t();
+  expectThrowsWith<InvalidArgument>([&] { backend.broadcast({strided}); }, {"broadcast", "not contiguous"});
+  EXPECT_EQ(backend.brokenCause(), nullptr);
+  backend.barrier()->wait();  // host-blocking
+  backend.shutdown();
+}
+
+// A host function on the caller's stream holds it (and so the NCCL stream,
+// which waits for it) until released: the op cannot complete, as if a peer
+// never joined.
+void CUDART_CB holdStream(void* arg) {
+  auto* released = static_cast<std::atomic<bool>*>(arg);
+  while (!released->load()) std::this_thread::sleep_for(1ms);
+}
+
+TEST(NcclBackend, WatchdogTimesOutAStuckOpNamingGroupOpAndSequenceNumber) {
+  DT_NEED_GPUS(1);
+  NcclBackend backend(std::make_shared<HashStore>(), 0, 1, fastOptions("stuck", 1s));
+  Tensor t = ones({1024}, DType::Float32, Device::cuda(0));
+  backend.allreduce({t}, {.seq = 6})->wait(60s);  // creates the communicator before the stream is held
+  cuda::Stream user = cuda::Stream::create(Device::cuda(0));
+  cuda::StreamGuard guard(user);
+  // Static: the host function may read it after this test returned.
+  static std::atomic<bool> released{false};
+  ASSERT_EQ(cudaLaunchHostFunc(static_cast<cudaStream_t>(user.handle()), holdStream, &released), cudaSuccess);
+  // Released well after the timeout: an abort that waits for the stream must not hang the test.
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(4s);
+    released = true;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto work = backend.allreduce({t}, {.seq = 7});
+  const std::string message = expectThrowsWith<TimeoutError>(
+      [&] { work->wait(60s); }, {"[rank 0/1 pg=stuck nccl] allreduce #7", "float32[1024]", "timed out after 1000 ms",
+                                 "NCCL reports no error", "broken"});
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+  EXPECT_NE(backend.brokenCause(), nullptr);
+  // Later ops fail at once with the cause, on the host and for wait().
+  auto later = backend.allreduce({t}, {.seq = 8});
+  expectThrowsWith<TimeoutError>([&] { later->wait(); }, {"allreduce #8", "broken", "#7"});
+  releaser.join();
+  // The op queued behind the held stream starts on an aborted communicator
+  // once released; CUDA may report that as a sticky error, so this process
+  // (ctest runs each test in its own) touches the GPU no more.
+  backend.shutdown();
+  std::printf("%s\n", message.c_str());
+}
+
+TEST(NcclBackend, CommunicatorRendezvousTimeoutNamesTheRanksThatNeverArrived) {
+  DT_NEED_GPUS(1);
+  // Rank 0 of a group of 3 whose ranks 1 and 2 never come.
+  auto store = std::make_shared<HashStore>();
+  NcclBackend backend(store, 0, 3, fastOptions("lonely", 2s));
+  Tensor t = ones({8}, DType::Float32, Device::cuda(0));
+  const auto t0 = std::chrono::steady_clock::now();
+  expectThrowsWith<TimeoutError>([&] { backend.allreduce({t}); },
+                                 {"pg=lonely nccl", "creating NCCL communicator #0", "cuda:0", "timed out after 2000 ms",
+                                  "ranks 1-2 never started to join"});
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  EXPECT_NE(backend.brokenCause(), nullptr);
+  backend.shutdown();
+  // Rank 1 of a group whose rank 0 never comes waits for the ncclUniqueId.
+  NcclBackend other(std::make_shared<HashStore>(), 1, 2, fastOptions("orphan", 1s));
+  expectThrowsWith<TimeoutError>([&] { other.allreduce({t}); },
+                                 {"waiting for rank 0's ncclUniqueId", "rank 0 never started to join"});
+  other.shutdown();
+}
+
+TEST(ProcessGroupNccl, RoutesCudaTensorsToNcclAndCpuTensorsToTheCpuBackend) {
+  DT_NEED_GPUS(1);
+  ProcessGroupOptions o;
+  o.backend = "nccl";
+  o.timeout = 60s;
+  auto pg = ProcessGroup::create(std::make_shared<HashStore>(), 0, 1, o);
+  EXPECT_EQ(pg->backendFor(Device::cuda(0)).name(), "nccl");
+  EXPECT_EQ(pg->backendFor(Device::cpu()).name(), "shm");
+  Tensor gpu = full({16}, 2.0, DType::Float32, Device::cuda(0));
+  Tensor cpu = full({16}, 5.0);
+  auto a = pg->allreduce(gpu);
+  auto b = pg->allreduce(cpu);
+  a->wait();
+  b->wait();
+  EXPECT_EQ(gpu.toVector<float>(), std::vector<float>(16, 2.0f));
+  EXPECT_EQ(cpu.toVector<float>(), std::vector<float>(16, 5.0f));
+  EXPECT_EQ(pg->lastSeq(), 2u);  // one numbering across both backends
+  EXPECT_EQ(a->result().size(), 1u);
+  pg->barrier()->wait();  // backend "nccl": on the GPU, host-blocking
+  EXPECT_EQ(pg->lastSeq(), 3u);
+  EXPECT_FALSE(pg->isBroken());
+  pg->destroy();
+}
+
+#endif  // DT_HAVE_NCCL
+
+}  // namespace
+}  // namespace dt
