@@ -8,9 +8,9 @@
 #include "tensor/autograd/anomaly.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/loop.h"
+#include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
-#include "tensor/internal/op_scope.h"
 
 #if DT_HAVE_CUDA
 #include "tensor/cuda/cuda.h"
@@ -80,9 +80,10 @@ void requireCpu(const Tensor& t, const char* op) {
   if (!t.defined()) throw InvalidArgument(str(op, ": got an undefined tensor"));
   if (!t.device().isCpu()) {
 #if DT_HAVE_CUDA
-    throw NotSupportedError(str(op, " is not supported on device ", t.device(), " (tensor ", t.describe(),
-                                "): it has no CUDA kernel yet; move the tensor to the cpu (to(Device::cpu())) for "
-                                "this op"));
+    throw NotSupportedError(
+        str(op, " is not supported on device ", t.device(), " (tensor ", t.describe(),
+            "): it has no CUDA kernel yet; move the tensor to the cpu (to(Device::cpu())) for "
+            "this op"));
 #else
     throw NotSupportedError(str(op, " is not supported on device ", t.device(), " (tensor ", t.describe(),
                                 "): this build has cpu kernels only"));
@@ -105,9 +106,9 @@ bool cudaPathFor(const Tensor& t, const char* op) {
 
 void requireSameDevice(const Tensor& a, const Tensor& b, const char* op) {
   if (a.device() != b.device()) {
-    throw InvalidArgument(str(op, ": Expected all tensors to be on the same device, but found at least two devices, ",
-                              a.device(), " and ", b.device(), "! (tensors on different devices: ", a.describe(),
-                              " and ", b.describe(), ")"));
+    throw InvalidArgument(str(
+        op, ": Expected all tensors to be on the same device, but found at least two devices, ", a.device(),
+        " and ", b.device(), "! (tensors on different devices: ", a.describe(), " and ", b.describe(), ")"));
   }
 }
 
@@ -339,13 +340,14 @@ Tensor binaryKernel(const Tensor& a, const Tensor& b, Bin op, double alpha = 1.0
                  cudaGeometry(shape, {target.strides(), as, bs}, name), alpha);
 #endif
   } else {
-  detail::ElementLoop<3> loop(shape,
-                              {static_cast<char*>(target.dataPtr()), static_cast<char*>(const_cast<void*>(A.dataPtr())),
-                               static_cast<char*>(const_cast<void*>(B.dataPtr()))},
-                              {target.strides().data(), as.data(), bs.data()},
-                              {static_cast<int64_t>(itemSize(outType)), static_cast<int64_t>(itemSize(ct)),
-                               static_cast<int64_t>(itemSize(ct))});
-  dispatchCompute(ct, name, [&]<typename T>() { binaryDispatchOp<T>(loop, op, alpha); });
+    detail::ElementLoop<3> loop(
+        shape,
+        {static_cast<char*>(target.dataPtr()), static_cast<char*>(const_cast<void*>(A.dataPtr())),
+         static_cast<char*>(const_cast<void*>(B.dataPtr()))},
+        {target.strides().data(), as.data(), bs.data()},
+        {static_cast<int64_t>(itemSize(outType)), static_cast<int64_t>(itemSize(ct)),
+         static_cast<int64_t>(itemSize(ct))});
+    dispatchCompute(ct, name, [&]<typename T>() { binaryDispatchOp<T>(loop, op, alpha); });
   }
   if (out.defined() && !target.isSameAs(out)) {
     out.copy_(target);
@@ -448,11 +450,11 @@ Tensor unaryKernel(const Tensor& a, Un op, double p0 = 0, double p1 = 0, Tensor 
                 cudaGeometry(a.sizes(), {target.strides(), A.strides()}, name), p0, p1);
 #endif
   } else {
-  detail::ElementLoop<2> loop(a.sizes(),
-                              {static_cast<char*>(target.dataPtr()), static_cast<char*>(const_cast<void*>(A.dataPtr()))},
-                              {target.strides().data(), A.strides().data()},
-                              {static_cast<int64_t>(itemSize(ct)), static_cast<int64_t>(itemSize(ct))});
-  dispatchCompute(ct, name, [&]<typename T>() { unaryDispatchOp<T>(loop, op, p0, p1); });
+    detail::ElementLoop<2> loop(
+        a.sizes(), {static_cast<char*>(target.dataPtr()), static_cast<char*>(const_cast<void*>(A.dataPtr()))},
+        {target.strides().data(), A.strides().data()},
+        {static_cast<int64_t>(itemSize(ct)), static_cast<int64_t>(itemSize(ct))});
+    dispatchCompute(ct, name, [&]<typename T>() { unaryDispatchOp<T>(loop, op, p0, p1); });
   }
   if (out.defined() && !target.isSameAs(out)) {
     out.copy_(target);
@@ -540,7 +542,8 @@ Tensor pow(const Tensor& a, const Tensor& b) {
       [](const BackwardContext& c) -> TensorList {
         const Tensor& g = c.grads[0];
         const Tensor &x = c.saved[0], &y = c.saved[1], &o = c.saved[2];
-        Tensor ga = c.needs[0] ? mul(g, mul(y, pow(x, sub(y, full({}, 1.0, y.dtype(), y.device()))))) : Tensor();
+        Tensor ga =
+            c.needs[0] ? mul(g, mul(y, pow(x, sub(y, full({}, 1.0, y.dtype(), y.device()))))) : Tensor();
         Tensor gb;
         if (c.needs[1]) {
           // d/dy x^y = x^y log x; defined as 0 where x == 0 (PyTorch's convention).
@@ -762,17 +765,18 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
                 cudaGeometry(shape, {out.strides(), cs, as, bs}, "where"));
 #endif
   } else {
-  detail::ElementLoop<4> loop(shape,
-                              {static_cast<char*>(out.dataPtr()), static_cast<char*>(const_cast<void*>(cond.dataPtr())),
-                               static_cast<char*>(const_cast<void*>(A.dataPtr())),
-                               static_cast<char*>(const_cast<void*>(B.dataPtr()))},
-                              {out.strides().data(), cs.data(), as.data(), bs.data()}, {isz, 1, isz, isz});
-  loop.run(0, loop.numel(), [&](char** p, const int64_t* s, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-      const bool c = *reinterpret_cast<const bool*>(p[1] + i * s[1]);
-      std::memcpy(p[0] + i * s[0], c ? p[2] + i * s[2] : p[3] + i * s[3], static_cast<size_t>(isz));
-    }
-  });
+    detail::ElementLoop<4> loop(
+        shape,
+        {static_cast<char*>(out.dataPtr()), static_cast<char*>(const_cast<void*>(cond.dataPtr())),
+         static_cast<char*>(const_cast<void*>(A.dataPtr())),
+         static_cast<char*>(const_cast<void*>(B.dataPtr()))},
+        {out.strides().data(), cs.data(), as.data(), bs.data()}, {isz, 1, isz, isz});
+    loop.run(0, loop.numel(), [&](char** p, const int64_t* s, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        const bool c = *reinterpret_cast<const bool*>(p[1] + i * s[1]);
+        std::memcpy(p[0] + i * s[0], c ? p[2] + i * s[2] : p[3] + i * s[3], static_cast<size_t>(isz));
+      }
+    });
   }
   recordFn(
       "WhereBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(cond)}; },
@@ -887,9 +891,8 @@ void addInPlace(Tensor& dst, const Tensor& src, double alpha) {
     throw InvalidArgument(str("add_: cannot accumulate ", src.describe(), " into ", dst.describe()));
   }
   // Fast path: contiguous float32 of equal shape (gradient accumulation, optimizer steps).
-  if (dst.device().isCpu() && dst.dtype() == DType::Float32 && src.dtype() == DType::Float32 && dst.isContiguous() &&
-      src.isContiguous() &&
-      dst.sizes() == src.sizes()) {
+  if (dst.device().isCpu() && dst.dtype() == DType::Float32 && src.dtype() == DType::Float32 &&
+      dst.isContiguous() && src.isContiguous() && dst.sizes() == src.sizes()) {
     float* d = dst.data<float>();
     const float* s = src.data<float>();
     const float a = static_cast<float>(alpha);

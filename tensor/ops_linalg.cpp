@@ -7,9 +7,9 @@
 #include "common/check.h"
 #include "common/config.h"
 #include "tensor/internal/detail.h"
+#include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
-#include "tensor/internal/op_scope.h"
 
 #if DT_HAVE_CUDA
 #include "tensor/cuda/kernels.h"
@@ -60,8 +60,8 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double be
   const int ldc = static_cast<int>(std::max<int64_t>(out.strides()[0], std::max<int64_t>(1, n)));
   if (!out.device().isCpu()) {
 #if DT_HAVE_CUDA
-    cuda::gemm(out.device(), out.dtype(), A.trans == CblasTrans, B.trans == CblasTrans, m, n, k, alpha, A.data, A.ld,
-               B.data, B.ld, beta, out.dataPtr(), ldc);
+    cuda::gemm(out.device(), out.dtype(), A.trans == CblasTrans, B.trans == CblasTrans, m, n, k, alpha,
+               A.data, A.ld, B.data, B.ld, beta, out.dataPtr(), ldc);
     out.bumpVersion();
 #endif
     return;
@@ -117,12 +117,47 @@ Tensor mm(const Tensor& a, const Tensor& b) {
 }
 
 namespace {
+
+#if DT_HAVE_CUDA
+// One cuBLAS call for the whole batch. Each operand's matrices share one layout (a tensor's
+// strides are the same in every batch entry), so the first matrix's transpose flag and leading
+// dim hold for all; an operand BLAS cannot read as it is gets one contiguous copy.
+void bmmCuda(const Tensor& a, const Tensor& b, Tensor& out) {
+  const int64_t batch = a.sizes()[0], m = a.sizes()[1], k = a.sizes()[2], n = b.sizes()[2];
+  if (batch == 0 || m == 0 || n == 0) return;
+  if (k == 0) {
+    out.zero_();
+    return;
+  }
+  auto layout = [](const Tensor& t) {
+    Tensor first = detail::selectNoGrad(t, 0, 0);
+    BlasOperand op = blasOperand(first);
+    if (op.data == first.dataPtr()) return std::pair<Tensor, BlasOperand>(t, op);
+    Tensor dense = t.contiguous();
+    return std::pair<Tensor, BlasOperand>(dense, blasOperand(detail::selectNoGrad(dense, 0, 0)));
+  };
+  const auto [A, la] = layout(a);
+  const auto [B, lb] = layout(b);
+  const int64_t ldc = std::max<int64_t>(out.strides()[1], std::max<int64_t>(1, n));
+  cuda::gemmStridedBatched(out.device(), out.dtype(), la.trans == CblasTrans, lb.trans == CblasTrans, m, n, k,
+                           1.0, A.dataPtr(), la.ld, A.strides()[0], B.dataPtr(), lb.ld, B.strides()[0], 0.0,
+                           out.dataPtr(), ldc, out.strides()[0], batch);
+  out.bumpVersion();
+}
+#endif
+
 Tensor bmmNoGrad(const Tensor& a, const Tensor& b) {
   NoGradGuard noGrad;
   const DType ct = gemmType(a, b, "bmm");
   const Tensor A = a.to(ct), B = b.to(ct);
   const int64_t batch = a.sizes()[0];
   Tensor out = empty({batch, a.sizes()[1], b.sizes()[2]}, ct, a.device());
+  if (!out.device().isCpu()) {
+#if DT_HAVE_CUDA
+    bmmCuda(A, B, out);
+#endif
+    return out.to(a.dtype());
+  }
   for (int64_t i = 0; i < batch; ++i) {
     Tensor o = detail::selectNoGrad(out, 0, i);
     gemm(detail::selectNoGrad(A, 0, i), detail::selectNoGrad(B, 0, i), o, 1.0, 0.0);

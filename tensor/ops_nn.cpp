@@ -7,9 +7,9 @@
 #include "common/check.h"
 #include "common/config.h"
 #include "tensor/internal/detail.h"
+#include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
-#include "tensor/internal/op_scope.h"
 
 #if DT_HAVE_CUDA
 #include "tensor/cuda/kernels.h"
@@ -91,7 +91,8 @@ Tensor softmaxForward(const Tensor& a, int64_t dim, bool logMode) {
   Tensor out = emptyLike(rows);
   if (onGpu) {
 #if DT_HAVE_CUDA
-    cuda::softmaxRows(a.device(), ct, out.dataPtr(), rows.dataPtr(), rows.sizes()[0], rows.sizes()[1], logMode);
+    cuda::softmaxRows(a.device(), ct, out.dataPtr(), rows.dataPtr(), rows.sizes()[0], rows.sizes()[1],
+                      logMode);
 #endif
   } else if (ct == DType::Float32) {
     softmaxRows(rows.data<float>(), out.data<float>(), rows.sizes()[0], rows.sizes()[1], logMode);
@@ -238,11 +239,12 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
     NoGradGuard ng;
     Tensor lossT = empty({n}, DType::Float64, logits.device());
     const cuda::CrossEntropyStatus status =
-        cuda::crossEntropyForward(logits.device(), ct, lossT.data<double>(), lsm.dataPtr(), tgt.data<int64_t>(), n, c,
-                                  options.ignoreIndex, options.labelSmoothing);
+        cuda::crossEntropyForward(logits.device(), ct, lossT.data<double>(), lsm.dataPtr(),
+                                  tgt.data<int64_t>(), n, c, options.ignoreIndex, options.labelSmoothing);
     if (status.badPosition >= 0) {
-      throw InvalidArgument(str("crossEntropy: target ", status.badTarget, " at position ", status.badPosition,
-                                " is out of range for ", c, " classes (ignoreIndex is ", options.ignoreIndex, ")"));
+      throw InvalidArgument(str("crossEntropy: target ", status.badTarget, " at position ",
+                                status.badPosition, " is out of range for ", c, " classes (ignoreIndex is ",
+                                options.ignoreIndex, ")"));
     }
     valid = status.valid;
     if (options.reduction == Reduction::None) {
@@ -258,8 +260,8 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
     losses.resize(static_cast<size_t>(n));
     dispatchDType(ct, [&]<typename T>() {
       if constexpr (std::is_floating_point_v<T>) {
-        crossEntropyForward(static_cast<const T*>(lsm.dataPtr()), tgt.data<int64_t>(), n, c, options, losses.data(),
-                            valid);
+        crossEntropyForward(static_cast<const T*>(lsm.dataPtr()), tgt.data<int64_t>(), n, c, options,
+                            losses.data(), valid);
       }
     });
     if (options.reduction == Reduction::None) {
@@ -267,7 +269,8 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
     } else {
       double total = 0;
       for (double l : losses) total += l;
-      if (options.reduction == Reduction::Mean) total /= static_cast<double>(valid);  // NaN when all ignored, like PyTorch
+      if (options.reduction == Reduction::Mean)
+        total /= static_cast<double>(valid);  // NaN when all ignored, like PyTorch
       out = scalarTensor(total, logits.dtype());
     }
   }
@@ -339,8 +342,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
     w = weight.contiguous();
   }
   auto outOfRange = [&](int64_t value) {
-    return InvalidArgument(str("embedding: index ", value, " out of range for weight ", weight.describe(), " (", num,
-                               " rows)"));
+    return InvalidArgument(
+        str("embedding: index ", value, " out of range for weight ", weight.describe(), " (", num, " rows)"));
   };
   Shape outShape = indices.sizes();
   outShape.push_back(dim);
@@ -352,8 +355,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
     if (cuda::firstIndexOutOfRange(weight.device(), idx.data<int64_t>(), idx.numel(), num, &bad) >= 0) {
       throw outOfRange(bad);
     }
-    cuda::gatherRows(weight.device(), weight.itemsize(), out.dataPtr(), w.dataPtr(), idx.data<int64_t>(), idx.numel(),
-                     dim);
+    cuda::gatherRows(weight.device(), weight.itemsize(), out.dataPtr(), w.dataPtr(), idx.data<int64_t>(),
+                     idx.numel(), dim);
 #endif
   } else {
     const int64_t* ip = idx.data<int64_t>();
@@ -363,7 +366,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
     const size_t rowBytes = static_cast<size_t>(dim) * weight.itemsize();
     const char* src = static_cast<const char*>(w.dataPtr());
     char* dst = static_cast<char*>(out.dataPtr());
-    for (int64_t i = 0; i < idx.numel(); ++i) std::memcpy(dst + i * rowBytes, src + ip[i] * rowBytes, rowBytes);
+    for (int64_t i = 0; i < idx.numel(); ++i)
+      std::memcpy(dst + i * rowBytes, src + ip[i] * rowBytes, rowBytes);
   }
   recordFn(
       "EmbeddingBackward", {weight}, out, [&] { return std::vector<SavedTensor>{SavedTensor(idx)}; },
@@ -373,7 +377,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
         Tensor gw = zeros({num, dim}, DType::Float64, g.device());
         if (!g.device().isCpu()) {
 #if DT_HAVE_CUDA
-          cuda::scatterAddRows(g.device(), gw.data<double>(), g.data<double>(), ind.data<int64_t>(), ind.numel(), dim);
+          cuda::scatterAddRows(g.device(), gw.data<double>(), g.data<double>(), ind.data<int64_t>(),
+                               ind.numel(), dim);
 #endif
           return {gw};
         }
@@ -485,17 +490,19 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
   Tensor meanT = empty({rows}, DType::Float64, x.device()), rstdT = empty({rows}, DType::Float64, x.device());
   if (onGpu) {
 #if DT_HAVE_CUDA
-    cuda::layerNormForward(x.device(), ct, y.dataPtr(), meanT.data<double>(), rstdT.data<double>(), xc.dataPtr(),
-                           wc.defined() ? wc.dataPtr() : nullptr, bc.defined() ? bc.dataPtr() : nullptr, rows, d, eps);
+    cuda::layerNormForward(x.device(), ct, y.dataPtr(), meanT.data<double>(), rstdT.data<double>(),
+                           xc.dataPtr(), wc.defined() ? wc.dataPtr() : nullptr,
+                           bc.defined() ? bc.dataPtr() : nullptr, rows, d, eps);
 #endif
   } else {
-  dispatchDType(ct, [&]<typename T>() {
-    if constexpr (std::is_floating_point_v<T>) {
-      layerNormForward<T>(static_cast<const T*>(xc.dataPtr()), wc.defined() ? static_cast<const T*>(wc.dataPtr()) : nullptr,
-                          bc.defined() ? static_cast<const T*>(bc.dataPtr()) : nullptr, static_cast<T*>(y.dataPtr()),
-                          meanT.data<double>(), rstdT.data<double>(), rows, d, eps);
-    }
-  });
+    dispatchDType(ct, [&]<typename T>() {
+      if constexpr (std::is_floating_point_v<T>) {
+        layerNormForward<T>(
+            static_cast<const T*>(xc.dataPtr()), wc.defined() ? static_cast<const T*>(wc.dataPtr()) : nullptr,
+            bc.defined() ? static_cast<const T*>(bc.dataPtr()) : nullptr, static_cast<T*>(y.dataPtr()),
+            meanT.data<double>(), rstdT.data<double>(), rows, d, eps);
+      }
+    });
   }
   if (ct != x.dtype()) {
     NoGradGuard ng;
@@ -516,20 +523,21 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
         Tensor gb = hasB && c.needs[2] ? zeros({d}, DType::Float64, dev) : Tensor();
         if (!dev.isCpu()) {
 #if DT_HAVE_CUDA
-          cuda::layerNormBackward(dev, ct, gx.defined() ? gx.dataPtr() : nullptr,
-                                  gw.defined() ? gw.data<double>() : nullptr, gb.defined() ? gb.data<double>() : nullptr,
-                                  xs.dataPtr(), hasW ? ws.dataPtr() : nullptr, g.dataPtr(), mu.data<double>(),
-                                  rs.data<double>(), rows, d);
+          cuda::layerNormBackward(
+              dev, ct, gx.defined() ? gx.dataPtr() : nullptr, gw.defined() ? gw.data<double>() : nullptr,
+              gb.defined() ? gb.data<double>() : nullptr, xs.dataPtr(), hasW ? ws.dataPtr() : nullptr,
+              g.dataPtr(), mu.data<double>(), rs.data<double>(), rows, d);
 #endif
         } else {
-        dispatchDType(ct, [&]<typename T>() {
-          if constexpr (std::is_floating_point_v<T>) {
-            layerNormBackward<T>(static_cast<const T*>(xs.dataPtr()), hasW ? static_cast<const T*>(ws.dataPtr()) : nullptr,
-                                 static_cast<const T*>(g.dataPtr()), mu.data<double>(), rs.data<double>(), rows, d,
-                                 gx.defined() ? static_cast<T*>(gx.dataPtr()) : nullptr,
-                                 gw.defined() ? gw.data<double>() : nullptr, gb.defined() ? gb.data<double>() : nullptr);
-          }
-        });
+          dispatchDType(ct, [&]<typename T>() {
+            if constexpr (std::is_floating_point_v<T>) {
+              layerNormBackward<T>(
+                  static_cast<const T*>(xs.dataPtr()), hasW ? static_cast<const T*>(ws.dataPtr()) : nullptr,
+                  static_cast<const T*>(g.dataPtr()), mu.data<double>(), rs.data<double>(), rows, d,
+                  gx.defined() ? static_cast<T*>(gx.dataPtr()) : nullptr,
+                  gw.defined() ? gw.data<double>() : nullptr, gb.defined() ? gb.data<double>() : nullptr);
+            }
+          });
         }
         const Shape wshape = hasW ? ws.sizes() : Shape{d};
         if (gw.defined()) gw = gw.reshape(wshape);

@@ -7,9 +7,9 @@
 #include "common/config.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/loop.h"
+#include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
-#include "tensor/internal/op_scope.h"
 
 #if DT_HAVE_CUDA
 #include "tensor/cuda/kernels.h"
@@ -230,8 +230,8 @@ std::pair<Tensor, Tensor> rowExtreme(const RowView& v, bool isMax) {
   Tensor idx = empty({m}, DType::Int64, v.rows.device());
   if (!v.rows.device().isCpu()) {
 #if DT_HAVE_CUDA
-    cuda::extremeRows(v.rows.device(), v.rows.dtype(), vals.dataPtr(), idx.data<int64_t>(), v.rows.dataPtr(), m, r,
-                      isMax);
+    cuda::extremeRows(v.rows.device(), v.rows.dtype(), vals.dataPtr(), idx.data<int64_t>(), v.rows.dataPtr(),
+                      m, r, isMax);
 #endif
     return {vals, idx};
   }
@@ -298,8 +298,8 @@ ValuesIndices extremeDim(const Tensor& a, int64_t dim, bool keepdim, bool isMax)
           const int64_t outer = shapeNumel(inShape) / (r * inner);
           if (!g.device().isCpu()) {
 #if DT_HAVE_CUDA
-            cuda::scatterRows(g.device(), DType::Float64, out.dataPtr(), g.dataPtr(), ind.data<int64_t>(), outer, r,
-                              inner);
+            cuda::scatterRows(g.device(), DType::Float64, out.dataPtr(), g.dataPtr(), ind.data<int64_t>(),
+                              outer, r, inner);
 #endif
             return {out};
           }

@@ -12,9 +12,9 @@
 #include "common/strings.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/loop.h"
+#include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
-#include "tensor/internal/op_scope.h"
 
 #if DT_HAVE_CUDA
 #include "tensor/cuda/cuda.h"

@@ -168,29 +168,27 @@ Tensor Tensor::asStrided(Shape newSizes, Shape newStrides, int64_t offset) const
   const Shape inSizes = sizes(), inStrides = strides();
   const int64_t inOffset = storageOffset(), outOffset = out.storageOffset();
   const int64_t storageElems = static_cast<int64_t>(storage().nbytes() / itemsize());
-  return recordView("AsStridedBackward", *this, out,
-                    [=](const BackwardContext& c) -> TensorList {
-                      // Accumulate into a buffer with the storage's geometry (elements hit several
-                      // times by an overlapping view get every contribution), then read the input's view.
-                      // Accumulated on the host (overlapping views make this a serial scatter); a
-                      // CUDA gradient goes there and back.
-                      Tensor buf = zeros({storageElems}, DType::Float64);
-                      Tensor g = c.grads[0].to(DType::Float64).to(Device::cpu()).contiguous();
-                      double* base = buf.data<double>();
-                      const double* gp = g.data<double>();
-                      const int64_t n = g.numel();
-                      std::vector<int64_t> idx(newSizes.size(), 0);
-                      for (int64_t i = 0; i < n; ++i) {
-                        int64_t off = outOffset;
-                        for (size_t d = 0; d < idx.size(); ++d) off += idx[d] * newStrides[d];
-                        base[off] += gp[i];
-                        for (size_t d = idx.size(); d-- > 0;) {
-                          if (++idx[d] < newSizes[d]) break;
-                          idx[d] = 0;
-                        }
-                      }
-                      return {asStridedNoGrad(buf, inSizes, inStrides, inOffset).contiguous().to(c.grads[0].device())};
-                    });
+  return recordView("AsStridedBackward", *this, out, [=](const BackwardContext& c) -> TensorList {
+    // Accumulate into a buffer with the storage's geometry (elements hit several times by an
+    // overlapping view get every contribution), then read the input's view. The scatter is serial
+    // and runs on the host: a CUDA gradient goes there and back.
+    Tensor buf = zeros({storageElems}, DType::Float64);
+    Tensor g = c.grads[0].to(DType::Float64).to(Device::cpu()).contiguous();
+    double* base = buf.data<double>();
+    const double* gp = g.data<double>();
+    const int64_t n = g.numel();
+    std::vector<int64_t> idx(newSizes.size(), 0);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t off = outOffset;
+      for (size_t d = 0; d < idx.size(); ++d) off += idx[d] * newStrides[d];
+      base[off] += gp[i];
+      for (size_t d = idx.size(); d-- > 0;) {
+        if (++idx[d] < newSizes[d]) break;
+        idx[d] = 0;
+      }
+    }
+    return {asStridedNoGrad(buf, inSizes, inStrides, inOffset).contiguous().to(c.grads[0].device())};
+  });
 }
 
 }  // namespace dt

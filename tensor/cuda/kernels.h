@@ -46,19 +46,37 @@ Geometry makeGeometry(const std::vector<int64_t>& sizes, const std::vector<std::
 
 // Mirror tensor/ops_elementwise.cpp's Bin and Un (same order, same meaning).
 enum class BinaryOp : int {
-  Add, Sub, Mul, Div, Pow, Max, Min,
-  Eq, Ne, Lt, Le, Gt, Ge,
-  ReluGrad, GeluGrad, TanhGrad, SigmoidGrad, SqrtGrad, AbsGrad,
+  Add,
+  Sub,
+  Mul,
+  Div,
+  Pow,
+  Max,
+  Min,
+  Eq,
+  Ne,
+  Lt,
+  Le,
+  Gt,
+  Ge,
+  ReluGrad,
+  GeluGrad,
+  TanhGrad,
+  SigmoidGrad,
+  SqrtGrad,
+  AbsGrad,
 };
 enum class UnaryOp : int { Neg, Exp, Log, Sqrt, Abs, Clamp, Relu, Gelu, Tanh, Sigmoid };
 
 // out = op(a, b) in `compute` (out is bool for comparisons); alpha scales b for Add/Sub.
-void binary(Device device, BinaryOp op, DType compute, void* out, const void* a, const void* b, const Geometry& g,
-            double alpha);
+void binary(Device device, BinaryOp op, DType compute, void* out, const void* a, const void* b,
+            const Geometry& g, double alpha);
 // out = op(a); Clamp takes [p0, p1].
-void unary(Device device, UnaryOp op, DType compute, void* out, const void* a, const Geometry& g, double p0, double p1);
+void unary(Device device, UnaryOp op, DType compute, void* out, const void* a, const Geometry& g, double p0,
+           double p1);
 // out = cond ? a : b, all of dtype `type` except the bool cond.
-void where(Device device, DType type, void* out, const void* cond, const void* a, const void* b, const Geometry& g);
+void where(Device device, DType type, void* out, const void* cond, const void* a, const void* b,
+           const Geometry& g);
 // dst = convert(src) elementwise (C++ semantics: bool is != 0, 16-bit floats round to nearest even).
 void copy(Device device, DType dstType, void* dst, DType srcType, const void* src, const Geometry& g);
 void fill(Device device, DType type, void* dst, const Geometry& g, double value);
@@ -68,11 +86,11 @@ void fill(Device device, DType type, void* dst, const Geometry& g, double value)
 // out[r] = sum of row r (float32/float64/int64 accumulate in float64/float64/int64).
 void sumRows(Device device, DType type, void* out, const void* in, int64_t rows, int64_t n);
 // values[r], indices[r] = max (isMax) or min of row r; the first NaN wins, ties keep the first index.
-void extremeRows(Device device, DType type, void* values, int64_t* indices, const void* in, int64_t rows, int64_t n,
-                 bool isMax);
+void extremeRows(Device device, DType type, void* values, int64_t* indices, const void* in, int64_t rows,
+                 int64_t n, bool isMax);
 // out viewed as [outer, r, inner] (zeroed by the caller): out[o, idx[o, k], k] = grad[o, k].
-void scatterRows(Device device, DType type, void* out, const void* grad, const int64_t* idx, int64_t outer, int64_t r,
-                 int64_t inner);
+void scatterRows(Device device, DType type, void* out, const void* grad, const int64_t* idx, int64_t outer,
+                 int64_t r, int64_t inner);
 void softmaxRows(Device device, DType type, void* out, const void* in, int64_t rows, int64_t n, bool logMode);
 
 struct CrossEntropyStatus {
@@ -87,32 +105,40 @@ CrossEntropyStatus crossEntropyForward(Device device, DType type, double* losses
 // out[r, j] = scale_r * (exp(lsm) - smoothing/c - (1 - smoothing) * [j == target]), where
 // scale_r = grad[r] (perRow) or grad[0] / divisor.
 void crossEntropyBackward(Device device, DType type, void* out, const void* lsm, const int64_t* target,
-                          const double* grad, bool perRow, double divisor, int64_t n, int64_t c, int64_t ignoreIndex,
-                          double labelSmoothing);
+                          const double* grad, bool perRow, double divisor, int64_t n, int64_t c,
+                          int64_t ignoreIndex, double labelSmoothing);
 
 // w and b may be null. mean/rstd are float64 [rows]; gw/gb float64 [d] (overwritten), each may be null.
-void layerNormForward(Device device, DType type, void* y, double* mean, double* rstd, const void* x, const void* w,
-                      const void* b, int64_t rows, int64_t d, double eps);
-void layerNormBackward(Device device, DType type, void* gx, double* gw, double* gb, const void* x, const void* w,
-                       const void* grad, const double* mean, const double* rstd, int64_t rows, int64_t d);
+void layerNormForward(Device device, DType type, void* y, double* mean, double* rstd, const void* x,
+                      const void* w, const void* b, int64_t rows, int64_t d, double eps);
+void layerNormBackward(Device device, DType type, void* gx, double* gw, double* gb, const void* x,
+                       const void* w, const void* grad, const double* mean, const double* rstd, int64_t rows,
+                       int64_t d);
 
 // First position whose index is outside [0, limit), or -1; waits.
-int64_t firstIndexOutOfRange(Device device, const int64_t* idx, int64_t count, int64_t limit, int64_t* badValue);
+int64_t firstIndexOutOfRange(Device device, const int64_t* idx, int64_t count, int64_t limit,
+                             int64_t* badValue);
 // out[i, :] = weight[idx[i], :] for rows of rowElems elements of itemSize bytes.
-void gatherRows(Device device, size_t itemSize, void* out, const void* weight, const int64_t* idx, int64_t count,
-                int64_t rowElems);
+void gatherRows(Device device, size_t itemSize, void* out, const void* weight, const int64_t* idx,
+                int64_t count, int64_t rowElems);
 // gw[idx[i], :] += grad[i, :] (float64, atomic: repeated indices accumulate).
-void scatterAddRows(Device device, double* gw, const double* grad, const int64_t* idx, int64_t count, int64_t rowElems);
+void scatterAddRows(Device device, double* gw, const double* grad, const int64_t* idx, int64_t count,
+                    int64_t rowElems);
 
 // One AdamW step over contiguous float32/float64 arrays, the same arithmetic as
 // optim.cpp's adamwRange (no fused multiply-add, so the bits match the cpu).
-void adamw(Device device, DType type, void* p, const void* g, void* m, void* v, int64_t n, double lr, double beta1,
-           double beta2, double eps, double weightDecay, double bc1, double bc2Sqrt);
+void adamw(Device device, DType type, void* p, const void* g, void* m, void* v, int64_t n, double lr,
+           double beta1, double beta2, double eps, double weightDecay, double bc1, double bc2Sqrt);
 
 // Row-major c[m, n] = alpha * op(a)[m, k] . op(b)[k, n] + beta * c through cuBLAS.
 // transX: the memory holds X transposed (row-major, leading dim ldX). float32 runs with
 // cuBLAS's default math (no TF32), float64 in float64.
 void gemm(Device device, DType type, bool transA, bool transB, int64_t m, int64_t n, int64_t k, double alpha,
           const void* a, int64_t lda, const void* b, int64_t ldb, double beta, void* c, int64_t ldc);
+// `batch` products at once: matrix i of X starts strideX elements after matrix i - 1 (0 repeats
+// one matrix), with the same layout and transpose flags as gemm().
+void gemmStridedBatched(Device device, DType type, bool transA, bool transB, int64_t m, int64_t n, int64_t k,
+                        double alpha, const void* a, int64_t lda, int64_t strideA, const void* b, int64_t ldb,
+                        int64_t strideB, double beta, void* c, int64_t ldc, int64_t strideC, int64_t batch);
 
 }  // namespace dt::cuda

@@ -16,7 +16,9 @@ namespace dt::cuda::kern {
 
 constexpr int kThreads = 256;
 
-inline cudaStream_t streamFor(Device device) { return static_cast<cudaStream_t>(currentStream(device).handle()); }
+inline cudaStream_t streamFor(Device device) {
+  return static_cast<cudaStream_t>(currentStream(device).handle());
+}
 
 inline unsigned blocksFor(int64_t n) {
   const int64_t b = (n + kThreads - 1) / kThreads;
@@ -61,7 +63,9 @@ __device__ inline Offsets<N> offsetsOf(const Geometry& g, int64_t linear) {
 }
 
 // 16-bit float formats, bit-compatible with tensor/dtype.h (round to nearest even, quiet NaN).
-__device__ inline float bf16ToFloat(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+__device__ inline float bf16ToFloat(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
 __device__ inline uint16_t floatToBf16(float f) {
   const uint32_t u = __float_as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);

@@ -15,7 +15,8 @@ Geometry makeGeometry(const std::vector<int64_t>& sizes, const std::vector<std::
   Geometry g;
   g.operands = static_cast<int>(strides.size());
   if (g.operands > kMaxOperands) {
-    throw InvalidArgument(str(op, ": ", g.operands, " operands exceed the CUDA kernels' limit of ", kMaxOperands));
+    throw InvalidArgument(
+        str(op, ": ", g.operands, " operands exceed the CUDA kernels' limit of ", kMaxOperands));
   }
   g.numel = 1;
   for (int64_t s : sizes) g.numel *= s;
@@ -26,7 +27,8 @@ Geometry makeGeometry(const std::vector<int64_t>& sizes, const std::vector<std::
   for (size_t d = 0; d < sizes.size(); ++d) {
     if (sizes[d] == 1) continue;
     bool merge = !keptSizes.empty();
-    for (size_t k = 0; merge && k < strides.size(); ++k) merge = keptStrides[k].back() == strides[k][d] * sizes[d];
+    for (size_t k = 0; merge && k < strides.size(); ++k)
+      merge = keptStrides[k].back() == strides[k][d] * sizes[d];
     if (merge) {
       keptSizes.back() *= sizes[d];
       for (size_t k = 0; k < strides.size(); ++k) keptStrides[k].back() = strides[k][d];
@@ -43,7 +45,8 @@ Geometry makeGeometry(const std::vector<int64_t>& sizes, const std::vector<std::
   g.ndim = static_cast<int>(keptSizes.size());
   for (int d = 0; d < g.ndim; ++d) {
     g.sizes[d] = keptSizes[static_cast<size_t>(d)];
-    for (int k = 0; k < g.operands; ++k) g.strides[k][d] = keptStrides[static_cast<size_t>(k)][static_cast<size_t>(d)];
+    for (int k = 0; k < g.operands; ++k)
+      g.strides[k][d] = keptStrides[static_cast<size_t>(k)][static_cast<size_t>(d)];
   }
   return g;
 }
@@ -56,40 +59,60 @@ constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 template <typename T>
 __device__ inline T binaryValue(BinaryOp op, T a, T b, T alpha, bool unitAlpha) {
   switch (op) {
-    case BinaryOp::Add: return unitAlpha ? static_cast<T>(a + b) : static_cast<T>(a + alpha * b);
-    case BinaryOp::Sub: return unitAlpha ? static_cast<T>(a - b) : static_cast<T>(a - alpha * b);
-    case BinaryOp::Mul: return static_cast<T>(a * b);
+    case BinaryOp::Add:
+      return unitAlpha ? static_cast<T>(a + b) : static_cast<T>(a + alpha * b);
+    case BinaryOp::Sub:
+      return unitAlpha ? static_cast<T>(a - b) : static_cast<T>(a - alpha * b);
+    case BinaryOp::Mul:
+      return static_cast<T>(a * b);
     case BinaryOp::Div:
       // A kernel cannot throw: integer division by zero gives 0 here (the cpu kernel throws).
-      if constexpr (std::is_integral_v<T>) return b == 0 ? T(0) : static_cast<T>(a / b);
-      else return a / b;
-    case BinaryOp::Pow: return static_cast<T>(::pow(static_cast<double>(a), static_cast<double>(b)));
-    case BinaryOp::Max: return (a != a) ? a : (a > b ? a : b);
-    case BinaryOp::Min: return (a != a) ? a : (a < b ? a : b);
-    case BinaryOp::ReluGrad: return b > T(0) ? a : T(0);
+      if constexpr (std::is_integral_v<T>)
+        return b == 0 ? T(0) : static_cast<T>(a / b);
+      else
+        return a / b;
+    case BinaryOp::Pow:
+      return static_cast<T>(::pow(static_cast<double>(a), static_cast<double>(b)));
+    case BinaryOp::Max:
+      return (a != a) ? a : (a > b ? a : b);
+    case BinaryOp::Min:
+      return (a != a) ? a : (a < b ? a : b);
+    case BinaryOp::ReluGrad:
+      return b > T(0) ? a : T(0);
     case BinaryOp::GeluGrad: {
       const double xd = static_cast<double>(b);
       const double cdf = 0.5 * (1.0 + ::erf(xd * kInvSqrt2));
       const double pdf = kInvSqrt2Pi * ::exp(-0.5 * xd * xd);
       return static_cast<T>(static_cast<double>(a) * (cdf + xd * pdf));
     }
-    case BinaryOp::TanhGrad: return static_cast<T>(a * (T(1) - b * b));
-    case BinaryOp::SigmoidGrad: return static_cast<T>(a * b * (T(1) - b));
-    case BinaryOp::SqrtGrad: return static_cast<T>(a / (T(2) * b));
-    case BinaryOp::AbsGrad: return b > T(0) ? a : (b < T(0) ? static_cast<T>(-a) : T(0));
-    default: return T(0);
+    case BinaryOp::TanhGrad:
+      return static_cast<T>(a * (T(1) - b * b));
+    case BinaryOp::SigmoidGrad:
+      return static_cast<T>(a * b * (T(1) - b));
+    case BinaryOp::SqrtGrad:
+      return static_cast<T>(a / (T(2) * b));
+    case BinaryOp::AbsGrad:
+      return b > T(0) ? a : (b < T(0) ? static_cast<T>(-a) : T(0));
+    default:
+      return T(0);
   }
 }
 
 template <typename T>
 __device__ inline bool compareValue(BinaryOp op, T a, T b) {
   switch (op) {
-    case BinaryOp::Eq: return a == b;
-    case BinaryOp::Ne: return a != b;
-    case BinaryOp::Lt: return a < b;
-    case BinaryOp::Le: return a <= b;
-    case BinaryOp::Gt: return a > b;
-    default: return a >= b;
+    case BinaryOp::Eq:
+      return a == b;
+    case BinaryOp::Ne:
+      return a != b;
+    case BinaryOp::Lt:
+      return a < b;
+    case BinaryOp::Le:
+      return a <= b;
+    case BinaryOp::Gt:
+      return a > b;
+    default:
+      return a >= b;
   }
 }
 
@@ -112,22 +135,34 @@ __global__ void binaryKernel(BinaryOp op, char* out, const char* a, const char* 
 template <typename T>
 __device__ inline T unaryValue(UnaryOp op, T x, T lo, T hi) {
   switch (op) {
-    case UnaryOp::Neg: return static_cast<T>(-x);
-    case UnaryOp::Abs: return x < T(0) ? static_cast<T>(-x) : x;
-    case UnaryOp::Relu: return x > T(0) ? x : T(0);
-    case UnaryOp::Clamp: return x != x ? x : (x < lo ? lo : (x > hi ? hi : x));
-    default: break;
+    case UnaryOp::Neg:
+      return static_cast<T>(-x);
+    case UnaryOp::Abs:
+      return x < T(0) ? static_cast<T>(-x) : x;
+    case UnaryOp::Relu:
+      return x > T(0) ? x : T(0);
+    case UnaryOp::Clamp:
+      return x != x ? x : (x < lo ? lo : (x > hi ? hi : x));
+    default:
+      break;
   }
   if constexpr (std::is_floating_point_v<T>) {
     switch (op) {
-      case UnaryOp::Exp: return ::exp(x);
-      case UnaryOp::Log: return ::log(x);
-      case UnaryOp::Sqrt: return ::sqrt(x);
-      case UnaryOp::Tanh: return ::tanh(x);
-      case UnaryOp::Sigmoid: return static_cast<T>(T(1) / (T(1) + ::exp(-x)));
+      case UnaryOp::Exp:
+        return ::exp(x);
+      case UnaryOp::Log:
+        return ::log(x);
+      case UnaryOp::Sqrt:
+        return ::sqrt(x);
+      case UnaryOp::Tanh:
+        return ::tanh(x);
+      case UnaryOp::Sigmoid:
+        return static_cast<T>(T(1) / (T(1) + ::exp(-x)));
       case UnaryOp::Gelu:
-        return static_cast<T>(0.5 * static_cast<double>(x) * (1.0 + ::erf(static_cast<double>(x) * kInvSqrt2)));
-      default: break;
+        return static_cast<T>(0.5 * static_cast<double>(x) *
+                              (1.0 + ::erf(static_cast<double>(x) * kInvSqrt2)));
+      default:
+        break;
     }
   }
   return x;
@@ -165,44 +200,76 @@ __global__ void rawCopyKernel(char* dst, const char* src, Geometry g) {
 
 __device__ inline double loadDouble(DType t, const char* p, int64_t i) {
   switch (t) {
-    case DType::Float32: return reinterpret_cast<const float*>(p)[i];
-    case DType::Float64: return reinterpret_cast<const double*>(p)[i];
-    case DType::Float16: return halfToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DType::BFloat16: return bf16ToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DType::Int32: return reinterpret_cast<const int32_t*>(p)[i];
-    case DType::Int64: return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
-    case DType::Bool: return reinterpret_cast<const bool*>(p)[i] ? 1.0 : 0.0;
+    case DType::Float32:
+      return reinterpret_cast<const float*>(p)[i];
+    case DType::Float64:
+      return reinterpret_cast<const double*>(p)[i];
+    case DType::Float16:
+      return halfToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::BFloat16:
+      return bf16ToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::Int32:
+      return reinterpret_cast<const int32_t*>(p)[i];
+    case DType::Int64:
+      return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
+    case DType::Bool:
+      return reinterpret_cast<const bool*>(p)[i] ? 1.0 : 0.0;
   }
   return 0.0;
 }
 
 __device__ inline int64_t loadInt(DType t, const char* p, int64_t i) {
   switch (t) {
-    case DType::Int32: return reinterpret_cast<const int32_t*>(p)[i];
-    case DType::Int64: return reinterpret_cast<const int64_t*>(p)[i];
-    case DType::Bool: return reinterpret_cast<const bool*>(p)[i] ? 1 : 0;
-    default: return 0;
+    case DType::Int32:
+      return reinterpret_cast<const int32_t*>(p)[i];
+    case DType::Int64:
+      return reinterpret_cast<const int64_t*>(p)[i];
+    case DType::Bool:
+      return reinterpret_cast<const bool*>(p)[i] ? 1 : 0;
+    default:
+      return 0;
   }
 }
 
 __device__ inline void storeDouble(DType t, char* p, int64_t i, double v) {
   switch (t) {
-    case DType::Float32: reinterpret_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case DType::Float64: reinterpret_cast<double*>(p)[i] = v; break;
-    case DType::Float16: reinterpret_cast<uint16_t*>(p)[i] = floatToHalf(static_cast<float>(v)); break;
-    case DType::BFloat16: reinterpret_cast<uint16_t*>(p)[i] = floatToBf16(static_cast<float>(v)); break;
-    case DType::Int32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-    case DType::Int64: reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
-    case DType::Bool: reinterpret_cast<bool*>(p)[i] = v != 0.0; break;
+    case DType::Float32:
+      reinterpret_cast<float*>(p)[i] = static_cast<float>(v);
+      break;
+    case DType::Float64:
+      reinterpret_cast<double*>(p)[i] = v;
+      break;
+    case DType::Float16:
+      reinterpret_cast<uint16_t*>(p)[i] = floatToHalf(static_cast<float>(v));
+      break;
+    case DType::BFloat16:
+      reinterpret_cast<uint16_t*>(p)[i] = floatToBf16(static_cast<float>(v));
+      break;
+    case DType::Int32:
+      reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+      break;
+    case DType::Int64:
+      reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(v);
+      break;
+    case DType::Bool:
+      reinterpret_cast<bool*>(p)[i] = v != 0.0;
+      break;
   }
 }
 
 __device__ inline void storeInt(DType t, char* p, int64_t i, int64_t v) {
   switch (t) {
-    case DType::Int32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-    case DType::Int64: reinterpret_cast<int64_t*>(p)[i] = v; break;
-    case DType::Bool: reinterpret_cast<bool*>(p)[i] = v != 0; break;
-    default: break;
+    case DType::Int32:
+      reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+      break;
+    case DType::Int64:
+      reinterpret_cast<int64_t*>(p)[i] = v;
+      break;
+    case DType::Bool:
+      reinterpret_cast<bool*>(p)[i] = v != 0;
+      break;
+    default:
+      break;
   }
 }
 
@@ -231,11 +298,16 @@ bool isIntegral(DType t) { return t == DType::Int32 || t == DType::Int64 || t ==
 template <typename Fn>
 void dispatchCompute(DType t, const char* op, Fn&& fn) {
   switch (t) {
-    case DType::Float32: return fn(float{});
-    case DType::Float64: return fn(double{});
-    case DType::Int32: return fn(int32_t{});
-    case DType::Int64: return fn(int64_t{});
-    default: break;
+    case DType::Float32:
+      return fn(float{});
+    case DType::Float64:
+      return fn(double{});
+    case DType::Int32:
+      return fn(int32_t{});
+    case DType::Int64:
+      return fn(int64_t{});
+    default:
+      break;
   }
   throw InvalidArgument(str(op, ": CUDA kernels compute in float32/float64/int32/int64, not ", t));
 }
@@ -249,8 +321,8 @@ T clampLimit(double v) {
 
 }  // namespace
 
-void binary(Device device, BinaryOp op, DType compute, void* out, const void* a, const void* b, const Geometry& g,
-            double alpha) {
+void binary(Device device, BinaryOp op, DType compute, void* out, const void* a, const void* b,
+            const Geometry& g, double alpha) {
   if (g.numel == 0) return;
   DeviceGuard guard(device);
   const bool compare = op >= BinaryOp::Eq && op <= BinaryOp::Ge;
@@ -275,7 +347,8 @@ void unary(Device device, UnaryOp op, DType compute, void* out, const void* a, c
   checkLaunch("unary", device);
 }
 
-void where(Device device, DType type, void* out, const void* cond, const void* a, const void* b, const Geometry& g) {
+void where(Device device, DType type, void* out, const void* cond, const void* a, const void* b,
+           const Geometry& g) {
   if (g.numel == 0) return;
   DeviceGuard guard(device);
   const unsigned blocks = blocksFor(g.numel);
@@ -284,10 +357,18 @@ void where(Device device, DType type, void* out, const void* cond, const void* a
   const bool* c = static_cast<const bool*>(cond);
   const char *x = static_cast<const char*>(a), *y = static_cast<const char*>(b);
   switch (itemSize(type)) {
-    case 1: whereKernel<uint8_t><<<blocks, kThreads, 0, s>>>(o, c, x, y, g); break;
-    case 2: whereKernel<uint16_t><<<blocks, kThreads, 0, s>>>(o, c, x, y, g); break;
-    case 4: whereKernel<uint32_t><<<blocks, kThreads, 0, s>>>(o, c, x, y, g); break;
-    default: whereKernel<uint64_t><<<blocks, kThreads, 0, s>>>(o, c, x, y, g); break;
+    case 1:
+      whereKernel<uint8_t><<<blocks, kThreads, 0, s>>>(o, c, x, y, g);
+      break;
+    case 2:
+      whereKernel<uint16_t><<<blocks, kThreads, 0, s>>>(o, c, x, y, g);
+      break;
+    case 4:
+      whereKernel<uint32_t><<<blocks, kThreads, 0, s>>>(o, c, x, y, g);
+      break;
+    default:
+      whereKernel<uint64_t><<<blocks, kThreads, 0, s>>>(o, c, x, y, g);
+      break;
   }
   checkLaunch("where", device);
 }
@@ -301,13 +382,22 @@ void copy(Device device, DType dstType, void* dst, DType srcType, const void* sr
   const char* p = static_cast<const char*>(src);
   if (dstType == srcType) {
     switch (itemSize(dstType)) {
-      case 1: rawCopyKernel<uint8_t><<<blocks, kThreads, 0, s>>>(d, p, g); break;
-      case 2: rawCopyKernel<uint16_t><<<blocks, kThreads, 0, s>>>(d, p, g); break;
-      case 4: rawCopyKernel<uint32_t><<<blocks, kThreads, 0, s>>>(d, p, g); break;
-      default: rawCopyKernel<uint64_t><<<blocks, kThreads, 0, s>>>(d, p, g); break;
+      case 1:
+        rawCopyKernel<uint8_t><<<blocks, kThreads, 0, s>>>(d, p, g);
+        break;
+      case 2:
+        rawCopyKernel<uint16_t><<<blocks, kThreads, 0, s>>>(d, p, g);
+        break;
+      case 4:
+        rawCopyKernel<uint32_t><<<blocks, kThreads, 0, s>>>(d, p, g);
+        break;
+      default:
+        rawCopyKernel<uint64_t><<<blocks, kThreads, 0, s>>>(d, p, g);
+        break;
     }
   } else {
-    convertKernel<<<blocks, kThreads, 0, s>>>(dstType, d, srcType, p, g, isIntegral(dstType) && isIntegral(srcType));
+    convertKernel<<<blocks, kThreads, 0, s>>>(dstType, d, srcType, p, g,
+                                              isIntegral(dstType) && isIntegral(srcType));
   }
   checkLaunch("copy", device);
 }

@@ -33,7 +33,8 @@ __global__ void sumRowsKernel(T* out, const T* in, int64_t n) {
 }
 
 template <typename T>
-__global__ void extremeRowsKernel(T* values, int64_t* indices, const T* in, int64_t rows, int64_t n, bool isMax) {
+__global__ void extremeRowsKernel(T* values, int64_t* indices, const T* in, int64_t rows, int64_t n,
+                                  bool isMax) {
   const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (r >= rows) return;
   const T* row = in + r * n;
@@ -59,7 +60,8 @@ __global__ void extremeRowsKernel(T* values, int64_t* indices, const T* in, int6
 }
 
 template <typename T>
-__global__ void scatterRowsKernel(T* out, const T* grad, const int64_t* idx, int64_t outer, int64_t r, int64_t inner) {
+__global__ void scatterRowsKernel(T* out, const T* grad, const int64_t* idx, int64_t outer, int64_t r,
+                                  int64_t inner) {
   const int64_t total = outer * inner;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -89,7 +91,8 @@ __global__ void softmaxRowsKernel(T* out, const T* in, int64_t n, bool logMode) 
     for (int64_t j = threadIdx.x; j < n; j += kThreads) yr[j] = (xr[j] - mx) - logSum;
   } else {
     const double inv = 1.0 / s;
-    for (int64_t j = threadIdx.x; j < n; j += kThreads) yr[j] = static_cast<T>(::exp(static_cast<double>(xr[j] - mx)) * inv);
+    for (int64_t j = threadIdx.x; j < n; j += kThreads)
+      yr[j] = static_cast<T>(::exp(static_cast<double>(xr[j] - mx)) * inv);
   }
 }
 
@@ -125,8 +128,8 @@ __global__ void crossEntropyForwardKernel(double* losses, unsigned long long* st
 
 template <typename T>
 __global__ void crossEntropyBackwardKernel(T* out, const T* lsm, const int64_t* target, const double* grad,
-                                           bool perRow, double divisor, int64_t n, int64_t c, int64_t ignoreIndex,
-                                           double eps) {
+                                           bool perRow, double divisor, int64_t n, int64_t c,
+                                           int64_t ignoreIndex, double eps) {
   const int64_t total = n * c;
   const double smooth = eps / static_cast<double>(c);
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
@@ -148,8 +151,8 @@ __global__ void crossEntropyBackwardKernel(T* out, const T* lsm, const int64_t* 
 // ---- layer norm --------------------------------------------------------------------------------
 
 template <typename T>
-__global__ void layerNormForwardKernel(T* y, double* meanOut, double* rstdOut, const T* x, const T* w, const T* b,
-                                       int64_t d, double eps) {
+__global__ void layerNormForwardKernel(T* y, double* meanOut, double* rstdOut, const T* x, const T* w,
+                                       const T* b, int64_t d, double eps) {
   __shared__ double shared[kThreads / 32];
   const T* xr = x + blockIdx.x * d;
   T* yr = y + blockIdx.x * d;
@@ -202,8 +205,9 @@ __global__ void layerNormBackwardInputKernel(T* gx, const T* x, const T* w, cons
 
 // One thread per column walks the rows: neighbouring threads read neighbouring columns.
 template <typename T>
-__global__ void layerNormBackwardParamsKernel(double* gw, double* gb, const T* x, const T* g, const double* meanIn,
-                                              const double* rstdIn, int64_t rows, int64_t d) {
+__global__ void layerNormBackwardParamsKernel(double* gw, double* gb, const T* x, const T* g,
+                                              const double* meanIn, const double* rstdIn, int64_t rows,
+                                              int64_t d) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= d) return;
   double sw = 0, sb = 0;
@@ -218,13 +222,15 @@ __global__ void layerNormBackwardParamsKernel(double* gw, double* gb, const T* x
 
 // ---- embedding ------------------------------------------------------------------------------------
 
-__global__ void indexCheckKernel(unsigned long long* first, const int64_t* idx, int64_t count, int64_t limit) {
+__global__ void indexCheckKernel(unsigned long long* first, const int64_t* idx, int64_t count,
+                                 int64_t limit) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < count && (idx[i] < 0 || idx[i] >= limit)) atomicMin(first, static_cast<unsigned long long>(i));
 }
 
 template <typename T>
-__global__ void gatherRowsKernel(T* out, const T* weight, const int64_t* idx, int64_t count, int64_t rowElems) {
+__global__ void gatherRowsKernel(T* out, const T* weight, const int64_t* idx, int64_t count,
+                                 int64_t rowElems) {
   const int64_t total = count * rowElems;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -257,8 +263,8 @@ __device__ inline double divR(double a, double b) { return __ddiv_rn(a, b); }
 __device__ inline double sqrtR(double a) { return __dsqrt_rn(a); }
 
 template <typename T>
-__global__ void adamwKernel(T* p, const T* g, T* m, T* v, int64_t n, T decay, T tb1, T tb2, T ob1, T ob2, T stepSize,
-                            T invBc2, T te) {
+__global__ void adamwKernel(T* p, const T* g, T* m, T* v, int64_t n, T decay, T tb1, T tb2, T ob1, T ob2,
+                            T stepSize, T invBc2, T te) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const T gi = g[i];
@@ -279,24 +285,25 @@ void sumRows(Device device, DType type, void* out, const void* in, int64_t rows,
   cudaStream_t s = streamFor(device);
   switch (type) {
     case DType::Float32:
-      sumRowsKernel<float, double><<<rowGrid(rows), kThreads, 0, s>>>(static_cast<float*>(out),
-                                                                      static_cast<const float*>(in), n);
+      sumRowsKernel<float, double>
+          <<<rowGrid(rows), kThreads, 0, s>>>(static_cast<float*>(out), static_cast<const float*>(in), n);
       break;
     case DType::Float64:
-      sumRowsKernel<double, double><<<rowGrid(rows), kThreads, 0, s>>>(static_cast<double*>(out),
-                                                                       static_cast<const double*>(in), n);
+      sumRowsKernel<double, double>
+          <<<rowGrid(rows), kThreads, 0, s>>>(static_cast<double*>(out), static_cast<const double*>(in), n);
       break;
     case DType::Int64:
-      sumRowsKernel<int64_t, long long><<<rowGrid(rows), kThreads, 0, s>>>(static_cast<int64_t*>(out),
-                                                                           static_cast<const int64_t*>(in), n);
+      sumRowsKernel<int64_t, long long>
+          <<<rowGrid(rows), kThreads, 0, s>>>(static_cast<int64_t*>(out), static_cast<const int64_t*>(in), n);
       break;
-    default: throw InvalidArgument(str("sum: CUDA kernel sums float32/float64/int64, not ", type));
+    default:
+      throw InvalidArgument(str("sum: CUDA kernel sums float32/float64/int64, not ", type));
   }
   checkLaunch("sumRows", device);
 }
 
-void extremeRows(Device device, DType type, void* values, int64_t* indices, const void* in, int64_t rows, int64_t n,
-                 bool isMax) {
+void extremeRows(Device device, DType type, void* values, int64_t* indices, const void* in, int64_t rows,
+                 int64_t n, bool isMax) {
   if (rows == 0) return;
   DeviceGuard guard(device);
   cudaStream_t s = streamFor(device);
@@ -318,13 +325,14 @@ void extremeRows(Device device, DType type, void* values, int64_t* indices, cons
       extremeRowsKernel<int64_t><<<blocks, kThreads, 0, s>>>(static_cast<int64_t*>(values), indices,
                                                              static_cast<const int64_t*>(in), rows, n, isMax);
       break;
-    default: throw InvalidArgument(str(isMax ? "max" : "min", ": CUDA kernel does not take ", type));
+    default:
+      throw InvalidArgument(str(isMax ? "max" : "min", ": CUDA kernel does not take ", type));
   }
   checkLaunch("extremeRows", device);
 }
 
-void scatterRows(Device device, DType type, void* out, const void* grad, const int64_t* idx, int64_t outer, int64_t r,
-                 int64_t inner) {
+void scatterRows(Device device, DType type, void* out, const void* grad, const int64_t* idx, int64_t outer,
+                 int64_t r, int64_t inner) {
   if (outer * inner == 0) return;
   DeviceGuard guard(device);
   dispatchFloat(type, "max/min backward", [&](auto zero) {
@@ -335,13 +343,14 @@ void scatterRows(Device device, DType type, void* out, const void* grad, const i
   checkLaunch("scatterRows", device);
 }
 
-void softmaxRows(Device device, DType type, void* out, const void* in, int64_t rows, int64_t n, bool logMode) {
+void softmaxRows(Device device, DType type, void* out, const void* in, int64_t rows, int64_t n,
+                 bool logMode) {
   if (rows == 0 || n == 0) return;
   DeviceGuard guard(device);
   dispatchFloat(type, logMode ? "logSoftmax" : "softmax", [&](auto zero) {
     using T = decltype(zero);
-    softmaxRowsKernel<T><<<rowGrid(rows), kThreads, 0, streamFor(device)>>>(static_cast<T*>(out),
-                                                                             static_cast<const T*>(in), n, logMode);
+    softmaxRowsKernel<T><<<rowGrid(rows), kThreads, 0, streamFor(device)>>>(
+        static_cast<T*>(out), static_cast<const T*>(in), n, logMode);
   });
   checkLaunch("softmaxRows", device);
 }
@@ -354,7 +363,8 @@ CrossEntropyStatus crossEntropyForward(Device device, DType type, double* losses
   DeviceGuard guard(device);
   cudaStream_t s = streamFor(device);
   unsigned long long* status = nullptr;
-  checkCall(cudaMallocAsync(reinterpret_cast<void**>(&status), 2 * sizeof(unsigned long long), s), "malloc", device);
+  checkCall(cudaMallocAsync(reinterpret_cast<void**>(&status), 2 * sizeof(unsigned long long), s), "malloc",
+            device);
   const unsigned long long init[2] = {~0ull, 0ull};
   checkCall(cudaMemcpyAsync(status, init, sizeof(init), cudaMemcpyHostToDevice, s), "memcpy", device);
   dispatchFloat(type, "crossEntropy", [&](auto zero) {
@@ -370,15 +380,16 @@ CrossEntropyStatus crossEntropyForward(Device device, DType type, double* losses
   result.valid = static_cast<int64_t>(host[1]);
   if (host[0] != ~0ull) {
     result.badPosition = static_cast<int64_t>(host[0]);
-    checkCall(cudaMemcpy(&result.badTarget, target + result.badPosition, sizeof(int64_t), cudaMemcpyDeviceToHost),
-              "memcpy", device);
+    checkCall(
+        cudaMemcpy(&result.badTarget, target + result.badPosition, sizeof(int64_t), cudaMemcpyDeviceToHost),
+        "memcpy", device);
   }
   return result;
 }
 
 void crossEntropyBackward(Device device, DType type, void* out, const void* lsm, const int64_t* target,
-                          const double* grad, bool perRow, double divisor, int64_t n, int64_t c, int64_t ignoreIndex,
-                          double labelSmoothing) {
+                          const double* grad, bool perRow, double divisor, int64_t n, int64_t c,
+                          int64_t ignoreIndex, double labelSmoothing) {
   if (n * c == 0) return;
   DeviceGuard guard(device);
   dispatchFloat(type, "crossEntropy backward", [&](auto zero) {
@@ -390,47 +401,51 @@ void crossEntropyBackward(Device device, DType type, void* out, const void* lsm,
   checkLaunch("crossEntropyBackward", device);
 }
 
-void layerNormForward(Device device, DType type, void* y, double* mean, double* rstd, const void* x, const void* w,
-                      const void* b, int64_t rows, int64_t d, double eps) {
+void layerNormForward(Device device, DType type, void* y, double* mean, double* rstd, const void* x,
+                      const void* w, const void* b, int64_t rows, int64_t d, double eps) {
   if (rows == 0) return;
   DeviceGuard guard(device);
   dispatchFloat(type, "layerNorm", [&](auto zero) {
     using T = decltype(zero);
     layerNormForwardKernel<T><<<rowGrid(rows), kThreads, 0, streamFor(device)>>>(
-        static_cast<T*>(y), mean, rstd, static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(b),
-        d, eps);
+        static_cast<T*>(y), mean, rstd, static_cast<const T*>(x), static_cast<const T*>(w),
+        static_cast<const T*>(b), d, eps);
   });
   checkLaunch("layerNormForward", device);
 }
 
-void layerNormBackward(Device device, DType type, void* gx, double* gw, double* gb, const void* x, const void* w,
-                       const void* grad, const double* mean, const double* rstd, int64_t rows, int64_t d) {
+void layerNormBackward(Device device, DType type, void* gx, double* gw, double* gb, const void* x,
+                       const void* w, const void* grad, const double* mean, const double* rstd, int64_t rows,
+                       int64_t d) {
   DeviceGuard guard(device);
   cudaStream_t s = streamFor(device);
   dispatchFloat(type, "layerNorm backward", [&](auto zero) {
     using T = decltype(zero);
     if (gx != nullptr && rows > 0) {
       layerNormBackwardInputKernel<T><<<rowGrid(rows), kThreads, 0, s>>>(
-          static_cast<T*>(gx), static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(grad), mean,
-          rstd, d);
+          static_cast<T*>(gx), static_cast<const T*>(x), static_cast<const T*>(w),
+          static_cast<const T*>(grad), mean, rstd, d);
     }
     if ((gw != nullptr || gb != nullptr) && d > 0) {
-      layerNormBackwardParamsKernel<T><<<static_cast<unsigned>((d + kThreads - 1) / kThreads), kThreads, 0, s>>>(
-          gw, gb, static_cast<const T*>(x), static_cast<const T*>(grad), mean, rstd, rows, d);
+      layerNormBackwardParamsKernel<T>
+          <<<static_cast<unsigned>((d + kThreads - 1) / kThreads), kThreads, 0, s>>>(
+              gw, gb, static_cast<const T*>(x), static_cast<const T*>(grad), mean, rstd, rows, d);
     }
   });
   checkLaunch("layerNormBackward", device);
 }
 
-int64_t firstIndexOutOfRange(Device device, const int64_t* idx, int64_t count, int64_t limit, int64_t* badValue) {
+int64_t firstIndexOutOfRange(Device device, const int64_t* idx, int64_t count, int64_t limit,
+                             int64_t* badValue) {
   if (count == 0) return -1;
   DeviceGuard guard(device);
   cudaStream_t s = streamFor(device);
   unsigned long long* first = nullptr;
-  checkCall(cudaMallocAsync(reinterpret_cast<void**>(&first), sizeof(unsigned long long), s), "malloc", device);
+  checkCall(cudaMallocAsync(reinterpret_cast<void**>(&first), sizeof(unsigned long long), s), "malloc",
+            device);
   checkCall(cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), s), "memset", device);
-  indexCheckKernel<<<static_cast<unsigned>((count + kThreads - 1) / kThreads), kThreads, 0, s>>>(first, idx, count,
-                                                                                                  limit);
+  indexCheckKernel<<<static_cast<unsigned>((count + kThreads - 1) / kThreads), kThreads, 0, s>>>(
+      first, idx, count, limit);
   checkLaunch("indexCheck", device);
   unsigned long long host = 0;
   checkCall(cudaMemcpyAsync(&host, first, sizeof(host), cudaMemcpyDeviceToHost, s), "memcpy", device);
@@ -442,16 +457,16 @@ int64_t firstIndexOutOfRange(Device device, const int64_t* idx, int64_t count, i
   return position;
 }
 
-void gatherRows(Device device, size_t itemSize, void* out, const void* weight, const int64_t* idx, int64_t count,
-                int64_t rowElems) {
+void gatherRows(Device device, size_t itemSize, void* out, const void* weight, const int64_t* idx,
+                int64_t count, int64_t rowElems) {
   if (count * rowElems == 0) return;
   DeviceGuard guard(device);
   const unsigned blocks = blocksFor(count * rowElems);
   cudaStream_t s = streamFor(device);
   switch (itemSize) {
     case 1:
-      gatherRowsKernel<uint8_t><<<blocks, kThreads, 0, s>>>(static_cast<uint8_t*>(out),
-                                                            static_cast<const uint8_t*>(weight), idx, count, rowElems);
+      gatherRowsKernel<uint8_t><<<blocks, kThreads, 0, s>>>(
+          static_cast<uint8_t*>(out), static_cast<const uint8_t*>(weight), idx, count, rowElems);
       break;
     case 2:
       gatherRowsKernel<uint16_t><<<blocks, kThreads, 0, s>>>(
@@ -478,8 +493,8 @@ void scatterAddRows(Device device, double* gw, const double* grad, const int64_t
   checkLaunch("scatterAddRows", device);
 }
 
-void adamw(Device device, DType type, void* p, const void* g, void* m, void* v, int64_t n, double lr, double beta1,
-           double beta2, double eps, double weightDecay, double bc1, double bc2Sqrt) {
+void adamw(Device device, DType type, void* p, const void* g, void* m, void* v, int64_t n, double lr,
+           double beta1, double beta2, double eps, double weightDecay, double bc1, double bc2Sqrt) {
   if (n == 0) return;
   DeviceGuard guard(device);
   dispatchFloat(type, "AdamW", [&](auto zero) {

@@ -65,7 +65,8 @@ void requireSameDevice(const Tensor& a, const Tensor& b, const char* op);
 // NotSupportedError naming op, device and reason (a cpu-only build, no usable device).
 bool cudaPathFor(const Tensor& t, const char* op);
 inline bool onCuda(const Tensor& t, const char* op) {
-  if (t.device().isCpu()) [[likely]] return false;
+  if (t.device().isCpu()) [[likely]]
+    return false;
   return cudaPathFor(t, op);
 }
 void requireFloat(const Tensor& t, const char* op);

@@ -180,7 +180,8 @@ void AdamW::step() {
     if (m.device() != p.device()) m = m.to(p.device()).contiguous();
     if (v.device() != p.device()) v = v.to(p.device()).contiguous();
     if (g.device() != p.device()) {
-      throw InvalidArgument(str("AdamW: parameter ", i, " is ", p.describe(), " but its gradient is ", g.describe()));
+      throw InvalidArgument(
+          str("AdamW: parameter ", i, " is ", p.describe(), " but its gradient is ", g.describe()));
     }
     if (!stepT.defined()) stepT = zeros({}, DType::Float64);
     const double t = stepT.item<double>() + 1.0;
@@ -189,10 +190,11 @@ void AdamW::step() {
     const double bc2Sqrt = std::sqrt(1.0 - std::pow(o.beta2, t));
     if (!p.device().isCpu()) {
 #if DT_HAVE_CUDA
-      cuda::adamw(p.device(), p.dtype(), p.dataPtr(), g.dataPtr(), m.dataPtr(), v.dataPtr(), p.numel(), lr_, o.beta1,
-                  o.beta2, o.eps, o.weightDecay, bc1, bc2Sqrt);
+      cuda::adamw(p.device(), p.dtype(), p.dataPtr(), g.dataPtr(), m.dataPtr(), v.dataPtr(), p.numel(), lr_,
+                  o.beta1, o.beta2, o.eps, o.weightDecay, bc1, bc2Sqrt);
 #else
-      throw NotSupportedError(str("AdamW: parameter ", i, " is ", p.describe(), ": this build has cpu kernels only"));
+      throw NotSupportedError(
+          str("AdamW: parameter ", i, " is ", p.describe(), ": this build has cpu kernels only"));
 #endif
     } else if (p.dtype() == DType::Float32) {
       adamwKernel(p.data<float>(), g.data<float>(), m.data<float>(), v.data<float>(), p.numel(), lr_, o.beta1, o.beta2,

@@ -70,10 +70,14 @@ constexpr Tol kBF16{3e-2, 1e-2};
 
 Tol tolFor(DType t) {
   switch (t) {
-    case DType::Float64: return kF64;
-    case DType::Float16: return kF16;
-    case DType::BFloat16: return kBF16;
-    default: return kF32;
+    case DType::Float64:
+      return kF64;
+    case DType::Float16:
+      return kF16;
+    case DType::BFloat16:
+      return kBF16;
+    default:
+      return kF32;
   }
 }
 
@@ -148,16 +152,21 @@ TEST(CudaOps, ElementwiseBinaryWithBroadcasting) {
   checkOp("maximum", [](const TensorList& t) { return maximum(t[0], t[1]); }, {a, b});
   checkOp("minimum", [](const TensorList& t) { return minimum(t[0], t[1]); }, {a, c});
   checkOp("scalars", [](const TensorList& t) { return rsub(mul(add(t[0], 2.0), 3.0), 1.0) / 4.0; }, {a});
-  checkOp("eq", [](const TensorList& t) { return eq(t[0], t[0]); }, {a}, false);
-  checkOp("lt", [](const TensorList& t) { return lt(t[0], t[1]); }, {a, b}, false);
-  checkOp("ge", [](const TensorList& t) { return ge(t[0], t[1]); }, {a, c}, false);
-  checkOp("gt scalar", [](const TensorList& t) { return gt(t[0], 0.25); }, {a}, false);
+  checkOp(
+      "eq", [](const TensorList& t) { return eq(t[0], t[0]); }, {a}, false);
+  checkOp(
+      "lt", [](const TensorList& t) { return lt(t[0], t[1]); }, {a, b}, false);
+  checkOp(
+      "ge", [](const TensorList& t) { return ge(t[0], t[1]); }, {a, c}, false);
+  checkOp(
+      "gt scalar", [](const TensorList& t) { return gt(t[0], 0.25); }, {a}, false);
   checkOp("float64", [](const TensorList& t) { return mul(add(t[0], t[1]), t[1]); },
           {a.to(DType::Float64), b.to(DType::Float64)});
-  checkOp("int64", [](const TensorList& t) { return add(mul(t[0], t[1]), t[0]); },
-          {arange(12, TensorOptions().dtype(DType::Int64)).reshape({3, 4}),
-           arange(4, TensorOptions().dtype(DType::Int64))},
-          false);
+  checkOp(
+      "int64", [](const TensorList& t) { return add(mul(t[0], t[1]), t[0]); },
+      {arange(12, TensorOptions().dtype(DType::Int64)).reshape({3, 4}),
+       arange(4, TensorOptions().dtype(DType::Int64))},
+      false);
 }
 
 TEST(CudaOps, ElementwiseUnary) {
@@ -173,19 +182,26 @@ TEST(CudaOps, ElementwiseUnary) {
   checkOp("gelu", [](const TensorList& t) { return gelu(t[0]); }, {a});
   checkOp("tanh", [](const TensorList& t) { return tanh(t[0]); }, {a});
   checkOp("sigmoid", [](const TensorList& t) { return sigmoid(t[0]); }, {a});
-  checkOp("where", [](const TensorList& t) { return where(gt(t[0], 0.0), t[0], t[1]); }, {a, randomTensor({9}, 5)});
+  checkOp("where", [](const TensorList& t) { return where(gt(t[0], 0.0), t[0], t[1]); },
+          {a, randomTensor({9}, 5)});
 }
 
 TEST(CudaOps, NonContiguousInputs) {
   REQUIRE_CUDA();
   const Tensor a = randomTensor({6, 8}, 6), b = randomTensor({8, 6}, 7);
   checkOp("transposed add", [](const TensorList& t) { return add(t[0].t(), t[1]); }, {a, b});
-  checkOp("narrowed mul", [](const TensorList& t) { return mul(t[0].narrow(1, 2, 4), t[1].narrow(0, 1, 4).t()); },
-          {a, b});
+  checkOp("narrowed mul",
+          [](const TensorList& t) { return mul(t[0].narrow(1, 2, 4), t[1].narrow(0, 1, 4).t()); }, {a, b});
   checkOp("sliced relu", [](const TensorList& t) { return relu(t[0].slice(0, 0, 6, 2)); }, {a});
-  checkOp("permuted sum", [](const TensorList& t) { return sum(t[0].reshape({2, 3, 8}).permute({2, 0, 1}), {1}); },
+  checkOp("permuted sum",
+          [](const TensorList& t) {
+            return sum(t[0].reshape({2, 3, 8}).permute({2, 0, 1}), {1});
+          },
           {a});
-  checkOp("expanded contiguous", [](const TensorList& t) { return t[0].narrow(0, 0, 1).expand({5, 8}).contiguous(); },
+  checkOp("expanded contiguous",
+          [](const TensorList& t) {
+            return t[0].narrow(0, 0, 1).expand({5, 8}).contiguous();
+          },
           {a});
 }
 
@@ -220,10 +236,13 @@ TEST(CudaOps, Reductions) {
   checkOp("min dim keepdim", [](const TensorList& t) { return min(t[0], 2, true).values; }, {a});
   checkOp("max all", [](const TensorList& t) { return max(t[0]); }, {a});
   checkOp("amax", [](const TensorList& t) { return amax(t[0], {0, 2}); }, {a});
-  checkOp("argmax", [](const TensorList& t) { return argmax(t[0], 1); }, {a}, false);
-  checkOp("argmin", [](const TensorList& t) { return argmin(t[0], 0); }, {a}, false);
-  checkOp("sum int32", [](const TensorList& t) { return sum(t[0], {1}); },
-          {arange(20, TensorOptions().dtype(DType::Int32)).reshape({4, 5})}, false);
+  checkOp(
+      "argmax", [](const TensorList& t) { return argmax(t[0], 1); }, {a}, false);
+  checkOp(
+      "argmin", [](const TensorList& t) { return argmin(t[0], 0); }, {a}, false);
+  checkOp(
+      "sum int32", [](const TensorList& t) { return sum(t[0], {1}); },
+      {arange(20, TensorOptions().dtype(DType::Int32)).reshape({4, 5})}, false);
   checkOp("sum float64", [](const TensorList& t) { return sum(t[0], {1}); }, {a.to(DType::Float64)});
 }
 
@@ -259,7 +278,8 @@ TEST(CudaOps, CrossEntropy) {
 TEST(CudaOps, LayerNormAndEmbedding) {
   REQUIRE_CUDA();
   const Tensor x = randomTensor({3, 4, 16}, 14), w = randomTensor({16}, 15), b = randomTensor({16}, 16);
-  checkOp("layerNorm", [](const TensorList& t) { return layerNorm(t[0], {16}, t[1], t[2], 1e-5); }, {x, w, b});
+  checkOp("layerNorm", [](const TensorList& t) { return layerNorm(t[0], {16}, t[1], t[2], 1e-5); },
+          {x, w, b});
   checkOp("layerNorm 2 dims no affine", [](const TensorList& t) { return layerNorm(t[0], {4, 16}); }, {x});
   const Tensor table = randomTensor({10, 7}, 17);
   const Tensor idx = fromVector<int64_t>({1, 3, 3, 9, 0, 1}, {2, 3});
@@ -267,7 +287,10 @@ TEST(CudaOps, LayerNormAndEmbedding) {
   checkOp("embedding int32 indices", [](const TensorList& t) { return embedding(t[0], t[1]); },
           {table, idx.to(DType::Int32)});
   expectThrowsWith<InvalidArgument>(
-      [&] { embedding(table.to(kGpu), fromVector<int64_t>({2, 10}).to(kGpu)); }, {"embedding", "index 10", "10 rows"});
+      [&] {
+        embedding(table.to(kGpu), fromVector<int64_t>({2, 10}).to(kGpu));
+      },
+      {"embedding", "index 10", "10 rows"});
 }
 
 TEST(CudaOps, MatrixProducts) {
@@ -275,13 +298,24 @@ TEST(CudaOps, MatrixProducts) {
   const Tensor a = randomTensor({5, 7}, 18), b = randomTensor({7, 3}, 19);
   checkOp("mm", [](const TensorList& t) { return mm(t[0], t[1]); }, {a, b});
   checkOp("mm transposed operands", [](const TensorList& t) { return mm(t[1].t(), t[0].t()); }, {a, b});
-  checkOp("mm strided copy", [](const TensorList& t) { return mm(t[0].slice(1, 0, 7, 2), t[1].slice(0, 0, 7, 2)); },
-          {a, b});
-  checkOp("mm float64", [](const TensorList& t) { return mm(t[0], t[1]); }, {a.to(DType::Float64), b.to(DType::Float64)});
-  checkOp("bmm", [](const TensorList& t) { return bmm(t[0], t[1]); }, {randomTensor({4, 3, 5}, 20), randomTensor({4, 5, 2}, 21)});
+  checkOp("mm strided copy",
+          [](const TensorList& t) { return mm(t[0].slice(1, 0, 7, 2), t[1].slice(0, 0, 7, 2)); }, {a, b});
+  checkOp("mm float64", [](const TensorList& t) { return mm(t[0], t[1]); },
+          {a.to(DType::Float64), b.to(DType::Float64)});
+  checkOp("bmm", [](const TensorList& t) { return bmm(t[0], t[1]); },
+          {randomTensor({4, 3, 5}, 20), randomTensor({4, 5, 2}, 21)});
+  // Transposed batches go to cuBLAS as CUBLAS_OP_T; a strided slice gets one contiguous copy.
+  checkOp("bmm transposed operands",
+          [](const TensorList& t) {
+            return bmm(t[0].permute({0, 2, 1}), t[1].permute({0, 2, 1}));
+          },
+          {randomTensor({4, 5, 3}, 56), randomTensor({4, 2, 5}, 57)});
+  checkOp("bmm strided operand", [](const TensorList& t) { return bmm(t[0].slice(2, 0, 10, 2), t[1]); },
+          {randomTensor({3, 4, 10}, 58), randomTensor({3, 5, 2}, 59)});
   checkOp("matmul broadcast", [](const TensorList& t) { return matmul(t[0], t[1]); },
           {randomTensor({2, 1, 3, 5}, 22), randomTensor({4, 5, 6}, 23)});
-  checkOp("matmul vector", [](const TensorList& t) { return matmul(t[0], t[1]); }, {a, randomTensor({7}, 24)});
+  checkOp("matmul vector", [](const TensorList& t) { return matmul(t[0], t[1]); },
+          {a, randomTensor({7}, 24)});
   checkOp("linear", [](const TensorList& t) { return linear(t[0], t[1], t[2]); },
           {randomTensor({2, 3, 7}, 25), randomTensor({4, 7}, 26), randomTensor({4}, 27)});
   checkOp("linear no bias", [](const TensorList& t) { return linear(t[0], t[1]); },
@@ -353,7 +387,8 @@ TEST(CudaOps, SixteenBitFloats) {
     checkOp(name + " softmax", [](const TensorList& x) { return softmax(x[0], 1); }, {a});
     checkOp(name + " logSoftmax", [](const TensorList& x) { return logSoftmax(x[0], 1); }, {a});
     checkOp(name + " layerNorm", [](const TensorList& x) { return layerNorm(x[0], {8}, x[1]); }, {a, b});
-    checkOp(name + " linear", [](const TensorList& x) { return linear(x[0], x[1]); }, {a, randomTensor({3, 8}, 38, t)});
+    checkOp(name + " linear", [](const TensorList& x) { return linear(x[0], x[1]); },
+            {a, randomTensor({3, 8}, 38, t)});
     checkOp(name + " crossEntropy", [](const TensorList& x) { return crossEntropy(x[0], x[1]); },
             {a, fromVector<int64_t>({1, 7, 0, 3, 3, 5})});
     checkOp(name + " embedding", [](const TensorList& x) { return embedding(x[0], x[1]); },
@@ -440,7 +475,8 @@ TEST(CudaOps, MlpTrainingStepMatchesCpu) {
     expectMatches(lossCpu.detach(), lossGpu.detach(), kF32, str("loss at step ", i));
   }
   for (size_t i = 0; i < net.cpu.size(); ++i) {
-    expectMatches(net.cpu[i].detach(), net.gpu[i].detach(), Tol{1e-4, 1e-5}, str("parameter ", i, " after 3 steps"));
+    expectMatches(net.cpu[i].detach(), net.gpu[i].detach(), Tol{1e-4, 1e-5},
+                  str("parameter ", i, " after 3 steps"));
   }
 }
 
@@ -487,7 +523,8 @@ TEST(CudaKernels, GeometryMergesDimsEveryOperandWalksAsOne) {
   EXPECT_EQ(g.numel, 1);
   // Nine dims that cannot merge exceed the kernels' limit, and the error says what to do.
   std::vector<int64_t> sizes(9, 2), strides(9);
-  for (int i = 0; i < 9; ++i) strides[static_cast<size_t>(i)] = int64_t{1} << (2 * (8 - i));  // gaps: no merging
+  for (int i = 0; i < 9; ++i)
+    strides[static_cast<size_t>(i)] = int64_t{1} << (2 * (8 - i));  // gaps: no merging
   expectThrowsWith<NotSupportedError>([&] { cuda::makeGeometry(sizes, {strides}, "add"); },
                                       {"add", "9 dims", "limit of 8", "contiguous()"});
 #else
@@ -496,22 +533,27 @@ TEST(CudaKernels, GeometryMergesDimsEveryOperandWalksAsOne) {
 }
 
 TEST(CudaOps, MixedDevicesNameBothDevices) {
-  const std::string pytorchWords = "Expected all tensors to be on the same device, but found at least two devices, "
-                                   "cuda:0 and cpu!";
+  const std::string pytorchWords =
+      "Expected all tensors to be on the same device, but found at least two devices, "
+      "cuda:0 and cpu!";
   if (cudaDevices() > 0) {
     const Tensor c = ones({2, 2}, DType::Float32, kGpu), h = ones({2, 2});
     expectThrowsWith<InvalidArgument>([&] { add(c, h); }, {"add", pytorchWords});
     expectThrowsWith<InvalidArgument>([&] { mm(c, h); }, {"mm", pytorchWords});
     expectThrowsWith<InvalidArgument>([&] { linear(c, h); }, {"linear", pytorchWords});
-    expectThrowsWith<InvalidArgument>([&] { crossEntropy(c, fromVector<int64_t>({0, 1})); },
-                                      {"crossEntropy", pytorchWords});
+    expectThrowsWith<InvalidArgument>(
+        [&] {
+          crossEntropy(c, fromVector<int64_t>({0, 1}));
+        },
+        {"crossEntropy", pytorchWords});
     return;
   }
   // Without a device the check still runs: it happens before any kernel, so a CUDA tensor
   // whose memory is host memory (a stand-in allocator) is enough.
   struct StandInAllocator final : Allocator {
     DataPtr allocate(size_t bytes) override {
-      return DataPtr(std::malloc(bytes + 1), nullptr, [](void*, void* p) { std::free(p); }, Device::cuda(0));
+      return DataPtr(
+          std::malloc(bytes + 1), nullptr, [](void*, void* p) { std::free(p); }, Device::cuda(0));
     }
     DeviceType deviceType() const override { return DeviceType::CUDA; }
   } standIn;
