@@ -61,13 +61,14 @@ ncclRedOp_t ncclOpOf(ReduceOp op) {
 
 cudaStream_t raw(const cuda::Stream& s) { return static_cast<cudaStream_t>(s.handle()); }
 
-// The caching allocator (tensor/cuda/cuda.h, in progress elsewhere) will
-// offer cuda::recordStream(storage, stream) so that memory freed while the
-// NCCL stream still uses it is not handed out again before that work ends.
-// Until it lands, the Work keeps every tensor of the op alive until its
-// completion event has completed, which gives the same guarantee for memory
-// the caller frees early (a plain cudaFree also synchronises the device).
-void noteStreamUse(const Tensor&, const cuda::Stream&) {}
+// The caching allocator hands a freed block out again on its own stream at
+// once; the NCCL stream may still read or write it, so the block must also
+// wait for the NCCL stream's work (recordStream). Views of one storage record
+// it once each, which the allocator takes as often as it is told.
+void recordNcclStream(const Tensor& t, const cuda::Stream& stream) {
+  if (t.numel() == 0) return;
+  cuda::recordStream(t.storage(), stream);
+}
 
 }  // namespace
 
@@ -88,7 +89,10 @@ struct NcclComm {
 struct Launched {
   std::shared_ptr<NcclComm> comm;
   std::shared_ptr<cuda::Event> done;
-  std::vector<Tensor> keep;  // alive until the op completed (see noteStreamUse)
+  // Alive until the op completed: recordStream already protects freed memory,
+  // and this keeps the Work's tensors meaningful for result() and callbacks
+  // however the caller drops its handles.
+  std::vector<Tensor> keep;
 };
 
 // A send or recv being watched by the p2p thread.
@@ -317,6 +321,8 @@ struct NcclBackend::Impl {
     l.done = std::make_shared<cuda::Event>();
     NcclComm& c = *l.comm;
     cuda::DeviceGuard guard(device);
+    // Before anything is queued, so that a refusal leaves nothing in flight.
+    for (const auto& t : keep) recordNcclStream(t, c.stream);
     {
       std::lock_guard<std::mutex> lock(c.mutex);
       if (c.aborted) throw BackendError(str("[", who(), "] ", what, ": the communicator on ", device.str(), " was aborted"));
@@ -335,7 +341,6 @@ struct NcclBackend::Impl {
       if (result != ncclSuccess) throw BackendError(str(what, ": NCCL refused the op: ", ncclText(result, c.comm)));
       l.done->record(c.stream);
     }
-    for (const auto& t : keep) noteStreamUse(t, c.stream);
     l.keep = std::move(keep);
     return l;
   }

@@ -26,10 +26,10 @@
 //    the call, on the calling thread: the NCCL stream first waits (on the
 //    device) for the caller's current stream of that device, so the op sees
 //    everything queued before the call; an event recorded after the op marks
-//    its completion. The op keeps its tensors alive until that event has
-//    completed; telling the caching allocator that the NCCL stream uses them
-//    (cuda::recordStream) waits for that allocator to land (noteStreamUse
-//    in nccl_backend.cpp is the one place to add it).
+//    its completion. The caching allocator is told that the NCCL stream uses
+//    every tensor of the op (cuda::recordStream), so memory the caller frees
+//    early is not handed out again before the op is done; the op also keeps
+//    its tensors alive until its event has completed.
 //  * Work: wait() makes the caller's current stream wait for the completion
 //    event and returns without blocking the host (it rethrows when the op
 //    already failed); wait(timeout) blocks the host. The watchdog completes
