@@ -106,9 +106,14 @@ bool cudaPathFor(const Tensor& t, const char* op) {
 
 void requireSameDevice(const Tensor& a, const Tensor& b, const char* op) {
   if (a.device() != b.device()) {
-    throw InvalidArgument(str(
-        op, ": Expected all tensors to be on the same device, but found at least two devices, ", a.device(),
-        " and ", b.device(), "! (tensors on different devices: ", a.describe(), " and ", b.describe(), ")"));
+    // describe() names only a non-cpu device; name both here.
+    auto placed = [](const Tensor& t) {
+      return t.device().isCpu() ? t.describe() + " on cpu" : t.describe();
+    };
+    throw InvalidArgument(
+        str(op, ": Expected all tensors to be on the same device, but found at least two devices, ",
+            a.device(), " and ", b.device(), "! (tensors on different devices: ", placed(a), " and ",
+            placed(b), "); move one of them with to(", a.device(), ") or to(", b.device(), ")"));
   }
 }
 

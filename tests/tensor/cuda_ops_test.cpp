@@ -538,7 +538,8 @@ TEST(CudaOps, MixedDevicesNameBothDevices) {
       "cuda:0 and cpu!";
   if (cudaDevices() > 0) {
     const Tensor c = ones({2, 2}, DType::Float32, kGpu), h = ones({2, 2});
-    expectThrowsWith<InvalidArgument>([&] { add(c, h); }, {"add", pytorchWords});
+    expectThrowsWith<InvalidArgument>([&] { add(c, h); },
+                                      {"add", pytorchWords, "on cpu", "move one of them"});
     expectThrowsWith<InvalidArgument>([&] { mm(c, h); }, {"mm", pytorchWords});
     expectThrowsWith<InvalidArgument>([&] { linear(c, h); }, {"linear", pytorchWords});
     expectThrowsWith<InvalidArgument>(
@@ -560,7 +561,8 @@ TEST(CudaOps, MixedDevicesNameBothDevices) {
   registerAllocator(DeviceType::CUDA, &standIn);
   {
     const Tensor c = empty({2, 2}, DType::Float32, kGpu), h = ones({2, 2});
-    expectThrowsWith<InvalidArgument>([&] { add(c, h); }, {"add", pytorchWords});
+    expectThrowsWith<InvalidArgument>([&] { add(c, h); },
+                                      {"add", pytorchWords, "on cpu", "move one of them"});
     expectThrowsWith<InvalidArgument>([&] { mm(c, h); }, {"mm", pytorchWords});
     // An op on the stand-in tensor alone says why it cannot run here.
     expectThrowsWith<NotSupportedError>([&] { relu(c); }, {"relu", "cuda:0"});
