@@ -91,6 +91,8 @@ class Work : public std::enable_shared_from_this<Work> {
   void setWaitHelper(std::function<bool()> helper) { waitHelper_ = std::move(helper); }
   // Backend side, before the Work is handed out: see "device wait" above.
   void setDeviceWait(std::function<void()> deviceWait);
+  // Whether wait() without a timeout only orders the caller's stream; code
+  // that must see the op finished on the host uses wait(timeout) then.
   bool hasDeviceWait() const;
   void setResult(std::vector<Tensor> tensors);
 
