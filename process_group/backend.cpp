@@ -41,7 +41,7 @@ WorkPtr Backend::allToAllSingle(const Tensor&, const Tensor&, const std::vector<
 }
 WorkPtr Backend::monitoredBarrier(const BarrierOptions&) { throwNotSupported("monitoredBarrier"); }
 
-WorkPtr Backend::batchIsendIrecv(const std::vector<P2POp>& ops) {
+void Backend::checkBatch(const std::vector<P2POp>& ops) const {
   const std::string who = str("rank ", rank(), "/", size(), " ", name());
   if (ops.empty()) throw InvalidArgument(str("[", who, "] batchIsendIrecv: empty batch"));
   // Everything is checked before the first post, so bad input loses nothing.
@@ -60,6 +60,10 @@ WorkPtr Backend::batchIsendIrecv(const std::vector<P2POp>& ops) {
       }
     }
   }
+}
+
+WorkPtr Backend::batchIsendIrecv(const std::vector<P2POp>& ops) {
+  checkBatch(ops);
   std::vector<WorkPtr> works;
   works.reserve(ops.size());
   for (const P2POp& op : ops) {
@@ -69,7 +73,7 @@ WorkPtr Backend::batchIsendIrecv(const std::vector<P2POp>& ops) {
       works.push_back(recv(op.tensors, op.peer, RecvOptions{op.tag, op.timeout, 0}));
     }
   }
-  return allOf(str("batchIsendIrecv of ", ops.size(), " ops (", who, ")"), std::move(works));
+  return allOf(str("batchIsendIrecv of ", ops.size(), " ops (rank ", rank(), "/", size(), " ", name(), ")"), std::move(works));
 }
 
 }  // namespace dt

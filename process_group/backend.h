@@ -99,7 +99,10 @@ class Backend {
   virtual WorkPtr allToAllSingle(const Tensor& output, const Tensor& input, const std::vector<int64_t>& outputSplits,
                                  const std::vector<int64_t>& inputSplits, const AllToAllOptions& options = {});
   virtual WorkPtr monitoredBarrier(const BarrierOptions& options = {});
-  WorkPtr batchIsendIrecv(const std::vector<P2POp>& ops);
+  // The default posts the batch's ops one by one (after checkBatch); a
+  // backend whose transport can launch them together (NCCL's group calls)
+  // overrides it.
+  virtual WorkPtr batchIsendIrecv(const std::vector<P2POp>& ops);
 
   // The error that broke the backend, or nullptr while healthy.
   virtual std::exception_ptr brokenCause() const { return nullptr; }
@@ -108,6 +111,9 @@ class Backend {
   virtual void shutdown() {}
 
  protected:
+  // batchIsendIrecv's checks of the whole batch (peers, non-empty, one dtype
+  // and device per op); throws InvalidArgument before anything is posted.
+  void checkBatch(const std::vector<P2POp>& ops) const;
   [[noreturn]] void throwNotSupported(const std::string& op) const;
 };
 

@@ -427,36 +427,47 @@ struct NcclBackend::Impl {
 
   // ---- point to point ------------------------------------------------------------------------------
 
-  WorkPtr post(bool isSend, const std::vector<Tensor>& tensors, int peer, uint32_t tag, const OpTimeout& opTimeout) {
-    const char* op = isSend ? "send" : "recv";
+  // Sends and recvs, launched together in one NCCL group (so a batch that
+  // both sends to and receives from a peer cannot deadlock), completing one
+  // Work. `op` names the call in errors: "send", "recv", "batchIsendIrecv".
+  WorkPtr post(const char* op, const std::vector<P2POp>& ops) {
     const CpuCallSite at = callSite(0);
-    if (tensors.empty()) rejectCall(at, op, "empty tensor list");
     std::optional<Device> device;
-    checkList(at, op, tensors, "tensor", device);
-    if (peer < 0 || peer >= size || peer == rank) {
-      rejectCall(at, op, str("peer rank ", peer, " must be another rank of the group (size ", size, ")"));
-    }
-    if (tag != 0) {
-      rejectCall(at, op, str("tag ", tag, ": NCCL has no tags (sends and recvs between two ranks match in issue "
-                             "order); pass tag 0"));
-    }
+    std::vector<Tensor> all;
     int64_t elements = 0;
-    for (const auto& t : tensors) elements += t.numel();
-    const std::string what = str(op, isSend ? " to rank " : " from rank ", runner->rankName(peer), " (", tensors.size(),
-                                 " tensor(s), ", elements, " elements)");
+    Millis limit{0};  // the longest of the ops' own limits (each defaults to the group's)
+    for (const P2POp& p : ops) {
+      if (p.tensors.empty()) rejectCall(at, op, "empty tensor list");
+      checkList(at, op, p.tensors, "tensor", device);
+      if (p.peer < 0 || p.peer >= size || p.peer == rank) {
+        rejectCall(at, op, str("peer rank ", p.peer, " must be another rank of the group (size ", size, ")"));
+      }
+      if (p.tag != 0) {
+        rejectCall(at, op, str("tag ", p.tag, ": NCCL has no tags (sends and recvs between two ranks match in issue "
+                               "order); pass tag 0"));
+      }
+      for (const auto& t : p.tensors) elements += t.numel();
+      all.insert(all.end(), p.tensors.begin(), p.tensors.end());
+      limit = std::max(limit, p.timeout.value_or(timeout));
+    }
+    const std::string what =
+        ops.size() == 1 ? str(op, ops[0].isSend ? " to rank " : " from rank ", runner->rankName(ops[0].peer), " (",
+                              ops[0].tensors.size(), " tensor(s), ", elements, " elements)")
+                        : str(op, " of ", ops.size(), " sends and recvs (", elements, " elements)");
     const std::string description = str(what, " (", who(), ")");
     if (WorkPtr rejected = runner->rejectIfUnusable(what, description)) return rejected;
-    const Millis limit = opTimeout.value_or(timeout);
     Launched l;
     try {
-      l = launch(what, *device, tensors, limit, [&](ncclComm_t comm, cudaStream_t stream) {
-        for (const auto& t : tensors) {
-          const ncclDataType_t type = *ncclTypeOf(t.dtype());
-          const size_t count = static_cast<size_t>(t.numel());
-          void* data = const_cast<Tensor&>(t).dataPtr();
-          const ncclResult_t r = isSend ? ncclSend(data, count, type, peer, comm, stream)
-                                        : ncclRecv(data, count, type, peer, comm, stream);
-          if (r != ncclSuccess && r != ncclInProgress) return r;
+      l = launch(what, *device, all, limit, [&](ncclComm_t comm, cudaStream_t stream) {
+        for (const P2POp& p : ops) {
+          for (const auto& t : p.tensors) {
+            const ncclDataType_t type = *ncclTypeOf(t.dtype());
+            const size_t count = static_cast<size_t>(t.numel());
+            void* data = const_cast<Tensor&>(t).dataPtr();
+            const ncclResult_t r = p.isSend ? ncclSend(data, count, type, p.peer, comm, stream)
+                                            : ncclRecv(data, count, type, p.peer, comm, stream);
+            if (r != ncclSuccess && r != ncclInProgress) return r;
+          }
         }
         return ncclSuccess;
       });
@@ -946,11 +957,16 @@ WorkPtr NcclBackend::monitoredBarrier(const BarrierOptions& options) {
 }
 
 WorkPtr NcclBackend::send(const std::vector<Tensor>& tensors, int dstRank, const SendOptions& options) {
-  return impl_->post(true, tensors, dstRank, options.tag, options.timeout);
+  return impl_->post("send", {P2POp{true, tensors, dstRank, options.tag, options.timeout}});
 }
 
 WorkPtr NcclBackend::recv(const std::vector<Tensor>& tensors, int srcRank, const RecvOptions& options) {
-  return impl_->post(false, tensors, srcRank, options.tag, options.timeout);
+  return impl_->post("recv", {P2POp{false, tensors, srcRank, options.tag, options.timeout}});
+}
+
+WorkPtr NcclBackend::batchIsendIrecv(const std::vector<P2POp>& ops) {
+  checkBatch(ops);
+  return impl_->post("batchIsendIrecv", ops);
 }
 
 }  // namespace dt

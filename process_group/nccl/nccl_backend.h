@@ -21,7 +21,8 @@
 //    outside the group throws InvalidArgument at the call naming the tensor
 //    and what is wrong. NCCL reads and writes the caller's memory; only
 //    reduceScatter's list of inputs is first copied into one buffer (on the
-//    NCCL stream). send/recv take tag 0 only (NCCL matches them in order).
+//    NCCL stream). send/recv take tag 0 only (NCCL matches them in order);
+//    batchIsendIrecv launches its whole batch as one NCCL group call.
 //  * Streams: each communicator has its own NCCL stream. An op is launched at
 //    the call, on the calling thread: the NCCL stream first waits (on the
 //    device) for the caller's current stream of that device, so the op sees
@@ -95,6 +96,8 @@ class NcclBackend final : public Backend {
   WorkPtr barrier(const BarrierOptions& options = {}) override;
   WorkPtr send(const std::vector<Tensor>& tensors, int dstRank, const SendOptions& options = {}) override;
   WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, const RecvOptions& options = {}) override;
+  // One NCCL group call for the whole batch, one Work.
+  WorkPtr batchIsendIrecv(const std::vector<P2POp>& ops) override;
   WorkPtr allToAll(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                    const AllToAllOptions& options = {}) override;
   WorkPtr gather(const std::vector<Tensor>& outputs, const Tensor& input, const GatherOptions& options = {}) override;

@@ -192,6 +192,29 @@ TEST(NcclBackend, WorkWaitOrdersTheCallersStreamAndTheHostSeesCompletion) {
   backend.shutdown();
 }
 
+// Each rank's batch receives before it sends: launched op by op on one
+// stream every rank would wait in its recv; as one NCCL group it completes.
+TEST(NcclBackend, BatchIsendIrecvRecvsFirstInARingWithoutDeadlock) {
+  DT_NEED_GPUS(2);
+  const int world = std::min(cuda::deviceCount(), 3);
+  auto store = std::make_shared<HashStore>();
+  runRanks(world, [&](int rank) {
+    cuda::setCurrentDevice(rank);
+    const Device device = Device::cuda(rank);
+    NcclBackend backend(store, rank, world, fastOptions("ring"));
+    const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+    Tensor fromPrev = full({1000}, -1.0, DType::Float32, device);
+    Tensor mine = full({1000}, rank, DType::Float32, device);
+    WorkPtr batch = backend.batchIsendIrecv({P2POp::recv({fromPrev}, prev), P2POp::send({mine}, next)});
+    batch->wait(60s);
+    EXPECT_TRUE(batch->isSuccess());
+    EXPECT_EQ(fromPrev.toVector<float>(), std::vector<float>(1000, static_cast<float>(prev)));
+    expectThrowsWith<InvalidArgument>([&] { backend.batchIsendIrecv({P2POp::send({mine}, next, 7)}); },
+                                      {"batchIsendIrecv", "tag 7"});
+    backend.shutdown();
+  });
+}
+
 // A host function on the caller's stream holds it (and so the NCCL stream,
 // which waits for it) until released: the op cannot complete, as if a peer
 // never joined.
