@@ -4,9 +4,9 @@
 //
 // Contract:
 //  * Every allocator reports through the same functions: memoryStats(device)
-//    asks allocatorFor(device) (tensor/storage.h). The CPU allocator reports;
-//    an allocator that does not (a test's fake, a CUDA build before its
-//    caching allocator reports) throws NotSupportedError naming the device.
+//    asks allocatorFor(device) (tensor/storage.h). The CPU allocator and
+//    CUDA's caching allocator report; an allocator that does not (a test's
+//    fake) throws NotSupportedError naming the device.
 //  * Bytes are the allocator's block sizes (requests rounded up to its
 //    alignment), the memory actually held for tensors. Reserved bytes add the
 //    idle blocks the allocator keeps cached for reuse.

@@ -36,6 +36,11 @@ GradcheckResult gradcheck(const std::function<Tensor(const TensorList&)>& fn, co
     if (inputs[k].defined() && inputs[k].requiresGrad() && inputs[k].dtype() != DType::Float64) {
       throw InvalidArgument(str("gradcheck: input ", k, " is ", inputs[k].describe(), "; use float64 inputs"));
     }
+    // It perturbs the inputs through host pointers.
+    if (inputs[k].defined() && !inputs[k].device().isCpu()) {
+      throw InvalidArgument(str("gradcheck: input ", k, " is ", inputs[k].describe(), " on ", inputs[k].device(),
+                                "; gradcheck runs on cpu inputs (compare a device's gradients with the cpu's instead)"));
+    }
   }
   for (const Tensor& t : inputs) {
     if (t.defined() && t.requiresGrad()) const_cast<Tensor&>(t).setGrad(Tensor());

@@ -1,6 +1,6 @@
 // Finite-difference check of autograd gradients.
 //
-// Contract: fn must be deterministic and inputs float64 leaves requiring grad
+// Contract: fn must be deterministic and inputs float64 CPU leaves requiring grad
 // (any strides, including non-contiguous). gradcheck projects the output on a
 // fixed pseudo-random vector v, compares the analytical v·J from backward with
 // central differences (eps) for every input element, and reports the worst

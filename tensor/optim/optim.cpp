@@ -68,7 +68,9 @@ void Optimizer::loadStateDict(const NamedTensors& state) {
       throw InvalidArgument(str("optimizer loadStateDict: \"", key, "\" is ", t.describe(), " but parameter ", idx, " is ",
                                 params_[idx].describe()));
     }
-    fresh[idx][name] = t.clone();
+    // A checkpoint holds host copies; the moments live with their parameter
+    // (the step count stays on the cpu: the updates read it on the host).
+    fresh[idx][name] = name == "step" ? t.to(Device::cpu()).clone() : t.to(params_[idx].device()).clone();
   }
   state_ = std::move(fresh);
 }

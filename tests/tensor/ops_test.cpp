@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "common/errors.h"
+#include "tensor/autograd/gradcheck.h"
 #include "tensor/ops.h"
 #include "tensor/parallel.h"
 #include "tests/testing/testing.h"
@@ -349,6 +350,12 @@ class FakeCudaAllocator : public Allocator {
 };
 
 TEST(Ops, UnsupportedDeviceNamesOpAndDevice) {
+  // The fake hands out host memory: where a GPU exists the ops would launch
+  // real kernels on it.
+  if (deviceAvailable(Device::cuda(0))) {
+    GTEST_SKIP() << "this machine has a CUDA device, so the ops run there (tensor_cuda_ops_test); this test checks "
+                    "the errors where they cannot";
+  }
   FakeCudaAllocator fake;
   registerAllocator(DeviceType::CUDA, &fake);
   Tensor c = empty({2, 2}, DType::Float32, Device::cuda(0));
@@ -360,6 +367,9 @@ TEST(Ops, UnsupportedDeviceNamesOpAndDevice) {
   expectThrowsWith<NotSupportedError>([&] { c.fill_(1.0); }, {"fill_", "cuda:0"});
   expectThrowsWith<InvalidArgument>([&] { add(c, h); }, {"different devices", "cuda:0", "cpu"});
   expectThrowsWith<InvalidArgument>([&] { mm(h, c); }, {"cuda:0", "cpu"});
+  Tensor leaf = empty({2}, DType::Float64, Device::cuda(0)).setRequiresGrad(true);
+  expectThrowsWith<InvalidArgument>([&] { gradcheck([](const TensorList& in) { return in[0]; }, {leaf}); },
+                                    {"gradcheck: input 0", "cuda:0", "runs on cpu inputs"});
   registerAllocator(DeviceType::CUDA, nullptr);
   expectThrowsWith<NotSupportedError>([] { empty({1}, DType::Float32, Device::cuda(0)); }, {"cuda:0"});
 }
