@@ -122,6 +122,7 @@ int runRank(const Args& args) {
   const bool onGpu = args.backend == "nccl";
   const dt::Device device = onGpu ? dt::Device::cuda(localRank() % dt::deviceCount(dt::DeviceType::CUDA))
                                   : dt::Device::cpu();
+  dt::setCurrentDevice(device);
   // The host waits for the device: a rep is over when its result is in memory.
   auto finish = [&] {
 #if DT_HAVE_CUDA

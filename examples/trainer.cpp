@@ -736,6 +736,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     const dt::Device device = deviceFor(config.device);
+    dt::setCurrentDevice(device);  // before any CUDA call, so no rank opens a context on cuda:0 too
     installStopHandlers();
     auto group = dt::initProcessGroup();
     Trainer trainer(config, group, device);

@@ -8,6 +8,7 @@
 
 #if DT_HAVE_CUDA
 #include "tensor/cuda/cuda.h"
+#include "tensor/cuda/stream.h"
 #endif
 
 namespace dt {
@@ -54,6 +55,16 @@ int deviceCount(DeviceType type) {
   return cuda::deviceCount();
 #else
   return 0;
+#endif
+}
+
+void setCurrentDevice(Device device) {
+  if (device.isCpu()) return;
+  if (const std::string why = deviceUnavailableReason(device); !why.empty()) {
+    throw NotSupportedError(str("cannot make ", device.str(), " the current device: ", why));
+  }
+#if DT_HAVE_CUDA
+  cuda::setCurrentDevice(device.index);
 #endif
 }
 

@@ -39,5 +39,10 @@ int deviceCount(DeviceType type);
 bool deviceAvailable(Device device);
 // Why deviceAvailable(device) is false, in a sentence ("" when it is true).
 std::string deviceUnavailableReason(Device device);
+// Makes a CUDA device the calling thread's current one (what CUDA calls
+// without a device use: do it first in each rank, so that no rank also opens
+// a context on cuda:0). A no-op for the CPU; an unusable device throws
+// NotSupportedError/InvalidArgument with the reason.
+void setCurrentDevice(Device device);
 
 }  // namespace dt

@@ -22,10 +22,6 @@
 #include "tests/ddp/harness.h"
 #include "tests/testing/testing.h"
 
-#if DT_HAVE_CUDA
-#include "tensor/cuda/stream.h"
-#endif
-
 namespace dt {
 namespace {
 
@@ -171,9 +167,7 @@ TEST(Ddp, CudaParametersOverNcclMatchTheCpuReference) {
     runRanks(s.world, [&](int rank) {
       TrainSpec mine = s;
       mine.device = Device::cuda(rank);
-#if DT_HAVE_CUDA
-      cuda::setCurrentDevice(rank);
-#endif
+      setCurrentDevice(Device::cuda(rank));
       auto group = makeGroup(store, rank, s.world);
       results[rank] = testing::trainRank(mine, group);
       group->destroy();

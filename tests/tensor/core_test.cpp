@@ -124,6 +124,9 @@ TEST(Device, ParseAndAvailability) {
   const int gpus = deviceCount(DeviceType::CUDA);
   EXPECT_EQ(deviceAvailable(Device::cuda(0)), gpus > 0);
   EXPECT_FALSE(deviceAvailable(Device::cuda(gpus)));
+  setCurrentDevice(Device::cpu());  // nothing to do
+  testing::expectThrowsWith<NotSupportedError>([&] { setCurrentDevice(Device::cuda(gpus)); },
+                                               {"cannot make cuda:", "the current device"});
 }
 
 TEST(Storage, CpuAlignedAndCudaUnsupported) {
