@@ -9,6 +9,7 @@
 #include "tensor/internal/detail.h"
 #include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
+#include "tensor/internal/row_math.h"
 #include "tensor/parallel.h"
 
 #if DT_HAVE_CUDA
@@ -155,14 +156,7 @@ void crossEntropyForward(const T* lsm, const int64_t* target, int64_t n, int64_t
                                 " classes (ignoreIndex is ", o.ignoreIndex, ")"));
     }
     ++valid;
-    const T* row = lsm + i * c;
-    double l = -(1.0 - eps) * static_cast<double>(row[t]);
-    if (eps > 0) {
-      double s = 0;
-      for (int64_t j = 0; j < c; ++j) s += static_cast<double>(row[j]);
-      l -= eps / static_cast<double>(c) * s;
-    }
-    losses[i] = l;
+    losses[i] = smoothedNll(lsm + i * c, t, c, eps);
   }
 }
 

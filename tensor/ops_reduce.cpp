@@ -9,6 +9,7 @@
 #include "tensor/internal/loop.h"
 #include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
+#include "tensor/internal/row_math.h"
 #include "tensor/parallel.h"
 
 #if DT_HAVE_CUDA
@@ -243,26 +244,7 @@ std::pair<Tensor, Tensor> rowExtreme(const RowView& v, bool isMax) {
       const T* x = static_cast<const T*>(v.rows.dataPtr());
       T* vp = static_cast<T*>(vals.dataPtr());
       for (int64_t i = 0; i < m; ++i) {
-        const T* row = x + i * r;
-        int64_t best = 0;
-        T bv = row[0];
-        for (int64_t j = 1; j < r; ++j) {
-          const T y = row[j];
-          if constexpr (std::is_floating_point_v<T>) {
-            if (bv != bv) break;
-            if (y != y) {
-              best = j;
-              bv = y;
-              break;
-            }
-          }
-          if (isMax ? (y > bv) : (y < bv)) {
-            bv = y;
-            best = j;
-          }
-        }
-        vp[i] = bv;
-        ip[i] = best;
+        ip[i] = extremeIndex(x + i * r, r, isMax, vp[i]);
       }
     }
   });

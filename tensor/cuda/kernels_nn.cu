@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "tensor/cuda/kernels_common.cuh"
+#include "tensor/internal/row_math.h"
 
 namespace dt::cuda {
 
@@ -37,26 +38,7 @@ __global__ void extremeRowsKernel(T* values, int64_t* indices, const T* in, int6
                                   bool isMax) {
   const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (r >= rows) return;
-  const T* row = in + r * n;
-  int64_t best = 0;
-  T bv = row[0];
-  for (int64_t j = 1; j < n; ++j) {
-    const T y = row[j];
-    if constexpr (std::is_floating_point_v<T>) {
-      if (bv != bv) break;
-      if (y != y) {
-        best = j;
-        bv = y;
-        break;
-      }
-    }
-    if (isMax ? (y > bv) : (y < bv)) {
-      bv = y;
-      best = j;
-    }
-  }
-  values[r] = bv;
-  indices[r] = best;
+  indices[r] = detail::extremeIndex(in + r * n, n, isMax, values[r]);
 }
 
 template <typename T>
@@ -116,14 +98,7 @@ __global__ void crossEntropyForwardKernel(double* losses, unsigned long long* st
     return;
   }
   atomicAdd(&status[1], 1ull);
-  const T* row = lsm + i * c;
-  double l = -(1.0 - eps) * static_cast<double>(row[t]);
-  if (eps > 0) {
-    double s = 0;
-    for (int64_t j = 0; j < c; ++j) s += static_cast<double>(row[j]);
-    l -= eps / static_cast<double>(c) * s;
-  }
-  losses[i] = l;
+  losses[i] = detail::smoothedNll(lsm + i * c, t, c, eps);
 }
 
 template <typename T>
