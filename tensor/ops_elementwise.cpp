@@ -342,7 +342,7 @@ Tensor binaryKernel(const Tensor& a, const Tensor& b, Bin op, double alpha = 1.0
   if (onGpu) {
 #if DT_HAVE_CUDA
     cuda::binary(a.device(), static_cast<cuda::BinaryOp>(op), ct, target.dataPtr(), A.dataPtr(), B.dataPtr(),
-                 cudaGeometry(shape, {target.strides(), as, bs}, name), alpha);
+                 cuda::makeGeometry(shape, {target.strides(), as, bs}, name), alpha);
 #endif
   } else {
     detail::ElementLoop<3> loop(
@@ -452,7 +452,7 @@ Tensor unaryKernel(const Tensor& a, Un op, double p0 = 0, double p1 = 0, Tensor 
   if (onGpu) {
 #if DT_HAVE_CUDA
     cuda::unary(a.device(), static_cast<cuda::UnaryOp>(op), ct, target.dataPtr(), A.dataPtr(),
-                cudaGeometry(a.sizes(), {target.strides(), A.strides()}, name), p0, p1);
+                cuda::makeGeometry(a.sizes(), {target.strides(), A.strides()}, name), p0, p1);
 #endif
   } else {
     detail::ElementLoop<2> loop(
@@ -767,7 +767,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   if (onGpu) {
 #if DT_HAVE_CUDA
     cuda::where(a.device(), rt, out.dataPtr(), cond.dataPtr(), A.dataPtr(), B.dataPtr(),
-                cudaGeometry(shape, {out.strides(), cs, as, bs}, "where"));
+                cuda::makeGeometry(shape, {out.strides(), cs, as, bs}, "where"));
 #endif
   } else {
     detail::ElementLoop<4> loop(

@@ -476,7 +476,7 @@ Tensor& Tensor::fill_(double value) {
   }
   if (onGpu) {
 #if DT_HAVE_CUDA
-    cuda::fill(device(), dtype(), dataPtr(), detail::cudaGeometry(sizes(), {strides()}, "fill_"), value);
+    cuda::fill(device(), dtype(), dataPtr(), cuda::makeGeometry(sizes(), {strides()}, "fill_"), value);
     bumpVersion();
 #endif
     return *this;
@@ -499,33 +499,13 @@ Tensor& Tensor::fill_(double value) {
 }
 
 #if DT_HAVE_CUDA
-namespace {
-
-// cudaMemcpy runs on the legacy default stream, which orders itself with the default stream
-// but not with a non-blocking one: when the caller's current stream is one, wait for it
-// before the copy (its kernels may still use the bytes)...
-void settleBefore(Device device) {
-  if (!device.isCuda()) return;
-  const cuda::Stream s = cuda::currentStream(device);
-  if (!s.isDefault()) s.synchronize();
-}
-
-// ...and after a copy to the device, wait for the legacy stream (a copy from pageable memory
-// may return before its DMA lands) so the current stream's next kernel sees the bytes.
-void settleAfter(Device device) {
-  if (!device.isCuda()) return;
-  if (!cuda::currentStream(device).isDefault()) cuda::Stream::defaultFor(device).synchronize();
-}
-
-}  // namespace
-
 void detail::cudaCopy(Tensor& dst, const Tensor& src) {
   NoGradGuard noGrad;
   const Shape srcStrides = broadcastStrides(src, dst.sizes(), "copy_");
   if (dst.numel() == 0) return;
   if (dst.device() == src.device()) {
     cuda::copy(dst.device(), dst.dtype(), dst.dataPtr(), src.dtype(), src.dataPtr(),
-               cudaGeometry(dst.sizes(), {dst.strides(), srcStrides}, "copy_"));
+               cuda::makeGeometry(dst.sizes(), {dst.strides(), srcStrides}, "copy_"));
     return;
   }
   // Across devices only dense bytes move: convert and lay out on the source side, land in a
@@ -536,10 +516,25 @@ void detail::cudaCopy(Tensor& dst, const Tensor& src) {
     staged.copy_(src);
   }
   Tensor landing = dst.isContiguous() ? dst : empty(dst.sizes(), dst.dtype(), dst.device());
-  settleBefore(src.device());
-  settleBefore(dst.device());
-  cuda::copyBytes(landing.dataPtr(), dst.device(), staged.dataPtr(), src.device(), dst.nbytes());
-  settleAfter(dst.device());
+  // On the current stream of the source's GPU (else the destination's), so the copy follows
+  // the kernels that wrote the bytes. A host side is complete on return, as copy_ promises;
+  // between two GPUs the destination's stream waits for the copy, and the copy for it.
+  const Device side = src.device().isCuda() ? src.device() : dst.device();
+  const cuda::Stream stream = cuda::currentStream(side);
+  const bool betweenGpus = src.device().isCuda() && dst.device().isCuda();
+  if (betweenGpus) {
+    cuda::Event dstReady;
+    dstReady.record(cuda::currentStream(dst.device()));
+    dstReady.block(stream);
+  }
+  cuda::copyBytesAsync(landing.dataPtr(), dst.device(), staged.dataPtr(), src.device(), dst.nbytes(), stream);
+  if (betweenGpus) {
+    cuda::Event copied;
+    copied.record(stream);
+    copied.block(cuda::currentStream(dst.device()));
+  } else {
+    stream.synchronize();
+  }
   if (!landing.isSameAs(dst)) dst.copy_(landing);
 }
 #endif

@@ -10,11 +10,6 @@
 
 namespace dt::detail {
 
-// Iteration geometry for sizes with one stride vector per operand (output first).
-inline cuda::Geometry cudaGeometry(const Shape& sizes, std::vector<Shape> strides, const char* op) {
-  return cuda::makeGeometry(sizes, strides, op);
-}
-
 // Copies src (any device, broadcastable to dst) into dst, converting dtype; dst may be strided.
 void cudaCopy(Tensor& dst, const Tensor& src);
 
