@@ -5,6 +5,7 @@
 
 #include "common/errors.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 
 namespace dt::data {
 
@@ -17,7 +18,10 @@ PrefetchLoader::PrefetchLoader(std::shared_ptr<const Dataset> dataset, Distribut
     throw InvalidArgument(str("PrefetchLoader: the sampler was made for ", sampler_.datasetSize(),
                               " examples but the dataset (", dataset_->describe(), ") has ", dataset_->size()));
   }
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    setThreadName("dt-loader");
+    run();
+  });
 }
 
 PrefetchLoader::~PrefetchLoader() {

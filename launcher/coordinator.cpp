@@ -6,6 +6,7 @@
 
 #include "common/errors.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 #include "launcher/machine.h"
 
 namespace dt::launcher {
@@ -299,7 +300,10 @@ Coordinator::Coordinator(StorePtr store, Config config, int wakeFd) : shared_(st
   shared_->wakeFd = wakeFd;
   shared_->lastContact.store(wallMs());
   auto shared = shared_;
-  thread_ = std::thread([shared] { shared->run(); });
+  thread_ = std::thread([shared] {
+    setThreadName("dtrun-coord");
+    shared->run();
+  });
 }
 
 Coordinator::~Coordinator() {

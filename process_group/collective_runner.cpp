@@ -9,6 +9,7 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 #include "tensor/profiler.h"
 
 namespace dt {
@@ -103,7 +104,10 @@ CollectiveRunner::CollectiveRunner(StorePtr store, int rank, int size, Collectiv
   }
   progress_ = std::make_unique<ProgressTracker>(store_->clone(), rank_, options_.progressInterval,
                                                 options_.watchdogStore, options_.watchdogKey);
-  worker_ = std::thread([this] { workerLoop(); });
+  worker_ = std::thread([this] {
+    setThreadName("dt-pg-worker");
+    workerLoop();
+  });
 }
 
 CollectiveRunner::~CollectiveRunner() { shutdown(); }

@@ -3,6 +3,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 
 namespace dt {
 
@@ -14,7 +15,10 @@ ProgressTracker::ProgressTracker(StorePtr groupStore, int rank, std::chrono::mil
       watchdogStore_(std::move(watchdogStore)),
       watchdogKey_(std::move(watchdogKey)) {
   writeGroupKey();  // present from the start: "never started anything" is information too
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    setThreadName("dt-pg-progress");
+    loop();
+  });
 }
 
 ProgressTracker::~ProgressTracker() { stop(); }

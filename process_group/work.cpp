@@ -8,6 +8,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 
 namespace dt {
 namespace {
@@ -42,7 +43,10 @@ class CallbackPool {
       return;
     }
     ++threads_;
-    std::thread([this] { loop(); }).detach();
+    std::thread([this] {
+      setThreadName("dt-pg-callback");
+      loop();
+    }).detach();
   }
 
  private:

@@ -20,6 +20,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 #include "store/internal/kv_state.h"
 #include "store/internal/protocol.h"
 
@@ -1049,6 +1050,7 @@ std::shared_ptr<TcpStoreServer> TcpStoreServer::start(TcpStoreServerOptions opti
   impl->accept();
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] {
+    setThreadName("dt-store-server");
     while (true) {
       try {
         raw->io.run();

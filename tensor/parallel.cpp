@@ -14,6 +14,7 @@
 
 #include "common/env.h"
 #include "common/errors.h"
+#include "common/thread_name.h"
 
 namespace dt {
 
@@ -27,7 +28,10 @@ class Pool {
  public:
   const pid_t owner = getpid();  // a forked child has none of these threads
   explicit Pool(int workers) {
-    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { loop(); });
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] {
+      setThreadName("dt-cpu-pool");
+      loop();
+    });
   }
   ~Pool() {
     {

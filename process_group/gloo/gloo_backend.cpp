@@ -32,6 +32,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 #include "process_group/gloo/allreduce_algorithms.h"
 #include "process_group/gloo/store_adapter.h"
 #include "process_group/gloo/transfer_type.h"
@@ -346,7 +347,10 @@ GlooBackend::GlooBackend(StorePtr store, int rank, int size, GlooBackendOptions 
   d.runner = std::make_unique<CollectiveRunner>(d.store, rank, size, d.options.runnerOptions("gloo"), [impl = impl_.get()] {
     impl->closeConnections();
   });
-  d.p2pWorker = std::thread([this] { impl_->p2pLoop(); });
+  d.p2pWorker = std::thread([this] {
+    setThreadName("dt-gloo-p2p");
+    impl_->p2pLoop();
+  });
 }
 
 GlooBackend::~GlooBackend() { shutdown(); }

@@ -14,6 +14,7 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 #include "process_group/collective_runner.h"
 #include "process_group/cpu_tensors.h"
 #include "process_group/shm/shm_segment.h"
@@ -264,7 +265,10 @@ struct ShmBackend::Impl {
     receiving.assign(static_cast<size_t>(size), nullptr);
     arriving.assign(static_cast<size_t>(size), nullptr);
     messagesSent.assign(static_cast<size_t>(size), 0);
-    p2pThread = std::thread([this] { p2pLoop(); });
+    p2pThread = std::thread([this] {
+      setThreadName("dt-shm-p2p");
+      p2pLoop();
+    });
   }
 
   void completeRecv(PostedTransfer& op) {

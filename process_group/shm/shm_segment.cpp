@@ -17,6 +17,7 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 #include "process_group/collective_runner.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -161,7 +162,10 @@ ShmSegment::ShmSegment(StorePtr store, SegmentOptions options)
                            " within ", formatDuration(options.timeout),
                            "; are the others running, and on this host?"));
   }
-  heartbeatThread_ = std::thread([this] { heartbeatLoop(); });
+  heartbeatThread_ = std::thread([this] {
+    setThreadName("dt-shm-beat");
+    heartbeatLoop();
+  });
 }
 
 ShmSegment::~ShmSegment() {
