@@ -135,6 +135,25 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
                  const Tensor& bias = Tensor(), double eps = 1e-5);
 Tensor dropout(const Tensor& x, double p, bool training, Generator& generator = defaultGenerator());
 
+// ---- attention (tensor/ops_attention.cpp; cpu kernels, a CUDA tensor throws NotSupportedError) ----
+struct AttentionOptions {
+  bool causal = true;    // query i sees keys 0..i (needs as many queries as keys)
+  double dropoutP = 0.0;  // on the attention probabilities, only while training
+  bool training = true;
+  std::optional<double> scale;  // default 1 / sqrt(head dim)
+};
+// softmax(q k^T * scale [+ causal mask]) v, fused: q [*, Tq, D], k [*, Tk, D], v [*, Tk, Dv]
+// -> [*, Tq, Dv]. The probabilities exist once per head (saved for backward); dropout draws one
+// number per visible score from `generator`, in (head, query, key) order.
+Tensor scaledDotProductAttention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& options = {},
+                                 Generator& generator = defaultGenerator());
+// Multi-head self-attention on a fused projection: qkv [B, T, 3C] holds q, k and v side by side
+// (each [B, T, C], head h in columns [h C/H, (h+1) C/H)); returns the heads' outputs merged back
+// to [B, T, C]. The same as splitting, viewing as [B, H, T, C/H], scaledDotProductAttention and
+// merging, without the copies; its backward writes the gradient of qkv in one tensor.
+Tensor selfAttention(const Tensor& qkv, int64_t numHeads, const AttentionOptions& options = {},
+                     Generator& generator = defaultGenerator());
+
 // ---- joining and indexing -----------------------------------------------------------------------
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);

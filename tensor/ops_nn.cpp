@@ -3,10 +3,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "common/check.h"
 #include "common/config.h"
 #include "tensor/internal/detail.h"
+#include "tensor/internal/fast_kernels.h"
 #include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/internal/row_math.h"
@@ -61,6 +63,12 @@ Tensor fromLastDimRows(const Tensor& rows, const Tensor& like, int64_t dim) {
 
 template <typename T>
 void softmaxRows(const T* x, T* y, int64_t rows, int64_t n, bool logMode) {
+  if constexpr (std::is_same_v<T, float>) {
+    parallelFor(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
+      fast::softmaxRows(x + b * n, y + b * n, e - b, n, logMode);
+    });
+    return;
+  }
   parallelFor(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* xr = x + r * n;
@@ -116,6 +124,18 @@ Tensor softmax(const Tensor& a, int64_t dim) {
         const Tensor& y = c.saved[0];
         const Tensor& g = c.grads[0];
         if (y.dim() == 0) return {zerosLike(g)};
+        if (y.device().isCpu() && y.dtype() == DType::Float32 && d == y.dim() - 1 && y.isContiguous()) {
+          // One pass per row instead of four tensor ops.
+          const Tensor gc = g.to(DType::Float32).contiguous();
+          Tensor gx = emptyLike(y);
+          const int64_t n = y.sizes()[d], rows = n == 0 ? 0 : y.numel() / n;
+          const float *gp = gc.data<float>(), *yp = y.data<float>();
+          float* op = gx.data<float>();
+          parallelFor(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
+            fast::softmaxBackwardRows(gp + b * n, yp + b * n, op + b * n, e - b, n);
+          });
+          return {gx};
+        }
         return {mul(y, sub(g, sum(mul(g, y), {d}, true)))};
       });
   return out;
@@ -175,8 +195,12 @@ void crossEntropyBackward(const T* lsm, const int64_t* target, const double* gsc
       }
       const T* row = lsm + i * c;
       const double g = gscale[i];
-      for (int64_t j = 0; j < c; ++j) {
-        orow[j] = static_cast<T>(g * (std::exp(static_cast<double>(row[j])) - smooth));
+      if constexpr (std::is_same_v<T, float>) {
+        fast::expScaled(row, orow, c, static_cast<float>(g), static_cast<float>(smooth));
+      } else {
+        for (int64_t j = 0; j < c; ++j) {
+          orow[j] = static_cast<T>(g * (std::exp(static_cast<double>(row[j])) - smooth));
+        }
       }
       orow[t] = static_cast<T>(static_cast<double>(orow[t]) - g * (1.0 - eps));
     }
@@ -367,21 +391,32 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
       "EmbeddingBackward", {weight}, out, [&] { return std::vector<SavedTensor>{SavedTensor(idx)}; },
       [num, dim](const BackwardContext& c) -> TensorList {
         const Tensor& ind = c.saved[0];
-        Tensor g = c.grads[0].to(DType::Float64).contiguous();
-        Tensor gw = zeros({num, dim}, DType::Float64, g.device());
-        if (!g.device().isCpu()) {
+        if (!c.grads[0].device().isCpu()) {
+          Tensor g = c.grads[0].to(DType::Float64).contiguous();
+          Tensor gw = zeros({num, dim}, DType::Float64, g.device());
 #if DT_HAVE_CUDA
           cuda::scatterAddRows(g.device(), gw.data<double>(), g.data<double>(), ind.data<int64_t>(),
                                ind.numel(), dim);
 #endif
           return {gw};
         }
+        // On the cpu the rows are summed in the gradient's compute type (PyTorch sums in the
+        // weight's dtype too): a float32 model pays no float64 round trip of the whole gradient.
+        const DType ct = computeType(c.grads[0].dtype());
+        Tensor g = c.grads[0].to(ct).contiguous();
+        Tensor gw = zeros({num, dim}, ct);
         const int64_t* p = ind.data<int64_t>();
-        const double* gp = g.data<double>();
-        double* wp = gw.data<double>();
-        for (int64_t i = 0; i < ind.numel(); ++i) {
-          for (int64_t j = 0; j < dim; ++j) wp[p[i] * dim + j] += gp[i * dim + j];
-        }
+        dispatchDType(ct, [&]<typename T>() {
+          if constexpr (std::is_floating_point_v<T>) {
+            const T* gp = g.data<T>();
+            T* wp = gw.data<T>();
+            for (int64_t i = 0; i < ind.numel(); ++i) {
+              T* dst = wp + p[i] * dim;
+              const T* src = gp + i * dim;
+              for (int64_t j = 0; j < dim; ++j) dst[j] += src[j];
+            }
+          }
+        });
         return {gw};
       });
   return out;
@@ -488,6 +523,15 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
                            xc.dataPtr(), wc.defined() ? wc.dataPtr() : nullptr,
                            bc.defined() ? bc.dataPtr() : nullptr, rows, d, eps);
 #endif
+  } else if (ct == DType::Float32) {
+    const float* xp = xc.data<float>();
+    const float* wp = wc.defined() ? wc.data<float>() : nullptr;
+    const float* bp = bc.defined() ? bc.data<float>() : nullptr;
+    float* yp = y.data<float>();
+    double *mp = meanT.data<double>(), *rp = rstdT.data<double>();
+    parallelFor(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t lo, int64_t hi) {
+      fast::layerNormForward(xp + lo * d, wp, bp, yp + lo * d, mp + lo, rp + lo, hi - lo, d, eps);
+    });
   } else {
     dispatchDType(ct, [&]<typename T>() {
       if constexpr (std::is_floating_point_v<T>) {
@@ -522,6 +566,32 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
               gb.defined() ? gb.data<double>() : nullptr, xs.dataPtr(), hasW ? ws.dataPtr() : nullptr,
               g.dataPtr(), mu.data<double>(), rs.data<double>(), rows, d);
 #endif
+        } else if (ct == DType::Float32) {
+          // Rows split across threads; each chunk sums its weight/bias gradients apart, then
+          // the chunks' sums are added in chunk order (the same result for a thread count).
+          const float* xp = xs.data<float>();
+          const float* wp = hasW ? ws.data<float>() : nullptr;
+          const float* gp = g.data<float>();
+          float* gxp = gx.defined() ? gx.data<float>() : nullptr;
+          const double *mp = mu.data<double>(), *rp = rs.data<double>();
+          const int64_t grain = std::max<int64_t>(64, 16384 / std::max<int64_t>(d, 1));
+          const int64_t chunks = (rows + grain - 1) / grain;
+          std::vector<double> partW(gw.defined() ? static_cast<size_t>(chunks * d) : 0);
+          std::vector<double> partB(gb.defined() ? static_cast<size_t>(chunks * d) : 0);
+          parallelFor(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+            for (int64_t ch = c0; ch < c1; ++ch) {
+              const int64_t lo = ch * grain, hi = std::min(rows, lo + grain);
+              fast::layerNormBackward(xp + lo * d, wp, gp + lo * d, mp + lo, rp + lo, hi - lo, d,
+                                      gxp ? gxp + lo * d : nullptr, gw.defined() ? partW.data() + ch * d : nullptr,
+                                      gb.defined() ? partB.data() + ch * d : nullptr);
+            }
+          });
+          for (int64_t ch = 0; ch < chunks; ++ch) {
+            for (int64_t j = 0; j < d; ++j) {
+              if (gw.defined()) gw.data<double>()[j] += partW[ch * d + j];
+              if (gb.defined()) gb.data<double>()[j] += partB[ch * d + j];
+            }
+          }
         } else {
           dispatchDType(ct, [&]<typename T>() {
             if constexpr (std::is_floating_point_v<T>) {

@@ -148,6 +148,30 @@ const std::vector<Case>& cases() {
          return dropout(x[0], 0.3, true, g);
        },
        [] { return TensorList{leaf({4, 4})}; });
+  // Attention: causal over more rows than one block of the kernel (32), so the blocked gemms
+  // and the masked tails of each block are covered; non-causal with Tq != Tk and Dv != D; the
+  // fused multi-head form on a strided (non-contiguous) qkv; and dropout with a fixed seed.
+  add2("sdpa_causal_blocks", [](const TensorList& x) { return scaledDotProductAttention(x[0], x[1], x[2]); },
+       [] { return TensorList{leaf({1, 40, 2}), leaf({1, 40, 2}), leaf({1, 40, 3})}; });
+  add2("sdpa_cross_scaled",
+       [](const TensorList& x) {
+         return scaledDotProductAttention(x[0], x[1], x[2], {.causal = false, .scale = 0.7});
+       },
+       [] { return TensorList{leaf({2, 2, 3, 4}), leaf({2, 2, 5, 4}), leaf({2, 2, 5, 2})}; });
+  add2("sdpa_dropout_seeded",
+       [](const TensorList& x) {
+         Generator g(11);
+         return scaledDotProductAttention(x[0], x[1], x[2], {.dropoutP = 0.3}, g);
+       },
+       [] { return TensorList{leaf({2, 6, 3}), leaf({2, 6, 3}), leaf({2, 6, 3})}; });
+  add2("self_attention_heads_strided", [](const TensorList& x) { return selfAttention(x[0].transpose(0, 1), 2); },
+       [] { return TensorList{leaf({35, 2, 12})}; });
+  add2("self_attention_dropout_noncausal",
+       [](const TensorList& x) {
+         Generator g(5);
+         return selfAttention(x[0], 3, {.causal = false, .dropoutP = 0.25}, g);
+       },
+       [] { return TensorList{leaf({2, 4, 18})}; });
   add2("cat", [](const TensorList& x) { return cat({x[0], x[1]}, 1); },
        [] { return TensorList{leafT(2, 3), leaf({2, 2})}; });
   add2("stack", [](const TensorList& x) { return stack({x[0], x[1]}, 0); },
