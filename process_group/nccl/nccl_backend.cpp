@@ -16,6 +16,7 @@
 #include "common/check.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "common/thread_name.h"
 #include "process_group/cpu_tensors.h"
 #include "store/prefix_store.h"
 #include "tensor/cuda/cuda.h"
@@ -369,7 +370,10 @@ struct NcclBackend::Impl {
   // `limit`, PeerLost / BackendError on an NCCL error or an abort.
   void watch(const Launched& l, Millis limit) {
     const auto deadline = Clock::now() + limit;
-    cuda::DeviceGuard guard(l.comm->device);  // the event's device, for CUDA's calls on this thread
+    // The event's device, for CUDA's calls on this thread (the runner's worker,
+    // or a caller running the op inline). The guard leaves a worker that had no
+    // device on this one, so the worker's later calls make no context on cuda:0.
+    cuda::DeviceGuard guard(l.comm->device);
     auto pause = std::chrono::microseconds(10);
     while (true) {
       if (l.done->query()) return;
@@ -483,7 +487,19 @@ struct NcclBackend::Impl {
     work->setDeviceWait([done = l.done, dev = *device] { done->block(cuda::currentStream(dev)); });
     {
       std::lock_guard<std::mutex> lock(p2pMutex);
-      if (!p2pThread.joinable() && !p2pStopping) p2pThread = std::thread([this] { p2pLoop(); });
+      if (!p2pThread.joinable() && !p2pStopping) {
+        p2pThread = std::thread([this, dev = *device] {
+          setThreadName("dt-nccl-p2p");
+          // Its device once, first: every CUDA call of this thread then finds a
+          // context of this rank's GPU instead of making one on cuda:0.
+          try {
+            cuda::setCurrentDevice(dev.index);
+          } catch (const std::exception& e) {
+            runner->log()->warn("p2p watcher cannot make {} current: {}", dev.str(), e.what());
+          }
+          p2pLoop();
+        });
+      }
       p2p.push_back(WatchedP2P{std::move(l), work, Clock::now() + limit, limit, what});
     }
     p2pWake.notify_all();

@@ -110,9 +110,25 @@ class PinnedStreams {
 
 constexpr StreamId kHostStream = 0;
 
+// Page-locked memory is not a device's, but cudaHostAlloc and cudaFreeHost
+// run in the calling thread's current context, and on a thread that never
+// chose a device that would mean making cuda:0's. So they run on the current
+// device when the process holds its context, else on the first device whose
+// context it holds (a data-loading thread pins for the GPU its rank uses).
+// With unified addressing the memory is pinned for every device alike.
+Device deviceForHostCalls() {
+  const int current = currentDevice();
+  if (primaryContextActive(current)) return Device::cuda(current);
+  for (int i = 0; i < deviceCount() && i < kMaxDevices; ++i) {
+    if (primaryContextActive(i)) return Device::cuda(i);
+  }
+  return Device::cuda(current);  // no context anywhere yet: this call makes the first
+}
+
 class PinnedRaw final : public RawMemory {
  public:
   void* allocateSegment(size_t bytes) override {
+    DeviceGuard guard(deviceForHostCalls());
     void* ptr = nullptr;
     const cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault);
     if (status == cudaErrorMemoryAllocation) {
@@ -122,7 +138,10 @@ class PinnedRaw final : public RawMemory {
     check(status, str("host alloc of ", bytes, " bytes").c_str(), "pinned host memory");
     return ptr;
   }
-  void freeSegment(void* ptr, size_t) override { check(cudaFreeHost(ptr), "free host", "pinned host memory"); }
+  void freeSegment(void* ptr, size_t) override {
+    DeviceGuard guard(deviceForHostCalls());
+    check(cudaFreeHost(ptr), "free host", "pinned host memory");
+  }
   DeviceMemory deviceMemory() override {
     const long page = sysconf(_SC_PAGESIZE);
     const long available = sysconf(_SC_AVPHYS_PAGES);
@@ -243,8 +262,11 @@ bool pinnedCacheOwns(const void* ptr) {
 }
 
 // Page-locked host memory (ours or registered by someone else): a copy from
-// or to it may run while the host goes on.
+// or to it may run while the host goes on. A runtime call: the caller's
+// device guard must already be in place (on a thread without a context the
+// query would otherwise make cuda:0's).
 bool isPinnedHost(const void* ptr) {
+  if (pinnedCacheOwns(ptr)) return true;
   cudaPointerAttributes attributes{};
   const cudaError_t status = cudaPointerGetAttributes(&attributes, ptr);
   if (status != cudaSuccess) {
@@ -325,8 +347,8 @@ void copyBytesAsync(void* dst, Device dstDevice, const void* src, Device srcDevi
   }
   requireDevice(stream.device(), "copyBytesAsync");
   const void* host = dstDevice.isCpu() ? dst : srcDevice.isCpu() ? src : nullptr;
-  const bool pageable = host != nullptr && !isPinnedHost(host);
   DeviceGuard guard(stream.device());
+  const bool pageable = host != nullptr && !isPinnedHost(host);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream.handle())),
         str("memcpy of ", bytes, " bytes to ", dstDevice.str(), " from ", srcDevice.str()).c_str(), stream.str());
   if (pageable) {

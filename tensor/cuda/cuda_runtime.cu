@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <mutex>
 
 #include "common/errors.h"
@@ -57,6 +58,13 @@ void copyBytes(void* dst, Device dstDevice, const void* src, Device srcDevice, s
     throw NotSupportedError(str("cannot copy to ", dstDevice.str(), " from ", srcDevice.str(), ": ",
                                 unavailableReason()));
   }
+  // On the CUDA side's device: on a thread that never chose one, the copy
+  // would otherwise run in (and first create) cuda:0's context.
+  if (!active.isCuda()) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  DeviceGuard guard(active);
   throwIfFailed(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "memcpy", active);
 }
 

@@ -1,5 +1,6 @@
 #include "tensor/cuda/stream.h"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <array>
@@ -38,13 +39,71 @@ cudaStream_t raw(const Stream& s) { return static_cast<cudaStream_t>(s.handle())
 
 thread_local std::array<void*, kMaxDevices> currentStreams{};
 
-}  // namespace
+// The driver's primary-context query, found through the runtime (which loads
+// the driver anyway), so that dtrain links no libcuda and a CUDA build still
+// starts on a machine without a driver.
+using DeviceGetFn = CUresult (*)(CUdevice*, int);
+using PrimaryCtxGetStateFn = CUresult (*)(CUdevice, unsigned int*, int*);
+struct PrimaryContextQuery {
+  DeviceGetFn deviceGet = nullptr;
+  PrimaryCtxGetStateFn getState = nullptr;
+};
 
-int currentDevice() {
+const PrimaryContextQuery& primaryContextQuery() {
+  static const PrimaryContextQuery query = [] {
+    PrimaryContextQuery q;
+    if (deviceCount() == 0) return q;
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &fn, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+        found == cudaDriverEntryPointSuccess) {
+      q.deviceGet = reinterpret_cast<DeviceGetFn>(fn);
+    }
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess) {
+      q.getState = reinterpret_cast<PrimaryCtxGetStateFn>(fn);
+    }
+    cudaGetLastError();
+    return q;
+  }();
+  return query;
+}
+
+int runtimeCurrentDevice() {
   int index = 0;
   check(cudaGetDevice(&index), "get device", Device::cuda(0));
   return index;
 }
+
+void runtimeSetDevice(int index) { check(cudaSetDevice(index), "set device", Device::cuda(index)); }
+
+void runtimeSetDeviceBack(int index) noexcept {
+  if (cudaSetDevice(index) != cudaSuccess) cudaGetLastError();
+}
+
+constexpr DeviceSwitchOps kRuntimeSwitch{&runtimeCurrentDevice, &runtimeSetDevice, &runtimeSetDeviceBack,
+                                         &primaryContextActive};
+
+int checkedIndex(Device device, const char* what) {
+  requireDevice(device, what);
+  return device.index;
+}
+
+}  // namespace
+
+bool primaryContextActive(int index) noexcept {
+  const PrimaryContextQuery& q = primaryContextQuery();
+  if (q.deviceGet == nullptr || q.getState == nullptr) return false;
+  CUdevice device = 0;
+  if (q.deviceGet(&device, index) != CUDA_SUCCESS) return false;
+  unsigned int flags = 0;
+  int active = 0;
+  if (q.getState(device, &flags, &active) != CUDA_SUCCESS) return false;
+  return active != 0;
+}
+
+int currentDevice() { return runtimeCurrentDevice(); }
 
 void setCurrentDevice(int index) {
   requireDevice(Device::cuda(index), "set device");
@@ -92,18 +151,7 @@ void setCurrentStream(const Stream& stream) {
   currentStreams[static_cast<size_t>(stream.device().index)] = stream.handle();
 }
 
-DeviceGuard::DeviceGuard(Device device) {
-  requireDevice(device, "DeviceGuard");
-  check(cudaGetDevice(&previous_), "get device", device);
-  if (previous_ != device.index) {
-    check(cudaSetDevice(device.index), "set device", device);
-    changed_ = true;
-  }
-}
-
-DeviceGuard::~DeviceGuard() {
-  if (changed_) cudaSetDevice(previous_);
-}
+DeviceGuard::DeviceGuard(Device device) : switch_(kRuntimeSwitch, checkedIndex(device, "DeviceGuard")) {}
 
 StreamGuard::StreamGuard(const Stream& stream)
     : device_(stream.device()), previous_(currentStream(stream.device())) {
@@ -112,15 +160,29 @@ StreamGuard::StreamGuard(const Stream& stream)
 
 StreamGuard::~StreamGuard() { currentStreams[static_cast<size_t>(previous_.device().index)] = previous_.handle(); }
 
-Event::~Event() {
-  if (handle_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(handle_));
+namespace {
+
+// Destroying an event is a runtime call like any other: on a thread with no
+// current context it would make cuda:0's, so it runs on the event's device.
+void destroyEvent(void* handle, Device device) noexcept {
+  if (handle == nullptr) return;
+  try {
+    DeviceGuard guard(device);
+    cudaEventDestroy(static_cast<cudaEvent_t>(handle));
+  } catch (const std::exception&) {
+    cudaEventDestroy(static_cast<cudaEvent_t>(handle));  // the device is unusable; free what we can
+  }
 }
+
+}  // namespace
+
+Event::~Event() { destroyEvent(handle_, device_); }
 
 Event::Event(Event&& other) noexcept { *this = std::move(other); }
 
 Event& Event::operator=(Event&& other) noexcept {
   if (this != &other) {
-    if (handle_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(handle_));
+    destroyEvent(handle_, device_);
     timing_ = other.timing_;
     device_ = other.device_;
     handle_ = std::exchange(other.handle_, nullptr);
@@ -153,6 +215,7 @@ void Event::block(const Stream& stream) const {
 
 bool Event::query() const {
   if (handle_ == nullptr) return true;
+  DeviceGuard guard(device_);
   const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(handle_));
   if (status == cudaErrorNotReady) {
     cudaGetLastError();
@@ -164,6 +227,7 @@ bool Event::query() const {
 
 void Event::synchronize() const {
   if (handle_ == nullptr) return;
+  DeviceGuard guard(device_);
   check(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_)), "synchronize event", device_);
 }
 
@@ -175,6 +239,7 @@ float Event::elapsedMs(const Event& later) const {
     throw InvalidArgument("Event::elapsedMs: both events must be made with Event(/*timing=*/true)");
   }
   float ms = 0;
+  DeviceGuard guard(device_);
   check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(handle_), static_cast<cudaEvent_t>(later.handle_)),
         "event elapsed time", device_);
   return ms;

@@ -12,7 +12,15 @@
 //    default stream. Kernels, copies and collectives of dtrain launch on the
 //    current stream of their tensors' device. StreamGuard sets the current
 //    stream (and the current device) for a scope and restores both;
-//    DeviceGuard does the same for the current device only.
+//    DeviceGuard does the same for the current device only. Neither opens a
+//    context on a device the process never used: a guard goes back to the
+//    previous device only when the process already holds its primary
+//    context (device_switch.h says why), so a thread that never chose a
+//    device stays on the guard's one afterwards.
+//  * Every call below that needs a context runs with its object's device
+//    current (events are queried, synchronised and destroyed under a guard
+//    for their device), so it works from any thread without touching
+//    cuda:0.
 //  * Event: move-only owner of a cudaEvent_t created on its first record().
 //    record(stream) captures the work queued on that stream so far;
 //    block(stream) makes another stream wait for it without blocking the
@@ -27,6 +35,7 @@
 
 #include <string>
 
+#include "tensor/cuda/device_switch.h"
 #include "tensor/device.h"
 
 namespace dt::cuda {
@@ -34,6 +43,9 @@ namespace dt::cuda {
 // The calling thread's current CUDA device index, and setting it.
 int currentDevice();
 void setCurrentDevice(int index);
+// Whether this process holds the primary context of CUDA device `index`
+// (asking makes none; false without a driver or when the driver cannot tell).
+bool primaryContextActive(int index) noexcept;
 
 class Stream {
  public:
@@ -70,13 +82,11 @@ void setCurrentStream(const Stream& stream);
 class DeviceGuard {
  public:
   explicit DeviceGuard(Device device);
-  ~DeviceGuard();
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int previous_ = 0;
-  bool changed_ = false;
+  DeviceSwitch switch_;
 };
 
 class StreamGuard {

@@ -256,6 +256,61 @@ TEST(NcclBackend, WatchdogTimesOutAStuckOpNamingGroupOpAndSequenceNumber) {
   std::printf("%s\n", message.c_str());
 }
 
+// A rank on cuda:1 (rank 1 of a host): the runner's worker that watches its ops, the callback
+// threads, the watchdog's abort and the p2p thread all make CUDA calls on threads that never
+// chose a device; none may open a context on cuda:0 (GPU 0 would lose memory to every rank).
+// ctest runs each test in its own process, so nothing else touched cuda:0 here.
+TEST(NcclBackend, ARankOnCuda1OpensNoContextOnCuda0FromAnyOfItsThreads) {
+  DT_NEED_GPUS(2);
+  ASSERT_FALSE(cuda::primaryContextActive(0)) << "cuda:0 had a context before the test started";
+  cuda::setCurrentDevice(1);
+  const Device gpu = Device::cuda(1);
+  {
+    NcclBackend backend(std::make_shared<HashStore>(), 0, 1, fastOptions("ctx"));
+    Tensor t = full({1 << 16}, 2.0, DType::Float32, gpu);
+    std::atomic<bool> calledBack{false};
+    auto work = backend.allreduce({t});
+    work->then([&](Work& w) { calledBack = w.isSuccess(); });
+    work->wait(60s);
+    backend.barrier()->wait();
+    for (int i = 0; i < 200 && !calledBack; ++i) std::this_thread::sleep_for(5ms);
+    EXPECT_TRUE(calledBack.load());
+    backend.shutdown();
+  }
+  if (cuda::deviceCount() >= 3) {
+    // Two ranks on cuda:1 and cuda:2 exchange through send/recv (the p2p thread).
+    auto store = std::make_shared<HashStore>();
+    runRanks(2, [&](int rank) {
+      cuda::setCurrentDevice(rank + 1);
+      NcclBackend backend(store, rank, 2, fastOptions("ctx-p2p"));
+      Tensor t = full({256}, rank, DType::Float32, Device::cuda(rank + 1));
+      auto w = rank == 0 ? backend.send({t}, 1) : backend.recv({t}, 0);
+      w->wait(60s);
+      backend.shutdown();
+    });
+  }
+  {
+    // The watchdog aborts the communicator from the runner's worker (a deadline passes). Last:
+    // the op held behind the stream starts on an aborted communicator once released.
+    NcclBackend backend(std::make_shared<HashStore>(), 0, 1, fastOptions("ctx-abort", 1s));
+    Tensor t = ones({1024}, DType::Float32, gpu);
+    backend.allreduce({t})->wait(60s);
+    cuda::Stream user = cuda::Stream::create(gpu);
+    cuda::StreamGuard guard(user);
+    static std::atomic<bool> released{false};
+    ASSERT_EQ(cudaLaunchHostFunc(static_cast<cudaStream_t>(user.handle()), holdStream, &released), cudaSuccess);
+    std::thread releaser([&] {
+      std::this_thread::sleep_for(3s);
+      released = true;
+    });
+    auto stuck = backend.allreduce({t});
+    EXPECT_THROW(stuck->wait(60s), TimeoutError);
+    releaser.join();
+    backend.shutdown();
+  }
+  EXPECT_FALSE(cuda::primaryContextActive(0)) << "a CUDA call for cuda:1 opened a context on cuda:0";
+}
+
 TEST(NcclBackend, CommunicatorRendezvousTimeoutNamesTheRanksThatNeverArrived) {
   DT_NEED_GPUS(1);
   // Rank 0 of a group of 3 whose ranks 1 and 2 never come.

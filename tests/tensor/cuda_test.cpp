@@ -2,10 +2,13 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "common/config.h"
 #include "common/errors.h"
+#include "tensor/device.h"
 #include "tensor/storage.h"
 #include "tests/testing/testing.h"
 
@@ -237,6 +240,50 @@ TEST_F(CudaCachingAllocator, PinnedMemoryAsyncCopyRoundTrip) {
   EXPECT_EQ(cuda::pinnedHostAllocator().stats(Device::cpu()).allocatedBytes,
             cuda::pinnedCacheStats().allocatedBytes);
 }
+
+// A rank that uses cuda:1 only, as rank 1 of a host does: CUDA calls on threads that never chose
+// a device (a watchdog querying an event, a callback freeing a recorded tensor, a loader pinning
+// memory) must not open a context on cuda:0, which costs GPU 0 memory in every rank. ctest runs
+// each test in its own process, so nothing else has touched cuda:0 here.
+TEST(CudaContexts, FreshThreadsWorkingForCuda1OpenNoContextOnCuda0) {
+  if (cuda::deviceCount() < 2) {
+    GTEST_SKIP() << "needs 2 GPUs (one to use, one to stay untouched): "
+                 << (cuda::deviceCount() == 0 ? cuda::unavailableReason() : "this machine has 1");
+  }
+  ASSERT_FALSE(cuda::primaryContextActive(0)) << "cuda:0 had a context before the test started";
+  const Device gpu = Device::cuda(1);
+  dt::setCurrentDevice(gpu);
+  ASSERT_TRUE(cuda::primaryContextActive(1));
+  constexpr size_t n = 1 << 20;
+  auto event = std::make_shared<cuda::Event>();
+  const cuda::Stream side = cuda::Stream::create(gpu);
+  Storage recorded(n, gpu);
+  event->record(cuda::currentStream(gpu));
+  cuda::recordStream(recorded, side);
+  std::thread fresh([&] {
+    EXPECT_EQ(cuda::currentDevice(), 0);  // as CUDA reports it on a thread that chose nothing
+    event->query();
+    event->synchronize();
+    {
+      cuda::DeviceGuard guard(gpu);
+    }
+    EXPECT_EQ(cuda::currentDevice(), 1) << "the guard left the thread on cuda:1 (cuda:0 has no context)";
+  });
+  fresh.join();
+  std::thread another([&] {
+    recorded = Storage();  // freed here: its use marker records an event on `side`
+    event.reset();         // destroyed here
+    Storage pinned(cuda::pinnedHostAllocator().allocate(n), n);
+    Storage device(n, gpu);
+    cuda::copyBytesAsync(pinned.data(), Device::cpu(), device.data(), gpu, n, side);
+    side.synchronize();
+    std::vector<char> host(n);
+    cuda::copyBytes(host.data(), Device::cpu(), device.data(), gpu, n);
+  });
+  another.join();
+  EXPECT_FALSE(cuda::primaryContextActive(0)) << "a CUDA call for cuda:1 opened a context on cuda:0";
+}
+
 #else
 TEST(CudaStorage, CpuOnlyBuildRefusesCuda) {
   testing::expectThrowsWith<NotSupportedError>([] { Storage(16, Device::cuda(0)); }, {"cuda:0", "no GPU support"});
