@@ -18,6 +18,7 @@
 #include "common/strings.h"
 #include "common/thread_name.h"
 #include "process_group/cpu_tensors.h"
+#include "process_group/nccl/comm_lifecycle.h"
 #include "store/prefix_store.h"
 #include "tensor/cuda/cuda.h"
 #include "tensor/cuda/stream.h"
@@ -83,7 +84,8 @@ struct NcclComm {
   // Held for launches and async-error queries, so that an abort (which frees
   // the communicator) never races with a use of it.
   std::mutex mutex;
-  bool aborted = false;
+  // Set (under the mutex) before ncclCommAbort; read without it by watchers.
+  std::atomic<bool> aborted{false};
 };
 
 // One op launched on a communicator's stream.
@@ -366,6 +368,17 @@ struct NcclBackend::Impl {
     throw BackendError(str("NCCL reported an asynchronous error on ", c.device.str(), ": ", text));
   }
 
+  // A watcher's view of one launched op, for nccl::pollOp (comm_lifecycle.h):
+  // an abort, from whichever thread, fails the op even when its event fired.
+  struct LaunchedProbe final : nccl::OpProbe {
+    LaunchedProbe(Impl& impl, const Launched& op) : impl(impl), op(op) {}
+    bool eventCompleted() override { return op.done->query(); }
+    bool aborted() override { return impl.aborting.load() || op.comm->aborted.load(); }
+    void throwIfAsyncError() override { impl.checkAsync(*op.comm); }
+    Impl& impl;
+    const Launched& op;
+  };
+
   // Blocks until the op's event completed. Throws TransportTimeout after
   // `limit`, PeerLost / BackendError on an NCCL error or an abort.
   void watch(const Launched& l, Millis limit) {
@@ -374,13 +387,15 @@ struct NcclBackend::Impl {
     // or a caller running the op inline). The guard leaves a worker that had no
     // device on this one, so the worker's later calls make no context on cuda:0.
     cuda::DeviceGuard guard(l.comm->device);
+    LaunchedProbe probe(*this, l);
     auto pause = std::chrono::microseconds(10);
     while (true) {
-      if (l.done->query()) return;
-      checkAsync(*l.comm);
-      if (aborting.load()) {
+      const nccl::OpState state = nccl::pollOp(probe);
+      if (state == nccl::OpState::Completed) return;
+      if (state == nccl::OpState::Aborted) {
         throw BackendError(str("the NCCL communicators of the group were aborted while the op ran on ",
-                               l.comm->device.str(), " (group shut down or broken by another op)"));
+                               l.comm->device.str(), " (group shut down or broken by another op); an abort ends "
+                               "NCCL's kernels early, so its result is not trusted even where its event completed"));
       }
       if (Clock::now() >= deadline) {
         throw TransportTimeout(str("its completion event on ", l.comm->device.str(),
@@ -519,14 +534,20 @@ struct NcclBackend::Impl {
       if (p2pStopping && p2p.empty()) return;
       std::vector<WorkPtr> completed;
       std::exception_ptr failure;
-      for (auto it = p2p.begin(); it != p2p.end() && !failure;) {
+      bool sawAbort = false;
+      for (auto it = p2p.begin(); it != p2p.end() && !failure && !sawAbort;) {
         try {
-          if (it->op.done->query()) {
+          LaunchedProbe probe(*this, it->op);
+          const nccl::OpState state = nccl::pollOp(probe);
+          if (state == nccl::OpState::Completed) {
             completed.push_back(it->work);
             it = p2p.erase(it);
             continue;
           }
-          checkAsync(*it->op.comm);
+          if (state == nccl::OpState::Aborted) {
+            sawAbort = true;  // this one and every other outstanding one fail below
+            break;
+          }
         } catch (const std::exception& e) {
           failure = std::make_exception_ptr(BackendError(str("[", who(), "] ", it->what, " failed: ", e.what())));
           break;
@@ -541,7 +562,7 @@ struct NcclBackend::Impl {
         }
         ++it;
       }
-      if (!failure && (aborting.load() || p2pStopping)) {
+      if (!failure && (sawAbort || aborting.load() || p2pStopping)) {
         std::exception_ptr cause = runner->brokenCause();
         failure = cause ? withPrefix(cause, str("[", who(), "] aborted: the group is broken since "))
                         : std::make_exception_ptr(BackendError(str("[", who(), "] the group was shut down")));

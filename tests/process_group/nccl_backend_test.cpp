@@ -256,6 +256,37 @@ TEST(NcclBackend, WatchdogTimesOutAStuckOpNamingGroupOpAndSequenceNumber) {
   std::printf("%s\n", message.c_str());
 }
 
+// Finding 2 of issue 24 on GPUs: rank 0's allreduce runs on the GPU waiting for rank 1, which
+// never joins it; rank 0's recv from rank 1 (never sent) times out and aborts the communicator.
+// The abort ends the allreduce's kernel early, so its completion event fires: the op must fail,
+// not pass as a success with a half-reduced buffer.
+TEST(NcclBackend, AnOpAbortedFromElsewhereFailsAlthoughItsEventFires) {
+  DT_NEED_GPUS(2);
+  auto store = std::make_shared<HashStore>();
+  runRanks(2, [&](int rank) {
+    cuda::setCurrentDevice(rank);
+    const Device gpu = Device::cuda(rank);
+    NcclBackend backend(store, rank, 2, fastOptions("abort-elsewhere"));
+    Tensor t = full({1 << 20}, rank + 1, DType::Float32, gpu);
+    backend.allreduce({t})->wait(60s);  // both ranks: the communicator exists, the ring is connected
+    if (rank == 0) {
+      auto running = backend.allreduce({t}, {.timeout = 60s});
+      Tensor never = zeros({16}, DType::Float32, gpu);
+      auto recv = backend.recv({never}, 1, {.timeout = 1s});
+      EXPECT_THROW(recv->wait(60s), Error);
+      const auto t0 = std::chrono::steady_clock::now();
+      EXPECT_THROW(running->wait(60s), Error);
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+      EXPECT_FALSE(running->isSuccess()) << "an op cut short by an abort passed as a success";
+      EXPECT_NE(backend.brokenCause(), nullptr);
+      store->set("abort-elsewhere/done", "1");
+    } else {
+      store->get("abort-elsewhere/done", 60s);
+    }
+    backend.shutdown();
+  });
+}
+
 // A rank on cuda:1 (rank 1 of a host): the runner's worker that watches its ops, the callback
 // threads, the watchdog's abort and the p2p thread all make CUDA calls on threads that never
 // chose a device; none may open a context on cuda:0 (GPU 0 would lose memory to every rank).
