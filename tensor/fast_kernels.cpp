@@ -4,16 +4,19 @@
 // array (a float sum cannot be reordered by the compiler on its own, but lanes written out
 // by hand can), and exp/erf are branch-free polynomials with the exponent set through the
 // float's bits, so each loop body is straight-line code over whole vectors. The public
-// functions carry DT_MULTIVERSION: GCC compiles each for AVX-512, AVX2+FMA and plain x86-64
-// and an ifunc resolver picks one when the library loads.
+// functions carry DT_MULTIVERSION: GCC compiles each for AVX-512F, AVX2 and plain x86-64, and
+// an ifunc resolver picks one by the CPU's features when the library loads (feature names, not
+// "arch=" names: those match exact CPU models, and a virtual CPU often reports none of them).
 #include "tensor/internal/fast_kernels.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
     !defined(__SANITIZE_THREAD__)
-#define DT_MULTIVERSION __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#define DT_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define DT_MULTIVERSION
 #endif
@@ -26,11 +29,16 @@ namespace {
 
 constexpr int kLanes = 16;
 
+// The helpers must be inlined into every clone: GCC inlines a function into one compiled for
+// another -march only when it is always_inline, and an out-of-line call per element would
+// undo the vectorisation.
+#define DT_INLINE __attribute__((always_inline)) inline
+
 // exp(x) for x <= 88 (larger inputs give exp(88)); 0 below -87.3 (where float32 denormals
 // begin) and for -inf. Cephes' expf: n = round(x / ln 2), r = x - n ln 2 (in two parts), a
 // degree-6 polynomial for exp(r) on [-ln2/2, ln2/2], then 2^n through the exponent bits.
 // Within 2 ulp.
-inline float expPoly(float input) {
+DT_INLINE float expPoly(float input) {
   const float x = input < -87.3f ? -87.3f : (input > 88.0f ? 88.0f : input);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
@@ -48,7 +56,7 @@ inline float expPoly(float input) {
 }
 
 // For z >= 0 and ez = exp(-z^2): 1 - erf(z) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7).
-inline float erfcPoly(float z, float ez) {
+DT_INLINE float erfcPoly(float z, float ez) {
   const float t = 1.0f / (1.0f + 0.3275911f * z);
   float p = 1.061405429f;
   p = p * t - 1.453152027f;
@@ -62,13 +70,13 @@ constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 
 // Phi(x), the standard normal CDF, and exp(-x^2 / 2) (which phi(x) and 1 - erf share).
-inline float normalCdf(float x, float& gauss) {
+DT_INLINE float normalCdf(float x, float& gauss) {
   gauss = expPoly(-0.5f * x * x);
   const float tail = 0.5f * erfcPoly(std::fabs(x) * kInvSqrt2, gauss);  // Phi(-|x|), no cancellation
   return x < 0.0f ? tail : 1.0f - tail;
 }
 
-inline float rowMax(const float* x, int64_t n) {
+DT_INLINE float rowMax(const float* x, int64_t n) {
   float lanes[kLanes];
   for (int l = 0; l < kLanes; ++l) lanes[l] = -INFINITY;
   int64_t j = 0;
@@ -82,7 +90,7 @@ inline float rowMax(const float* x, int64_t n) {
 }
 
 // y[j] = exp(x[j] - shift); returns the sum of y (in lanes, then added up).
-inline float expShiftSum(const float* x, float* y, int64_t n, float shift) {
+DT_INLINE float expShiftSum(const float* x, float* y, int64_t n, float shift) {
   float lanes[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -101,7 +109,7 @@ inline float expShiftSum(const float* x, float* y, int64_t n, float shift) {
   return s;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+DT_INLINE float dot(const float* a, const float* b, int64_t n) {
   float lanes[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -113,7 +121,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-inline float sum(const float* a, int64_t n) {
+DT_INLINE float sum(const float* a, int64_t n) {
   float lanes[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -250,6 +258,22 @@ DT_MULTIVERSION void layerNormBackward(const float* x, const float* w, const flo
       o[k] = rs * (gh - a - ((xr[k] - mu) * rs) * c);
     }
   }
+}
+
+DT_MULTIVERSION void columnSums(const float* g, int64_t rows, int64_t cols, float* out) {
+  constexpr int64_t kRowBlock = 64;
+  std::vector<double> total(static_cast<size_t>(cols), 0.0);
+  std::vector<float> part(static_cast<size_t>(cols));
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    std::fill(part.begin(), part.end(), 0.0f);
+    const int64_t r1 = std::min(rows, r0 + kRowBlock);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = g + r * cols;
+      for (int64_t j = 0; j < cols; ++j) part[j] += row[j];
+    }
+    for (int64_t j = 0; j < cols; ++j) total[j] += static_cast<double>(part[j]);
+  }
+  for (int64_t j = 0; j < cols; ++j) out[j] = static_cast<float>(total[j]);
 }
 
 }  // namespace dt::detail::fast

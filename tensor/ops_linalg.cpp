@@ -2,11 +2,13 @@
 // CblasTrans / CUBLAS_OP_T (no copies); only operands whose strides BLAS cannot express are copied.
 #include <cblas.h>
 
+#include <cstring>
 #include <optional>
 
 #include "common/check.h"
 #include "common/config.h"
 #include "tensor/internal/detail.h"
+#include "tensor/internal/fast_kernels.h"
 #include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
@@ -248,7 +250,14 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   double beta = 0.0;
   if (bias.defined()) {
     // Bias rows first, then the gemm accumulates onto them (beta = 1): no separate add pass.
-    out.copy_(bias.to(ct));
+    const Tensor b = bias.to(ct).contiguous();
+    if (out.device().isCpu()) {
+      const size_t rowBytes = static_cast<size_t>(outF) * itemSize(ct);
+      char* dst = static_cast<char*>(out.dataPtr());
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * rowBytes, b.dataPtr(), rowBytes);
+    } else {
+      out.copy_(b);
+    }
     beta = 1.0;
   }
   gemm(x2, w.t(), out, 1.0, beta);
@@ -279,7 +288,14 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
           gw = empty(ws.sizes(), ct, ws.device());
           gemm(g2.t(), xs, gw, 1.0, 0.0);  // [out, rows] . [rows, in]
         }
-        if (hasBias && c.needs[2]) gb = sum(g2, {0}, false);
+        if (hasBias && c.needs[2]) {
+          if (g2.device().isCpu() && ct == DType::Float32 && g2.isContiguous()) {
+            gb = empty({outF}, ct);
+            fast::columnSums(g2.data<float>(), rows, outF, gb.data<float>());
+          } else {
+            gb = sum(g2, {0}, false);
+          }
+        }
         return {gx, gw, gb};
       });
   return result;

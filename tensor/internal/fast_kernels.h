@@ -40,4 +40,8 @@ void layerNormForward(const float* x, const float* w, const float* b, float* y, 
 void layerNormBackward(const float* x, const float* w, const float* g, const double* mean, const double* rstd,
                        int64_t rows, int64_t d, float* gx, double* gw, double* gb);
 
+// out[j] = sum over the rows of g[i, j] (a bias gradient), summed in float32 over blocks of
+// rows and the blocks' sums in float64.
+void columnSums(const float* g, int64_t rows, int64_t cols, float* out);
+
 }  // namespace dt::detail::fast

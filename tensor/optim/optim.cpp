@@ -1,11 +1,13 @@
 #include "tensor/optim/optim.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/strings.h"
 #include "tensor/autograd/autograd.h"
+#include "tensor/nn/module.h"
 #include "tensor/ops.h"
 #include "tensor/parallel.h"
 
@@ -15,7 +17,27 @@
 
 namespace dt::optim {
 
-Optimizer::Optimizer(std::vector<Tensor> params) : params_(std::move(params)), state_(params_.size()) {
+Optimizer::Optimizer(std::vector<Tensor> params) : Optimizer(std::vector<ParamGroup>{ParamGroup{std::move(params), {}}}) {}
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups) : groups_(std::move(groups)) {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].weightDecay && *groups_[g].weightDecay < 0) {
+      throw InvalidArgument(str("optimizer: group ", g, " has weight decay ", *groups_[g].weightDecay,
+                                "; it must be non-negative"));
+    }
+    for (const Tensor& p : groups_[g].params) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (params_[i].isSameAs(p)) {
+          throw InvalidArgument(str("optimizer: parameter ", params_.size(), " (", p.describe(), ", group ", g,
+                                    ") is parameter ", i, " already (group ", groupOf_[i],
+                                    "); a parameter may appear once"));
+        }
+      }
+      params_.push_back(p);
+      groupOf_.push_back(g);
+    }
+  }
+  state_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].defined() || !params_[i].requiresGrad() || !params_[i].isLeaf()) {
       throw InvalidArgument(str("optimizer: parameter ", i, " (", params_[i].describe(),
@@ -29,6 +51,30 @@ void Optimizer::zeroGrad(bool setToNone) {
 }
 
 Tensor& Optimizer::state(size_t param, const std::string& name) { return state_.at(param)[name]; }
+
+double Optimizer::weightDecayOf(size_t param, double fallback) const {
+  return groups_[groupOf_[param]].weightDecay.value_or(fallback);
+}
+
+std::vector<ParamGroup> decayGroups(const nn::Module& module, double weightDecay) {
+  // Which tensors are Linear weights: collected from the module tree (a tied weight that an
+  // Embedding owns is not one, whatever layer also multiplies by it).
+  std::vector<const TensorImpl*> linearWeights;
+  std::vector<const nn::Module*> pending{&module};
+  while (!pending.empty()) {
+    const nn::Module* m = pending.back();
+    pending.pop_back();
+    if (const auto* linear = dynamic_cast<const nn::Linear*>(m)) linearWeights.push_back(linear->weight.unsafeImpl());
+    for (const auto& [name, child] : m->namedChildren()) pending.push_back(child.get());
+  }
+  ParamGroup decay{{}, weightDecay}, none{{}, 0.0};
+  for (const auto& [name, p] : module.namedParameters()) {
+    const bool isLinearWeight =
+        std::find(linearWeights.begin(), linearWeights.end(), p.unsafeImpl()) != linearWeights.end();
+    (isLinearWeight ? decay : none).params.push_back(p);
+  }
+  return {std::move(decay), std::move(none)};
+}
 
 bool Optimizer::hasState(size_t param, const std::string& name) const {
   auto it = state_.at(param).find(name);
@@ -77,7 +123,10 @@ void Optimizer::loadStateDict(const NamedTensors& state) {
 
 // ---- SGD ----------------------------------------------------------------------------------------------------
 
-SGD::SGD(std::vector<Tensor> params, SGDOptions options) : Optimizer(std::move(params)), options_(options) {
+SGD::SGD(std::vector<Tensor> params, SGDOptions options)
+    : SGD(std::vector<ParamGroup>{ParamGroup{std::move(params), {}}}, options) {}
+
+SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options) : Optimizer(std::move(groups)), options_(options) {
   lr_ = options.lr;
   if (options.lr < 0 || options.momentum < 0 || options.weightDecay < 0) {
     throw InvalidArgument(str("SGD: lr ", options.lr, ", momentum ", options.momentum, ", weightDecay ",
@@ -95,12 +144,13 @@ void SGD::step() {
     Tensor& p = params_[i];
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    if (o.momentum == 0.0 && o.weightDecay == 0.0) {
+    const double weightDecay = weightDecayOf(i, o.weightDecay);
+    if (o.momentum == 0.0 && weightDecay == 0.0) {
       addInPlace(p, g, -lr_);  // one fused pass: p -= lr * g
       continue;
     }
     Tensor d = g;
-    if (o.weightDecay != 0.0) d = add(d, p, o.weightDecay);
+    if (weightDecay != 0.0) d = add(d, p, weightDecay);
     if (o.momentum != 0.0) {
       Tensor& buf = state(i, "momentum_buffer");
       if (!buf.defined()) {
@@ -117,7 +167,10 @@ void SGD::step() {
 
 // ---- AdamW ------------------------------------------------------------------------------------------------
 
-AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options) : Optimizer(std::move(params)), options_(options) {
+AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
+    : AdamW(std::vector<ParamGroup>{ParamGroup{std::move(params), {}}}, options) {}
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions options) : Optimizer(std::move(groups)), options_(options) {
   lr_ = options.lr;
   if (options.lr < 0 || options.eps < 0 || options.beta1 < 0 || options.beta1 >= 1 || options.beta2 < 0 ||
       options.beta2 >= 1) {
@@ -190,20 +243,21 @@ void AdamW::step() {
     stepT.fill_(t);
     const double bc1 = 1.0 - std::pow(o.beta1, t);
     const double bc2Sqrt = std::sqrt(1.0 - std::pow(o.beta2, t));
+    const double weightDecay = weightDecayOf(i, o.weightDecay);
     if (!p.device().isCpu()) {
 #if DT_HAVE_CUDA
       cuda::adamw(p.device(), p.dtype(), p.dataPtr(), g.dataPtr(), m.dataPtr(), v.dataPtr(), p.numel(), lr_,
-                  o.beta1, o.beta2, o.eps, o.weightDecay, bc1, bc2Sqrt);
+                  o.beta1, o.beta2, o.eps, weightDecay, bc1, bc2Sqrt);
 #else
       throw NotSupportedError(
           str("AdamW: parameter ", i, " is ", p.describe(), ": this build has cpu kernels only"));
 #endif
     } else if (p.dtype() == DType::Float32) {
       adamwKernel(p.data<float>(), g.data<float>(), m.data<float>(), v.data<float>(), p.numel(), lr_, o.beta1, o.beta2,
-                  o.eps, o.weightDecay, bc1, bc2Sqrt);
+                  o.eps, weightDecay, bc1, bc2Sqrt);
     } else {
       adamwKernel(p.data<double>(), g.data<double>(), m.data<double>(), v.data<double>(), p.numel(), lr_, o.beta1,
-                  o.beta2, o.eps, o.weightDecay, bc1, bc2Sqrt);
+                  o.beta2, o.eps, weightDecay, bc1, bc2Sqrt);
     }
     p.bumpVersion();
     m.bumpVersion();

@@ -1,7 +1,11 @@
 // Optimizers: SGD and AdamW with PyTorch's update rules.
 //
 // Contract: an optimizer holds handles to the parameters it updates (in the
-// order given, usually module.parameters()). step() reads each parameter's
+// order given, usually module.parameters(), or group after group when built
+// from ParamGroups: each group may set its own weight decay, so that biases,
+// norms and embeddings are left undecayed; decayGroups() makes that split
+// for a module). Indices in the state dict count parameters in that flat
+// order. setLr() sets the rate of every group. step() reads each parameter's
 // .grad (skipping parameters without one) and updates the values in place
 // without autograd, bumping their version counters. Per-parameter state is
 // created lazily on the first step. stateDict() holds that state as named
@@ -11,21 +15,40 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "tensor/nn/safetensors.h"
 #include "tensor/tensor.h"
 
+namespace dt::nn {
+class Module;
+}
+
 namespace dt::optim {
+
+// Parameters that share hyper-parameters; an unset weightDecay takes the optimizer's.
+struct ParamGroup {
+  std::vector<Tensor> params;
+  std::optional<double> weightDecay;
+};
+
+// Two groups for AdamW-style training, as GPT-2 and most transformer recipes do it: the
+// weights of the module's nn::Linear layers with `weightDecay`, everything else (biases,
+// LayerNorm weights, embeddings, a tied output layer that is an embedding) with none. Each
+// parameter appears once, in namedParameters() order within its group.
+std::vector<ParamGroup> decayGroups(const nn::Module& module, double weightDecay);
 
 class Optimizer {
  public:
   explicit Optimizer(std::vector<Tensor> params);
+  explicit Optimizer(std::vector<ParamGroup> groups);
   virtual ~Optimizer() = default;
   virtual void step() = 0;
   void zeroGrad(bool setToNone = true);
   const std::vector<Tensor>& params() const { return params_; }
+  const std::vector<ParamGroup>& groups() const { return groups_; }
   double lr() const { return lr_; }
   void setLr(double lr) { lr_ = lr; }
 
@@ -35,6 +58,10 @@ class Optimizer {
  protected:
   Tensor& state(size_t param, const std::string& name);  // creates an undefined slot
   bool hasState(size_t param, const std::string& name) const;
+  // The group's weight decay for parameter `param`, or `fallback` (the options') when unset.
+  double weightDecayOf(size_t param, double fallback) const;
+  std::vector<ParamGroup> groups_;
+  std::vector<size_t> groupOf_;  // param -> its group
   std::vector<Tensor> params_;
   std::vector<std::map<std::string, Tensor>> state_;
   double lr_ = 0.0;
@@ -53,6 +80,7 @@ struct SGDOptions {
 class SGD : public Optimizer {
  public:
   SGD(std::vector<Tensor> params, SGDOptions options);
+  SGD(std::vector<ParamGroup> groups, SGDOptions options);
   void step() override;
   const SGDOptions& options() const { return options_; }
 
@@ -73,6 +101,7 @@ struct AdamWOptions {
 class AdamW : public Optimizer {
  public:
   AdamW(std::vector<Tensor> params, AdamWOptions options = {});
+  AdamW(std::vector<ParamGroup> groups, AdamWOptions options = {});
   void step() override;
   const AdamWOptions& options() const { return options_; }
 

@@ -1,0 +1,92 @@
+#include "tensor/nn/clip_grad.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/ops.h"
+
+namespace dt::nn {
+namespace {
+
+// max that keeps a NaN (std::max drops one in its second argument).
+inline double maxKeepNan(double a, double b) { return (b > a || b != b) ? b : a; }
+
+// The gradient's sum of squares (or max |g|) in float64: a direct loop over contiguous cpu
+// memory (no float64 copy of the gradient), tensor ops elsewhere.
+double statistic(const Tensor& g, bool maxMode) {
+  if (g.device().isCpu() && g.isContiguous() && (g.dtype() == DType::Float32 || g.dtype() == DType::Float64)) {
+    return dispatchDType(g.dtype(), [&]<typename T>() -> double {
+      if constexpr (std::is_floating_point_v<T>) {
+        const T* p = g.data<T>();
+        constexpr int kLanes = 8;
+        double lanes[kLanes] = {};
+        const int64_t n = g.numel();
+        int64_t i = 0;
+        for (; i + kLanes <= n; i += kLanes) {
+          for (int l = 0; l < kLanes; ++l) {
+            const double v = static_cast<double>(p[i + l]);
+            lanes[l] = maxMode ? maxKeepNan(lanes[l], std::fabs(v)) : lanes[l] + v * v;
+          }
+        }
+        double s = 0;
+        for (; i < n; ++i) {
+          const double v = static_cast<double>(p[i]);
+          s = maxMode ? maxKeepNan(s, std::fabs(v)) : s + v * v;
+        }
+        for (double l : lanes) s = maxMode ? maxKeepNan(s, l) : s + l;
+        return s;
+      } else {
+        return 0.0;
+      }
+    });
+  }
+  const Tensor g64 = g.to(DType::Float64);
+  return maxMode ? max(abs(g64)).item<double>() : sum(mul(g64, g64)).item<double>();
+}
+
+}  // namespace
+
+double clipGradNorm(const std::vector<Tensor>& parameters, double maxNorm, const ClipGradNormOptions& options) {
+  const bool maxMode = std::isinf(options.normType) && options.normType > 0;
+  if (!maxMode && options.normType != 2.0) {
+    throw NotSupportedError(str("clipGradNorm: norm type ", options.normType, " is not supported (2 or infinity)"));
+  }
+  if (!(maxNorm > 0)) throw InvalidArgument(str("clipGradNorm: maxNorm must be positive, got ", maxNorm));
+  NoGradGuard ng;
+  std::vector<Tensor> grads;
+  double local = 0.0;
+  for (const Tensor& p : parameters) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    grads.push_back(g);
+    const double s = statistic(g, maxMode);
+    local = maxMode ? maxKeepNan(local, s) : local + s;
+  }
+  double total = local;
+  if (options.reducePartial) {
+    Tensor partial = scalarTensor(local, DType::Float64);
+    options.reducePartial(partial, maxMode);
+    total = partial.to(Device::cpu()).item<double>();
+  }
+  const double norm = maxMode ? total : std::sqrt(total);
+  if (!std::isfinite(norm) && options.errorIfNonfinite) {
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      const Tensor g = parameters[i].grad();
+      if (g.defined() && !std::isfinite(sum(abs(g.to(DType::Float64))).item<double>())) {
+        throw InvalidArgument(str("clipGradNorm: the total gradient norm is ", norm, "; parameter ", i, " (",
+                                  parameters[i].describe(), ") has a non-finite gradient"));
+      }
+    }
+    throw InvalidArgument(str("clipGradNorm: the total gradient norm is ", norm,
+                              " (non-finite over the shard group; this rank's gradients are finite)"));
+  }
+  const double coefficient = maxNorm / (norm + 1e-6);
+  if (coefficient < 1.0 || std::isnan(coefficient)) {
+    for (Tensor& g : grads) mul_(g, coefficient);
+  }
+  return norm;
+}
+
+}  // namespace dt::nn

@@ -1,0 +1,165 @@
+#include "tensor/nn/gpt.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common/errors.h"
+#include "common/strings.h"
+
+namespace dt::nn {
+
+void GptConfig::validate() const {
+  auto positive = [](int64_t v, const char* name) {
+    if (v < 1) throw InvalidArgument(str("GptConfig: ", name, " must be at least 1, got ", v));
+  };
+  positive(vocabSize, "vocabSize");
+  positive(contextLength, "contextLength");
+  positive(layers, "layers");
+  positive(heads, "heads");
+  positive(width, "width");
+  if (width % heads != 0) {
+    throw InvalidArgument(str("GptConfig: width ", width, " is not a multiple of heads ", heads));
+  }
+  if (dropout < 0 || dropout >= 1) throw InvalidArgument(str("GptConfig: dropout must be in [0, 1), got ", dropout));
+  if (!(layerNormEps > 0)) throw InvalidArgument(str("GptConfig: layerNormEps must be positive, got ", layerNormEps));
+}
+
+int64_t GptConfig::parameterCount() const {
+  const int64_t c = width;
+  const int64_t block = 2 * 2 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c);
+  return vocabSize * c + contextLength * c + layers * block + 2 * c;
+}
+
+CausalSelfAttention::CausalSelfAttention(const GptConfig& config, Generator& init, Generator& dropout)
+    : heads_(config.heads), dropout_(config.dropout), dropoutGenerator_(&dropout) {
+  c_attn = registerModule("c_attn", std::make_shared<Linear>(config.width, 3 * config.width, true, init));
+  c_proj = registerModule("c_proj", std::make_shared<Linear>(config.width, config.width, true, init));
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x) {
+  const Tensor qkv = (*c_attn)(x);
+  const Tensor y = selfAttention(qkv, heads_, {.causal = true, .dropoutP = dropout_, .training = isTraining()},
+                                 *dropoutGenerator_);
+  return dropout((*c_proj)(y), dropout_, isTraining(), *dropoutGenerator_);
+}
+
+Mlp::Mlp(const GptConfig& config, Generator& init, Generator& dropout)
+    : dropout_(config.dropout), dropoutGenerator_(&dropout) {
+  c_fc = registerModule("c_fc", std::make_shared<Linear>(config.width, 4 * config.width, true, init));
+  c_proj = registerModule("c_proj", std::make_shared<Linear>(4 * config.width, config.width, true, init));
+}
+
+Tensor Mlp::forward(const Tensor& x) {
+  return dropout((*c_proj)(gelu((*c_fc)(x))), dropout_, isTraining(), *dropoutGenerator_);
+}
+
+TransformerBlock::TransformerBlock(const GptConfig& config, Generator& init, Generator& dropout) {
+  ln_1 = registerModule("ln_1", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
+  attn = registerModule("attn", std::make_shared<CausalSelfAttention>(config, init, dropout));
+  ln_2 = registerModule("ln_2", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
+  mlp = registerModule("mlp", std::make_shared<Mlp>(config, init, dropout));
+}
+
+Tensor TransformerBlock::forward(const Tensor& x) {
+  const Tensor h1 = add(x, (*attn)((*ln_1)(x)));
+  return add(h1, (*mlp)((*ln_2)(h1)));
+}
+
+Gpt::Gpt(const GptConfig& config, Generator& init, Generator* dropout)
+    : config_(config), dropoutGenerator_(dropout != nullptr ? dropout : &init) {
+  config.validate();
+  wte = registerModule("wte", std::make_shared<Embedding>(config.vocabSize, config.width, init));
+  wpe = registerModule("wpe", std::make_shared<Embedding>(config.contextLength, config.width, init));
+  h = registerModule("h", std::make_shared<Sequential>());
+  for (int64_t i = 0; i < config.layers; ++i) {
+    h->pushBack(std::make_shared<TransformerBlock>(config, init, *dropoutGenerator_));
+  }
+  ln_f = registerModule("ln_f", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
+  // GPT-2's initialisation, in registration order.
+  const double residualStd = 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers));
+  NoGradGuard ng;
+  for (auto& [name, p] : namedParameters()) {
+    const bool isNorm = name.starts_with("ln_f.") || name.find(".ln_") != std::string::npos;
+    if (isNorm) continue;  // LayerNorm: weight 1, bias 0 as constructed
+    Tensor t = p;
+    if (name.ends_with(".bias")) {
+      t.zero_();
+    } else if (name.ends_with("c_proj.weight")) {
+      normal_(t, 0.0, residualStd, init);
+    } else {
+      normal_(t, 0.0, 0.02, init);
+    }
+  }
+}
+
+Tensor Gpt::forward(const Tensor& tokens) {
+  if (tokens.dim() != 2 || (tokens.dtype() != DType::Int64 && tokens.dtype() != DType::Int32)) {
+    throw InvalidArgument(str("Gpt: tokens must be int64 [B, T], got ", tokens.describe()));
+  }
+  const int64_t len = tokens.sizes()[1];
+  if (len < 1 || len > config_.contextLength) {
+    throw InvalidArgument(str("Gpt: ", len, " tokens per row (", tokens.describe(), ") but the context length is ",
+                              config_.contextLength));
+  }
+  const Tensor positions = arange(len, TensorOptions().dtype(DType::Int64).device(tokens.device()));
+  Tensor x = add((*wte)(tokens), (*wpe)(positions));
+  x = dropout(x, config_.dropout, isTraining(), *dropoutGenerator_);
+  x = (*ln_f)((*h)(x));
+  return linear(x, wte->weight);  // the output layer is the token embedding (tied)
+}
+
+Tensor Gpt::loss(const Tensor& logits, const Tensor& targets) {
+  if (logits.dim() != 3 || targets.sizes() != Shape{logits.sizes()[0], logits.sizes()[1]}) {
+    throw InvalidArgument(str("Gpt::loss: logits ", logits.describe(), " and targets ", targets.describe(),
+                              " do not match (expected [B, T, V] and [B, T])"));
+  }
+  const int64_t rows = logits.sizes()[0] * logits.sizes()[1];
+  return crossEntropy(logits.reshape({rows, logits.sizes()[2]}), targets.reshape({rows}));
+}
+
+int64_t sampleToken(const Tensor& logits, const SamplingOptions& options, Generator& generator) {
+  if (logits.dim() != 1 || logits.numel() < 1) {
+    throw InvalidArgument(str("sampleToken: logits must be one non-empty row [V], got ", logits.describe()));
+  }
+  if (options.temperature < 0 || options.topK < 0) {
+    throw InvalidArgument(str("sampleToken: temperature ", options.temperature, " and topK ", options.topK,
+                              " must be non-negative"));
+  }
+  const std::vector<double> row = logits.toVector<double>();
+  const int64_t v = static_cast<int64_t>(row.size());
+  std::vector<int64_t> order(row.size());
+  std::iota(order.begin(), order.end(), int64_t{0});
+  // Most likely first; equal logits keep the lower token first.
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row[a] > row[b]; });
+  if (options.temperature == 0.0) return order[0];
+  const int64_t keep = options.topK > 0 ? std::min(options.topK, v) : v;
+  std::vector<double> weights(static_cast<size_t>(keep));
+  double total = 0;
+  for (int64_t i = 0; i < keep; ++i) {
+    weights[i] = std::exp((row[order[i]] - row[order[0]]) / options.temperature);
+    total += weights[i];
+  }
+  double u = generator.nextDouble() * total;
+  for (int64_t i = 0; i < keep; ++i) {
+    u -= weights[i];
+    if (u < 0) return order[i];
+  }
+  return order[keep - 1];
+}
+
+std::vector<int64_t> Gpt::generate(const std::vector<int64_t>& prompt, int64_t maxNewTokens,
+                                   const SamplingOptions& options, Generator& generator) {
+  if (prompt.empty()) throw InvalidArgument("Gpt::generate: the prompt needs at least one token");
+  NoGradGuard ng;
+  std::vector<int64_t> tokens = prompt;
+  for (int64_t n = 0; n < maxNewTokens; ++n) {
+    const int64_t len = std::min<int64_t>(static_cast<int64_t>(tokens.size()), config_.contextLength);
+    const std::vector<int64_t> window(tokens.end() - len, tokens.end());
+    const Tensor logits = forward(fromVector<int64_t>(window, {1, len}));
+    tokens.push_back(sampleToken(logits.select(0, 0).select(0, len - 1), options, generator));
+  }
+  return tokens;
+}
+
+}  // namespace dt::nn
