@@ -3,7 +3,8 @@
 // Contract:
 //  * A Dataset is immutable after construction; get() is const and may be called from any
 //    thread concurrently (the prefetching loader calls it from its own thread).
-//  * get(indices) returns one Batch: inputs [B, F] and targets [B], fresh CPU tensors the
+//  * get(indices) returns one Batch: inputs [B, F] and targets [B] (for text windows,
+//    data/text.h: int64 tokens [B, T] and their next tokens [B, T]), fresh CPU tensors the
 //    caller owns. An index outside [0, size()) throws InvalidArgument naming it.
 //  * ImageClassificationDataset keeps the images as bytes (a quarter of float32's memory) and
 //    converts each batch to float32: (pixel / 255 - mean) / std. Targets are int64 class ids.
@@ -24,8 +25,8 @@
 namespace dt::data {
 
 struct Batch {
-  Tensor inputs;   // float32 [B, F] (images flattened)
-  Tensor targets;  // int64 [B]
+  Tensor inputs;   // float32 [B, F] (images flattened); int64 tokens [B, T] for text
+  Tensor targets;  // int64 [B]; int64 next tokens [B, T] for text
 };
 
 class Dataset {
