@@ -1,13 +1,69 @@
 // The NCCL backend's decisions, apart from NCCL and CUDA: when a watched op
-// counts as done. NcclBackend implements the small interfaces below with its
-// NCCL and CUDA calls; tests implement them with fakes, so the rules are
-// checked in every build, with or without a GPU. No CUDA or NCCL header here.
+// counts as done, how a nonblocking NCCL call is waited for, and how each
+// device's communicator is created once while an abort can still get
+// through. NcclBackend implements the small interfaces below with its NCCL
+// and CUDA calls; tests implement them with fakes, so the rules are checked
+// in every build, with or without a GPU. No CUDA or NCCL header here.
 //
-// Thread safety: the functions keep no state; the interfaces are called on
-// the calling thread only.
+// Thread safety: the free functions keep no state and call their arguments
+// on the calling thread only; CommRegistry is thread-safe.
 #pragma once
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "common/errors.h"
+
 namespace dt::nccl {
+
+using Clock = std::chrono::steady_clock;
+using Micros = std::chrono::microseconds;
+
+// ---- waiting between polls -----------------------------------------------------------------------
+
+// How a poll loop waits between looks: it yields while less than `spin` has
+// passed since it began, then sleeps, starting at `firstSleep` and doubling
+// up to `maxSleep`.
+struct BackoffPolicy {
+  Micros spin{0};
+  Micros firstSleep{50};
+  Micros maxSleep{10000};
+};
+
+class Backoff {
+ public:
+  explicit Backoff(BackoffPolicy policy) : policy_(policy), start_(Clock::now()) {}
+  // Waits once (a yield or a sleep, as next() says).
+  void pause();
+  // The wait after `elapsed` in the loop when `slept` was the last sleep (0
+  // if none yet): 0 means a yield. Pure, for tests.
+  static Micros next(const BackoffPolicy& policy, Micros elapsed, Micros slept);
+
+ private:
+  BackoffPolicy policy_;
+  Clock::time_point start_;
+  Micros slept_{0};
+};
+
+// ---- a nonblocking NCCL call ---------------------------------------------------------------------
+
+// What ncclCommGetAsyncError says about a call that returned ncclInProgress.
+enum class CallState { Done, InProgress, Failed };
+enum class CallOutcome { Done, Failed, Aborted, TimedOut };
+
+// Polls `state` until the call leaves InProgress, an abort begins, or
+// `deadline` passes. `aborting` is read before each poll and wins: a call on
+// a communicator that is being aborted is given up at once instead of
+// holding its caller (and whoever waits for it) until the deadline.
+CallOutcome awaitCall(const std::function<CallState()>& state, const std::function<bool()>& aborting,
+                      Clock::time_point deadline, BackoffPolicy policy);
 
 // ---- one op: completed, aborted or still running -----------------------------------------------
 
@@ -33,5 +89,129 @@ enum class OpState { Running, Completed, Aborted };
 // abort in between would pass for a success). An asynchronous error wins
 // over completion too (then nothing can be assumed about the op's result).
 OpState pollOp(OpProbe& probe);
+
+// ---- one communicator per device -----------------------------------------------------------------
+
+// Creates each key's (device's) communicator once, on the first thread that
+// needs it, without holding the registry's lock while it is being made
+// (that is collective and may take the group's timeout): an abort from
+// another thread gets through at once, and a creation in progress sees
+// aborting() and gives up. A second thread asking for the same key meanwhile
+// waits for the first one's result (and fails with its error).
+template <typename Comm>
+class CommRegistry {
+ public:
+  using CommPtr = std::shared_ptr<Comm>;
+  // create(index) makes the communicator (polling aborting() while it waits);
+  // `index` numbers this registry's communicators from 0 in the order their
+  // creation began, which ranks agree on when they use devices in the same
+  // order. When an abort began while create() ran, the new communicator is
+  // handed to abandon() (which ends it) and getOrCreate throws BackendError.
+  CommPtr getOrCreate(int key, const std::function<CommPtr(int index)>& create,
+                      const std::function<void(Comm&)>& abandon);
+  // From now on aborting() is true and getOrCreate throws; returns every
+  // communicator made so far, for the caller to abort. Idempotent.
+  std::vector<CommPtr> beginAbort();
+  bool aborting() const { return aborting_.load(); }
+  // The communicators made so far, in creation order.
+  std::vector<CommPtr> made() const;
+
+ private:
+  struct Entry {
+    int index = 0;
+    bool creating = true;
+    CommPtr comm;
+    std::exception_ptr failure;
+  };
+  [[noreturn]] static void throwAborted();
+  std::vector<CommPtr> madeLocked() const;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<int, std::shared_ptr<Entry>> entries_;
+  int created_ = 0;
+  std::atomic<bool> aborting_{false};
+};
+
+template <typename Comm>
+void CommRegistry<Comm>::throwAborted() {
+  throw BackendError("the group's NCCL communicators were aborted (shut down or broken); no new one is created");
+}
+
+template <typename Comm>
+typename CommRegistry<Comm>::CommPtr CommRegistry<Comm>::getOrCreate(int key,
+                                                                     const std::function<CommPtr(int index)>& create,
+                                                                     const std::function<void(Comm&)>& abandon) {
+  std::shared_ptr<Entry> entry;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (auto it = entries_.find(key); it != entries_.end()) {
+      std::shared_ptr<Entry> other = it->second;
+      changed_.wait(lock, [&] { return !other->creating || aborting_.load(); });
+      if (other->creating) throwAborted();  // the creator gives up too
+      if (other->failure) std::rethrow_exception(other->failure);
+      return other->comm;
+    }
+    if (aborting_.load()) throwAborted();
+    entry = std::make_shared<Entry>();
+    entry->index = created_++;
+    entries_[key] = entry;
+  }
+  CommPtr comm;
+  try {
+    comm = create(entry->index);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entry->failure = std::current_exception();
+    entry->creating = false;
+    changed_.notify_all();
+    throw;
+  }
+  bool late = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Under the lock, as beginAbort() collects: either it saw this one made,
+    // or this sees its flag and ends the communicator here.
+    late = aborting_.load();
+    entry->creating = false;
+    if (late) {
+      entry->failure = std::make_exception_ptr(BackendError(
+          "the group's NCCL communicators were aborted (shut down or broken) while this one was being created"));
+    } else {
+      entry->comm = comm;
+    }
+    changed_.notify_all();
+  }
+  if (late) {
+    abandon(*comm);
+    std::rethrow_exception(entry->failure);
+  }
+  return comm;
+}
+
+template <typename Comm>
+std::vector<typename CommRegistry<Comm>::CommPtr> CommRegistry<Comm>::beginAbort() {
+  aborting_.store(true);
+  std::lock_guard<std::mutex> lock(mutex_);
+  changed_.notify_all();
+  return madeLocked();
+}
+
+template <typename Comm>
+std::vector<typename CommRegistry<Comm>::CommPtr> CommRegistry<Comm>::made() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return madeLocked();
+}
+
+template <typename Comm>
+std::vector<typename CommRegistry<Comm>::CommPtr> CommRegistry<Comm>::madeLocked() const {
+  std::map<int, CommPtr> byIndex;
+  for (const auto& [key, entry] : entries_) {
+    if (entry->comm) byIndex[entry->index] = entry->comm;
+  }
+  std::vector<CommPtr> out;
+  for (auto& [index, comm] : byIndex) out.push_back(comm);
+  return out;
+}
 
 }  // namespace dt::nccl

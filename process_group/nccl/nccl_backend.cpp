@@ -63,6 +63,18 @@ ncclRedOp_t ncclOpOf(ReduceOp op) {
 
 cudaStream_t raw(const cuda::Stream& s) { return static_cast<cudaStream_t>(s.handle()); }
 
+// What ncclCommGetAsyncError's answer means for a call that returned ncclInProgress.
+nccl::CallState callState(ncclResult_t result) {
+  if (result == ncclInProgress) return nccl::CallState::InProgress;
+  return result == ncclSuccess ? nccl::CallState::Done : nccl::CallState::Failed;
+}
+
+// Initialisation takes milliseconds to seconds: sleeps from 50 us, doubling to 10 ms.
+constexpr nccl::BackoffPolicy kInitPolling{std::chrono::microseconds(0), std::chrono::microseconds(50),
+                                           std::chrono::milliseconds(10)};
+// How long one wait of a creation for the store may last before it looks at the abort flag.
+constexpr std::chrono::milliseconds kAbortCheckInterval{100};
+
 // The caching allocator hands a freed block out again on its own stream at
 // once; the NCCL stream may still read or write it, so the block must also
 // wait for the NCCL stream's work (recordStream). Views of one storage record
@@ -114,12 +126,12 @@ struct NcclBackend::Impl {
   NcclBackendOptions options;
   Millis timeout{0};
   std::unique_ptr<CollectiveRunner> runner;
-  std::atomic<bool> aborting{false};
+  // By device index. Its abort flag is the backend's: set (before any
+  // ncclCommAbort) by abortAll, read by launches, watchers and creations.
+  nccl::CommRegistry<NcclComm> comms;
+  std::atomic<int> lastDevice{-1};  // of the most recently created communicator
 
-  std::mutex commsMutex;  // held across creating a communicator
-  std::map<int, std::shared_ptr<NcclComm>> comms;  // by device index
-  int commsCreated = 0;
-  int lastDevice = -1;
+  bool aborting() const { return comms.aborting(); }
 
   std::mutex p2pMutex;
   std::condition_variable p2pWake;
@@ -215,19 +227,31 @@ struct NcclBackend::Impl {
                            "previous ops?"));
   }
 
-  // The communicator for `device`, created on first use (collective over the group).
+  // The communicator for `device`, created on first use (collective over the
+  // group) by the thread that first needs it; see nccl::CommRegistry.
   std::shared_ptr<NcclComm> commFor(Device device) {
-    std::lock_guard<std::mutex> lock(commsMutex);
-    if (auto it = comms.find(device.index); it != comms.end()) return it->second;
-    if (aborting.load()) {
-      throw BackendError(str("[", who(), "] the group's NCCL communicators were aborted; no new one is created"));
-    }
+    return comms.getOrCreate(
+        device.index, [&](int index) { return createComm(device, index); },
+        [&](NcclComm& c) { abortOne(c); });
+  }
+
+  // Makes communicator #index on `device`. Every wait in it (rank 0's
+  // ncclUniqueId in the store, NCCL's nonblocking initialisation) looks at
+  // the abort flag between polls: an abort meanwhile ends it at once, and the
+  // ncclCommAbort of a half-made communicator is done here, by its creator.
+  std::shared_ptr<NcclComm> createComm(Device device, int index) {
     auto c = std::make_shared<NcclComm>();
     c->device = device;
-    c->index = commsCreated++;
+    c->index = index;
     const std::string base = str("comm/", c->index, "/");
     const std::string head = str("[", who(), "] creating NCCL communicator #", c->index, " of the group on ", device.str());
     const auto deadline = Clock::now() + timeout;
+    auto givenUp = [&] {
+      return BackendError(str(head, " was given up: the group's communicators are being aborted (shut down, or "
+                              "broken by another op)"));
+    };
+    // First, so that NCCL's calls below find this rank's GPU current.
+    cuda::DeviceGuard guard(device);
     store->set(str(base, "joined/", rank), device.str());
     ncclUniqueId id{};
     if (rank == 0) {
@@ -239,10 +263,15 @@ struct NcclBackend::Impl {
       store->set(base + "id", Bytes(reinterpret_cast<const char*>(&id), sizeof(id)));
     } else {
       Bytes bytes;
-      try {
-        bytes = store->get(base + "id", timeout);
-      } catch (const TimeoutError&) {
-        throwInitTimeout(head, base, timeout, "waiting for rank 0's ncclUniqueId");
+      while (true) {
+        if (aborting()) throw givenUp();
+        const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+        if (left.count() <= 0) throwInitTimeout(head, base, timeout, "waiting for rank 0's ncclUniqueId");
+        try {
+          bytes = store->get(base + "id", std::min<Millis>(left, kAbortCheckInterval));
+          break;
+        } catch (const TimeoutError&) {
+        }
       }
       if (bytes.size() != sizeof(id)) {
         throw BackendError(str(head, " failed: the ncclUniqueId in the store has ", bytes.size(), " bytes, expected ",
@@ -250,51 +279,54 @@ struct NcclBackend::Impl {
       }
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
-    cuda::DeviceGuard guard(device);
     c->stream = cuda::Stream::create(device);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // so that a rank that never arrives ends in a timeout, not a hang
     ncclResult_t result = ncclCommInitRankConfig(&c->comm, size, id, rank, &config);
-    auto pause = std::chrono::microseconds(50);
-    while (result == ncclInProgress) {
-      if (Clock::now() >= deadline) {
+    nccl::CallOutcome outcome = result == ncclSuccess ? nccl::CallOutcome::Done : nccl::CallOutcome::Failed;
+    if (result == ncclInProgress) {
+      outcome = nccl::awaitCall(
+          [&] {
+            ncclCommGetAsyncError(c->comm, &result);
+            return callState(result);
+          },
+          [&] { return aborting(); }, deadline, kInitPolling);
+    }
+    switch (outcome) {
+      case nccl::CallOutcome::Done: break;
+      case nccl::CallOutcome::Aborted:
+        ncclCommAbort(c->comm);
+        throw givenUp();
+      case nccl::CallOutcome::TimedOut:
         ncclCommAbort(c->comm);
         throwInitTimeout(head, base, timeout, "in ncclCommInitRankConfig");
+      case nccl::CallOutcome::Failed: {
+        const std::string text = c->comm != nullptr ? ncclText(result, c->comm) : ncclGetErrorString(result);
+        if (c->comm != nullptr) ncclCommAbort(c->comm);
+        throw BackendError(str(head, " failed: ncclCommInitRankConfig: ", text,
+                               "; NCCL_DEBUG=INFO shows why (note: NCCL rejects two ranks on one GPU)"));
       }
-      std::this_thread::sleep_for(pause);
-      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
-      ncclCommGetAsyncError(c->comm, &result);
-    }
-    if (result != ncclSuccess) {
-      const std::string text = c->comm != nullptr ? ncclText(result, c->comm) : ncclGetErrorString(result);
-      if (c->comm != nullptr) ncclCommAbort(c->comm);
-      throw BackendError(str(head, " failed: ncclCommInitRankConfig: ", text,
-                             "; NCCL_DEBUG=INFO shows why (note: NCCL rejects two ranks on one GPU)"));
     }
     runner->log()->debug("NCCL communicator #{} ready on {}", c->index, device.str());
-    comms[device.index] = c;
-    lastDevice = device.index;
+    lastDevice.store(device.index);
     return c;
   }
 
+  // Aborts one communicator, once (the comm mutex waits for a launch on it).
+  void abortOne(NcclComm& c) {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    if (c.aborted.exchange(true)) return;
+    cuda::DeviceGuard guard(c.device);
+    if (const ncclResult_t r = ncclCommAbort(c.comm); r != ncclSuccess) {
+      runner->log()->warn("ncclCommAbort on {}: {}", c.device.str(), ncclGetErrorString(r));
+    }
+  }
+
   // Aborts every communicator (the runner's abortTransport: a failure or
-  // shutdown). Idempotent; the comm mutexes make it wait for launches.
+  // shutdown). Idempotent; never waits for a communicator being created (its
+  // creator sees the flag and ends it).
   void abortAll() {
-    aborting.store(true);
-    std::vector<std::shared_ptr<NcclComm>> all;
-    {
-      std::lock_guard<std::mutex> lock(commsMutex);
-      for (auto& [index, c] : comms) all.push_back(c);
-    }
-    for (auto& c : all) {
-      std::lock_guard<std::mutex> lock(c->mutex);
-      if (c->aborted) continue;
-      c->aborted = true;
-      cuda::DeviceGuard guard(c->device);
-      if (const ncclResult_t r = ncclCommAbort(c->comm); r != ncclSuccess) {
-        runner->log()->warn("ncclCommAbort on {}: {}", c->device.str(), ncclGetErrorString(r));
-      }
-    }
+    for (const auto& c : comms.beginAbort()) abortOne(*c);
     p2pWake.notify_all();
   }
 
@@ -306,7 +338,7 @@ struct NcclBackend::Impl {
   ncclResult_t finishEnqueue(NcclComm& c, ncclResult_t result, Clock::time_point deadline) {
     auto pause = std::chrono::microseconds(5);
     while (result == ncclInProgress) {
-      if (aborting.load() || Clock::now() >= deadline) return ncclInProgress;
+      if (aborting() || Clock::now() >= deadline) return ncclInProgress;
       std::this_thread::sleep_for(pause);
       pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
       ncclCommGetAsyncError(c.comm, &result);
@@ -373,7 +405,7 @@ struct NcclBackend::Impl {
   struct LaunchedProbe final : nccl::OpProbe {
     LaunchedProbe(Impl& impl, const Launched& op) : impl(impl), op(op) {}
     bool eventCompleted() override { return op.done->query(); }
-    bool aborted() override { return impl.aborting.load() || op.comm->aborted.load(); }
+    bool aborted() override { return impl.aborting() || op.comm->aborted.load(); }
     void throwIfAsyncError() override { impl.checkAsync(*op.comm); }
     Impl& impl;
     const Launched& op;
@@ -562,7 +594,7 @@ struct NcclBackend::Impl {
         }
         ++it;
       }
-      if (!failure && (sawAbort || aborting.load() || p2pStopping)) {
+      if (!failure && (sawAbort || aborting() || p2pStopping)) {
         std::exception_ptr cause = runner->brokenCause();
         failure = cause ? withPrefix(cause, str("[", who(), "] aborted: the group is broken since "))
                         : std::make_exception_ptr(BackendError(str("[", who(), "] the group was shut down")));
@@ -598,8 +630,8 @@ struct NcclBackend::Impl {
   }
 
   Device deviceForBarrier() {
-    std::lock_guard<std::mutex> lock(commsMutex);
-    return Device::cuda(lastDevice >= 0 ? lastDevice : cuda::currentDevice());
+    const int last = lastDevice.load();
+    return Device::cuda(last >= 0 ? last : cuda::currentDevice());
   }
 };
 

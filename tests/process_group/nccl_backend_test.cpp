@@ -362,6 +362,34 @@ TEST(NcclBackend, CommunicatorRendezvousTimeoutNamesTheRanksThatNeverArrived) {
   other.shutdown();
 }
 
+// Finding 4 of issue 24 on a GPU: rank 0 of a group of 2 whose rank 1 never comes is inside
+// NCCL's (nonblocking) initialisation with a 60 s timeout when shutdown() aborts; the abort must
+// get through at once (it needed the lock held across the whole initialisation before) and the
+// creation must give up instead of running out its timeout.
+TEST(NcclBackend, ShutdownGetsThroughWhileACommunicatorIsBeingCreated) {
+  DT_NEED_GPUS(1);
+  auto store = std::make_shared<HashStore>();
+  NcclBackend backend(store, 0, 2, fastOptions("creating", 60s));
+  Tensor t = ones({8}, DType::Float32, Device::cuda(0));
+  std::string error;
+  std::thread issuer([&] {
+    try {
+      backend.allreduce({t})->wait(120s);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  store->wait({"nccl/comm/0/id"}, 30s);  // rank 0 published the id: its initialisation has begun
+  std::this_thread::sleep_for(500ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  backend.shutdown();
+  issuer.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  // The op fails with the creation's "given up", or with "shut down" when the runner's shutdown
+  // got there first; either way it did not wait out its 60 s.
+  EXPECT_TRUE(error.find("given up") != std::string::npos || error.find("shut down") != std::string::npos) << error;
+}
+
 TEST(ProcessGroupNccl, RoutesCudaTensorsToNcclAndCpuTensorsToTheCpuBackend) {
   DT_NEED_GPUS(1);
   ProcessGroupOptions o;

@@ -1,12 +1,17 @@
 // The NCCL backend's rules without NCCL (process_group/nccl/comm_lifecycle.h), over fakes of
-// the event, abort and NCCL state they read: which op counts as done. Runs in every build;
+// the event, abort and NCCL state they read: which op counts as done, how a nonblocking call is
+// waited for, how communicators are created while an abort gets through. Runs in every build;
 // nccl_backend_test.cpp runs the same paths on GPUs.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <future>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "common/errors.h"
 #include "process_group/nccl/comm_lifecycle.h"
 
 namespace dt::nccl {
@@ -74,6 +79,185 @@ TEST(NcclPollOp, AnAsynchronousErrorWinsOverACompletedEvent) {
   op.asyncError = true;
   EXPECT_THROW(pollOp(op), std::runtime_error);
   EXPECT_EQ(op.calls, (std::vector<std::string>{"event", "aborted", "asyncError"}));
+}
+
+// ---- Backoff and awaitCall -----------------------------------------------------------------------
+
+using std::chrono::microseconds;
+
+TEST(NcclBackoff, YieldsWhileSpinningThenSleepsDoublingUpToTheCap) {
+  const BackoffPolicy policy{microseconds(200), microseconds(50), microseconds(1000)};
+  EXPECT_EQ(Backoff::next(policy, microseconds(0), microseconds(0)), microseconds(0));
+  EXPECT_EQ(Backoff::next(policy, microseconds(199), microseconds(0)), microseconds(0));
+  EXPECT_EQ(Backoff::next(policy, microseconds(200), microseconds(0)), microseconds(50));
+  EXPECT_EQ(Backoff::next(policy, microseconds(300), microseconds(50)), microseconds(100));
+  EXPECT_EQ(Backoff::next(policy, microseconds(5000), microseconds(800)), microseconds(1000));
+  EXPECT_EQ(Backoff::next(policy, microseconds(9000), microseconds(1000)), microseconds(1000));
+  // Without a spin phase the first wait is already a sleep.
+  EXPECT_EQ(Backoff::next(BackoffPolicy{microseconds(0), microseconds(50), microseconds(10000)}, microseconds(0),
+                          microseconds(0)),
+            microseconds(50));
+}
+
+constexpr BackoffPolicy kFast{microseconds(0), microseconds(1), microseconds(1)};
+
+TEST(NcclAwaitCall, ReturnsWhenTheCallLeavesInProgress) {
+  int polls = 0;
+  auto state = [&] { return ++polls < 3 ? CallState::InProgress : CallState::Done; };
+  EXPECT_EQ(awaitCall(state, [] { return false; }, Clock::now() + std::chrono::hours(1), kFast), CallOutcome::Done);
+  EXPECT_EQ(polls, 3);
+  EXPECT_EQ(awaitCall([] { return CallState::Failed; }, [] { return false; }, Clock::now() + std::chrono::hours(1),
+                      kFast),
+            CallOutcome::Failed);
+}
+
+TEST(NcclAwaitCall, AnAbortEndsTheWaitAtOnceInsteadOfAtTheDeadline) {
+  // The call stays in progress (a peer never arrives); another thread aborts after a few polls.
+  int polls = 0;
+  bool aborting = false;
+  auto state = [&] {
+    if (++polls == 5) aborting = true;
+    return CallState::InProgress;
+  };
+  EXPECT_EQ(awaitCall(state, [&] { return aborting; }, Clock::now() + std::chrono::hours(1), kFast),
+            CallOutcome::Aborted);
+  EXPECT_EQ(polls, 5);
+  // The abort is read first: a call that would be done does not pass once an abort began.
+  polls = 0;
+  EXPECT_EQ(awaitCall([&] { return ++polls, CallState::Done; }, [] { return true; },
+                      Clock::now() + std::chrono::hours(1), kFast),
+            CallOutcome::Aborted);
+  EXPECT_EQ(polls, 0);
+}
+
+TEST(NcclAwaitCall, ACallStillInProgressAtTheDeadlineTimesOut) {
+  EXPECT_EQ(awaitCall([] { return CallState::InProgress; }, [] { return false; }, Clock::now(), kFast),
+            CallOutcome::TimedOut);
+}
+
+// ---- CommRegistry ---------------------------------------------------------------------------------
+
+struct FakeComm {
+  int index = -1;
+  bool abandoned = false;
+};
+using Registry = CommRegistry<FakeComm>;
+
+TEST(NcclCommRegistry, AnAbortGetsThroughWhileACommunicatorIsBeingCreated) {
+  Registry registry;
+  std::promise<void> started;
+  std::shared_ptr<FakeComm> made;
+  std::atomic<bool> creatorThrew{false};
+  std::thread creator([&] {
+    try {
+      registry.getOrCreate(
+          0,
+          [&](int index) {
+            started.set_value();
+            // NCCL's initialisation in progress: it ends once the creator sees the abort (the
+            // backend aborts its half-made communicator then; this one finishes late instead).
+            while (!registry.aborting()) std::this_thread::yield();
+            made = std::make_shared<FakeComm>();
+            made->index = index;
+            return made;
+          },
+          [](FakeComm& c) { c.abandoned = true; });
+    } catch (const BackendError&) {
+      creatorThrew = true;
+    }
+  });
+  started.get_future().wait();
+  // Before the fix this needed the lock the creator held through NCCL's whole initialisation.
+  const auto toAbort = registry.beginAbort();
+  EXPECT_TRUE(toAbort.empty()) << "a communicator still being made is its creator's to end";
+  creator.join();
+  EXPECT_TRUE(creatorThrew.load());
+  ASSERT_NE(made, nullptr);
+  EXPECT_TRUE(made->abandoned) << "a communicator finished after the abort began must be ended, not kept";
+  EXPECT_TRUE(registry.made().empty());
+  EXPECT_THROW(registry.getOrCreate(
+                   1, [](int) -> std::shared_ptr<FakeComm> { throw std::logic_error("must not be called"); },
+                   [](FakeComm&) {}),
+               BackendError);
+}
+
+TEST(NcclCommRegistry, EachKeyIsCreatedOnceAndIndicesFollowCreationOrder) {
+  Registry registry;
+  std::atomic<int> creations{0};
+  auto create = [&](int index) {
+    ++creations;
+    auto c = std::make_shared<FakeComm>();
+    c->index = index;
+    return c;
+  };
+  auto noAbandon = [](FakeComm&) { FAIL() << "nothing aborted"; };
+  auto three = registry.getOrCreate(3, create, noAbandon);
+  auto one = registry.getOrCreate(1, create, noAbandon);
+  EXPECT_EQ(three->index, 0);
+  EXPECT_EQ(one->index, 1);
+  EXPECT_EQ(registry.getOrCreate(3, create, noAbandon), three);
+  EXPECT_EQ(creations.load(), 2);
+  const auto made = registry.made();
+  ASSERT_EQ(made.size(), 2u);
+  EXPECT_EQ(made[0], three);
+  EXPECT_EQ(made[1], one);
+  EXPECT_EQ(registry.beginAbort().size(), 2u);
+  EXPECT_EQ(registry.beginAbort().size(), 2u);  // idempotent
+}
+
+TEST(NcclCommRegistry, ASecondCallerWaitsForTheFirstAndSharesItsResultOrError) {
+  Registry registry;
+  std::promise<void> started, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> creations{0};
+  auto slow = [&](int index) {
+    ++creations;
+    started.set_value();
+    released.wait();
+    auto c = std::make_shared<FakeComm>();
+    c->index = index;
+    return c;
+  };
+  std::shared_ptr<FakeComm> first, second;
+  std::thread a([&] { first = registry.getOrCreate(0, slow, [](FakeComm&) {}); });
+  started.get_future().wait();
+  std::thread b([&] { second = registry.getOrCreate(0, slow, [](FakeComm&) {}); });
+  release.set_value();
+  a.join();
+  b.join();
+  EXPECT_EQ(first, second);
+  EXPECT_EQ(creations.load(), 1);
+
+  // A creation that fails: the waiter gets the same error.
+  Registry failing;
+  std::promise<void> failStarted, failRelease;
+  std::shared_future<void> failReleased = failRelease.get_future().share();
+  auto broken = [&](int) -> std::shared_ptr<FakeComm> {
+    failStarted.set_value();
+    failReleased.wait();
+    throw TimeoutError("creating NCCL communicator #0 timed out: rank 1 never started to join");
+  };
+  std::string firstError, secondError;
+  std::thread c([&] {
+    try {
+      failing.getOrCreate(0, broken, [](FakeComm&) {});
+    } catch (const TimeoutError& e) {
+      firstError = e.what();
+    }
+  });
+  failStarted.get_future().wait();
+  std::thread d([&] {
+    try {
+      failing.getOrCreate(0, broken, [](FakeComm&) {});
+    } catch (const TimeoutError& e) {
+      secondError = e.what();
+    }
+  });
+  failRelease.set_value();
+  c.join();
+  d.join();
+  EXPECT_NE(firstError.find("rank 1 never started to join"), std::string::npos) << firstError;
+  EXPECT_EQ(secondError, firstError);
 }
 
 }  // namespace
