@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <thread>
 
+#include "common/strings.h"
+
 namespace dt::nccl {
 
 Micros Backoff::next(const BackoffPolicy& policy, Micros elapsed, Micros slept) {
@@ -34,6 +36,57 @@ CallOutcome awaitCall(const std::function<CallState()>& state, const std::functi
     if (Clock::now() >= deadline) return CallOutcome::TimedOut;
     backoff.pause();
   }
+}
+
+CloseResult closeCommunicators(const std::vector<CommCloser*>& comms, bool healthy,
+                               const std::function<bool()>& drained, const std::function<bool()>& aborting,
+                               Clock::time_point deadline, BackoffPolicy policy) {
+  std::vector<bool> closed(comms.size(), false);
+  auto abortRest = [&](std::string why) {
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (!closed[i]) comms[i]->abort();
+      closed[i] = true;
+    }
+    return CloseResult{false, std::move(why)};
+  };
+  if (!healthy) return abortRest("the group is broken");
+
+  // 1. Wait for what is outstanding (the GPU's work, then the Works).
+  Backoff backoff(policy);
+  while (true) {
+    if (aborting()) return abortRest("an abort began while shutdown waited for outstanding ops");
+    bool idle = true;
+    try {
+      for (CommCloser* c : comms) idle = c->idle() && idle;
+    } catch (const std::exception& e) {
+      return abortRest(str("NCCL reported an error while shutdown waited for outstanding ops: ", e.what()));
+    }
+    if (idle && drained()) break;
+    if (Clock::now() >= deadline) return abortRest("outstanding ops did not complete before shutdown's deadline");
+    backoff.pause();
+  }
+  // 2. Finalize every one first, so that their flushes overlap.
+  std::vector<CallState> states;
+  for (CommCloser* c : comms) {
+    states.push_back(c->finalize());
+    if (states.back() == CallState::Failed) return abortRest("ncclCommFinalize failed");
+  }
+  // 3. Wait until each is quiescent.
+  for (size_t i = 0; i < comms.size(); ++i) {
+    if (states[i] != CallState::InProgress) continue;
+    switch (awaitCall([&] { return comms[i]->state(); }, aborting, deadline, policy)) {
+      case CallOutcome::Done: break;
+      case CallOutcome::Failed: return abortRest("ncclCommFinalize reported an error");
+      case CallOutcome::Aborted: return abortRest("an abort began while shutdown finalized");
+      case CallOutcome::TimedOut: return abortRest("ncclCommFinalize did not complete before shutdown's deadline");
+    }
+  }
+  // 4. Local from here on.
+  for (size_t i = 0; i < comms.size(); ++i) {
+    comms[i]->destroy();
+    closed[i] = true;
+  }
+  return CloseResult{};
 }
 
 OpState pollOp(OpProbe& probe) {

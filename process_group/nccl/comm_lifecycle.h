@@ -1,7 +1,7 @@
 // The NCCL backend's decisions, apart from NCCL and CUDA: when a watched op
-// counts as done, how a nonblocking NCCL call is waited for, and how each
+// counts as done, how a nonblocking NCCL call is waited for, how each
 // device's communicator is created once while an abort can still get
-// through. NcclBackend implements the small interfaces below with its NCCL
+// through, and how shutdown chooses between finalizing and aborting. NcclBackend implements the small interfaces below with its NCCL
 // and CUDA calls; tests implement them with fakes, so the rules are checked
 // in every build, with or without a GPU. No CUDA or NCCL header here.
 //
@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "common/errors.h"
@@ -89,6 +90,43 @@ enum class OpState { Running, Completed, Aborted };
 // abort in between would pass for a success). An asynchronous error wins
 // over completion too (then nothing can be assumed about the op's result).
 OpState pollOp(OpProbe& probe);
+
+// ---- shutdown: finalize a healthy group, abort a broken one ----------------------------------------
+
+// One communicator as shutdown sees it.
+class CommCloser {
+ public:
+  virtual ~CommCloser() = default;
+  // Every op launched on it has completed on the GPU (never blocks; throws
+  // when NCCL reports an asynchronous error).
+  virtual bool idle() = 0;
+  // ncclCommFinalize: Done, InProgress (then poll state()) or Failed.
+  virtual CallState finalize() = 0;
+  virtual CallState state() = 0;  // ncclCommGetAsyncError
+  virtual void destroy() = 0;     // ncclCommDestroy: local once finalized
+  virtual void abort() = 0;       // ncclCommAbort
+};
+
+struct CloseResult {
+  bool graceful = true;  // finalized and destroyed, every one
+  std::string reason;    // why it aborted instead ("" when graceful)
+};
+
+// How shutdown ends the communicators. Aborting a healthy group is wrong:
+// Work::wait() only orders the caller's stream, so `allreduce(t)->wait();
+// destroy();` is legal with the op still running (an abort leaves t partial
+// and the peers stuck until their watchdog), and even a finished kernel does
+// not mean NCCL's proxy has sent its last chunk across the network (an abort
+// drops it, ncclCommFinalize flushes it). So a healthy group (`healthy`:
+// nothing broke it and no abort began) waits until every communicator is
+// idle and `drained()` (the ops' Works are completed too), finalizes every
+// communicator, waits for each to leave InProgress, then destroys them. It
+// aborts every communicator not yet destroyed instead when the group is not
+// healthy, or on the way when `deadline` passes, NCCL reports an error, or
+// `aborting()` says an abort began elsewhere.
+CloseResult closeCommunicators(const std::vector<CommCloser*>& comms, bool healthy,
+                               const std::function<bool()>& drained, const std::function<bool()>& aborting,
+                               Clock::time_point deadline, BackoffPolicy policy);
 
 // ---- one communicator per device -----------------------------------------------------------------
 

@@ -74,6 +74,9 @@ constexpr nccl::BackoffPolicy kInitPolling{std::chrono::microseconds(0), std::ch
                                            std::chrono::milliseconds(10)};
 // How long one wait of a creation for the store may last before it looks at the abort flag.
 constexpr std::chrono::milliseconds kAbortCheckInterval{100};
+// Shutdown waits for ops and NCCL's finalisation: sleeps from 50 us, doubling to 2 ms.
+constexpr nccl::BackoffPolicy kShutdownPolling{std::chrono::microseconds(0), std::chrono::microseconds(50),
+                                               std::chrono::milliseconds(2)};
 
 // The caching allocator hands a freed block out again on its own stream at
 // once; the NCCL stream may still read or write it, so the block must also
@@ -98,6 +101,12 @@ struct NcclComm {
   std::mutex mutex;
   // Set (under the mutex) before ncclCommAbort; read without it by watchers.
   std::atomic<bool> aborted{false};
+  // Finalized and destroyed by a graceful shutdown (under the mutex): the
+  // handle is gone, nothing may call NCCL on it any more.
+  std::atomic<bool> destroyed{false};
+  // The completion event of the last op launched here (under the mutex): ops
+  // on one NCCL stream complete in order, so once it has, every one has.
+  std::shared_ptr<cuda::Event> last;
 };
 
 // One op launched on a communicator's stream.
@@ -132,6 +141,11 @@ struct NcclBackend::Impl {
   std::atomic<int> lastDevice{-1};  // of the most recently created communicator
 
   bool aborting() const { return comms.aborting(); }
+  // shutdown() began: no new op is launched.
+  std::atomic<bool> closing{false};
+  // The collectives' Works not yet completed, for shutdown to wait for.
+  std::mutex outstandingMutex;
+  std::vector<std::weak_ptr<Work>> outstanding;
 
   std::mutex p2pMutex;
   std::condition_variable p2pWake;
@@ -315,7 +329,7 @@ struct NcclBackend::Impl {
   // Aborts one communicator, once (the comm mutex waits for a launch on it).
   void abortOne(NcclComm& c) {
     std::lock_guard<std::mutex> lock(c.mutex);
-    if (c.aborted.exchange(true)) return;
+    if (c.destroyed.load() || c.aborted.exchange(true)) return;
     cuda::DeviceGuard guard(c.device);
     if (const ncclResult_t r = ncclCommAbort(c.comm); r != ncclSuccess) {
       runner->log()->warn("ncclCommAbort on {}: {}", c.device.str(), ncclGetErrorString(r));
@@ -360,7 +374,10 @@ struct NcclBackend::Impl {
     for (const auto& t : keep) recordNcclStream(t, c.stream);
     {
       std::lock_guard<std::mutex> lock(c.mutex);
-      if (c.aborted) throw BackendError(str("[", who(), "] ", what, ": the communicator on ", device.str(), " was aborted"));
+      if (c.aborted || c.destroyed) {
+        throw BackendError(str("[", who(), "] ", what, ": the communicator on ", device.str(), " was ",
+                               c.aborted ? "aborted" : "shut down"));
+      }
       c.ready.record(cuda::currentStream(device));
       c.ready.block(c.stream);
       ncclResult_t result = ncclGroupStart();
@@ -375,6 +392,7 @@ struct NcclBackend::Impl {
       }
       if (result != ncclSuccess) throw BackendError(str(what, ": NCCL refused the op: ", ncclText(result, c.comm)));
       l.done->record(c.stream);
+      c.last = l.done;
     }
     l.keep = std::move(keep);
     return l;
@@ -388,7 +406,7 @@ struct NcclBackend::Impl {
     std::string text;
     {
       std::lock_guard<std::mutex> lock(c.mutex);
-      if (c.aborted) return;
+      if (c.aborted || c.destroyed) return;
       if (ncclCommGetAsyncError(c.comm, &result) != ncclSuccess || result == ncclSuccess || result == ncclInProgress) {
         return;
       }
@@ -448,6 +466,7 @@ struct NcclBackend::Impl {
     if (runner->brokenCause() || runner->stopping()) {
       return runner->enqueue(seq, op, std::move(fp), opTimeout, [](Millis, const CollectiveFingerprint&) {});
     }
+    if (closing.load()) return refuseClosing(str(op, seq != 0 ? str(" #", seq) : std::string()));
     const Millis limit = opTimeout.value_or(timeout);
     std::optional<Launched> launched;
     try {
@@ -473,7 +492,105 @@ struct NcclBackend::Impl {
     if (launched && deviceWait) {
       work->setDeviceWait([done = launched->done, device] { done->block(cuda::currentStream(device)); });
     }
+    if (launched) track(work);
     return work;
+  }
+
+  WorkPtr refuseClosing(const std::string& what) {
+    const std::string description = str(what, " (", who(), ")");
+    return Work::failed(description, std::make_exception_ptr(BackendError(
+                                         str("[", who(), "] ", what, ": the group is being shut down; not launched"))));
+  }
+
+  void track(const WorkPtr& work) {
+    std::lock_guard<std::mutex> lock(outstandingMutex);
+    std::erase_if(outstanding, [](const std::weak_ptr<Work>& w) {
+      const WorkPtr p = w.lock();
+      return !p || p->isCompleted();
+    });
+    outstanding.push_back(work);
+  }
+
+  // Nothing launched is still waiting for its watcher: every tracked Work and
+  // every send/recv is completed (or failed).
+  bool drained() {
+    {
+      std::lock_guard<std::mutex> lock(outstandingMutex);
+      for (const auto& w : outstanding) {
+        if (const WorkPtr p = w.lock(); p && !p->isCompleted()) return false;
+      }
+    }
+    std::lock_guard<std::mutex> lock(p2pMutex);
+    return p2p.empty();
+  }
+
+  // ---- shutdown ----------------------------------------------------------------------------------
+
+  // One communicator for nccl::closeCommunicators (comm_lifecycle.h).
+  struct CommClose final : nccl::CommCloser {
+    CommClose(Impl& impl, std::shared_ptr<NcclComm> comm) : impl(impl), c(std::move(comm)) {}
+    bool idle() override {
+      std::shared_ptr<cuda::Event> last;
+      {
+        std::lock_guard<std::mutex> lock(c->mutex);
+        last = c->last;
+      }
+      if (!last || last->query()) return true;
+      impl.checkAsync(*c);
+      return false;
+    }
+    nccl::CallState finalize() override {
+      std::lock_guard<std::mutex> lock(c->mutex);
+      if (c->aborted) return nccl::CallState::Failed;
+      cuda::DeviceGuard guard(c->device);
+      return report("ncclCommFinalize", ncclCommFinalize(c->comm));
+    }
+    nccl::CallState state() override {
+      std::lock_guard<std::mutex> lock(c->mutex);
+      if (c->aborted) return nccl::CallState::Failed;
+      ncclResult_t result = ncclSuccess;
+      if (ncclCommGetAsyncError(c->comm, &result) != ncclSuccess) return nccl::CallState::Failed;
+      return report("ncclCommFinalize (async)", result);
+    }
+    void destroy() override {
+      std::lock_guard<std::mutex> lock(c->mutex);
+      if (c->aborted) return;
+      cuda::DeviceGuard guard(c->device);
+      if (const ncclResult_t r = ncclCommDestroy(c->comm); r != ncclSuccess) {
+        impl.runner->log()->warn("ncclCommDestroy on {}: {}", c->device.str(), ncclGetErrorString(r));
+      }
+      c->destroyed = true;
+    }
+    void abort() override { impl.abortOne(*c); }
+
+    nccl::CallState report(const char* what, ncclResult_t result) {
+      const nccl::CallState state = callState(result);
+      if (state == nccl::CallState::Failed) {
+        impl.runner->log()->warn("{} on {}: {}", what, c->device.str(), ncclText(result, c->comm));
+      }
+      return state;
+    }
+    Impl& impl;
+    std::shared_ptr<NcclComm> c;
+  };
+
+  // Finalizes the communicators of a healthy group (after what is in flight
+  // has completed) or aborts them; see nccl::closeCommunicators.
+  void closeCommunicators() {
+    const bool healthy = !runner->brokenCause() && !aborting();
+    std::vector<std::unique_ptr<CommClose>> closers;
+    std::vector<nccl::CommCloser*> all;
+    for (auto& c : comms.made()) {
+      closers.push_back(std::make_unique<CommClose>(*this, c));
+      all.push_back(closers.back().get());
+    }
+    const nccl::CloseResult result = nccl::closeCommunicators(
+        all, healthy, [this] { return drained(); }, [this] { return aborting() || runner->brokenCause() != nullptr; },
+        Clock::now() + timeout, kShutdownPolling);
+    if (!result.graceful && healthy) {
+      runner->log()->warn("[{}] shutdown aborted the NCCL communicators instead of finalizing them: {}", who(),
+                          result.reason);
+    }
   }
 
   // ---- point to point ------------------------------------------------------------------------------
@@ -507,6 +624,7 @@ struct NcclBackend::Impl {
                         : str(op, " of ", ops.size(), " sends and recvs (", elements, " elements)");
     const std::string description = str(what, " (", who(), ")");
     if (WorkPtr rejected = runner->rejectIfUnusable(what, description)) return rejected;
+    if (closing.load()) return refuseClosing(what);
     Launched l;
     try {
       l = launch(what, *device, all, limit, [&](ncclComm_t comm, cudaStream_t stream) {
@@ -664,9 +782,12 @@ std::exception_ptr NcclBackend::brokenCause() const { return impl_->runner->brok
 void NcclBackend::shutdown() {
   auto& d = *impl_;
   if (!d.runner) return;
-  // Abort first: ops still on the GPU end before their Works fail and drop
-  // the tensors they write into. Aborting never waits for a peer that is
-  // gone, unlike ncclCommDestroy.
+  // A healthy group finishes what is in flight and finalizes; a broken one
+  // aborts (ops still on the GPU end before their Works fail and drop the
+  // tensors they write into; aborting never waits for a peer that is gone).
+  if (!d.closing.exchange(true)) d.closeCommunicators();
+  // Then the flag for everything else: a communicator still being created
+  // gives up, the destroyed ones are skipped.
   d.abortAll();
   d.stopP2P();
   d.runner->shutdown();

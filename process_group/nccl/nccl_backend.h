@@ -51,9 +51,20 @@
 //    collective's fingerprint through the store before watching it, so a
 //    desync becomes a DesyncError (and aborts the communicators) instead of
 //    a hang. The op has already been launched by then.
-//  * shutdown() aborts the communicators first (ncclCommAbort, which never
-//    waits for a gone peer), then fails what is outstanding ("shut down" or
-//    "aborted"); idempotent, the destructor calls it.
+//  * shutdown() on a healthy group (not broken, no abort begun) refuses new
+//    ops, waits (bounded by the group timeout) until every launched op has
+//    completed on the GPU and its Work is completed, then ncclCommFinalize
+//    (which flushes what NCCL's proxy still sends), polls until each
+//    communicator is quiescent and ncclCommDestroy: `allreduce(t)->wait();
+//    destroy();` leaves t fully reduced and the peers unharmed. A broken
+//    group, or a timeout or an NCCL error on that way, aborts the
+//    communicators instead (ncclCommAbort, which never waits for a gone
+//    peer); what is still outstanding then fails ("shut down" or "aborted").
+//    A communicator still being created gives up at once. Idempotent; the
+//    destructor calls it. The rules: nccl/comm_lifecycle.h.
+//  * An abort (shutdown, a watchdog timeout, a failure of any op) fails every
+//    op still watched, even one whose event completed: NCCL's kernels exit
+//    early on an abort, so an event does not mean a result.
 //  * Thread safety: as backend.h; launches on one communicator are
 //    serialised by its mutex, shutdown() may be called from any thread.
 #pragma once

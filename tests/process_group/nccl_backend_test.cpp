@@ -414,6 +414,37 @@ TEST(ProcessGroupNccl, RoutesCudaTensorsToNcclAndCpuTensorsToTheCpuBackend) {
   pg->destroy();
 }
 
+// Finding 3 of issue 24 on GPUs: wait() only orders the caller's stream, so destroy() right after
+// it is legal with the op still running; it must finish the op (and flush NCCL's proxy) and
+// finalize, not abort: the tensor holds the full result and the Work reads as a success.
+TEST(ProcessGroupNccl, DestroyRightAfterADeviceWaitFinishesTheOpInsteadOfAbortingIt) {
+  DT_NEED_GPUS(1);
+  const int world = std::min(cuda::deviceCount(), 2);
+  auto store = std::make_shared<HashStore>();
+  runRanks(world, [&](int rank) {
+    cuda::setCurrentDevice(rank);
+    ProcessGroupOptions o;
+    o.backend = "nccl";
+    o.timeout = 60s;
+    auto pg = ProcessGroup::create(store, rank, world, o);
+    const Device gpu = Device::cuda(rank);
+    pg->allreduce(full({16}, 1.0, DType::Float32, gpu))->wait(60s);  // the communicator exists
+    constexpr int64_t n = int64_t{1} << 26;  // 256 MiB: still on the wire when destroy() begins
+    Tensor t = full({n}, rank + 1, DType::Float32, gpu);
+    WorkPtr work = pg->allreduce(t);
+    work->wait();
+    pg->destroy();
+    EXPECT_TRUE(work->isCompleted());
+    EXPECT_TRUE(work->isSuccess()) << "shut down with the op in flight";
+    const float expected = static_cast<float>(world * (world + 1) / 2);
+    const std::vector<float> host = t.toVector<float>();
+    int wrong = 0;
+    for (int64_t i = 0; i < n; i += 4093) wrong += host[static_cast<size_t>(i)] != expected;
+    wrong += host.back() != expected;
+    EXPECT_EQ(wrong, 0) << "the allreduce was cut short by destroy()";
+  });
+}
+
 #endif  // DT_HAVE_NCCL
 
 }  // namespace

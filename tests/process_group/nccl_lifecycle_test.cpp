@@ -1,10 +1,12 @@
 // The NCCL backend's rules without NCCL (process_group/nccl/comm_lifecycle.h), over fakes of
 // the event, abort and NCCL state they read: which op counts as done, how a nonblocking call is
-// waited for, how communicators are created while an abort gets through. Runs in every build;
+// waited for, how communicators are created while an abort gets through, and when shutdown
+// finalizes and when it aborts. Runs in every build;
 // nccl_backend_test.cpp runs the same paths on GPUs.
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <future>
 #include <stdexcept>
 #include <string>
@@ -133,6 +135,100 @@ TEST(NcclAwaitCall, AnAbortEndsTheWaitAtOnceInsteadOfAtTheDeadline) {
 TEST(NcclAwaitCall, ACallStillInProgressAtTheDeadlineTimesOut) {
   EXPECT_EQ(awaitCall([] { return CallState::InProgress; }, [] { return false; }, Clock::now(), kFast),
             CallOutcome::TimedOut);
+}
+
+// ---- closeCommunicators ----------------------------------------------------------------------------
+
+// A communicator as shutdown sees it; every call lands in one shared log ("0:finalize").
+struct FakeCloser final : CommCloser {
+  FakeCloser(int id, std::vector<std::string>& log) : id(id), log(log) {}
+  int busyPolls = 0;        // idle() is false this many times
+  int finalizePolls = 1;    // state() is InProgress this many times after finalize()
+  bool finalizeFails = false;
+  bool asyncError = false;
+  std::function<void()> onStatePoll;
+
+  bool idle() override {
+    if (asyncError) throw std::runtime_error("ncclRemoteError");
+    return busyPolls-- <= 0;
+  }
+  CallState finalize() override {
+    note("finalize");
+    return finalizeFails ? CallState::Failed : CallState::InProgress;
+  }
+  CallState state() override {
+    if (onStatePoll) onStatePoll();
+    return finalizePolls-- > 0 ? CallState::InProgress : CallState::Done;
+  }
+  void destroy() override { note("destroy"); }
+  void abort() override { note("abort"); }
+  void note(const std::string& what) { log.push_back(std::to_string(id) + ":" + what); }
+
+  int id;
+  std::vector<std::string>& log;
+};
+
+const auto kLater = [] { return Clock::now() + std::chrono::hours(1); };
+auto never = [] { return false; };
+auto always = [] { return true; };
+
+TEST(NcclCloseCommunicators, AHealthyGroupWaitsForItsOpsThenFinalizesEveryOneBeforeDestroying) {
+  std::vector<std::string> log;
+  FakeCloser a(0, log), b(1, log);
+  a.busyPolls = 3;  // allreduce(t)->wait() only ordered the caller's stream: the op still runs
+  int drainedPolls = 0;
+  const CloseResult result = closeCommunicators(
+      {&a, &b}, true, [&] { return ++drainedPolls > 5; }, never, kLater(), kFast);
+  EXPECT_TRUE(result.graceful) << result.reason;
+  EXPECT_GT(drainedPolls, 5) << "the Works are waited for as well as the GPU";
+  EXPECT_EQ(log, (std::vector<std::string>{"0:finalize", "1:finalize", "0:destroy", "1:destroy"}));
+}
+
+TEST(NcclCloseCommunicators, ABrokenGroupAbortsAtOnce) {
+  std::vector<std::string> log;
+  FakeCloser a(0, log), b(1, log);
+  a.busyPolls = 1000000;  // an op a dead peer never completes: not waited for
+  const CloseResult result = closeCommunicators({&a, &b}, false, always, never, kLater(), kFast);
+  EXPECT_FALSE(result.graceful);
+  EXPECT_EQ(result.reason, "the group is broken");
+  EXPECT_EQ(log, (std::vector<std::string>{"0:abort", "1:abort"}));
+}
+
+TEST(NcclCloseCommunicators, OpsThatDoNotCompleteBeforeTheDeadlineAreAborted) {
+  std::vector<std::string> log;
+  FakeCloser a(0, log);
+  a.busyPolls = 1000000;
+  const CloseResult result = closeCommunicators({&a}, true, always, never, Clock::now(), kFast);
+  EXPECT_FALSE(result.graceful);
+  EXPECT_NE(result.reason.find("did not complete"), std::string::npos) << result.reason;
+  EXPECT_EQ(log, (std::vector<std::string>{"0:abort"}));
+}
+
+TEST(NcclCloseCommunicators, AFailedFinalizeOrAnAsyncErrorAbortsWhatIsLeft) {
+  std::vector<std::string> log;
+  FakeCloser a(0, log), b(1, log);
+  b.finalizeFails = true;
+  EXPECT_FALSE(closeCommunicators({&a, &b}, true, always, never, kLater(), kFast).graceful);
+  EXPECT_EQ(log, (std::vector<std::string>{"0:finalize", "1:finalize", "0:abort", "1:abort"}));
+
+  log.clear();
+  FakeCloser c(2, log);
+  c.asyncError = true;
+  const CloseResult result = closeCommunicators({&c}, true, always, never, kLater(), kFast);
+  EXPECT_NE(result.reason.find("ncclRemoteError"), std::string::npos) << result.reason;
+  EXPECT_EQ(log, (std::vector<std::string>{"2:abort"}));
+}
+
+TEST(NcclCloseCommunicators, AnAbortThatBeginsWhileFinalizingEndsItWithAnAbort) {
+  std::vector<std::string> log;
+  FakeCloser a(0, log);
+  a.finalizePolls = 1000000;
+  bool aborting = false;
+  a.onStatePoll = [&] { aborting = true; };  // the watchdog fails an op meanwhile
+  const CloseResult result =
+      closeCommunicators({&a}, true, always, [&] { return aborting; }, kLater(), kFast);
+  EXPECT_FALSE(result.graceful);
+  EXPECT_EQ(log, (std::vector<std::string>{"0:finalize", "0:abort"}));
 }
 
 // ---- CommRegistry ---------------------------------------------------------------------------------
