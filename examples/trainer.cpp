@@ -48,6 +48,7 @@
 #include "data/sampler.h"
 #include "ddp/ddp.h"
 #include "examples/checkpoint.h"
+#include "examples/run_support.h"
 #include "process_group/init.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/generator.h"
@@ -133,33 +134,15 @@ output
 )";
 
 int64_t parsePositive(const std::string& value, const std::string& flag, int64_t minimum = 1) {
-  const int64_t v = dt::env::parseInt(value, flag);
-  if (v < minimum) throw InvalidArgument(str("trainer: ", flag, " ", value, " must be at least ", minimum));
-  return v;
+  return examples::parsePositive("trainer", value, flag, minimum);
 }
 
 double parseDouble(const std::string& value, const std::string& flag, double minimum, double maximum) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != value.size() || !std::isfinite(v)) {
-    throw InvalidArgument(str("trainer: ", flag, " \"", value, "\" is not a number"));
-  }
-  if (v < minimum || v > maximum) {
-    throw InvalidArgument(str("trainer: ", flag, " ", value, " must be within [", minimum, ", ", maximum, "]"));
-  }
-  return v;
+  return examples::parseDouble("trainer", value, flag, minimum, maximum);
 }
 
 std::string choice(const std::string& value, const std::string& flag, const std::vector<std::string>& allowed) {
-  for (const auto& a : allowed) {
-    if (value == a) return value;
-  }
-  throw InvalidArgument(str("trainer: ", flag, " \"", value, "\" is not one of ", dt::join(allowed, ", ")));
+  return examples::choice("trainer", value, flag, allowed);
 }
 
 std::string deviceName(const std::string& value, const std::string& flag) {
@@ -220,57 +203,11 @@ Config parseArgs(int argc, char** argv, bool& help) {
   return c;
 }
 
-// ---- pre-emption ------------------------------------------------------------------------------------------------
-
-std::atomic<int> gStopSignal{0};
-static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
-
-// The first stop signal asks for a graceful stop at the next step; a second one (a user
-// pressing Ctrl-C again, a job manager losing patience) takes the default action at once.
-// Only async-signal-safe calls here.
-extern "C" void onStopSignal(int sig) {
-  int expected = 0;
-  if (!gStopSignal.compare_exchange_strong(expected, sig)) {
-    ::signal(sig, SIG_DFL);
-    ::raise(sig);
-  }
-}
-
-void installStopHandlers() {
-  struct sigaction sa {};
-  sa.sa_handler = onStopSignal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  for (int sig : {SIGTERM, SIGUSR1, SIGINT}) {
-    if (sigaction(sig, &sa, nullptr) != 0) {
-      throw dt::Error(str("trainer: sigaction(", sig, ") failed: ", std::strerror(errno)));
-    }
-  }
-}
-
-std::string signalName(int sig) {
-  switch (sig) {
-    case SIGTERM: return "SIGTERM";
-    case SIGUSR1: return "SIGUSR1";
-    case SIGINT: return "SIGINT";
-    default: return str("signal ", sig);
-  }
-}
-
 // ---- helpers ----------------------------------------------------------------------------------------------------
 
-std::string formatSeconds(double seconds) {
-  const auto s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
-  char buf[32];
-  if (s >= 3600) {
-    std::snprintf(buf, sizeof(buf), "%lldh%02lldm", static_cast<long long>(s / 3600), static_cast<long long>(s / 60 % 60));
-  } else if (s >= 60) {
-    std::snprintf(buf, sizeof(buf), "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.1fs", std::max(0.0, seconds));
-  }
-  return buf;
-}
+using examples::fingerprint;
+using examples::formatSeconds;
+using examples::signalName;
 
 std::string modelName(int64_t inputs, const std::vector<int64_t>& hidden, int64_t classes) {
   std::vector<int64_t> sizes{inputs};
@@ -279,26 +216,7 @@ std::string modelName(int64_t inputs, const std::vector<int64_t>& hidden, int64_
   return dt::join(sizes, "-");
 }
 
-std::string exact(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
-  return buf;
-}
-
-// FNV-1a (64 bit) over the bytes of every parameter, in order: equal fingerprints on every
-// rank (and between two runs) mean bitwise equal parameters, in practice.
-uint64_t fingerprint(const std::vector<dt::Tensor>& tensors) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const dt::Tensor& t : tensors) {
-    const dt::Tensor c = t.detach().to(dt::Device::cpu()).contiguous();
-    const auto* p = static_cast<const unsigned char*>(c.dataPtr());
-    for (size_t i = 0; i < c.nbytes(); ++i) {
-      h ^= p[i];
-      h *= 0x100000001b3ull;
-    }
-  }
-  return h;
-}
+std::string exact(double v) { return examples::exactText(v); }
 
 std::shared_ptr<dt::nn::Sequential> buildModel(const Config& c, int64_t inputs, int64_t classes, dt::Generator& init,
                                                dt::Generator& dropoutRng) {
@@ -482,13 +400,7 @@ void Trainer::resumeOrStart() {
   model_->loadStateDict(modelState, /*strict=*/true);
   optimizer_->loadStateDict(optimState);
   if (savedWorld == world_) {
-    if (!myRng || myRng->numel() != 4 || myRng->dtype() != dt::DType::Int64) {
-      throw InvalidArgument(str("trainer: checkpoint ", ckpt.ref.tensors.string(), " lacks rng.rank", rank_, " (int64[4])"));
-    }
-    const auto w = myRng->toVector<int64_t>();
-    dropoutRng_.setState(dt::GeneratorState::fromWords(
-        {static_cast<uint64_t>(w[0]), static_cast<uint64_t>(w[1]), static_cast<uint64_t>(w[2]), static_cast<uint64_t>(w[3])},
-        str(ckpt.ref.tensors.string(), " rng.rank", rank_)));
+    examples::restoreRngState(dropoutRng_, myRng, rank_, "trainer", ckpt.ref.tensors.string());
   } else if (c_.dropout > 0) {
     say(str("trainer: note: checkpoint written by ", savedWorld, " ranks, resumed by ", world_,
             ": the per-rank dropout streams restart from the seed, so this resume is not bitwise exact"));
@@ -506,13 +418,8 @@ void Trainer::resumeOrStart() {
 }
 
 void Trainer::saveCheckpoint(int64_t step, const std::string& reason) {
-  // Every rank's RNG state, gathered on rank 0 (a collective: every rank calls this at the same steps).
-  const auto words = dropoutRng_.state().toWords();
-  dt::Tensor mine = dt::fromVector<int64_t>({static_cast<int64_t>(words[0]), static_cast<int64_t>(words[1]),
-                                             static_cast<int64_t>(words[2]), static_cast<int64_t>(words[3])});
-  std::vector<dt::Tensor> all;
-  for (int r = 0; r < world_; ++r) all.push_back(dt::empty({4}, dt::DType::Int64));
-  group_->allgather(all, mine)->wait();
+  // Every rank's RNG state (a collective: every rank calls this at the same steps).
+  const std::vector<dt::Tensor> all = examples::gatherRngStates(*group_, dropoutRng_);
   if (rank_ != 0) return;
 
   dt::NamedTensors tensors;
@@ -604,7 +511,7 @@ int Trainer::run() {
   while (step < totalSteps_) {
     if (c_.bench && step == benchFromStep) benchStart = Clock::now();
     double* ctl = control.data<double>();
-    ctl[0] = gStopSignal.load() != 0 ? 1.0 : 0.0;
+    ctl[0] = examples::stopSignal().load() != 0 ? 1.0 : 0.0;
     ctl[1] = lastLoss;
     dt::WorkPtr controlWork = group_->allreduce(control);  // in flight while the step computes
 
@@ -644,7 +551,7 @@ int Trainer::run() {
     }
     if (stop) {
       // Any rank's signal stops every rank here, after the same step.
-      stopSignal = gStopSignal.load();
+      stopSignal = examples::stopSignal().load();
       break;
     }
     if (checkpoints_ && c_.checkpointEvery > 0 && step % c_.checkpointEvery == 0 && step < totalSteps_) {
@@ -737,7 +644,7 @@ int main(int argc, char** argv) {
     }
     const dt::Device device = deviceFor(config.device);
     dt::setCurrentDevice(device);  // before any CUDA call, so no rank opens a context on cuda:0 too
-    installStopHandlers();
+    examples::installStopHandlers("trainer");
     auto group = dt::initProcessGroup();
     Trainer trainer(config, group, device);
     return trainer.run();

@@ -1,0 +1,615 @@
+// gpt: a GPT-style language model trained on real English text, data-parallel, under
+// `dtrun --nproc 4 build/examples/gpt`. The second workload next to examples/trainer:
+//
+//   data       Debian's fortunes (15k quotations, jokes, definitions and poems, 2.5 MB of
+//              English): byte tokens, a deterministic train/validation split by document,
+//              random context windows, each rank its share of every step's windows
+//   model      tensor/nn/gpt.h: token + position embeddings, pre-norm transformer blocks
+//              (causal self-attention with a fused QKV projection, GELU MLP), final LayerNorm,
+//              output layer tied to the token embedding; GPT-2's initialisation
+//   training   AdamW without weight decay on biases, norms and embeddings, linear warm-up then
+//              cosine learning rate, global gradient-norm clipping, gradient accumulation over
+//              micro-batches (DDP's noSync on all but the last), DDP averaging the gradients
+//
+// Rank 0 prints a progress line every --log-every steps (loss, learning rate, gradient norm,
+// tokens/s, elapsed, ETA) and the validation loss every --eval-every steps; --metrics FILE
+// writes the same as one JSON object a line (scripts/plot_metrics.py draws it). At the end it
+// prints a text sample generated from --prompt. Checkpoints and resume work as the trainer's
+// (examples/checkpoint.h): rank 0 writes model, optimizer and every rank's RNG state every
+// --checkpoint-every steps, at the end and on SIGTERM/SIGUSR1/SIGINT; a restart resumes from
+// the newest one, bitwise exactly (the windows of step s depend on the seed and s alone).
+// `gpt --help` lists the flags.
+#include <unistd.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "collectives/coalesce.h"
+#include "common/env.h"
+#include "common/errors.h"
+#include "common/strings.h"
+#include "data/text.h"
+#include "ddp/ddp.h"
+#include "examples/checkpoint.h"
+#include "examples/run_support.h"
+#include "process_group/init.h"
+#include "tensor/nn/clip_grad.h"
+#include "tensor/nn/gpt.h"
+#include "tensor/optim/optim.h"
+#include "tensor/optim/schedule.h"
+
+namespace {
+
+using dt::InvalidArgument;
+using dt::str;
+using Clock = std::chrono::steady_clock;
+constexpr const char* kProgram = "gpt";
+
+struct Config {
+  std::string data = dt::data::kFortunesDir;
+  dt::nn::GptConfig model{.vocabSize = 256, .contextLength = 128, .layers = 4, .heads = 4, .width = 256};
+  int64_t steps = 250;
+  int64_t globalBatch = 16;  // sequences per optimizer step, over all ranks and micro-batches
+  int64_t microBatches = 1;  // per rank and step
+  double lr = 2e-3;
+  double minLr = 2e-4;
+  int64_t warmup = 25;
+  double weightDecay = 0.1;
+  double gradClip = 1.0;
+  uint64_t seed = 0;
+  int64_t evalEvery = 50;
+  int64_t evalWindows = 64;
+  int64_t logEvery = 10;
+  std::string metrics;
+  std::string checkpointDir = "gpt-checkpoints";
+  int64_t checkpointEvery = 100;
+  int keep = 3;
+  std::string resume = "auto";
+  std::string prompt = "The ";
+  int64_t sampleTokens = 300;
+  double temperature = 0.8;
+  int64_t topK = 40;
+  bool quiet = false;
+  bool bench = false;
+  int64_t benchWarmup = 5;
+  bool checkpoints() const { return checkpointDir != "none"; }
+};
+
+constexpr const char* kUsage = R"(usage: gpt [flags]          (run it under dtrun: dtrun --nproc 4 build/examples/gpt)
+
+Data-parallel training of a GPT-style byte-level language model on Debian's fortunes, with
+validation loss, checkpoints and exact resume, pre-emption (SIGTERM/SIGUSR1/SIGINT: checkpoint
+at the next step, exit 0) and a generated sample at the end.
+
+data and model
+  --data DIR              folder of fortune files (default /usr/share/games/fortunes, Debian's fortunes)
+  --layers N --heads N --width N --context N
+                          transformer size (default 4 layers, 4 heads, width 256, context 128)
+  --dropout P             on embeddings, attention and residual branches (default 0)
+training
+  --steps N               optimizer steps (default 250)
+  --global-batch G        sequences per step over all ranks (default 16; a multiple of ranks x micro-batches)
+  --micro-batches K       gradient accumulation: each rank runs K micro-batches per step (default 1)
+  --lr LR --min-lr LR     peak and final learning rate of the cosine schedule (default 0.002, 0.0002)
+  --warmup N              linear warm-up steps (default 25)
+  --weight-decay WD       AdamW decay of the Linear weights (default 0.1; none on biases, norms, embeddings)
+  --grad-clip C           clip the global gradient norm to C (default 1; 0: no clipping)
+  --seed S                initialisation, windows and dropout (default 0)
+evaluation and output
+  --eval-every N          validation loss every N steps and at the end (default 50; 0: only at the end)
+  --eval-windows N        validation windows (of the context length) per evaluation (default 64)
+  --log-every N           progress line every N steps on rank 0 (default 10)
+  --metrics FILE          one JSON line per logged step (rank 0); plot with scripts/plot_metrics.py FILE
+  --prompt TEXT --sample-tokens N --temperature T --top-k K
+                          the sample printed at the end (default "The ", 300 tokens, 0.8, 40; 0 tokens: none)
+  --quiet                 only the final lines (and errors)
+  --bench                 print a RESULT line (tokens/s after --bench-warmup steps, default 5; peak RSS)
+checkpoints
+  --checkpoint-dir DIR    (default gpt-checkpoints; none: no checkpoints)
+  --checkpoint-every N    steps between checkpoints; one is also written at the end (default 100)
+  --keep K                checkpoints kept (default 3)
+  --resume auto|never     auto: continue from the newest checkpoint in DIR; never: delete them first
+)";
+
+Config parseArgs(int argc, char** argv, bool& help) {
+  Config c;
+  auto positive = [](const std::string& v, const std::string& f, int64_t minimum = 1) {
+    return examples::parsePositive(kProgram, v, f, minimum);
+  };
+  auto real = [](const std::string& v, const std::string& f, double lo, double hi) {
+    return examples::parseDouble(kProgram, v, f, lo, hi);
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::optional<std::string> inlineValue;
+    if (const auto eq = flag.find('='); flag.starts_with("--") && eq != std::string::npos) {
+      inlineValue = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    }
+    if (flag == "--help" || flag == "-h") {
+      help = true;
+      return c;
+    }
+    if (flag == "--quiet") { c.quiet = true; continue; }
+    if (flag == "--bench") { c.bench = true; continue; }
+    if (!flag.starts_with("--")) throw InvalidArgument(str("gpt: unexpected argument \"", flag, "\"; see --help"));
+    if (!inlineValue && i + 1 >= argc) throw InvalidArgument(str("gpt: ", flag, " needs a value; see --help"));
+    const std::string v = inlineValue ? *inlineValue : argv[++i];
+    if (flag == "--data") c.data = v;
+    else if (flag == "--layers") c.model.layers = positive(v, flag);
+    else if (flag == "--heads") c.model.heads = positive(v, flag);
+    else if (flag == "--width") c.model.width = positive(v, flag);
+    else if (flag == "--context") c.model.contextLength = positive(v, flag);
+    else if (flag == "--dropout") c.model.dropout = real(v, flag, 0.0, 0.9);
+    else if (flag == "--steps") c.steps = positive(v, flag);
+    else if (flag == "--global-batch") c.globalBatch = positive(v, flag);
+    else if (flag == "--micro-batches") c.microBatches = positive(v, flag);
+    else if (flag == "--lr") c.lr = real(v, flag, 0.0, 1.0);
+    else if (flag == "--min-lr") c.minLr = real(v, flag, 0.0, 1.0);
+    else if (flag == "--warmup") c.warmup = positive(v, flag, 0);
+    else if (flag == "--weight-decay") c.weightDecay = real(v, flag, 0.0, 1.0);
+    else if (flag == "--grad-clip") c.gradClip = real(v, flag, 0.0, 1e6);
+    else if (flag == "--seed") c.seed = static_cast<uint64_t>(positive(v, flag, 0));
+    else if (flag == "--eval-every") c.evalEvery = positive(v, flag, 0);
+    else if (flag == "--eval-windows") c.evalWindows = positive(v, flag);
+    else if (flag == "--log-every") c.logEvery = positive(v, flag);
+    else if (flag == "--metrics") c.metrics = v;
+    else if (flag == "--checkpoint-dir") c.checkpointDir = v;
+    else if (flag == "--checkpoint-every") c.checkpointEvery = positive(v, flag, 0);
+    else if (flag == "--keep") c.keep = static_cast<int>(positive(v, flag));
+    else if (flag == "--resume") c.resume = examples::choice(kProgram, v, flag, {"auto", "never"});
+    else if (flag == "--prompt") c.prompt = v;
+    else if (flag == "--sample-tokens") c.sampleTokens = positive(v, flag, 0);
+    else if (flag == "--temperature") c.temperature = real(v, flag, 0.0, 10.0);
+    else if (flag == "--top-k") c.topK = positive(v, flag, 0);
+    else if (flag == "--bench-warmup") c.benchWarmup = positive(v, flag, 0);
+    else throw InvalidArgument(str("gpt: unknown flag ", flag, "; see --help"));
+  }
+  c.model.validate();
+  if (c.minLr > c.lr) throw InvalidArgument(str("gpt: --min-lr ", c.minLr, " is above --lr ", c.lr));
+  if (c.warmup > c.steps) throw InvalidArgument(str("gpt: --warmup ", c.warmup, " is more than --steps ", c.steps));
+  if (c.prompt.empty()) throw InvalidArgument("gpt: --prompt is empty (the sample needs at least one byte)");
+  if (c.checkpointDir.empty()) throw InvalidArgument("gpt: --checkpoint-dir is empty (use none to write no checkpoints)");
+  return c;
+}
+
+std::string modelName(const dt::nn::GptConfig& m) {
+  return str("L", m.layers, "-H", m.heads, "-C", m.width, "-T", m.contextLength);
+}
+
+// The process's peak resident set (VmHWM) in MiB; 0 where /proc is missing.
+double peakRssMib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.starts_with("VmHWM:")) return std::strtod(line.c_str() + 6, nullptr) / 1024.0;
+  }
+  return 0.0;
+}
+
+// Text as one printable line for a log ("\n" shown as a newline is fine on a terminal, but
+// the sample is printed as it is, after a header line).
+std::string tokensToText(const std::vector<int64_t>& tokens) {
+  std::string out;
+  for (int64_t t : tokens) out += static_cast<char>(t);
+  return out;
+}
+
+// One evaluation's loss: the first `count` windows at stride T of the validation text (the
+// same set for every world size), rank r taking windows r, r + W, ...; sums allreduced.
+double validationLoss(dt::nn::Gpt& model, const dt::data::TextWindows& val, int64_t count, dt::ProcessGroup& group) {
+  dt::NoGradGuard noGrad;
+  const bool wasTraining = model.isTraining();
+  model.eval();
+  const int64_t stride = val.contextLength();
+  const int64_t available = std::min<int64_t>(count, (val.size() + stride - 1) / stride);
+  std::vector<int64_t> mine;
+  for (int64_t w = group.rank(); w < available; w += group.size()) mine.push_back(w * stride);
+  double lossSum = 0, tokens = 0;
+  constexpr size_t kBatch = 16;
+  for (size_t begin = 0; begin < mine.size(); begin += kBatch) {
+    const size_t n = std::min(kBatch, mine.size() - begin);
+    const dt::data::Batch b = val.get(std::span<const int64_t>(mine.data() + begin, n));
+    const dt::Tensor logits = model(b.inputs);
+    const int64_t rows = logits.sizes()[0] * logits.sizes()[1];
+    lossSum += dt::crossEntropy(logits.reshape({rows, logits.sizes()[2]}), b.targets.reshape({rows}),
+                                {.reduction = dt::Reduction::Sum})
+                   .item<double>();
+    tokens += static_cast<double>(rows);
+  }
+  model.train(wasTraining);
+  dt::Tensor sums = dt::fromVector<double>({lossSum, tokens});
+  group.allreduce(sums)->wait();
+  const auto s = sums.toVector<double>();
+  return s[0] / s[1];
+}
+
+class MetricsFile {
+ public:
+  // Keeps the lines of steps up to `keepThrough` (a resumed run's earlier history) and appends.
+  MetricsFile(const std::string& path, int64_t keepThrough) : path_(path) {
+    if (path_.empty()) return;
+    std::vector<std::string> kept;
+    if (keepThrough > 0) {
+      std::ifstream in(path_);
+      std::string line;
+      while (std::getline(in, line)) {
+        const auto at = line.find("\"step\": ");
+        if (at != std::string::npos && std::strtoll(line.c_str() + at + 8, nullptr, 10) <= keepThrough) kept.push_back(line);
+      }
+    }
+    out_.open(path_, std::ios::trunc);
+    if (!out_) throw InvalidArgument(str("gpt: cannot write --metrics ", path_));
+    for (const auto& l : kept) out_ << l << "\n";
+    out_.flush();
+  }
+  // A value that is not known (the loss before any step, a step without evaluation) is null.
+  void write(int64_t step, double loss, std::optional<double> valLoss, double lr, double gradNorm, double tokensPerS,
+             double elapsed) {
+    if (!out_.is_open()) return;
+    char buf[320];
+    std::snprintf(buf, sizeof(buf),
+                  "{\"step\": %lld, \"loss\": %s, \"val_loss\": %s, \"lr\": %.6g, \"grad_norm\": %.6g, "
+                  "\"tokens_per_s\": %.1f, \"elapsed_s\": %.3f}",
+                  static_cast<long long>(step), number(loss).c_str(), number(valLoss.value_or(std::nan(""))).c_str(), lr,
+                  gradNorm, tokensPerS, elapsed);
+    out_ << buf << "\n";
+    out_.flush();
+  }
+
+ private:
+  static std::string number(double v) {
+    if (!std::isfinite(v)) return "null";
+    char b[32];
+    std::snprintf(b, sizeof(b), "%.6f", v);
+    return b;
+  }
+  std::string path_;
+  std::ofstream out_;
+};
+
+class GptJob {
+ public:
+  GptJob(Config config, std::shared_ptr<dt::ProcessGroup> group)
+      : c_(std::move(config)), group_(std::move(group)), rank_(group_->rank()), world_(group_->size()) {}
+  int run();
+
+ private:
+  void say(const std::string& line) const {
+    if (rank_ == 0 && !c_.quiet) std::printf("%s\n", line.c_str());
+  }
+  std::vector<std::pair<std::string, std::string>> resumeKeys() const;
+  void resumeOrStart();
+  void saveCheckpoint(int64_t step, const std::string& reason);
+  void settleBuckets(dt::DistributedDataParallel& ddp, int64_t microBatch);
+
+  Config c_;
+  std::shared_ptr<dt::ProcessGroup> group_;
+  int rank_;
+  int world_;
+  int64_t restartCount_ = 0;
+  std::shared_ptr<dt::data::TextWindows> train_, val_;
+  dt::Generator initRng_, dropoutRng_;
+  std::shared_ptr<dt::nn::Gpt> model_;
+  std::unique_ptr<dt::optim::AdamW> optimizer_;
+  std::optional<trainer::CheckpointDir> checkpoints_;
+  int64_t startStep_ = 0;
+  double priorSeconds_ = 0;
+  double recentLoss_ = 0;
+  double runSeconds_ = 0;
+  std::optional<double> lastValLoss_;
+};
+
+std::vector<std::pair<std::string, std::string>> GptJob::resumeKeys() const {
+  return {{"model", modelName(c_.model)},
+          {"dropout", examples::exactText(c_.model.dropout)},
+          {"lr", examples::exactText(c_.lr)},
+          {"min_lr", examples::exactText(c_.minLr)},
+          {"warmup", std::to_string(c_.warmup)},
+          {"weight_decay", examples::exactText(c_.weightDecay)},
+          {"grad_clip", examples::exactText(c_.gradClip)},
+          {"seed", std::to_string(c_.seed)},
+          {"global_batch", std::to_string(c_.globalBatch)},
+          {"micro_batches", std::to_string(c_.microBatches)},
+          {"train_bytes", std::to_string(train_->text().size())}};
+}
+
+void GptJob::resumeOrStart() {
+  if (!checkpoints_) return;
+  if (c_.resume == "never" && restartCount_ == 0) {
+    if (rank_ == 0) {
+      const int removed = checkpoints_->removeAll();
+      if (removed > 0) say(str("gpt: --resume never: removed ", removed, " checkpoint(s) from ", checkpoints_->path().string()));
+    }
+    group_->barrier()->wait();
+    return;
+  }
+  dt::Tensor chosen = dt::fromVector<int64_t>({-1});
+  if (rank_ == 0) {
+    if (auto latest = checkpoints_->latest()) chosen = dt::fromVector<int64_t>({latest->step});
+  }
+  group_->broadcast(chosen, {.root = 0})->wait();
+  const int64_t step = chosen.item<int64_t>();
+  if (step < 0) return;
+  const trainer::LoadedCheckpoint ckpt = checkpoints_->load(checkpoints_->refFor(step));
+  const trainer::Manifest& m = ckpt.manifest;
+  const std::string file = ckpt.ref.manifest.string();
+  for (const auto& [key, value] : resumeKeys()) {
+    const std::string saved = m.text("config." + key);
+    if (saved != value) {
+      throw InvalidArgument(str("gpt: checkpoint ", file, " was written with ", key, " = ", saved, " but this run has ",
+                                key, " = ", value, ". Resume with the same settings, or start afresh with --resume never"));
+    }
+  }
+  dt::NamedTensors modelState, optimState;
+  std::optional<dt::Tensor> myRng;
+  for (const auto& [name, t] : ckpt.tensors) {
+    if (name.starts_with("model.")) modelState.emplace_back(name.substr(6), t);
+    else if (name.starts_with("optim.")) optimState.emplace_back(name.substr(6), t);
+    else if (name == str("rng.rank", rank_)) myRng = t;
+  }
+  model_->loadStateDict(modelState, /*strict=*/true);
+  optimizer_->loadStateDict(optimState);
+  const int64_t savedWorld = m.integer("world_size");
+  if (savedWorld == world_) {
+    examples::restoreRngState(dropoutRng_, myRng, rank_, kProgram, ckpt.ref.tensors.string());
+  } else if (c_.model.dropout > 0) {
+    say(str("gpt: note: checkpoint written by ", savedWorld, " ranks, resumed by ", world_,
+            ": the per-rank dropout streams restart from the seed, so this resume is not bitwise exact"));
+  }
+  startStep_ = step;
+  priorSeconds_ = static_cast<double>(m.integer("train_ms")) / 1000.0;
+  recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
+  say(str("gpt: resumed from ", file, " (step ", step, ", written by ", savedWorld, " rank(s), ", m.text("reason"), ")",
+          restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
+}
+
+void GptJob::saveCheckpoint(int64_t step, const std::string& reason) {
+  const std::vector<dt::Tensor> rngs = examples::gatherRngStates(*group_, dropoutRng_);
+  if (rank_ != 0) return;
+  dt::NamedTensors tensors;
+  for (const auto& [name, t] : model_->stateDict()) tensors.emplace_back("model." + name, t);
+  for (const auto& [name, t] : optimizer_->stateDict()) tensors.emplace_back("optim." + name, t);
+  for (int r = 0; r < world_; ++r) tensors.emplace_back(str("rng.rank", r), rngs[static_cast<size_t>(r)]);
+  trainer::Manifest m;
+  m.set("total_steps", c_.steps);
+  m.set("world_size", world_);
+  m.set("tokens_seen", step * c_.globalBatch * c_.model.contextLength);
+  m.set("train_ms", static_cast<int64_t>((priorSeconds_ + runSeconds_) * 1000.0));
+  m.set("reason", reason);
+  m.setNumberText("train_loss", str(recentLoss_));
+  for (const auto& [key, value] : resumeKeys()) m.set("config." + key, value);
+  const trainer::CheckpointRef ref = checkpoints_->write(step, tensors, std::move(m));
+  say(str("gpt: checkpoint at step ", step, " (", reason, ") written to ", ref.tensors.string()));
+}
+
+// DDP rebuilds its buckets after the first iteration (docs/ddp.md); one throwaway iteration,
+// in eval mode (no dropout draws) and with no optimizer step, makes every real step of a
+// fresh and of a resumed run use the same bucket layout, so resume stays bitwise exact.
+void GptJob::settleBuckets(dt::DistributedDataParallel& ddp, int64_t microBatch) {
+  model_->eval();
+  const dt::Tensor tokens = dt::zeros({microBatch, c_.model.contextLength}, dt::DType::Int64);
+  dt::nn::Gpt::loss(ddp(tokens), tokens).backward();
+  optimizer_->zeroGrad();
+  model_->train();
+}
+
+int GptJob::run() {
+  restartCount_ = dt::env::getInt("DT_RESTART_COUNT");
+  if (c_.globalBatch % (world_ * c_.microBatches) != 0) {
+    throw InvalidArgument(str("gpt: --global-batch ", c_.globalBatch, " is not divisible by ", world_, " rank(s) x ",
+                              c_.microBatches, " micro-batch(es); use a multiple of ", world_ * c_.microBatches));
+  }
+  const int64_t perRank = c_.globalBatch / world_;
+  const int64_t microBatch = perRank / c_.microBatches;
+  const int64_t T = c_.model.contextLength;
+  if (!c_.quiet) std::printf("gpt: rank %d/%d pid %d attempt %lld\n", rank_, world_, static_cast<int>(getpid()), static_cast<long long>(restartCount_ + 1));
+
+  const dt::data::TextSplit corpus = dt::data::loadFortunes(c_.data);
+  train_ = std::make_shared<dt::data::TextWindows>(corpus.train, T, "train");
+  val_ = std::make_shared<dt::data::TextWindows>(corpus.validation, T, "validation");
+  const dt::data::RandomWindowSampler sampler(train_->size(), world_, rank_, {.batchSize = perRank, .seed = c_.seed});
+
+  initRng_.manualSeed(c_.seed);
+  dropoutRng_.manualSeed(c_.seed * 0x9e3779b97f4a7c15ull + 1000 + static_cast<uint64_t>(rank_));
+  model_ = std::make_shared<dt::nn::Gpt>(c_.model, initRng_, &dropoutRng_);
+  optimizer_ = std::make_unique<dt::optim::AdamW>(dt::optim::decayGroups(*model_, c_.weightDecay),
+                                                  dt::optim::AdamWOptions{.lr = c_.lr, .beta2 = 0.95});
+  const dt::optim::WarmupCosineSchedule schedule(c_.lr, c_.warmup, c_.steps, c_.minLr);
+  if (c_.checkpoints()) checkpoints_.emplace(c_.checkpointDir, c_.keep);
+  resumeOrStart();
+  if (checkpoints_ && rank_ == 0) checkpoints_->removeTemporaries();
+
+  dt::DistributedDataParallel ddp(model_, group_);
+  const std::vector<dt::Tensor> params = model_->parameters();
+  settleBuckets(ddp, microBatch);
+  say(str("gpt: ", world_, " rank(s); ", corpus.source, ": train ", corpus.train.size(), " bytes (", corpus.trainDocuments,
+          " fortunes), validation ", corpus.validation.size(), " bytes (", corpus.validationDocuments, "); GPT ",
+          modelName(c_.model), " (", c_.model.parameterCount(), " parameters, vocabulary 256 bytes); AdamW lr ", c_.lr,
+          " warm-up ", c_.warmup, " cosine to ", c_.minLr, ", weight decay ", c_.weightDecay, ", clip ", c_.gradClip,
+          "; global batch ", c_.globalBatch, " x ", T, " tokens (", perRank, " per rank", c_.microBatches > 1 ? str(" in ", c_.microBatches, " micro-batches") : "",
+          "); ", c_.steps, " steps"));
+  MetricsFile metrics(rank_ == 0 ? c_.metrics : std::string(), startStep_);
+
+  dt::Tensor control = dt::zeros({2}, dt::DType::Float64);  // {stop requested, previous step's loss}, summed
+  const int64_t tokensPerStep = c_.globalBatch * T;
+  double lastLoss = 0, windowLoss = 0;
+  int64_t windowLosses = 0, step = startStep_;
+  int stopSignal = 0;
+  const Clock::time_point loopStart = Clock::now();
+  Clock::time_point windowStart = loopStart;
+  int64_t windowStartStep = step;
+  std::optional<Clock::time_point> benchStart;
+  const int64_t benchFrom = startStep_ + c_.benchWarmup;
+  double gradNorm = 0;
+
+  if (step == 0 && c_.evalEvery > 0) {
+    // Where the curve starts: the untrained model's validation loss (about ln 256 = 5.55).
+    lastValLoss_ = validationLoss(*model_, *val_, c_.evalWindows, *group_);
+    metrics.write(0, std::nan(""), lastValLoss_, schedule.at(0), 0.0, 0.0, 0.0);
+    say(str("gpt: step 0 validation loss ", *lastValLoss_));
+  }
+  while (step < c_.steps) {
+    if (c_.bench && step == benchFrom) benchStart = Clock::now();
+    double* ctl = control.data<double>();
+    ctl[0] = examples::stopSignal().load() != 0 ? 1.0 : 0.0;
+    ctl[1] = lastLoss;
+    dt::WorkPtr controlWork = group_->allreduce(control);
+
+    optimizer_->setLr(schedule.at(step));
+    optimizer_->zeroGrad();
+    const std::vector<int64_t> windows = sampler.batchIndices(step);
+    double stepLoss = 0;
+    for (int64_t micro = 0; micro < c_.microBatches; ++micro) {
+      const dt::data::Batch b = train_->get(std::span<const int64_t>(windows.data() + micro * microBatch, static_cast<size_t>(microBatch)));
+      // All but the last micro-batch accumulate locally; the last one's backward reduces the sum.
+      std::optional<dt::DistributedDataParallel::NoSyncGuard> noSync;
+      if (micro + 1 < c_.microBatches) noSync.emplace(ddp.noSync());
+      dt::Tensor loss = dt::nn::Gpt::loss(ddp(b.inputs), b.targets);
+      stepLoss += loss.item<float>() / static_cast<double>(c_.microBatches);
+      dt::mul(loss, 1.0 / static_cast<double>(c_.microBatches)).backward();
+    }
+    gradNorm = dt::nn::clipGradNorm(params, c_.gradClip > 0 ? c_.gradClip : std::numeric_limits<double>::max());
+    optimizer_->step();
+    lastLoss = stepLoss;
+    controlWork->wait();
+    ++step;
+    runSeconds_ = std::chrono::duration<double>(Clock::now() - loopStart).count();
+    if (step > startStep_ + 1) {  // the reduced loss is the previous step's
+      windowLoss += control.data<double>()[1] / world_;
+      ++windowLosses;
+    }
+    const bool stop = control.data<double>()[0] > 0;
+    if (stop) {
+      stopSignal = examples::stopSignal().load();
+      break;
+    }
+    const bool evalNow = step == c_.steps || (c_.evalEvery > 0 && step % c_.evalEvery == 0);
+    std::optional<double> valLoss;
+    if (evalNow) {
+      valLoss = validationLoss(*model_, *val_, c_.evalWindows, *group_);
+      lastValLoss_ = valLoss;
+    }
+    if (step % c_.logEvery == 0 || step == c_.steps || evalNow) {
+      recentLoss_ = windowLosses > 0 ? windowLoss / static_cast<double>(windowLosses) : lastLoss;
+      const double now = std::chrono::duration<double>(Clock::now() - windowStart).count();
+      const double rate = static_cast<double>((step - windowStartStep) * tokensPerStep) / std::max(now, 1e-9);
+      const double perStep = runSeconds_ / static_cast<double>(step - startStep_);
+      const double lr = schedule.at(step - 1);
+      if (rank_ == 0) {
+        metrics.write(step, recentLoss_, valLoss, lr, gradNorm, rate, priorSeconds_ + runSeconds_);
+        if (!c_.quiet) {
+          char val[40] = "";
+          if (valLoss) std::snprintf(val, sizeof(val), "  val loss %.4f", *valLoss);
+          std::printf("step %lld/%lld  loss %.4f%s  lr %.2e  grad norm %.3f  %.0f tokens/s  elapsed %s  ETA %s\n",
+                      static_cast<long long>(step), static_cast<long long>(c_.steps), recentLoss_, val, lr, gradNorm,
+                      rate, examples::formatSeconds(priorSeconds_ + runSeconds_).c_str(),
+                      examples::formatSeconds(perStep * static_cast<double>(c_.steps - step)).c_str());
+        }
+      }
+      windowLoss = 0;
+      windowLosses = 0;
+      windowStart = Clock::now();
+      windowStartStep = step;
+    }
+    if (checkpoints_ && c_.checkpointEvery > 0 && step % c_.checkpointEvery == 0 && step < c_.steps) {
+      saveCheckpoint(step, "periodic");
+    }
+  }
+  const double trainSeconds = runSeconds_;
+  const Clock::time_point loopEnd = Clock::now();
+  if (step < c_.steps) {
+    const std::string why = stopSignal != 0 ? examples::signalName(stopSignal) : "a stop request on another rank";
+    if (checkpoints_) saveCheckpoint(step, str("stopped by ", why));
+    group_->barrier()->wait();
+    say(str("gpt: stopped by ", why, " after step ", step, " of ", c_.steps,
+            checkpoints_ ? str("; checkpoint written, run again to resume from step ", step) : std::string("; no checkpoint")));
+    group_->destroy();
+    return 0;
+  }
+  if (checkpoints_ && step > startStep_) saveCheckpoint(step, "final");
+  if (!lastValLoss_) lastValLoss_ = validationLoss(*model_, *val_, c_.evalWindows, *group_);
+
+  // Identical parameters everywhere: max and min over ranks must agree.
+  dt::Tensor flat = dt::flattenTensors(params);
+  dt::Tensor highest = flat.clone(), lowest = flat.clone();
+  group_->allreduce(highest, {.reduceOp = dt::ReduceOp::Max})->wait();
+  group_->allreduce(lowest, {.reduceOp = dt::ReduceOp::Min})->wait();
+  const double spread = dt::max(dt::abs(highest - lowest)).item<float>();
+  dt::Tensor rss = dt::fromVector<double>({peakRssMib()});
+  group_->allreduce(rss, {.reduceOp = dt::ReduceOp::Max})->wait();
+
+  if (c_.bench && rank_ == 0) {
+    if (!benchStart) {
+      std::fprintf(stderr, "gpt: --bench measured nothing: it needs more than --bench-warmup %lld steps\n",
+                   static_cast<long long>(c_.benchWarmup));
+    } else {
+      const double seconds = std::chrono::duration<double>(loopEnd - *benchStart).count();
+      const int64_t measured = step - benchFrom;
+      std::printf("RESULT gpt impl=dtrain world=%d global_batch=%lld model=%s steps=%lld step_ms=%.3f tokens_per_s=%.1f "
+                  "peak_rss_mb=%.1f val_loss_nats=%.5f\n",
+                  world_, static_cast<long long>(c_.globalBatch), modelName(c_.model).c_str(), static_cast<long long>(c_.steps),
+                  1e3 * seconds / static_cast<double>(measured), static_cast<double>(measured * tokensPerStep) / seconds,
+                  rss.item<double>(), *lastValLoss_);
+    }
+  }
+  if (!c_.quiet) {
+    std::printf("gpt: rank %d/%d final parameters fingerprint %016" PRIx64 " (spread across ranks %.3g)\n", rank_, world_,
+                examples::fingerprint(params), spread);
+  }
+  if (rank_ == 0) {
+    const double rate = static_cast<double>((step - startStep_) * tokensPerStep) / std::max(trainSeconds, 1e-9);
+    std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; validation loss %.4f; peak RSS %.0f MiB per rank\n",
+                static_cast<long long>(step), examples::formatSeconds(priorSeconds_ + trainSeconds).c_str(),
+                step > startStep_ ? rate : 0.0, recentLoss_, *lastValLoss_, rss.item<double>());
+    if (c_.sampleTokens > 0) {
+      dt::Generator sampleRng(c_.seed + 7);
+      model_->eval();
+      std::vector<int64_t> prompt;
+      for (unsigned char ch : c_.prompt) prompt.push_back(ch);
+      const auto text = model_->generate(prompt, c_.sampleTokens, {.temperature = c_.temperature, .topK = c_.topK}, sampleRng);
+      std::printf("gpt: sample (temperature %g, top-k %lld):\n%s\n", c_.temperature, static_cast<long long>(c_.topK),
+                  tokensToText(text).c_str());
+    }
+  }
+  group_->barrier()->wait();
+  group_->destroy();
+  if (spread != 0.0) {
+    std::fprintf(stderr, "gpt: rank %d/%d: parameters differ across ranks (max difference %g)\n", rank_, world_, spread);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  try {
+    bool help = false;
+    const Config config = parseArgs(argc, argv, help);
+    if (help) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    examples::installStopHandlers(kProgram);
+    auto group = dt::initProcessGroup();
+    GptJob job(config, group);
+    return job.run();
+  } catch (const std::exception& e) {
+    const char* rank = std::getenv("RANK");
+    const char* world = std::getenv("WORLD_SIZE");
+    const std::string who = rank && world ? str(" (rank ", rank, "/", world, ")") : std::string();
+    std::fprintf(stderr, "gpt%s: %s\n", who.c_str(), dt::describe(e).c_str());
+    return 1;
+  }
+}
