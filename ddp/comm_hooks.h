@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -45,8 +46,38 @@ CommHook allreduceHook();
 // Cast the buffer to float16 (or bfloat16), allreduce that, cast the result
 // back into the buffer: half the bytes on the wire, float16's 11 (bfloat16's
 // 8) significant bits in the result. Buckets already in 16 bits are reduced
-// as they are. Casting back runs on the backend's thread.
+// as they are.
+//  * On a GPU (the allreduce's Work has a device wait, work.h) everything is
+//    queued at the call on the caller's current stream, in order: the cast,
+//    the wait for the collective, the cast back. The returned Work's wait()
+//    orders the waiting stream after the cast back; wait(timeout),
+//    isCompleted() and then() report it done once the cast back has run.
+//    The compressed buffer is made, read back and freed on that one stream,
+//    so its memory is not reused while still read (the NCCL stream's use is
+//    recorded by the backend).
+//  * On the CPU the cast back runs on a callback thread once the allreduce
+//    completed, and the returned Work completes after it.
 CommHook fp16CompressHook();
 CommHook bf16CompressHook();
+
+namespace detail {
+
+// The compression hook's steps apart from CUDA, for tests: `allreduce`
+// stands for the group's, `mark` records a point in the calling thread's
+// current stream of a device (a CUDA event in the hook itself).
+class StreamMark {
+ public:
+  virtual ~StreamMark() = default;
+  // The waiting thread's current stream waits for the mark (device side).
+  virtual void blockCurrentStream() = 0;
+  // The host waits until the stream has passed the mark.
+  virtual void synchronize() = 0;
+};
+using MarkStream = std::function<std::shared_ptr<StreamMark>(Device)>;
+
+WorkPtr compressedAllreduce(const Tensor& buffer, DType wireType,
+                            const std::function<WorkPtr(const Tensor&)>& allreduce, const MarkStream& mark);
+
+}  // namespace detail
 
 }  // namespace dt
