@@ -53,6 +53,15 @@ class Backoff {
   Micros slept_{0};
 };
 
+// The backend's polls. Enqueueing an op on a nonblocking communicator starts
+// a helper thread in NCCL (every ncclGroupEnd, NCCL 2.28's group.cc) that
+// usually ends within tens of microseconds: yield for 200 us before the first
+// sleep, since a sleep of a few microseconds costs ~50 us of timer slack.
+// Initialisation (milliseconds to seconds) and shutdown only sleep.
+inline constexpr BackoffPolicy kEnqueuePolling{Micros(200), Micros(50), Micros(1000)};
+inline constexpr BackoffPolicy kInitPolling{Micros(0), Micros(50), Micros(10000)};
+inline constexpr BackoffPolicy kShutdownPolling{Micros(0), Micros(50), Micros(2000)};
+
 // ---- a nonblocking NCCL call ---------------------------------------------------------------------
 
 // What ncclCommGetAsyncError says about a call that returned ncclInProgress.

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <list>
 #include <map>
 #include <mutex>
@@ -69,14 +70,8 @@ nccl::CallState callState(ncclResult_t result) {
   return result == ncclSuccess ? nccl::CallState::Done : nccl::CallState::Failed;
 }
 
-// Initialisation takes milliseconds to seconds: sleeps from 50 us, doubling to 10 ms.
-constexpr nccl::BackoffPolicy kInitPolling{std::chrono::microseconds(0), std::chrono::microseconds(50),
-                                           std::chrono::milliseconds(10)};
 // How long one wait of a creation for the store may last before it looks at the abort flag.
 constexpr std::chrono::milliseconds kAbortCheckInterval{100};
-// Shutdown waits for ops and NCCL's finalisation: sleeps from 50 us, doubling to 2 ms.
-constexpr nccl::BackoffPolicy kShutdownPolling{std::chrono::microseconds(0), std::chrono::microseconds(50),
-                                               std::chrono::milliseconds(2)};
 
 // The caching allocator hands a freed block out again on its own stream at
 // once; the NCCL stream may still read or write it, so the block must also
@@ -88,6 +83,9 @@ void recordNcclStream(const Tensor& t, const cuda::Stream& stream) {
 }
 
 }  // namespace
+
+// Queues work of ours on the NCCL stream after the op (false: a CUDA call failed).
+using AfterEnqueue = std::function<bool(cudaStream_t)>;
 
 // One NCCL communicator of the group, for one CUDA device of this rank.
 struct NcclComm {
@@ -304,7 +302,7 @@ struct NcclBackend::Impl {
             ncclCommGetAsyncError(c->comm, &result);
             return callState(result);
           },
-          [&] { return aborting(); }, deadline, kInitPolling);
+          [&] { return aborting(); }, deadline, nccl::kInitPolling);
     }
     switch (outcome) {
       case nccl::CallOutcome::Done: break;
@@ -347,15 +345,26 @@ struct NcclBackend::Impl {
   // ---- launch ----------------------------------------------------------------------------------------
 
   // After a call on a nonblocking communicator returned ncclInProgress, NCCL
-  // still enqueues in the background; the stream must not be touched before
-  // it is done. Comm mutex held.
-  ncclResult_t finishEnqueue(NcclComm& c, ncclResult_t result, Clock::time_point deadline) {
-    auto pause = std::chrono::microseconds(5);
-    while (result == ncclInProgress) {
-      if (aborting() || Clock::now() >= deadline) return ncclInProgress;
-      std::this_thread::sleep_for(pause);
-      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
-      ncclCommGetAsyncError(c.comm, &result);
+  // still enqueues in the background (a helper thread per ncclGroupEnd, NCCL
+  // 2.28's group.cc); the stream must not be touched before it is done. The
+  // helper usually ends within tens of microseconds, so the wait spins
+  // (yields) first: a sleep of a few microseconds costs ~50 us of timer slack.
+  // Returns NCCL's final result; throws on the deadline or an abort. Comm
+  // mutex held.
+  ncclResult_t finishEnqueue(NcclComm& c, ncclResult_t result, Clock::time_point deadline, const std::string& what,
+                             Millis limit) {
+    if (result != ncclInProgress) return result;
+    const nccl::CallOutcome outcome = nccl::awaitCall(
+        [&] {
+          ncclCommGetAsyncError(c.comm, &result);
+          return callState(result);
+        },
+        [&] { return aborting(); }, deadline, nccl::kEnqueuePolling);
+    if (outcome == nccl::CallOutcome::TimedOut) {
+      throw TransportTimeout(str(what, ": NCCL did not finish enqueueing the op within ", formatDuration(limit)));
+    }
+    if (outcome == nccl::CallOutcome::Aborted) {
+      throw BackendError(str(what, ": the group's communicators were aborted while NCCL enqueued the op"));
     }
     return result;
   }
@@ -364,7 +373,8 @@ struct NcclBackend::Impl {
   // caller's current stream, and records the completion event. Throws
   // BackendError when NCCL refuses (the caller breaks the group).
   template <typename Issue>
-  Launched launch(const std::string& what, Device device, std::vector<Tensor> keep, Millis limit, Issue&& issue) {
+  Launched launch(const std::string& what, Device device, std::vector<Tensor> keep, Millis limit, Issue&& issue,
+                  const AfterEnqueue& after = {}) {
     Launched l;
     l.comm = commFor(device);
     l.done = std::make_shared<cuda::Event>();
@@ -386,11 +396,14 @@ struct NcclBackend::Impl {
         const ncclResult_t ended = ncclGroupEnd();
         if (result == ncclSuccess || result == ncclInProgress) result = ended;
       }
-      result = finishEnqueue(c, result, Clock::now() + limit);
-      if (result == ncclInProgress) {
-        throw TransportTimeout(str(what, ": NCCL did not finish enqueueing the op within ", formatDuration(limit)));
-      }
+      result = finishEnqueue(c, result, Clock::now() + limit, what, limit);
       if (result != ncclSuccess) throw BackendError(str(what, ": NCCL refused the op: ", ncclText(result, c.comm)));
+      // Work of ours behind NCCL's on its stream (allgather's copies out):
+      // only now, once NCCL has finished enqueueing, may the stream be used.
+      if (after && !after(raw(c.stream))) {
+        throw BackendError(str(what, ": queueing the copies after the NCCL op on ", device.str(), " failed: ",
+                               cudaGetErrorString(cudaGetLastError())));
+      }
       l.done->record(c.stream);
       c.last = l.done;
     }
@@ -461,7 +474,7 @@ struct NcclBackend::Impl {
 
   template <typename Issue>
   WorkPtr collective(const char* op, uint64_t seq, CollectiveFingerprint fp, const OpTimeout& opTimeout, Device device,
-                     std::vector<Tensor> keep, bool deviceWait, Issue&& issue) {
+                     std::vector<Tensor> keep, bool deviceWait, Issue&& issue, const AfterEnqueue& after = {}) {
     // A broken or stopped group launches nothing; the runner fails the Work.
     if (runner->brokenCause() || runner->stopping()) {
       return runner->enqueue(seq, op, std::move(fp), opTimeout, [](Millis, const CollectiveFingerprint&) {});
@@ -471,7 +484,7 @@ struct NcclBackend::Impl {
     std::optional<Launched> launched;
     try {
       launched = launch(str(op, seq != 0 ? str(" #", seq) : std::string()), device, std::move(keep), limit,
-                        std::forward<Issue>(issue));
+                        std::forward<Issue>(issue), after);
     } catch (const TimeoutError&) {
       // Creating the communicator timed out: the group cannot run this op, nor any later one.
       runner->fail(std::current_exception());
@@ -586,7 +599,7 @@ struct NcclBackend::Impl {
     }
     const nccl::CloseResult result = nccl::closeCommunicators(
         all, healthy, [this] { return drained(); }, [this] { return aborting() || runner->brokenCause() != nullptr; },
-        Clock::now() + timeout, kShutdownPolling);
+        Clock::now() + timeout, nccl::kShutdownPolling);
     if (!result.graceful && healthy) {
       runner->log()->warn("[{}] shutdown aborted the NCCL communicators instead of finalizing them: {}", who(),
                           result.reason);
@@ -880,18 +893,38 @@ WorkPtr NcclBackend::allgather(const std::vector<Tensor>& outputs, const Tensor&
   d.checkLike(at, "allgather", outputs, input, "output", "input");
   std::vector<Tensor> keep = outputs;
   keep.push_back(input);
-  // Outputs are separate tensors, so a grouped broadcast from every rank
-  // fills them in place (ncclAllGather would need one flat output).
-  return d.collective("allgather", options.seq, fingerprintOf({input}), options.timeout, *device, std::move(keep), true,
-                      [&](ncclComm_t comm, cudaStream_t stream) {
-                        for (int r = 0; r < d.size; ++r) {
-                          const void* src = r == d.rank ? dataOf(input) : dataOf(outputs[r]);
-                          const ncclResult_t res = ncclBroadcast(src, dataOf(outputs[r]), countOf(input),
-                                                                 *ncclTypeOf(input.dtype()), r, comm, stream);
-                          if (res != ncclSuccess && res != ncclInProgress) return res;
-                        }
-                        return ncclSuccess;
-                      });
+  // One ncclAllGather (on a ring every byte crosses each link once, in one
+  // pipelined kernel) instead of one broadcast per rank. It needs one flat
+  // output: outputs that already lie back to back (views of one buffer, in
+  // order) are gathered into in place; otherwise into a staging buffer,
+  // copied out on the NCCL stream once NCCL has enqueued the op.
+  const size_t bytes = input.nbytes();
+  bool backToBack = true;
+  for (int r = 0; r < d.size; ++r) {
+    if (static_cast<char*>(dataOf(outputs[r])) != static_cast<char*>(dataOf(outputs[0])) + r * bytes) {
+      backToBack = false;
+    }
+  }
+  Tensor flat = backToBack ? outputs[0] : empty({static_cast<int64_t>(d.size) * input.numel()}, input.dtype(), *device);
+  if (!backToBack) keep.push_back(flat);
+  AfterEnqueue copyOut;
+  if (!backToBack && bytes > 0) {
+    copyOut = [&](cudaStream_t stream) {
+      for (int r = 0; r < d.size; ++r) {
+        if (cudaMemcpyAsync(dataOf(outputs[r]), static_cast<const char*>(dataOf(flat)) + r * bytes, bytes,
+                            cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
+          return false;
+        }
+      }
+      return true;
+    };
+  }
+  return d.collective(
+      "allgather", options.seq, fingerprintOf({input}), options.timeout, *device, std::move(keep), true,
+      [&](ncclComm_t comm, cudaStream_t stream) {
+        return ncclAllGather(dataOf(input), dataOf(flat), countOf(input), *ncclTypeOf(input.dtype()), comm, stream);
+      },
+      copyOut);
 }
 
 WorkPtr NcclBackend::allgatherIntoTensor(const Tensor& output, const Tensor& input, const AllgatherOptions& options) {

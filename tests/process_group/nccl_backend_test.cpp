@@ -14,6 +14,7 @@
 #include "process_group/process_group.h"
 #include "process_group/work.h"
 #include "store/hash_store.h"
+#include "tensor/ops.h"
 #include "tensor/tensor.h"
 #include "tests/testing/testing.h"
 #if DT_HAVE_CUDA
@@ -190,6 +191,35 @@ TEST(NcclBackend, WorkWaitOrdersTheCallersStreamAndTheHostSeesCompletion) {
   EXPECT_EQ(backend.brokenCause(), nullptr);
   backend.barrier()->wait();  // host-blocking
   backend.shutdown();
+}
+
+// allgather is one ncclAllGather (finding 6 of issue 24): into the outputs themselves when they
+// are consecutive blocks of one buffer, else into a staging buffer copied out after the op. Both
+// paths, and outputs read right after wait() on the caller's stream.
+TEST(NcclBackend, AllgatherFillsSeparateOutputsAndViewsOfOneBufferAlike) {
+  DT_NEED_GPUS(1);
+  const int world = std::min(cuda::deviceCount(), 2);
+  auto store = std::make_shared<HashStore>();
+  runRanks(world, [&](int rank) {
+    cuda::setCurrentDevice(rank);
+    const Device gpu = Device::cuda(rank);
+    NcclBackend backend(store, rank, world, fastOptions("allgather"));
+    constexpr int64_t n = 100003;
+    Tensor input = add(arange(n, TensorOptions().dtype(DType::Float32)), rank * 1e6).to(gpu);
+    std::vector<Tensor> separate;
+    for (int r = 0; r < world; ++r) separate.push_back(full({n}, -1.0, DType::Float32, gpu));
+    Tensor flat = full({world * n}, -1.0, DType::Float32, gpu);
+    std::vector<Tensor> views;
+    for (int r = 0; r < world; ++r) views.push_back(flat.slice(0, r * n, (r + 1) * n));
+    backend.allgather(separate, input)->wait();
+    backend.allgather(views, input)->wait();
+    for (int r = 0; r < world; ++r) {
+      const std::vector<float> want = add(arange(n, TensorOptions().dtype(DType::Float32)), r * 1e6).toVector<float>();
+      EXPECT_EQ(separate[r].toVector<float>(), want) << "separate output " << r;
+      EXPECT_EQ(views[r].toVector<float>(), want) << "view " << r << " of one buffer";
+    }
+    backend.shutdown();
+  });
 }
 
 // Each rank's batch receives before it sends: launched op by op on one

@@ -5,6 +5,7 @@
 // nccl_backend_test.cpp runs the same paths on GPUs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <future>
@@ -99,6 +100,23 @@ TEST(NcclBackoff, YieldsWhileSpinningThenSleepsDoublingUpToTheCap) {
   EXPECT_EQ(Backoff::next(BackoffPolicy{microseconds(0), microseconds(50), microseconds(10000)}, microseconds(0),
                           microseconds(0)),
             microseconds(50));
+}
+
+TEST(NcclBackoff, EnqueueingSpinsBeforeItsFirstSleepAndNeverSleepsLong) {
+  // An op's enqueue waits for NCCL's helper thread: the first 200 us only yield, so a helper
+  // that ends in tens of microseconds is seen at once instead of after a ~50 us+ sleep.
+  for (int us = 0; us < 200; us += 10) {
+    EXPECT_EQ(Backoff::next(kEnqueuePolling, microseconds(us), microseconds(0)), microseconds(0)) << us;
+  }
+  microseconds slept{0}, longest{0};
+  for (int i = 0; i < 20; ++i) {
+    slept = Backoff::next(kEnqueuePolling, microseconds(1000 + i), slept);
+    longest = std::max(longest, slept);
+  }
+  EXPECT_EQ(longest, microseconds(1000));
+  // Initialisation and shutdown sleep from the start (nothing there is on a hot path).
+  EXPECT_GT(Backoff::next(kInitPolling, microseconds(0), microseconds(0)).count(), 0);
+  EXPECT_GT(Backoff::next(kShutdownPolling, microseconds(0), microseconds(0)).count(), 0);
 }
 
 constexpr BackoffPolicy kFast{microseconds(0), microseconds(1), microseconds(1)};
