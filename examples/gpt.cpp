@@ -70,6 +70,7 @@ struct Config {
   int64_t evalWindows = 64;
   int64_t logEvery = 10;
   std::string metrics;
+  std::string initOut;
   std::string checkpointDir = "gpt-checkpoints";
   int64_t checkpointEvery = 100;
   int keep = 3;
@@ -109,6 +110,7 @@ evaluation and output
   --eval-windows N        validation windows (of the context length) per evaluation (default 64)
   --log-every N           progress line every N steps on rank 0 (default 10)
   --metrics FILE          one JSON line per logged step (rank 0); plot with scripts/plot_metrics.py FILE
+  --init-out FILE         rank 0 writes the initial weights there (safetensors; the PyTorch peer's --init)
   --prompt TEXT --sample-tokens N --temperature T --top-k K
                           the sample printed at the end (default "The ", 300 tokens, 0.8, 40; 0 tokens: none)
   --quiet                 only the final lines (and errors)
@@ -163,6 +165,7 @@ Config parseArgs(int argc, char** argv, bool& help) {
     else if (flag == "--eval-windows") c.evalWindows = positive(v, flag);
     else if (flag == "--log-every") c.logEvery = positive(v, flag);
     else if (flag == "--metrics") c.metrics = v;
+    else if (flag == "--init-out") c.initOut = v;
     else if (flag == "--checkpoint-dir") c.checkpointDir = v;
     else if (flag == "--checkpoint-every") c.checkpointEvery = positive(v, flag, 0);
     else if (flag == "--keep") c.keep = static_cast<int>(positive(v, flag));
@@ -424,6 +427,7 @@ int GptJob::run() {
   model_ = std::make_shared<dt::nn::Gpt>(c_.model, initRng_, &dropoutRng_);
   optimizer_ = std::make_unique<dt::optim::AdamW>(dt::optim::decayGroups(*model_, c_.weightDecay),
                                                   dt::optim::AdamWOptions{.lr = c_.lr, .beta2 = 0.95});
+  if (!c_.initOut.empty() && rank_ == 0) dt::saveSafetensors(c_.initOut, model_->stateDict());
   const dt::optim::WarmupCosineSchedule schedule(c_.lr, c_.warmup, c_.steps, c_.minLr);
   if (c_.checkpoints()) checkpoints_.emplace(c_.checkpointDir, c_.keep);
   resumeOrStart();

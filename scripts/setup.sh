@@ -16,6 +16,8 @@ packages=(
   python3-torch
   slurmctld slurmd slurm-client   # the SLURM tests' private cluster (tests/slurm/cluster.sh)
   dataset-fashion-mnist           # examples/trainer's data: /usr/share/datasets/fashion-mnist/*.gz
+  fortunes                        # examples/gpt's text: /usr/share/games/fortunes (2.5 MB of English)
+  python3-matplotlib              # scripts/plot_metrics.py
 )
 if [[ "${1:-}" == "--peers" ]]; then
   packages+=(libtorch-dev redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine time)
