@@ -1,0 +1,109 @@
+// examples/gpt end to end under dtrun, on a tiny configuration of the real job (Debian's
+// fortunes): 1, 2 and 4 ranks with the same global batch reach the same validation loss
+// (within 1 %), a seed and world size give bitwise the same model, and resuming from a
+// checkpoint is exact; the metrics file and the sample are written.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+
+#include <gtest/gtest.h>
+
+#include "common/strings.h"
+#include "tests/launcher/dtrun_process.h"
+#include "tests/testing/testing.h"
+
+namespace dt::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+const std::vector<std::string> kTiny{"--layers", "1", "--heads", "2", "--width", "32", "--context", "16",
+                                     "--global-batch", "8", "--steps", "30", "--warmup", "3", "--eval-every", "0",
+                                     "--eval-windows", "48", "--log-every", "10", "--sample-tokens", "24"};
+
+ProcessResult runGpt(int nproc, const std::vector<std::string>& extra) {
+  std::vector<std::string> argv{DTRUN_PATH, "--standalone", "--nproc", std::to_string(nproc), GPT_PATH};
+  argv.insert(argv.end(), kTiny.begin(), kTiny.end());
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  ProcessResult r = runProcess(argv, 120s);
+  EXPECT_EQ(r.exitCode, 0) << r.out << r.err;
+  return r;
+}
+
+std::optional<double> validationLoss(const std::string& out) {
+  static const std::regex done(R"(gpt: done: .*validation loss ([0-9.]+))");
+  std::smatch m;
+  if (!std::regex_search(out, m, done)) return std::nullopt;
+  return std::stod(m[1].str());
+}
+
+// The fingerprint every rank printed (a test failure, and "", when they differ or one is missing).
+std::string fingerprint(const std::string& out, int world) {
+  static const std::regex line(R"(gpt: rank (\d+)/\d+ final parameters fingerprint ([0-9a-f]{16}))");
+  std::map<int, std::string> seen;
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) seen[std::stoi((*it)[1])] = (*it)[2];
+  EXPECT_EQ(static_cast<int>(seen.size()), world) << out;
+  for (const auto& [rank, f] : seen) {
+    EXPECT_EQ(f, seen.begin()->second) << "rank " << rank << " differs\n" << out;
+  }
+  return seen.empty() ? "" : seen.begin()->second;
+}
+
+TEST(GptE2e, OneTwoAndFourRanksReachTheSameValidationLossAndASeedRepeats) {
+  std::map<int, double> loss;
+  std::string twoRanks;
+  for (int world : {1, 2, 4}) {
+    const ProcessResult r = runGpt(world, {"--checkpoint-dir", "none"});
+    const auto v = validationLoss(r.out);
+    ASSERT_TRUE(v) << r.out;
+    loss[world] = *v;
+    if (world == 2) twoRanks = fingerprint(r.out, 2);
+    if (world == 4) fingerprint(r.out, 4);
+    EXPECT_NE(r.out.find("gpt: sample (temperature"), std::string::npos) << r.out;
+  }
+  EXPECT_LT(loss[1], 4.5);  // it learned: an untrained byte model scores ln 256 = 5.55
+  for (int world : {2, 4}) {
+    EXPECT_LT(std::fabs(loss[world] - loss[1]) / loss[1], 0.01) << "world " << world << ": " << loss[world] << " vs " << loss[1];
+  }
+  const ProcessResult again = runGpt(2, {"--checkpoint-dir", "none"});
+  EXPECT_EQ(fingerprint(again.out, 2), twoRanks) << "the same seed and world size must give the same parameters";
+  const ProcessResult otherSeed = runGpt(2, {"--checkpoint-dir", "none", "--seed", "3", "--steps", "4", "--warmup", "1"});
+  EXPECT_NE(fingerprint(otherSeed.out, 2), twoRanks);
+}
+
+TEST(GptE2e, ResumingFromACheckpointIsExactAndTheMetricsFileContinues) {
+  TempDir dir;
+  const std::string ckpt = (dir.path() / "ckpt").string(), metrics = (dir.path() / "m.jsonl").string();
+  const std::vector<std::string> flags{"--checkpoint-dir", ckpt, "--checkpoint-every", "10", "--metrics", metrics};
+  const ProcessResult full = runGpt(2, flags);
+  const std::string uninterrupted = fingerprint(full.out, 2);
+  // As if the job had died after step 20: its last checkpoint is step 20's, the metrics file
+  // holds the lines up to 30 that the resumed run must replace.
+  for (const char* ext : {".json", ".safetensors"}) std::filesystem::remove(dir.path() / "ckpt" / str("step-00000030", ext));
+  const ProcessResult resumed = runGpt(2, flags);
+  EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
+  EXPECT_NE(resumed.out.find("step 20"), std::string::npos) << resumed.out;
+  EXPECT_EQ(fingerprint(resumed.out, 2), uninterrupted) << "resume must be bitwise exact";
+  std::ifstream in(metrics);
+  std::vector<int64_t> steps;
+  std::string line;
+  while (std::getline(in, line)) {
+    for (const char* key : {"\"loss\": ", "\"val_loss\": ", "\"lr\": ", "\"grad_norm\": ", "\"tokens_per_s\": "}) {
+      EXPECT_NE(line.find(key), std::string::npos) << line;
+    }
+    steps.push_back(std::stoll(line.substr(line.find("\"step\": ") + 8)));
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{10, 20, 30})) << "one line per logged step, none twice";
+  // A run with other settings refuses the checkpoint and says which.
+  std::vector<std::string> argv{DTRUN_PATH, "--standalone", "--nproc", "2", GPT_PATH};
+  argv.insert(argv.end(), kTiny.begin(), kTiny.end());
+  for (const char* a : {"--checkpoint-dir", ckpt.c_str(), "--lr", "0.01"}) argv.emplace_back(a);
+  const ProcessResult refused = runProcess(argv, 60s);
+  EXPECT_NE(refused.exitCode, 0);
+  EXPECT_NE((refused.out + refused.err).find("lr = "), std::string::npos) << refused.out << refused.err;
+}
+
+}  // namespace
+}  // namespace dt::testing
