@@ -6,6 +6,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "tensor/cuda/cuda.h"
+#include "tensor/cuda/kernels.h"
 #include "tensor/cuda/stream.h"
 
 namespace dt::cuda {
@@ -42,8 +43,10 @@ const Probe& probe() {
 }
 
 __global__ void fillKernel(float* dst, size_t n, float value) {
-  const size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
-  if (i < n) dst[i] = value;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    dst[i] = value;
+  }
 }
 
 }  // namespace
@@ -71,9 +74,7 @@ void copyBytes(void* dst, Device dstDevice, const void* src, Device srcDevice, s
 void fillFloat32(void* dst, Device device, size_t n, float value) {
   if (n == 0) return;
   DeviceGuard guard(device);
-  constexpr unsigned kThreads = 256;
-  const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
-  fillKernel<<<blocks, kThreads>>>(static_cast<float*>(dst), n, value);
+  fillKernel<<<gridForThreads(static_cast<int64_t>(n)), kBlockThreads>>>(static_cast<float*>(dst), n, value);
   throwIfFailed(cudaGetLastError(), "fill kernel launch", device);
   throwIfFailed(cudaDeviceSynchronize(), "fill kernel", device);
 }

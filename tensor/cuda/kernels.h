@@ -44,6 +44,19 @@ struct Geometry {
 Geometry makeGeometry(const std::vector<int64_t>& sizes, const std::vector<std::vector<int64_t>>& strides,
                       const char* op);
 
+// ---- grids (host code, checked in every CUDA build without a device) -----------------------------
+
+constexpr int kBlockThreads = 256;
+// No launch has more blocks than this: every kernel loops over the rest of
+// its work (a grid-stride loop over int64 indices), so no count is ever cut
+// to 32 bits (rows between 2^31 and 2^32 would fail to launch, above 2^32
+// they would silently run rows mod 2^32), and huge launches stay small.
+constexpr int64_t kMaxGridBlocks = int64_t{65536} * 8;
+// Blocks for `items` units of work of one block each (rows), at least 1.
+unsigned gridForBlocks(int64_t items);
+// Blocks of kBlockThreads for `items` units of work of one thread each.
+unsigned gridForThreads(int64_t items);
+
 // Mirror tensor/ops_elementwise.cpp's Bin and Un (same order, same meaning).
 enum class BinaryOp : int {
   Add,

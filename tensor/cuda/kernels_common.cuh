@@ -14,18 +14,14 @@
 
 namespace dt::cuda::kern {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kBlockThreads;
 
 inline cudaStream_t streamFor(Device device) {
   return static_cast<cudaStream_t>(currentStream(device).handle());
 }
 
-inline unsigned blocksFor(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  // A grid-stride loop covers the rest: the x dimension of a grid is far larger, but this keeps
-  // the launch small for huge tensors.
-  return static_cast<unsigned>(b < 65536 * 8 ? (b < 1 ? 1 : b) : 65536 * 8);
-}
+// A grid-stride loop covers what the capped grid does not (kernels.h).
+inline unsigned blocksFor(int64_t n) { return gridForThreads(n); }
 
 inline void checkLaunch(const char* kernel, Device device) {
   const cudaError_t status = cudaGetLastError();

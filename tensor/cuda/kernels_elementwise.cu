@@ -10,6 +10,14 @@ namespace dt::cuda {
 
 using namespace kern;
 
+unsigned gridForBlocks(int64_t items) {
+  return static_cast<unsigned>(items < 1 ? 1 : items < kMaxGridBlocks ? items : kMaxGridBlocks);
+}
+
+unsigned gridForThreads(int64_t items) {
+  return gridForBlocks(items / kBlockThreads + (items % kBlockThreads != 0 ? 1 : 0));
+}
+
 Geometry makeGeometry(const std::vector<int64_t>& sizes, const std::vector<std::vector<int64_t>>& strides,
                       const char* op) {
   Geometry g;

@@ -1,6 +1,9 @@
 // Row kernels (reductions, softmax, cross-entropy, layer norm), embedding gathers and
 // scatters, and the AdamW update. One block of kThreads per row where a row is reduced;
-// float32/float64 only (the ops layer converts 16-bit floats to float32 first).
+// float32/float64 only (the ops layer converts 16-bit floats to float32 first). Every kernel
+// loops over its rows or elements with a stride of the grid (gridForBlocks/gridForThreads cap
+// the grid), so any count fits; a loop that contains __syncthreads runs the same iterations
+// on every thread of a block.
 #include <cmath>
 
 #include "tensor/cuda/kernels_common.cuh"
@@ -19,26 +22,28 @@ void dispatchFloat(DType t, const char* op, Fn&& fn) {
   throw InvalidArgument(str(op, ": CUDA kernel computes in float32/float64, not ", t));
 }
 
-unsigned rowGrid(int64_t rows) { return static_cast<unsigned>(rows); }
 
 // ---- sum / extreme -------------------------------------------------------------------------
 
 template <typename T, typename Acc>
-__global__ void sumRowsKernel(T* out, const T* in, int64_t n) {
+__global__ void sumRowsKernel(T* out, const T* in, int64_t rows, int64_t n) {
   __shared__ Acc shared[kThreads / 32];
-  const T* row = in + blockIdx.x * n;
-  Acc acc = 0;
-  for (int64_t j = threadIdx.x; j < n; j += kThreads) acc += static_cast<Acc>(row[j]);
-  acc = blockSum(acc, shared);
-  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<T>(acc);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* row = in + r * n;
+    Acc acc = 0;
+    for (int64_t j = threadIdx.x; j < n; j += kThreads) acc += static_cast<Acc>(row[j]);
+    acc = blockSum(acc, shared);
+    if (threadIdx.x == 0) out[r] = static_cast<T>(acc);
+  }
 }
 
 template <typename T>
 __global__ void extremeRowsKernel(T* values, int64_t* indices, const T* in, int64_t rows, int64_t n,
                                   bool isMax) {
-  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (r >= rows) return;
-  indices[r] = detail::extremeIndex(in + r * n, n, isMax, values[r]);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    indices[r] = detail::extremeIndex(in + r * n, n, isMax, values[r]);
+  }
 }
 
 template <typename T>
@@ -56,25 +61,27 @@ __global__ void scatterRowsKernel(T* out, const T* grad, const int64_t* idx, int
 
 // Same arithmetic as the cpu's softmaxRows: max in T, sum of exp in float64.
 template <typename T>
-__global__ void softmaxRowsKernel(T* out, const T* in, int64_t n, bool logMode) {
+__global__ void softmaxRowsKernel(T* out, const T* in, int64_t rows, int64_t n, bool logMode) {
   __shared__ double sharedD[kThreads / 32];
   __shared__ T sharedT[kThreads / 32];
-  const T* xr = in + blockIdx.x * n;
-  T* yr = out + blockIdx.x * n;
-  T mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < n; j += kThreads) mx = xr[j] > mx ? xr[j] : mx;
-  mx = blockMax(mx, sharedT);
-  if (isinf(mx) && mx < 0) mx = 0;
-  double s = 0;
-  for (int64_t j = threadIdx.x; j < n; j += kThreads) s += ::exp(static_cast<double>(xr[j] - mx));
-  s = blockSum(s, sharedD);
-  if (logMode) {
-    const T logSum = static_cast<T>(::log(s));
-    for (int64_t j = threadIdx.x; j < n; j += kThreads) yr[j] = (xr[j] - mx) - logSum;
-  } else {
-    const double inv = 1.0 / s;
-    for (int64_t j = threadIdx.x; j < n; j += kThreads)
-      yr[j] = static_cast<T>(::exp(static_cast<double>(xr[j] - mx)) * inv);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = in + r * n;
+    T* yr = out + r * n;
+    T mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < n; j += kThreads) mx = xr[j] > mx ? xr[j] : mx;
+    mx = blockMax(mx, sharedT);
+    if (isinf(mx) && mx < 0) mx = 0;
+    double s = 0;
+    for (int64_t j = threadIdx.x; j < n; j += kThreads) s += ::exp(static_cast<double>(xr[j] - mx));
+    s = blockSum(s, sharedD);
+    if (logMode) {
+      const T logSum = static_cast<T>(::log(s));
+      for (int64_t j = threadIdx.x; j < n; j += kThreads) yr[j] = (xr[j] - mx) - logSum;
+    } else {
+      const double inv = 1.0 / s;
+      for (int64_t j = threadIdx.x; j < n; j += kThreads)
+        yr[j] = static_cast<T>(::exp(static_cast<double>(xr[j] - mx)) * inv);
+    }
   }
 }
 
@@ -85,20 +92,21 @@ template <typename T>
 __global__ void crossEntropyForwardKernel(double* losses, unsigned long long* status, const T* lsm,
                                           const int64_t* target, int64_t n, int64_t c, int64_t ignoreIndex,
                                           double eps) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  const int64_t t = target[i];
-  if (t == ignoreIndex) {
-    losses[i] = 0;
-    return;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = target[i];
+    if (t == ignoreIndex) {
+      losses[i] = 0;
+      continue;
+    }
+    if (t < 0 || t >= c) {
+      atomicMin(&status[0], static_cast<unsigned long long>(i));
+      losses[i] = 0;
+      continue;
+    }
+    atomicAdd(&status[1], 1ull);
+    losses[i] = detail::smoothedNll(lsm + i * c, t, c, eps);
   }
-  if (t < 0 || t >= c) {
-    atomicMin(&status[0], static_cast<unsigned long long>(i));
-    losses[i] = 0;
-    return;
-  }
-  atomicAdd(&status[1], 1ull);
-  losses[i] = detail::smoothedNll(lsm + i * c, t, c, eps);
 }
 
 template <typename T>
@@ -127,54 +135,57 @@ __global__ void crossEntropyBackwardKernel(T* out, const T* lsm, const int64_t* 
 
 template <typename T>
 __global__ void layerNormForwardKernel(T* y, double* meanOut, double* rstdOut, const T* x, const T* w,
-                                       const T* b, int64_t d, double eps) {
+                                       const T* b, int64_t rows, int64_t d, double eps) {
   __shared__ double shared[kThreads / 32];
-  const T* xr = x + blockIdx.x * d;
-  T* yr = y + blockIdx.x * d;
-  double s = 0;
-  for (int64_t j = threadIdx.x; j < d; j += kThreads) s += static_cast<double>(xr[j]);
-  const double mu = blockSum(s, shared) / static_cast<double>(d);
-  double v = 0;
-  for (int64_t j = threadIdx.x; j < d; j += kThreads) {
-    const double t = static_cast<double>(xr[j]) - mu;
-    v += t * t;
-  }
-  const double rstd = 1.0 / ::sqrt(blockSum(v, shared) / static_cast<double>(d) + eps);
-  if (threadIdx.x == 0) {
-    meanOut[blockIdx.x] = mu;
-    rstdOut[blockIdx.x] = rstd;
-  }
-  for (int64_t j = threadIdx.x; j < d; j += kThreads) {
-    double t = (static_cast<double>(xr[j]) - mu) * rstd;
-    if (w != nullptr) t *= static_cast<double>(w[j]);
-    if (b != nullptr) t += static_cast<double>(b[j]);
-    yr[j] = static_cast<T>(t);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * d;
+    T* yr = y + r * d;
+    double s = 0;
+    for (int64_t j = threadIdx.x; j < d; j += kThreads) s += static_cast<double>(xr[j]);
+    const double mu = blockSum(s, shared) / static_cast<double>(d);
+    double v = 0;
+    for (int64_t j = threadIdx.x; j < d; j += kThreads) {
+      const double t = static_cast<double>(xr[j]) - mu;
+      v += t * t;
+    }
+    const double rstd = 1.0 / ::sqrt(blockSum(v, shared) / static_cast<double>(d) + eps);
+    if (threadIdx.x == 0) {
+      meanOut[r] = mu;
+      rstdOut[r] = rstd;
+    }
+    for (int64_t j = threadIdx.x; j < d; j += kThreads) {
+      double t = (static_cast<double>(xr[j]) - mu) * rstd;
+      if (w != nullptr) t *= static_cast<double>(w[j]);
+      if (b != nullptr) t += static_cast<double>(b[j]);
+      yr[j] = static_cast<T>(t);
+    }
   }
 }
 
 template <typename T>
 __global__ void layerNormBackwardInputKernel(T* gx, const T* x, const T* w, const T* g, const double* meanIn,
-                                             const double* rstdIn, int64_t d) {
+                                             const double* rstdIn, int64_t rows, int64_t d) {
   __shared__ double shared[kThreads / 32];
-  const int64_t r = blockIdx.x;
-  const T* xr = x + r * d;
-  const T* gr = g + r * d;
-  const double mu = meanIn[r], rstd = rstdIn[r];
-  double sumG = 0, sumGX = 0;
-  for (int64_t j = threadIdx.x; j < d; j += kThreads) {
-    const double xhat = (static_cast<double>(xr[j]) - mu) * rstd;
-    const double gh = static_cast<double>(gr[j]) * (w ? static_cast<double>(w[j]) : 1.0);
-    sumG += gh;
-    sumGX += gh * xhat;
-  }
-  sumG = blockSum(sumG, shared);
-  sumGX = blockSum(sumGX, shared);
-  const double invD = 1.0 / static_cast<double>(d);
-  T* o = gx + r * d;
-  for (int64_t j = threadIdx.x; j < d; j += kThreads) {
-    const double xhat = (static_cast<double>(xr[j]) - mu) * rstd;
-    const double gh = static_cast<double>(gr[j]) * (w ? static_cast<double>(w[j]) : 1.0);
-    o[j] = static_cast<T>(rstd * (gh - sumG * invD - xhat * sumGX * invD));
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * d;
+    const T* gr = g + r * d;
+    const double mu = meanIn[r], rstd = rstdIn[r];
+    double sumG = 0, sumGX = 0;
+    for (int64_t j = threadIdx.x; j < d; j += kThreads) {
+      const double xhat = (static_cast<double>(xr[j]) - mu) * rstd;
+      const double gh = static_cast<double>(gr[j]) * (w ? static_cast<double>(w[j]) : 1.0);
+      sumG += gh;
+      sumGX += gh * xhat;
+    }
+    sumG = blockSum(sumG, shared);
+    sumGX = blockSum(sumGX, shared);
+    const double invD = 1.0 / static_cast<double>(d);
+    T* o = gx + r * d;
+    for (int64_t j = threadIdx.x; j < d; j += kThreads) {
+      const double xhat = (static_cast<double>(xr[j]) - mu) * rstd;
+      const double gh = static_cast<double>(gr[j]) * (w ? static_cast<double>(w[j]) : 1.0);
+      o[j] = static_cast<T>(rstd * (gh - sumG * invD - xhat * sumGX * invD));
+    }
   }
 }
 
@@ -183,24 +194,27 @@ template <typename T>
 __global__ void layerNormBackwardParamsKernel(double* gw, double* gb, const T* x, const T* g,
                                               const double* meanIn, const double* rstdIn, int64_t rows,
                                               int64_t d) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (j >= d) return;
-  double sw = 0, sb = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const double gv = static_cast<double>(g[r * d + j]);
-    sw += gv * (static_cast<double>(x[r * d + j]) - meanIn[r]) * rstdIn[r];
-    sb += gv;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < d;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    double sw = 0, sb = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const double gv = static_cast<double>(g[r * d + j]);
+      sw += gv * (static_cast<double>(x[r * d + j]) - meanIn[r]) * rstdIn[r];
+      sb += gv;
+    }
+    if (gw) gw[j] = sw;
+    if (gb) gb[j] = sb;
   }
-  if (gw) gw[j] = sw;
-  if (gb) gb[j] = sb;
 }
 
 // ---- embedding ------------------------------------------------------------------------------------
 
 __global__ void indexCheckKernel(unsigned long long* first, const int64_t* idx, int64_t count,
                                  int64_t limit) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < count && (idx[i] < 0 || idx[i] >= limit)) atomicMin(first, static_cast<unsigned long long>(i));
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (idx[i] < 0 || idx[i] >= limit) atomicMin(first, static_cast<unsigned long long>(i));
+  }
 }
 
 template <typename T>
@@ -261,15 +275,15 @@ void sumRows(Device device, DType type, void* out, const void* in, int64_t rows,
   switch (type) {
     case DType::Float32:
       sumRowsKernel<float, double>
-          <<<rowGrid(rows), kThreads, 0, s>>>(static_cast<float*>(out), static_cast<const float*>(in), n);
+          <<<gridForBlocks(rows), kThreads, 0, s>>>(static_cast<float*>(out), static_cast<const float*>(in), rows, n);
       break;
     case DType::Float64:
-      sumRowsKernel<double, double>
-          <<<rowGrid(rows), kThreads, 0, s>>>(static_cast<double*>(out), static_cast<const double*>(in), n);
+      sumRowsKernel<double, double><<<gridForBlocks(rows), kThreads, 0, s>>>(
+          static_cast<double*>(out), static_cast<const double*>(in), rows, n);
       break;
     case DType::Int64:
-      sumRowsKernel<int64_t, long long>
-          <<<rowGrid(rows), kThreads, 0, s>>>(static_cast<int64_t*>(out), static_cast<const int64_t*>(in), n);
+      sumRowsKernel<int64_t, long long><<<gridForBlocks(rows), kThreads, 0, s>>>(
+          static_cast<int64_t*>(out), static_cast<const int64_t*>(in), rows, n);
       break;
     default:
       throw InvalidArgument(str("sum: CUDA kernel sums float32/float64/int64, not ", type));
@@ -282,7 +296,7 @@ void extremeRows(Device device, DType type, void* values, int64_t* indices, cons
   if (rows == 0) return;
   DeviceGuard guard(device);
   cudaStream_t s = streamFor(device);
-  const unsigned blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
+  const unsigned blocks = gridForThreads(rows);
   switch (type) {
     case DType::Float32:
       extremeRowsKernel<float><<<blocks, kThreads, 0, s>>>(static_cast<float*>(values), indices,
@@ -324,8 +338,8 @@ void softmaxRows(Device device, DType type, void* out, const void* in, int64_t r
   DeviceGuard guard(device);
   dispatchFloat(type, logMode ? "logSoftmax" : "softmax", [&](auto zero) {
     using T = decltype(zero);
-    softmaxRowsKernel<T><<<rowGrid(rows), kThreads, 0, streamFor(device)>>>(
-        static_cast<T*>(out), static_cast<const T*>(in), n, logMode);
+    softmaxRowsKernel<T><<<gridForBlocks(rows), kThreads, 0, streamFor(device)>>>(
+        static_cast<T*>(out), static_cast<const T*>(in), rows, n, logMode);
   });
   checkLaunch("softmaxRows", device);
 }
@@ -344,7 +358,7 @@ CrossEntropyStatus crossEntropyForward(Device device, DType type, double* losses
   checkCall(cudaMemcpyAsync(status, init, sizeof(init), cudaMemcpyHostToDevice, s), "memcpy", device);
   dispatchFloat(type, "crossEntropy", [&](auto zero) {
     using T = decltype(zero);
-    crossEntropyForwardKernel<T><<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, s>>>(
+    crossEntropyForwardKernel<T><<<gridForThreads(n), kThreads, 0, s>>>(
         losses, status, static_cast<const T*>(lsm), target, n, c, ignoreIndex, labelSmoothing);
   });
   checkLaunch("crossEntropyForward", device);
@@ -382,9 +396,9 @@ void layerNormForward(Device device, DType type, void* y, double* mean, double* 
   DeviceGuard guard(device);
   dispatchFloat(type, "layerNorm", [&](auto zero) {
     using T = decltype(zero);
-    layerNormForwardKernel<T><<<rowGrid(rows), kThreads, 0, streamFor(device)>>>(
+    layerNormForwardKernel<T><<<gridForBlocks(rows), kThreads, 0, streamFor(device)>>>(
         static_cast<T*>(y), mean, rstd, static_cast<const T*>(x), static_cast<const T*>(w),
-        static_cast<const T*>(b), d, eps);
+        static_cast<const T*>(b), rows, d, eps);
   });
   checkLaunch("layerNormForward", device);
 }
@@ -397,13 +411,12 @@ void layerNormBackward(Device device, DType type, void* gx, double* gw, double* 
   dispatchFloat(type, "layerNorm backward", [&](auto zero) {
     using T = decltype(zero);
     if (gx != nullptr && rows > 0) {
-      layerNormBackwardInputKernel<T><<<rowGrid(rows), kThreads, 0, s>>>(
+      layerNormBackwardInputKernel<T><<<gridForBlocks(rows), kThreads, 0, s>>>(
           static_cast<T*>(gx), static_cast<const T*>(x), static_cast<const T*>(w),
-          static_cast<const T*>(grad), mean, rstd, d);
+          static_cast<const T*>(grad), mean, rstd, rows, d);
     }
     if ((gw != nullptr || gb != nullptr) && d > 0) {
-      layerNormBackwardParamsKernel<T>
-          <<<static_cast<unsigned>((d + kThreads - 1) / kThreads), kThreads, 0, s>>>(
+      layerNormBackwardParamsKernel<T><<<gridForThreads(d), kThreads, 0, s>>>(
               gw, gb, static_cast<const T*>(x), static_cast<const T*>(grad), mean, rstd, rows, d);
     }
   });
@@ -419,7 +432,7 @@ int64_t firstIndexOutOfRange(Device device, const int64_t* idx, int64_t count, i
   checkCall(cudaMallocAsync(reinterpret_cast<void**>(&first), sizeof(unsigned long long), s), "malloc",
             device);
   checkCall(cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), s), "memset", device);
-  indexCheckKernel<<<static_cast<unsigned>((count + kThreads - 1) / kThreads), kThreads, 0, s>>>(
+  indexCheckKernel<<<gridForThreads(count), kThreads, 0, s>>>(
       first, idx, count, limit);
   checkLaunch("indexCheck", device);
   unsigned long long host = 0;

@@ -532,6 +532,45 @@ TEST(CudaKernels, GeometryMergesDimsEveryOperandWalksAsOne) {
 #endif
 }
 
+// Grids are capped and every kernel strides over the rest (finding 8 of issue 24): a count is
+// never cast to 32 bits (rows between 2^31 and 2^32 failed to launch, above 2^32 they ran
+// rows mod 2^32). Host code: every CUDA build, device or not.
+TEST(CudaKernels, GridsAreCappedAndNeverTruncateACount) {
+#if DT_HAVE_CUDA
+  EXPECT_EQ(cuda::gridForBlocks(0), 1u);
+  EXPECT_EQ(cuda::gridForBlocks(1), 1u);
+  EXPECT_EQ(cuda::gridForBlocks(1000), 1000u);
+  const auto cap = static_cast<unsigned>(cuda::kMaxGridBlocks);
+  EXPECT_EQ(cuda::gridForBlocks(cuda::kMaxGridBlocks), cap);
+  EXPECT_EQ(cuda::gridForBlocks((int64_t{1} << 31) + 5), cap);
+  EXPECT_EQ(cuda::gridForBlocks((int64_t{1} << 32) + 5), cap) << "not (2^32 + 5) mod 2^32 = 5";
+  EXPECT_EQ(cuda::gridForBlocks(int64_t{1} << 62), cap);
+  EXPECT_EQ(cuda::gridForThreads(0), 1u);
+  EXPECT_EQ(cuda::gridForThreads(256), 1u);
+  EXPECT_EQ(cuda::gridForThreads(257), 2u);
+  EXPECT_EQ(cuda::gridForThreads((int64_t{1} << 40) + 1), cap);
+#else
+  GTEST_SKIP() << "needs a CUDA build: " << whyNoCuda();
+#endif
+}
+
+// More rows than a grid has blocks: the row kernels' grid-stride loops must reach every row.
+TEST(CudaOps, RowKernelsReachRowsBeyondTheGridsBlocks) {
+  REQUIRE_CUDA();
+#if DT_HAVE_CUDA
+  const int64_t rows = cuda::kMaxGridBlocks + 1234;
+#else
+  const int64_t rows = 1;
+#endif
+  const Tensor a = randomTensor({rows, 3}, 40);
+  checkOp("sum over many short rows", [](const TensorList& t) { return sum(t[0], {1}); }, {a});
+  checkOp("softmax over many rows", [](const TensorList& t) { return softmax(t[0], -1); }, {a});
+  checkOp("logSoftmax over many rows", [](const TensorList& t) { return logSoftmax(t[0], -1); }, {a});
+  checkOp("max over many rows", [](const TensorList& t) { return max(t[0], 1).values; }, {a});
+  checkOp("layerNorm over many rows", [](const TensorList& t) { return layerNorm(t[0], {3}, t[1], t[2], 1e-5); },
+          {a, randomTensor({3}, 41), randomTensor({3}, 42)});
+}
+
 TEST(CudaOps, MixedDevicesNameBothDevices) {
   const std::string pytorchWords =
       "Expected all tensors to be on the same device, but found at least two devices, "
