@@ -57,6 +57,38 @@ unsigned gridForBlocks(int64_t items);
 // Blocks of kBlockThreads for `items` units of work of one thread each.
 unsigned gridForThreads(int64_t items);
 
+// How a reduction of `rows` contiguous rows of `n` elements is spread over
+// the GPU. One block per row starves the device when rows are few (a full
+// reduction, a loss sum, a grad norm: one block of 256 threads for the whole
+// tensor), so a long row is split into chunks, each reduced by its own block
+// into a partial, and a second pass reduces each row's partials (two-stage,
+// in a fixed order: the same result on every run and device). Short rows
+// take one thread each.
+struct RowReduceGeometry {
+  bool threadPerRow = false;  // n <= kShortRow: one thread walks a whole row
+  int64_t chunks = 1;         // blocks per row in the first pass (1: one pass)
+  int64_t chunkLen = 0;       // elements per chunk (the last may be shorter)
+  unsigned grid = 1;          // blocks of the first pass
+};
+constexpr int64_t kShortRow = 32;
+constexpr int64_t kReduceTargetBlocks = 1024;  // enough blocks to fill a large GPU several times
+constexpr int64_t kMinChunk = 4096;            // a chunk gives each of 256 threads 16 elements or more
+constexpr int64_t kMaxChunks = 1024;           // the second pass: at most 4 partials per thread
+RowReduceGeometry rowReduceGeometry(int64_t rows, int64_t n);
+
+// The same for sums down the columns of a contiguous [rows, cols] matrix
+// (layer norm's weight and bias gradients): threads take neighbouring
+// columns, and the rows are split into chunks along the grid's y dimension
+// when the columns alone give too few blocks; a second pass adds each
+// column's partials in chunk order.
+struct ColumnReduceGeometry {
+  int64_t rowChunks = 1;
+  int64_t rowsPerChunk = 0;
+  unsigned gridX = 1;  // blocks across the columns
+};
+constexpr int64_t kMinRowsPerChunk = 64;
+ColumnReduceGeometry columnReduceGeometry(int64_t rows, int64_t cols);
+
 // Mirror tensor/ops_elementwise.cpp's Bin and Un (same order, same meaning).
 enum class BinaryOp : int {
   Add,

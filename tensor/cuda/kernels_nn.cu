@@ -1,9 +1,13 @@
 // Row kernels (reductions, softmax, cross-entropy, layer norm), embedding gathers and
-// scatters, and the AdamW update. One block of kThreads per row where a row is reduced;
-// float32/float64 only (the ops layer converts 16-bit floats to float32 first). Every kernel
+// scatters, and the AdamW update. One block of kThreads per row where a row is reduced, except
+// the sum and extreme reductions and layer norm's parameter gradients, which spread a few long
+// rows (or columns) over many blocks in two passes (kernels.h: rowReduceGeometry,
+// columnReduceGeometry); float32/float64 only (the ops layer converts 16-bit floats to float32
+// first). Every kernel
 // loops over its rows or elements with a stride of the grid (gridForBlocks/gridForThreads cap
 // the grid), so any count fits; a loop that contains __syncthreads runs the same iterations
 // on every thread of a block.
+#include <algorithm>
 #include <cmath>
 
 #include "tensor/cuda/kernels_common.cuh"
@@ -15,6 +19,11 @@ using namespace kern;
 
 namespace {
 
+// Scratch memory for a two-pass reduction, from the caching allocator on the
+// current stream: freed once the launches are queued, it is reused only by
+// later work on that same stream, which runs after them.
+DataPtr workspace(Device device, size_t bytes) { return cudaAllocator().allocateOn(device, bytes); }
+
 template <typename Fn>
 void dispatchFloat(DType t, const char* op, Fn&& fn) {
   if (t == DType::Float32) return fn(float{});
@@ -25,24 +34,107 @@ void dispatchFloat(DType t, const char* op, Fn&& fn) {
 
 // ---- sum / extreme -------------------------------------------------------------------------
 
-template <typename T, typename Acc>
-__global__ void sumRowsKernel(T* out, const T* in, int64_t rows, int64_t n) {
+// One block per (row, chunk): the chunk's sum into out[item] (item = row * chunks + chunk).
+// With one chunk per row it is the row's sum; otherwise a partial for the second pass (this
+// kernel again, over the partials).
+template <typename In, typename Out, typename Acc>
+__global__ void sumChunksKernel(Out* out, const In* in, int64_t rows, int64_t n, int64_t chunks,
+                                int64_t chunkLen) {
   __shared__ Acc shared[kThreads / 32];
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* row = in + r * n;
+  const int64_t items = rows * chunks;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t r = item / chunks;
+    const int64_t begin = (item % chunks) * chunkLen;
+    const int64_t end = begin + chunkLen < n ? begin + chunkLen : n;
+    const In* row = in + r * n;
     Acc acc = 0;
-    for (int64_t j = threadIdx.x; j < n; j += kThreads) acc += static_cast<Acc>(row[j]);
+    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) acc += static_cast<Acc>(row[j]);
     acc = blockSum(acc, shared);
-    if (threadIdx.x == 0) out[r] = static_cast<T>(acc);
+    if (threadIdx.x == 0) out[item] = static_cast<Out>(acc);
+  }
+}
+
+// Rows of at most kShortRow elements: one thread adds a row in order.
+template <typename T, typename Acc>
+__global__ void sumShortRowsKernel(T* out, const T* in, int64_t rows, int64_t n) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    Acc acc = 0;
+    for (int64_t j = 0; j < n; ++j) acc += static_cast<Acc>(in[r * n + j]);
+    out[r] = static_cast<T>(acc);
   }
 }
 
 template <typename T>
-__global__ void extremeRowsKernel(T* values, int64_t* indices, const T* in, int64_t rows, int64_t n,
-                                  bool isMax) {
+__global__ void extremeShortRowsKernel(T* values, int64_t* indices, const T* in, int64_t rows, int64_t n,
+                                       bool isMax) {
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     indices[r] = detail::extremeIndex(in + r * n, n, isMax, values[r]);
+  }
+}
+
+// The block's best candidate (detail::betterExtreme), on every thread.
+template <typename T>
+__device__ inline detail::ExtremeCandidate<T> blockBestExtreme(detail::ExtremeCandidate<T> mine,
+                                                               detail::ExtremeCandidate<T>* shared, bool isMax) {
+  shared[threadIdx.x] = mine;
+  __syncthreads();
+  for (int step = kThreads / 2; step > 0; step >>= 1) {
+    if (threadIdx.x < step) {
+      shared[threadIdx.x] = detail::betterExtreme(shared[threadIdx.x], shared[threadIdx.x + step], isMax);
+    }
+    __syncthreads();
+  }
+  const detail::ExtremeCandidate<T> best = shared[0];
+  __syncthreads();  // shared is reused by the next row
+  return best;
+}
+
+// One block per (row, chunk), as sumChunksKernel: the chunk's best element. `partials` null: one
+// chunk per row, written to values/indices; else partials[item] for extremePartialsKernel.
+template <typename T>
+__global__ void extremeChunksKernel(detail::ExtremeCandidate<T>* partials, T* values, int64_t* indices,
+                                    const T* in, int64_t rows, int64_t n, int64_t chunks, int64_t chunkLen,
+                                    bool isMax) {
+  __shared__ detail::ExtremeCandidate<T> shared[kThreads];
+  const int64_t items = rows * chunks;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t r = item / chunks;
+    const int64_t begin = (item % chunks) * chunkLen;
+    const int64_t end = begin + chunkLen < n ? begin + chunkLen : n;
+    const T* row = in + r * n;
+    detail::ExtremeCandidate<T> mine{T(0), -1};
+    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
+      mine = detail::betterExtreme(mine, detail::ExtremeCandidate<T>{row[j], j}, isMax);
+    }
+    const detail::ExtremeCandidate<T> best = blockBestExtreme(mine, shared, isMax);
+    if (threadIdx.x == 0) {
+      if (partials != nullptr) {
+        partials[item] = best;
+      } else {
+        values[r] = best.value;
+        indices[r] = best.index;
+      }
+    }
+  }
+}
+
+// The second pass: one block per row picks the best of its chunks' candidates.
+template <typename T>
+__global__ void extremePartialsKernel(T* values, int64_t* indices, const detail::ExtremeCandidate<T>* partials,
+                                      int64_t rows, int64_t chunks, bool isMax) {
+  __shared__ detail::ExtremeCandidate<T> shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    detail::ExtremeCandidate<T> mine{T(0), -1};
+    for (int64_t c = threadIdx.x; c < chunks; c += kThreads) {
+      mine = detail::betterExtreme(mine, partials[r * chunks + c], isMax);
+    }
+    const detail::ExtremeCandidate<T> best = blockBestExtreme(mine, shared, isMax);
+    if (threadIdx.x == 0) {
+      values[r] = best.value;
+      indices[r] = best.index;
+    }
   }
 }
 
@@ -189,21 +281,35 @@ __global__ void layerNormBackwardInputKernel(T* gx, const T* x, const T* w, cons
   }
 }
 
-// One thread per column walks the rows: neighbouring threads read neighbouring columns.
+// One thread per column walks the rows of chunk blockIdx.y (neighbouring threads read
+// neighbouring columns) into pw/pb[chunk * d + j]: with one chunk, the gradients themselves.
 template <typename T>
-__global__ void layerNormBackwardParamsKernel(double* gw, double* gb, const T* x, const T* g,
+__global__ void layerNormBackwardParamsKernel(double* pw, double* pb, const T* x, const T* g,
                                               const double* meanIn, const double* rstdIn, int64_t rows,
-                                              int64_t d) {
+                                              int64_t d, int64_t rowsPerChunk) {
+  const int64_t chunk = blockIdx.y;
+  const int64_t r0 = chunk * rowsPerChunk;
+  const int64_t r1 = r0 + rowsPerChunk < rows ? r0 + rowsPerChunk : rows;
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < d;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     double sw = 0, sb = 0;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const double gv = static_cast<double>(g[r * d + j]);
       sw += gv * (static_cast<double>(x[r * d + j]) - meanIn[r]) * rstdIn[r];
       sb += gv;
     }
-    if (gw) gw[j] = sw;
-    if (gb) gb[j] = sb;
+    if (pw) pw[chunk * d + j] = sw;
+    if (pb) pb[chunk * d + j] = sb;
+  }
+}
+
+// The second pass: out[j] = the column's partials added in chunk order.
+__global__ void sumColumnChunksKernel(double* out, const double* partials, int64_t chunks, int64_t d) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < d;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    double s = 0;
+    for (int64_t c = 0; c < chunks; ++c) s += partials[c * d + j];
+    out[j] = s;
   }
 }
 
@@ -266,7 +372,82 @@ __global__ void adamwKernel(T* p, const T* g, T* m, T* v, int64_t n, T decay, T 
   }
 }
 
+template <typename T, typename Acc>
+void launchSumRows(Device device, cudaStream_t s, T* out, const T* in, int64_t rows, int64_t n) {
+  const RowReduceGeometry g = rowReduceGeometry(rows, n);
+  if (g.threadPerRow) {
+    sumShortRowsKernel<T, Acc><<<g.grid, kThreads, 0, s>>>(out, in, rows, n);
+  } else if (g.chunks == 1) {
+    sumChunksKernel<T, T, Acc><<<g.grid, kThreads, 0, s>>>(out, in, rows, n, 1, n);
+  } else {
+    const DataPtr partials = workspace(device, static_cast<size_t>(rows * g.chunks) * sizeof(Acc));
+    Acc* p = static_cast<Acc*>(partials.get());
+    sumChunksKernel<T, Acc, Acc><<<g.grid, kThreads, 0, s>>>(p, in, rows, n, g.chunks, g.chunkLen);
+    checkLaunch("sumRows (first pass)", device);
+    sumChunksKernel<Acc, T, Acc><<<gridForBlocks(rows), kThreads, 0, s>>>(out, p, rows, g.chunks, 1, g.chunks);
+  }
+  checkLaunch("sumRows", device);
+}
+
+template <typename T>
+void launchExtremeRows(Device device, cudaStream_t s, T* values, int64_t* indices, const T* in, int64_t rows,
+                       int64_t n, bool isMax) {
+  const RowReduceGeometry g = rowReduceGeometry(rows, n);
+  if (g.threadPerRow) {
+    extremeShortRowsKernel<T><<<g.grid, kThreads, 0, s>>>(values, indices, in, rows, n, isMax);
+  } else if (g.chunks == 1) {
+    extremeChunksKernel<T><<<g.grid, kThreads, 0, s>>>(nullptr, values, indices, in, rows, n, 1, n, isMax);
+  } else {
+    using Candidate = detail::ExtremeCandidate<T>;
+    const DataPtr partials = workspace(device, static_cast<size_t>(rows * g.chunks) * sizeof(Candidate));
+    Candidate* p = static_cast<Candidate*>(partials.get());
+    extremeChunksKernel<T>
+        <<<g.grid, kThreads, 0, s>>>(p, nullptr, nullptr, in, rows, n, g.chunks, g.chunkLen, isMax);
+    checkLaunch("extremeRows (first pass)", device);
+    extremePartialsKernel<T><<<gridForBlocks(rows), kThreads, 0, s>>>(values, indices, p, rows, g.chunks, isMax);
+  }
+  checkLaunch("extremeRows", device);
+}
+
+int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 }  // namespace
+
+RowReduceGeometry rowReduceGeometry(int64_t rows, int64_t n) {
+  RowReduceGeometry g;
+  if (n <= kShortRow) {
+    g.threadPerRow = true;
+    g.chunkLen = n;
+    g.grid = gridForThreads(rows);
+    return g;
+  }
+  int64_t chunks = 1;
+  if (rows < kReduceTargetBlocks) {
+    const int64_t wanted = ceilDiv(kReduceTargetBlocks, rows < 1 ? 1 : rows);
+    const int64_t worth = n / kMinChunk;  // so that no chunk is shorter than kMinChunk
+    chunks = std::max<int64_t>(1, std::min({wanted, worth, kMaxChunks}));
+  }
+  g.chunkLen = ceilDiv(n, chunks);
+  g.chunks = ceilDiv(n, g.chunkLen);  // no empty chunk at the end
+  g.grid = gridForBlocks(rows * g.chunks);
+  return g;
+}
+
+ColumnReduceGeometry columnReduceGeometry(int64_t rows, int64_t cols) {
+  ColumnReduceGeometry g;
+  const int64_t columnBlocks = ceilDiv(cols < 1 ? 1 : cols, kBlockThreads);
+  const int64_t allRows = rows < 1 ? 1 : rows;
+  int64_t chunks = 1;
+  if (columnBlocks < kReduceTargetBlocks) {
+    const int64_t wanted = ceilDiv(kReduceTargetBlocks, columnBlocks);
+    const int64_t worth = allRows / kMinRowsPerChunk;
+    chunks = std::max<int64_t>(1, std::min({wanted, worth, kMaxChunks}));
+  }
+  g.rowsPerChunk = ceilDiv(allRows, chunks);
+  g.rowChunks = ceilDiv(allRows, g.rowsPerChunk);
+  g.gridX = gridForThreads(cols);
+  return g;
+}
 
 void sumRows(Device device, DType type, void* out, const void* in, int64_t rows, int64_t n) {
   if (rows == 0) return;
@@ -274,21 +455,18 @@ void sumRows(Device device, DType type, void* out, const void* in, int64_t rows,
   cudaStream_t s = streamFor(device);
   switch (type) {
     case DType::Float32:
-      sumRowsKernel<float, double>
-          <<<gridForBlocks(rows), kThreads, 0, s>>>(static_cast<float*>(out), static_cast<const float*>(in), rows, n);
+      launchSumRows<float, double>(device, s, static_cast<float*>(out), static_cast<const float*>(in), rows, n);
       break;
     case DType::Float64:
-      sumRowsKernel<double, double><<<gridForBlocks(rows), kThreads, 0, s>>>(
-          static_cast<double*>(out), static_cast<const double*>(in), rows, n);
+      launchSumRows<double, double>(device, s, static_cast<double*>(out), static_cast<const double*>(in), rows, n);
       break;
     case DType::Int64:
-      sumRowsKernel<int64_t, long long><<<gridForBlocks(rows), kThreads, 0, s>>>(
-          static_cast<int64_t*>(out), static_cast<const int64_t*>(in), rows, n);
+      launchSumRows<int64_t, long long>(device, s, static_cast<int64_t*>(out), static_cast<const int64_t*>(in),
+                                        rows, n);
       break;
     default:
       throw InvalidArgument(str("sum: CUDA kernel sums float32/float64/int64, not ", type));
   }
-  checkLaunch("sumRows", device);
 }
 
 void extremeRows(Device device, DType type, void* values, int64_t* indices, const void* in, int64_t rows,
@@ -296,28 +474,26 @@ void extremeRows(Device device, DType type, void* values, int64_t* indices, cons
   if (rows == 0) return;
   DeviceGuard guard(device);
   cudaStream_t s = streamFor(device);
-  const unsigned blocks = gridForThreads(rows);
   switch (type) {
     case DType::Float32:
-      extremeRowsKernel<float><<<blocks, kThreads, 0, s>>>(static_cast<float*>(values), indices,
-                                                           static_cast<const float*>(in), rows, n, isMax);
+      launchExtremeRows(device, s, static_cast<float*>(values), indices, static_cast<const float*>(in), rows, n,
+                        isMax);
       break;
     case DType::Float64:
-      extremeRowsKernel<double><<<blocks, kThreads, 0, s>>>(static_cast<double*>(values), indices,
-                                                            static_cast<const double*>(in), rows, n, isMax);
+      launchExtremeRows(device, s, static_cast<double*>(values), indices, static_cast<const double*>(in), rows, n,
+                        isMax);
       break;
     case DType::Int32:
-      extremeRowsKernel<int32_t><<<blocks, kThreads, 0, s>>>(static_cast<int32_t*>(values), indices,
-                                                             static_cast<const int32_t*>(in), rows, n, isMax);
+      launchExtremeRows(device, s, static_cast<int32_t*>(values), indices, static_cast<const int32_t*>(in), rows,
+                        n, isMax);
       break;
     case DType::Int64:
-      extremeRowsKernel<int64_t><<<blocks, kThreads, 0, s>>>(static_cast<int64_t*>(values), indices,
-                                                             static_cast<const int64_t*>(in), rows, n, isMax);
+      launchExtremeRows(device, s, static_cast<int64_t*>(values), indices, static_cast<const int64_t*>(in), rows,
+                        n, isMax);
       break;
     default:
       throw InvalidArgument(str(isMax ? "max" : "min", ": CUDA kernel does not take ", type));
   }
-  checkLaunch("extremeRows", device);
 }
 
 void scatterRows(Device device, DType type, void* out, const void* grad, const int64_t* idx, int64_t outer,
@@ -416,8 +592,23 @@ void layerNormBackward(Device device, DType type, void* gx, double* gw, double* 
           static_cast<const T*>(grad), mean, rstd, rows, d);
     }
     if ((gw != nullptr || gb != nullptr) && d > 0) {
-      layerNormBackwardParamsKernel<T><<<gridForThreads(d), kThreads, 0, s>>>(
-              gw, gb, static_cast<const T*>(x), static_cast<const T*>(grad), mean, rstd, rows, d);
+      const ColumnReduceGeometry g = columnReduceGeometry(rows, d);
+      const dim3 grid(g.gridX, static_cast<unsigned>(g.rowChunks));
+      if (g.rowChunks == 1) {
+        layerNormBackwardParamsKernel<T><<<grid, kThreads, 0, s>>>(
+            gw, gb, static_cast<const T*>(x), static_cast<const T*>(grad), mean, rstd, rows, d, g.rowsPerChunk);
+      } else {
+        const size_t each = static_cast<size_t>(g.rowChunks * d);
+        const size_t count = (gw != nullptr ? each : 0) + (gb != nullptr ? each : 0);
+        const DataPtr partials = workspace(device, count * sizeof(double));
+        double* pw = gw != nullptr ? static_cast<double*>(partials.get()) : nullptr;
+        double* pb = gb != nullptr ? static_cast<double*>(partials.get()) + (gw != nullptr ? each : 0) : nullptr;
+        layerNormBackwardParamsKernel<T><<<grid, kThreads, 0, s>>>(
+            pw, pb, static_cast<const T*>(x), static_cast<const T*>(grad), mean, rstd, rows, d, g.rowsPerChunk);
+        checkLaunch("layerNormBackward (parameter partials)", device);
+        if (gw != nullptr) sumColumnChunksKernel<<<gridForThreads(d), kThreads, 0, s>>>(gw, pw, g.rowChunks, d);
+        if (gb != nullptr) sumColumnChunksKernel<<<gridForThreads(d), kThreads, 0, s>>>(gb, pb, g.rowChunks, d);
+      }
     }
   });
   checkLaunch("layerNormBackward", device);

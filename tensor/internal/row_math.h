@@ -40,6 +40,37 @@ DT_HOST_DEVICE inline int64_t extremeIndex(const T* row, int64_t n, bool isMax, 
   return best;
 }
 
+// A candidate for a row's extreme: a value and its index in the row (index
+// < 0: none yet). Plain aggregate, so that CUDA can keep it in shared memory.
+template <typename T>
+struct ExtremeCandidate {
+  T value;
+  int64_t index;
+};
+
+// The better of two candidates by extremeIndex's rule: a NaN beats every
+// number (of two NaNs the lower index), a larger (isMax) or smaller value
+// beats another, equal values keep the lower index. The rule is a total
+// order on (NaN first, value, index), so folding a row's elements with it in
+// any order or tree shape gives extremeIndex's answer: the CUDA kernels split
+// one row across the threads and blocks of a reduction with it.
+template <typename T>
+DT_HOST_DEVICE inline ExtremeCandidate<T> betterExtreme(const ExtremeCandidate<T>& a, const ExtremeCandidate<T>& b,
+                                                        bool isMax) {
+  if (a.index < 0) return b;
+  if (b.index < 0) return a;
+  if constexpr (std::is_floating_point_v<T>) {
+    const bool aNan = a.value != a.value, bNan = b.value != b.value;
+    if (aNan || bNan) {
+      if (aNan && bNan) return a.index < b.index ? a : b;
+      return aNan ? a : b;
+    }
+  }
+  if (isMax ? a.value > b.value : a.value < b.value) return a;
+  if (isMax ? b.value > a.value : b.value < a.value) return b;
+  return a.index < b.index ? a : b;
+}
+
 // The cross-entropy of one row of c log-probabilities against class t, with
 // label smoothing eps: -(1 - eps) * row[t] - eps / c * sum(row).
 template <typename T>

@@ -554,6 +554,85 @@ TEST(CudaKernels, GridsAreCappedAndNeverTruncateACount) {
 #endif
 }
 
+// Finding 7 of issue 24: a reduction over few long rows (a full sum, max(t), a grad norm) must
+// not run on one block (or, for the extreme, one thread) per row. Host code: every CUDA build.
+TEST(CudaKernels, FewLongRowsAreSpreadOverManyBlocks) {
+#if DT_HAVE_CUDA
+  // sum(t) / max(t) of 3M elements: one row.
+  cuda::RowReduceGeometry g = cuda::rowReduceGeometry(1, 3'000'000);
+  EXPECT_FALSE(g.threadPerRow);
+  EXPECT_GE(g.chunks, 512) << "a full reduction on " << g.chunks << " block(s)";
+  EXPECT_LE(g.chunks, cuda::kMaxChunks);
+  EXPECT_GE(g.chunkLen, cuda::kMinChunk);
+  EXPECT_GE(int64_t{g.grid}, g.chunks);
+  EXPECT_GE(g.chunks * g.chunkLen, 3'000'000);          // the chunks cover the row
+  EXPECT_LT((g.chunks - 1) * g.chunkLen, 3'000'000);    // and none is empty
+  // Enough rows fill the GPU by themselves: one block each, one pass.
+  g = cuda::rowReduceGeometry(4096, 50'000);
+  EXPECT_EQ(g.chunks, 1);
+  EXPECT_EQ(g.grid, 4096u);
+  // A short row is not worth a block: one thread per row.
+  g = cuda::rowReduceGeometry(1'000'000, 10);
+  EXPECT_TRUE(g.threadPerRow);
+  EXPECT_EQ(g.grid, cuda::gridForThreads(1'000'000));
+  // A medium row: no chunk shorter than kMinChunk.
+  g = cuda::rowReduceGeometry(2, 10'000);
+  EXPECT_EQ(g.chunks, 2);
+  EXPECT_EQ(g.chunkLen, 5000);
+  g = cuda::rowReduceGeometry(3, 4000);
+  EXPECT_EQ(g.chunks, 1);
+  // Layer norm's parameter gradients of a [8192, 768] input: 3 blocks of columns would each walk
+  // all 8192 rows; the rows are split instead.
+  cuda::ColumnReduceGeometry c = cuda::columnReduceGeometry(8192, 768);
+  EXPECT_EQ(c.gridX, 3u);
+  EXPECT_GE(c.rowChunks, 64);
+  EXPECT_GE(c.rowsPerChunk, cuda::kMinRowsPerChunk);
+  EXPECT_LE(c.rowsPerChunk, 128);
+  EXPECT_GE(c.rowChunks * c.rowsPerChunk, 8192);
+  // Wide enough: no split.
+  c = cuda::columnReduceGeometry(16, 1 << 20);
+  EXPECT_EQ(c.rowChunks, 1);
+  EXPECT_EQ(c.rowsPerChunk, 16);
+#else
+  GTEST_SKIP() << "needs a CUDA build: " << whyNoCuda();
+#endif
+}
+
+// The same reductions on a device: two passes, compared with the CPU, with NaNs and ties placed
+// so that the first of them sits in a later chunk than the block that sees a tie first.
+TEST(CudaOps, ReductionsOfFewLongRowsMatchTheCpu) {
+  REQUIRE_CUDA();
+  const Tensor big = randomTensor({3'000'001}, 50);
+  checkOp("sum of 3M", [](const TensorList& t) { return sum(t[0]); }, {big});
+  checkOp("mean of 3M float64", [](const TensorList& t) { return mean(t[0]); }, {big.to(DType::Float64)});
+  checkOp("max of 3M", [](const TensorList& t) { return max(t[0]); }, {big});
+  checkOp("min of 3M", [](const TensorList& t) { return min(t[0]); }, {big});
+  checkOp("sum of 2 long rows", [](const TensorList& t) { return sum(t[0], {1}); }, {randomTensor({2, 1'000'003}, 51)});
+  checkOp(
+      "argmax of 3 long rows", [](const TensorList& t) { return argmax(t[0], 1); }, {randomTensor({3, 500'000}, 52)},
+      false);
+  // Ties: the maximum 7 occurs at 10, 2'000'000 and 2'999'999; min 0 at 5 and at 1'500'000.
+  std::vector<float> tied(3'000'000, 3.0f);
+  tied[10] = tied[2'000'000] = tied[2'999'999] = 7.0f;
+  tied[5] = tied[1'500'000] = 0.0f;
+  const Tensor t = fromVector<float>(tied).to(kGpu);
+  EXPECT_EQ(argmax(t, 0).item<int64_t>(), 10);
+  EXPECT_EQ(argmin(t, 0).item<int64_t>(), 5);
+  // NaNs: the first one wins, wherever the chunks split the row.
+  tied[2'500'000] = std::nanf("");
+  tied[1'000'000] = std::nanf("");
+  const Tensor withNan = fromVector<float>(tied).to(kGpu);
+  EXPECT_EQ(argmax(withNan, 0).item<int64_t>(), 1'000'000);
+  EXPECT_EQ(argmin(withNan, 0).item<int64_t>(), 1'000'000);
+  EXPECT_TRUE(std::isnan(max(withNan).item<float>()));
+  // int64 sums stay exact.
+  const Tensor ints = arange(4'000'000, TensorOptions().dtype(DType::Int64));
+  EXPECT_EQ(sum(ints.to(kGpu)).item<int64_t>(), int64_t{4'000'000} * 3'999'999 / 2);
+  // Layer norm's parameter gradients over many rows (split along the rows).
+  checkOp("layerNorm 8192 x 64", [](const TensorList& in) { return layerNorm(in[0], {64}, in[1], in[2], 1e-5); },
+          {randomTensor({8192, 64}, 53), randomTensor({64}, 54), randomTensor({64}, 55)});
+}
+
 // More rows than a grid has blocks: the row kernels' grid-stride loops must reach every row.
 TEST(CudaOps, RowKernelsReachRowsBeyondTheGridsBlocks) {
   REQUIRE_CUDA();
