@@ -8,7 +8,7 @@
 //  * rankMain(nproc, runRank, name): a benchmark's main: forkRanks when nproc
 //    > 0, else runRank() as one rank of an externally launched job (its error
 //    printed as "<name>: <what>", exit 1).
-//  * median(values); blasName(): the BLAS library mapped into this process
+//  * median(values); percentile(values, q) (nearest rank, q in [0, 1]); blasName(): the BLAS library mapped into this process
 //    (openblas, blis, mkl, reference, libblas, unknown), as the peers print it.
 #pragma once
 
@@ -21,6 +21,7 @@ namespace dt::bench {
 int forkRanks(int nproc, const std::function<int()>& runRank);
 int rankMain(int nproc, const std::function<int()>& runRank, const char* name);
 double median(std::vector<double> values);
+double percentile(std::vector<double> values, double q);
 std::string blasName();
 
 }  // namespace dt::bench

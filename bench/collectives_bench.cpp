@@ -10,7 +10,13 @@
 //     per-rank duration vectors after the loop); time_us is the median;
 //   * algbw = bytes/time, busbw = algbw*2(n-1)/n (allreduce) or algbw
 //     (broadcast); GB = 1e9 bytes; the allreduce buffer is reset to ones every
-//     8 reps outside the timed region.
+//     8 reps outside the timed region; p99_us is the 99th percentile of the
+//     reps (the slow tail a median hides).
+//   * op "empty" (the cost of the API itself): allreduce of a zero-element
+//     tensor, issued and waited through ProcessGroup and Work; best run with
+//     --nproc 1, where no peer adds an exchange. Ops are timed in batches of
+//     1000 back to back (one op is too short for the clock); time_us is the
+//     median batch's time per op. --sizes does not apply.
 //
 // Usage:
 //   collectives_bench --nproc 4 [--backend gloo|shm|nccl] [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R]
@@ -18,7 +24,8 @@
 //   collectives_bench (with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT or dtrun's
 //     variables set) runs as one rank of an externally launched job.
 // Rank 0 prints an nccl-tests style table on stderr and RESULT lines on stdout:
-//   RESULT allreduce impl=dtrain-gloo world=4 bytes=1048576 reps=50 threads=1 time_us=... min_us=... algbw_GBps=... busbw_GBps=...
+//   RESULT allreduce impl=dtrain-gloo world=4 bytes=1048576 reps=50 threads=1 time_us=... min_us=... p99_us=... algbw_GBps=... busbw_GBps=...
+//   RESULT empty impl=dtrain-shm world=1 bytes=0 reps=200 threads=1 time_us=... min_us=... p99_us=...
 
 #include <algorithm>
 #include <chrono>
@@ -115,6 +122,40 @@ int localRank() {
   return value != nullptr ? std::atoi(value) : 0;
 }
 
+// The API's own cost: a zero-element allreduce issued and waited, timed in
+// batches (see the header).
+void measureEmptyOp(dt::ProcessGroup& pg, const Args& args) {
+  using Clock = std::chrono::steady_clock;
+  constexpr int kBatch = 1000;
+  const int reps = args.reps > 0 ? args.reps : 200;
+  const int warmup = args.warmup > 0 ? args.warmup : 10;
+  dt::Tensor empty = dt::zeros({0}, dt::DType::Float32);
+  auto batch = [&] {
+    for (int i = 0; i < kBatch; ++i) pg.allreduce(empty)->wait();
+  };
+  for (int i = 0; i < warmup; ++i) batch();
+  dt::Tensor durations = dt::zeros({reps}, dt::DType::Float64);
+  double* d = durations.data<double>();
+  for (int i = 0; i < reps; ++i) {
+    pg.barrier()->wait();
+    const auto t0 = Clock::now();
+    batch();
+    d[i] = std::chrono::duration<double>(Clock::now() - t0).count() / kBatch;
+  }
+  dt::AllreduceOptions maxOpts;
+  maxOpts.reduceOp = dt::ReduceOp::Max;
+  pg.allreduce(durations, maxOpts)->wait();
+  if (pg.rank() != 0) return;
+  std::vector<double> v(d, d + reps);
+  const double med = dt::bench::median(v), mn = *std::min_element(v.begin(), v.end());
+  const double p99 = dt::bench::percentile(v, 0.99);
+  std::fprintf(stderr, "  %-10s %12s %10d %12.3f %12.3f %10.3f %10s %10s %6d\n", "empty", "0 B", 0, med * 1e6,
+               mn * 1e6, p99 * 1e6, "-", "-", reps);
+  std::printf("RESULT empty impl=%s world=%d bytes=0 reps=%d threads=1 time_us=%.3f min_us=%.3f p99_us=%.3f\n",
+              args.impl.c_str(), pg.size(), reps, med * 1e6, mn * 1e6, p99 * 1e6);
+  std::fflush(stdout);
+}
+
 int runRank(const Args& args) {
   using Clock = std::chrono::steady_clock;
   auto pg = dt::initProcessGroup();
@@ -131,17 +172,21 @@ int runRank(const Args& args) {
   };
   if (rank == 0) {
     std::fprintf(stderr, "# collectives_bench: %s, world %d, float32, threads=1\n", args.impl.c_str(), world);
-    std::fprintf(stderr, "# %-10s %12s %10s %12s %12s %10s %10s %6s\n", "op", "size", "count", "time(us)", "min(us)",
-                 "algbw", "busbw", "reps");
+    std::fprintf(stderr, "# %-10s %12s %10s %12s %12s %10s %10s %10s %6s\n", "op", "size", "count", "time(us)",
+                 "min(us)", "p99(us)", "algbw", "busbw", "reps");
   }
   for (const auto& op : args.ops) {
+    if (op == "empty") {
+      measureEmptyOp(*pg, args);
+      continue;
+    }
     for (size_t bytes : args.sizes) {
       const int64_t count = static_cast<int64_t>(bytes / 4);
       dt::Tensor buf = dt::ones({count}, dt::DType::Float32, device);
       const int reps = args.reps > 0 ? args.reps : defaultReps(bytes);
       const int warmup = args.warmup > 0 ? args.warmup : std::max(2, reps / 10);
       const bool isAllreduce = op == "allreduce";
-      if (!isAllreduce && op != "broadcast") {
+      if (!isAllreduce && op != "broadcast") {  // "empty" was handled above
         std::fprintf(stderr, "unknown op %s\n", op.c_str());
         return 2;
       }
@@ -175,13 +220,15 @@ int runRank(const Args& args) {
         std::vector<double> v(d, d + reps);
         const double med = dt::bench::median(v);
         const double mn = *std::min_element(v.begin(), v.end());
+        const double p99 = dt::bench::percentile(v, 0.99);
         const double algbw = static_cast<double>(bytes) / med / 1e9;
         const double busbw = isAllreduce ? algbw * 2.0 * (world - 1) / world : algbw;
-        std::fprintf(stderr, "  %-10s %12s %10lld %12.1f %12.1f %10.3f %10.3f %6d\n", op.c_str(),
-                     human(bytes).c_str(), static_cast<long long>(count), med * 1e6, mn * 1e6, algbw, busbw, reps);
-        std::printf("RESULT %s impl=%s world=%d bytes=%zu reps=%d threads=1 time_us=%.1f min_us=%.1f "
+        std::fprintf(stderr, "  %-10s %12s %10lld %12.1f %12.1f %10.1f %10.3f %10.3f %6d\n", op.c_str(),
+                     human(bytes).c_str(), static_cast<long long>(count), med * 1e6, mn * 1e6, p99 * 1e6, algbw,
+                     busbw, reps);
+        std::printf("RESULT %s impl=%s world=%d bytes=%zu reps=%d threads=1 time_us=%.1f min_us=%.1f p99_us=%.1f "
                     "algbw_GBps=%.3f busbw_GBps=%.3f\n",
-                    op.c_str(), args.impl.c_str(), world, bytes, reps, med * 1e6, mn * 1e6, algbw, busbw);
+                    op.c_str(), args.impl.c_str(), world, bytes, reps, med * 1e6, mn * 1e6, p99 * 1e6, algbw, busbw);
         std::fflush(stdout);
       }
     }

@@ -18,16 +18,18 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
-// Ops up to this size are left to a caller that waits for them right away
-// (larger ones start on the worker at once: they are what callers overlap).
+// An op up to this size is left to its caller to run (see the header): the
+// thread wake-ups it saves (~5 us each, and each may preempt a rank that is
+// mid-exchange on the same core) are a large part of its time. Larger ops
+// start on the worker at once: they are what callers overlap with compute.
 constexpr size_t kCallerRunBytes = size_t{1} << 20;
-// How long the worker leaves such an op to its caller: longer than the
-// call-to-wait gap, short against any transfer.
-constexpr auto kCallerGrace = std::chrono::microseconds(100);
-// While ops keep coming the idle worker wakes on its own every tick instead of
-// being woken for every small op: on a busy machine each wake-up of a thread
-// preempts one that is spinning in an exchange.
-constexpr auto kTick = std::chrono::milliseconds(1);
+// While ops keep coming (and for a while after), the idle worker wakes on its
+// own every tick instead of being woken for each op. An op left to a caller
+// that has not taken it by the worker's second tick goes to the worker: a
+// caller that waits late, or never, and gives no other sign (Work's start
+// hints) still has its op started within 10-20 ms. Ticks are rare because a
+// wake-up is what makes the kernel stack two ranks on one core.
+constexpr auto kTick = std::chrono::milliseconds(10);
 constexpr auto kTickWindow = std::chrono::seconds(1);
 
 size_t bytesOf(const CollectiveFingerprint& fp) {
@@ -148,26 +150,49 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   task.body = std::move(body);
   task.work = std::make_shared<Work>(description);
   task.enqueuedAt = Clock::now();
-  task.callerMayRun = bytesOf(task.fingerprint) <= kCallerRunBytes;
+  task.leftToCaller = bytesOf(task.fingerprint) <= kCallerRunBytes;
   const Work* raw = task.work.get();
-  task.work->setWaitHelper([this, raw] { return runIfNext(raw); });
+  task.work->setStartHelper([this, raw](Work::Start how) { return start(raw, how); });
   WorkPtr work = task.work;
-  const bool idle = queue_.empty() && !running_;
-  const bool leaveToTick = idle && task.callerMayRun && workerTicking_;
+  // Ops still queued ahead of this one were not waited for by their caller,
+  // who has moved on to issue this one: they are the worker's now.
+  bool wakeWorker = !task.leftToCaller || !workerTicking_;
+  for (Task& earlier : queue_) {
+    if (earlier.leftToCaller) {
+      earlier.leftToCaller = false;
+      wakeWorker = true;
+    }
+  }
   queue_.push_back(std::move(task));
   tickUntil_ = Clock::now() + kTickWindow;
-  if (!leaveToTick) wake_.notify_one();
+  if (wakeWorker) wake_.notify_one();
   return work;
 }
 
-bool CollectiveRunner::runIfNext(const Work* work) {
+bool CollectiveRunner::start(const Work* work, Work::Start how) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (running_ || broken_ || stopping_ || queue_.empty() || queue_.front().work.get() != work) return false;
+  if (queue_.empty()) return false;  // the worker took it
+  if (how == Work::Start::Soon || running_ || stopping_ || queue_.front().work.get() != work) {
+    // Its caller will not run it (or cannot now): the worker runs it when its
+    // turn comes, without waiting for a tick.
+    for (Task& task : queue_) {
+      if (task.work.get() == work && task.leftToCaller) {
+        task.leftToCaller = false;
+        wake_.notify_one();
+      }
+    }
+    return false;
+  }
   Task task = std::move(queue_.front());
   queue_.pop_front();
   running_ = true;
   lock.unlock();
-  runTask(task);
+  ++ranByCaller_;
+  if (broken_) {
+    task.work->markFailed(notStarted(task.op, task.seq));
+  } else {
+    runTask(task);
+  }
   lock.lock();
   running_ = false;
   if (!queue_.empty() || stopping_) wake_.notify_all();
@@ -191,6 +216,7 @@ void CollectiveRunner::fail(const std::exception_ptr& failure) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!broken_) broken_ = failure;
   }
+  wake_.notify_all();  // queued ops fail now, also those left to their callers
   abortTransport();
 }
 
@@ -231,38 +257,39 @@ void CollectiveRunner::workerLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     if (stopping_ && queue_.empty() && !running_) return;
-    if (running_ || queue_.empty()) {
-      workerTicking_ = !running_ && !stopping_ && Clock::now() < tickUntil_;
-      if (workerTicking_) {
-        wake_.wait_for(lock, kTick);
-      } else {
-        wake_.wait(lock);
-      }
-      continue;
-    }
-    if (!stopping_ && queue_.front().callerMayRun) {
-      const auto age = Clock::now() - queue_.front().enqueuedAt;
-      if (age < kCallerGrace) {
-        workerTicking_ = true;
-        wake_.wait_for(lock, kCallerGrace - age);
+    if (!running_ && !queue_.empty() && (stopping_ || broken_ || !queue_.front().leftToCaller)) {
+      workerTicking_ = false;
+      Task task = std::move(queue_.front());
+      queue_.pop_front();
+      if (broken_ || stopping_) {
+        auto cause = notStarted(task.op, task.seq);
+        lock.unlock();
+        task.work->markFailed(cause);
+        lock.lock();
         continue;
       }
-    }
-    workerTicking_ = false;
-    Task task = std::move(queue_.front());
-    queue_.pop_front();
-    if (broken_ || stopping_) {
-      auto cause = notStarted(task.op, task.seq);
+      running_ = true;
       lock.unlock();
-      task.work->markFailed(cause);
+      ++ranByWorker_;
+      runTask(task);
       lock.lock();
+      running_ = false;
       continue;
     }
-    running_ = true;
-    lock.unlock();
-    runTask(task);
-    lock.lock();
-    running_ = false;
+    const bool opsWaitForCallers = std::any_of(queue_.begin(), queue_.end(), [](const Task& t) { return t.leftToCaller; });
+    workerTicking_ = !stopping_ && (opsWaitForCallers || Clock::now() < tickUntil_);
+    if (!workerTicking_) {
+      wake_.wait(lock);
+      continue;
+    }
+    if (wake_.wait_for(lock, kTick) == std::cv_status::timeout) {
+      // Second chance: an op its caller left alone for a whole tick is the worker's.
+      for (Task& task : queue_) {
+        if (!task.leftToCaller) continue;
+        if (task.seenByTick) task.leftToCaller = false;
+        task.seenByTick = true;
+      }
+    }
   }
 }
 

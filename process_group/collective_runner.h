@@ -8,15 +8,26 @@
 //
 // Contract:
 //  * enqueue() numbers the op (the seq it is given, or its own counter
-//    1, 2, ...), returns a Work at once, and runs body(timeout) on the worker
-//    thread in issue order. When the caller waits on that Work (without a
-//    timeout) while the op is next in line and nothing runs, the waiting
-//    thread runs it itself (no thread wake-up on the critical path of a
-//    small issue-then-wait op); the worker leaves a just-issued op of up to
-//    1 MiB alone for 100 us to give the caller that chance, and while ops
-//    keep coming it is not woken for such ops but looks every millisecond.
-//    An op nobody waits for therefore starts within about a millisecond
-//    (larger ones at once). Issue order is kept either way.
+//    1, 2, ...), returns a Work at once, and runs body(timeout) in issue
+//    order, one op at a time, on the worker thread or on a thread that waits.
+//    Who runs an op is decided without timers on the op's own path:
+//      - An op of up to 1 MiB is left to its caller: enqueue wakes nobody,
+//        and a wait() (without a timeout) on it while it is next in line runs
+//        it on the waiting thread. A small issue-then-wait op therefore costs
+//        no thread wake-up at all (each costs ~5 us and may preempt a rank
+//        that is mid-exchange on the same core).
+//      - It goes to the worker as soon as its caller shows that it is not
+//        going to run it: the caller issues another op behind it, waits for
+//        it while another op runs, or uses the Work in any other way
+//        (then(), isCompleted(), future(), wait(timeout): Work's start
+//        hints, work.h); or else at the worker's second tick (ticks are
+//        10 ms apart while ops keep coming; an idle worker sleeps until
+//        woken). A caller that waits late or never still has its op started
+//        within 20 ms, and ranks waiting on two groups in opposite orders do
+//        not block each other.
+//      - Larger ops wake the worker at once: they are what callers overlap
+//        with compute.
+//    stats() counts which thread ran how many ops.
 //  * A body reports failure by throwing. TransportTimeout and PeerLost (below)
 //    are the transport's words for "the deadline passed" and "a peer is gone";
 //    the runner turns them into TimeoutError / BackendError naming the op, the
@@ -40,6 +51,7 @@
 //    and stops the progress thread; idempotent; the destructor calls it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -152,6 +164,13 @@ class CollectiveRunner {
   bool stopping() const;
   void shutdown();
 
+  // Which thread ran the ops so far (the scheduling paths of the contract).
+  struct Stats {
+    uint64_t ranByCaller = 0;
+    uint64_t ranByWorker = 0;
+  };
+  Stats stats() const { return Stats{ranByCaller_.load(), ranByWorker_.load()}; }
+
   int rank() const { return rank_; }
   int size() const { return size_; }
   Millis timeout() const { return timeout_; }
@@ -172,14 +191,16 @@ class CollectiveRunner {
     Body body;
     WorkPtr work;
     std::chrono::steady_clock::time_point enqueuedAt;
-    bool callerMayRun = false;  // small: left to a waiting caller for a moment
+    bool leftToCaller = false;  // small: its caller may run it (see the contract)
+    bool seenByTick = false;    // the worker's last tick found it left to its caller
   };
 
   void workerLoop();
   void runTask(Task& task);
   void recordProfile(const Task& task, int64_t startNs, bool failed) const;
-  // The wait helper: runs the op of `work` on this thread if it is next.
-  bool runIfNext(const Work* work);
+  // The start helper: runs the op of `work` on this thread if it is next
+  // (OnThisThread), or hands it to the worker (Soon).
+  bool start(const Work* work, Work::Start how);
   std::exception_ptr notStarted(const char* op, uint64_t seq) const;
 
   std::string stuckSummary(uint64_t seq);
@@ -209,6 +230,8 @@ class CollectiveRunner {
   uint64_t localSeq_ = 0;
   uint64_t lastMonitoredBarrier_ = 0;  // touched only by the thread running a body
   bool workerTicking_ = false;  // the idle worker wakes by itself every tick
+  std::atomic<uint64_t> ranByCaller_{0};
+  std::atomic<uint64_t> ranByWorker_{0};
   std::chrono::steady_clock::time_point tickUntil_{};
   std::thread worker_;
 };

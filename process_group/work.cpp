@@ -107,9 +107,22 @@ std::shared_ptr<Work> Work::failed(std::string description, std::exception_ptr e
   return work;
 }
 
+void Work::hintStartSoon() const {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (completed_ || startHinted_ || !startHelper_) return;
+    startHinted_ = true;
+  }
+  startHelper_(Start::Soon);  // set before the Work was handed out, never changed
+}
+
 bool Work::isCompleted() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return completed_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (completed_) return true;
+  }
+  hintStartSoon();
+  return false;
 }
 
 bool Work::isSuccess() const {
@@ -118,6 +131,7 @@ bool Work::isSuccess() const {
 }
 
 std::exception_ptr Work::exception() const {
+  hintStartSoon();
   std::lock_guard<std::mutex> lock(mutex_);
   return error_;
 }
@@ -143,10 +157,13 @@ void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
     deviceWait();
     return;
   }
-  if (!completed_ && !timeout && waitHelper_) {
-    auto helper = waitHelper_;
+  if (!completed_ && startHelper_) {
     lock.unlock();
-    helper();
+    if (timeout) {
+      hintStartSoon();
+    } else {
+      startHelper_(Start::OnThisThread);
+    }
     lock.lock();
   }
   if (timeout) {
@@ -162,6 +179,7 @@ void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
 }
 
 void Work::then(std::function<void(Work&)> callback) {
+  hintStartSoon();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // While earlier callbacks still run on the pool, a late one joins them
@@ -176,6 +194,7 @@ void Work::then(std::function<void(Work&)> callback) {
 }
 
 void Work::thenInline(std::function<void(Work&)> callback) {
+  hintStartSoon();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!completed_) {
@@ -211,6 +230,7 @@ std::vector<Tensor> Work::result() const {
 }
 
 std::shared_future<std::vector<Tensor>> Work::future() {
+  hintStartSoon();
   std::lock_guard<std::mutex> lock(mutex_);
   if (!promise_) {
     promise_.emplace();

@@ -30,11 +30,16 @@
 //    every thread is busy (so a callback that waits on another Work's
 //    callbacks does not deadlock), idle threads exit after a few seconds.
 //  * Every method is thread-safe. Held by std::shared_ptr (WorkPtr).
-//  * A backend may give a Work a wait helper: wait() without a timeout calls
-//    it (on the waiting thread, once, before blocking), so that an op nobody
-//    has started yet can run on the thread that waits for it instead of
-//    paying a worker thread's wake-up. The helper must leave the op's
-//    completion to the usual path and return whether it did anything.
+//  * A backend may give a Work a start helper, for an op it leaves to its
+//    caller (CollectiveRunner does, see collective_runner.h). wait() without
+//    a timeout calls helper(Start::OnThisThread) on the waiting thread, once,
+//    before blocking, so that an op nobody has started yet runs there instead
+//    of paying a worker thread's wake-up. The first then(), thenInline(),
+//    isCompleted(), exception(), future() or wait(timeout) call on a Work not
+//    yet completed calls helper(Start::Soon): the caller does not mean to
+//    run it itself, so the backend should start it elsewhere now. The helper
+//    must leave the op's completion to the usual path and return whether it
+//    ran the op.
 //  * Device work (NCCL) may carry a device wait instead: wait() without a
 //    timeout then does not block the host. If the Work already failed it
 //    rethrows; if it is still running it calls the device wait, which makes
@@ -87,8 +92,9 @@ class Work : public std::enable_shared_from_this<Work> {
   // Backend side. Throws dt::Error when already completed.
   void markCompleted();
   void markFailed(std::exception_ptr error);
-  // Backend side, before the Work is handed out.
-  void setWaitHelper(std::function<bool()> helper) { waitHelper_ = std::move(helper); }
+  // Backend side, before the Work is handed out: see "start helper" above.
+  enum class Start { OnThisThread, Soon };
+  void setStartHelper(std::function<bool(Start)> helper) { startHelper_ = std::move(helper); }
   // Backend side, before the Work is handed out: see "device wait" above.
   void setDeviceWait(std::function<void()> deviceWait);
   // Whether wait() without a timeout only orders the caller's stream; code
@@ -109,7 +115,11 @@ class Work : public std::enable_shared_from_this<Work> {
   std::vector<std::function<void(Work&)>> inlineCallbacks_;
   std::vector<std::function<void(Work&)>> callbacks_;
   bool callbacksDraining_ = false;  // then() callbacks still running after completion
-  std::function<bool()> waitHelper_;
+  // The first hint that another thread should start the op (see above).
+  void hintStartSoon() const;
+
+  std::function<bool(Start)> startHelper_;
+  mutable bool startHinted_ = false;
   std::function<void()> deviceWait_;
   std::vector<Tensor> result_;
   std::optional<std::promise<std::vector<Tensor>>> promise_;  // made by the first future()

@@ -15,7 +15,8 @@
 //   reported median and minimum over the samples; algbw = bytes / median (GB = 1e9 B),
 //            busbw = algbw * 2(n-1)/n for allreduce, = algbw for broadcast.
 // Rank 0 prints one row per size, in columns:
-//   RESULT <impl> <op> <ranks> <bytes> <k> <samples> <median_us> <min_us> <algbw_GBps> <busbw_GBps>
+//   RESULT <impl> <op> <ranks> <bytes> <k> <samples> <median_us> <min_us> <algbw_GBps> <busbw_GBps> <p99_us>
+// (p99 over the samples, nearest rank).
 // (run_collectives_bench.sh turns the row into key=value form). Exit status 1 when a
 // check failed.
 //
@@ -161,10 +162,12 @@ void timeOneSize(const Config& cfg, int rank, int ranks, size_t bytes, const std
   if (rank != 0) return;
   std::sort(perCall.begin(), perCall.end());
   const double median = samples % 2 == 1 ? perCall[samples / 2] : (perCall[samples / 2 - 1] + perCall[samples / 2]) / 2;
+  // Nearest rank, as collectives_bench reports it.
+  const double p99 = perCall[static_cast<size_t>(std::max(1.0, std::ceil(0.99 * samples))) - 1];
   const double algbw = static_cast<double>(bytes) / median / 1e9;
   const double bus = cfg.op == "allreduce" ? (ranks > 1 ? 2.0 * (ranks - 1) / ranks : 0.0) : 1.0;
-  std::printf("RESULT   %-20s %-9s %3d %11zu %5d %4d %12.1f %12.1f %9.3f %9.3f\n", cfg.label.c_str(), cfg.op.c_str(),
-              ranks, bytes, k, samples, median * 1e6, perCall.front() * 1e6, algbw, algbw * bus);
+  std::printf("RESULT   %-20s %-9s %3d %11zu %5d %4d %12.1f %12.1f %9.3f %9.3f %12.1f\n", cfg.label.c_str(), cfg.op.c_str(),
+              ranks, bytes, k, samples, median * 1e6, perCall.front() * 1e6, algbw, algbw * bus, p99 * 1e6);
   std::fflush(stdout);
 }
 
@@ -179,8 +182,8 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     std::printf("# mpi_bench impl=%s op=%s ranks=%d budget=%.2fs batch=%.3fs\n", cfg.label.c_str(), cfg.op.c_str(),
                 ranks, cfg.budget, cfg.batch);
-    std::printf("#        %-20s %-9s %3s %11s %5s %4s %12s %12s %9s %9s\n", "impl", "op", "n", "bytes", "k", "smp",
-                "median_us", "min_us", "algbw", "busbw");
+    std::printf("#        %-20s %-9s %3s %11s %5s %4s %12s %12s %9s %9s %12s\n", "impl", "op", "n", "bytes", "k", "smp",
+                "median_us", "min_us", "algbw", "busbw", "p99_us");
     std::fflush(stdout);
   }
 

@@ -598,6 +598,11 @@ WorkPtr collective(ShmBackend::Impl& d, uint64_t seq, const char* op, Collective
   return d.runner->enqueue(
       seq, op, std::move(fp), timeout,
       [&d, run = std::move(run)](Millis limit, const CollectiveFingerprint& numbered) {
+        d.seg->enterCollective();
+        struct Leave {
+          shm::ShmSegment& seg;
+          ~Leave() { seg.leaveCollective(); }
+        } leave{*d.seg};
         d.begin(numbered, limit);
         try {
           run(d);

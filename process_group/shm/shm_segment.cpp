@@ -1,6 +1,7 @@
 #include "process_group/shm/shm_segment.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -10,6 +11,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <random>
@@ -19,6 +21,7 @@
 #include "common/strings.h"
 #include "common/thread_name.h"
 #include "process_group/collective_runner.h"
+#include "process_group/shm/core_placement.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -31,7 +34,7 @@ namespace dt::shm {
 namespace {
 
 constexpr uint64_t kMagic = 0x64747368'6d736567ull;  // "dtshmseg"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: RankControl::cpu
 constexpr size_t kAlign = 4096;
 
 size_t alignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
@@ -68,6 +71,49 @@ bool isZombie(int32_t pid) {
 
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
 
+// How long a waiter spins for a peer that may be running on another core
+// before it sleeps: about what sleeping costs (a futex wake-up plus a context
+// switch, 4-7 us on the development machine), so that a wait never costs much
+// more than the better of spinning and sleeping would have (the classic
+// spin-then-block bound). A peer that needs this very core is never spun for.
+constexpr auto kSpinBeforeSleeping = std::chrono::microseconds(10);
+// A peer that is inside a collective and not asleep in a wait of its own is
+// moving bytes toward the phase this rank waits for: it arrives within one
+// round's copy (512 KiB, well under 1 ms), and sleeping would add a wake-up
+// to every round. Past this it is probably descheduled: sleep.
+constexpr auto kSpinForWorkingPeer = std::chrono::milliseconds(1);
+// A rank that shares its core with a rank of its group hands the core over
+// with sched_yield (a switch of ~1 us, no futex wake-up for either side),
+// polling for this long before it sleeps. Yielding is only safe among our
+// own ranks: a busy process on the core would take it for a whole time slice
+// (milliseconds). A yield that kept this thread away longer than
+// kForeignSlice shows one; the rank then sleeps instead of yielding for
+// kForeignMemory.
+constexpr auto kYieldToMateFor = std::chrono::milliseconds(2);
+constexpr auto kForeignSlice = std::chrono::microseconds(500);
+constexpr auto kForeignMemory = std::chrono::milliseconds(100);
+constexpr uint32_t kInCollective = 1;  // RankControl::state bits
+constexpr uint32_t kAsleep = 2;
+// Pauses between looks at the clock and at the peer's core while spinning.
+constexpr int kSpinsPerCheck = 64;
+// A rank that slept for a core mate this many times in a row shares its core
+// with it for good (see core_placement.h) and steps aside to an idle core,
+// never to a core busy for more than
+// 100 - kMinIdlePercent % of the last heartbeat interval (a core a busy
+// process holds is worse than sharing one with the peer).
+// After a move the kernel may stack the two again (another wake-up that
+// finds the core busy): the next attempt may come 1 ms later. Each attempt
+// that finds no idle core doubles the pause, up to 128 ms (an attempt costs
+// a /proc/stat read; a busy process on the other core may stay for good).
+constexpr uint32_t kStackedWaits = 16;
+constexpr auto kFirstRetry = std::chrono::milliseconds(1);
+constexpr auto kLongestRetry = std::chrono::milliseconds(128);
+constexpr int kMinIdlePercent = 80;
+// Sleeping waiters check the peer's pid and heartbeat this often (the first
+// check only after this long: a /proc read on every short sleep would cost
+// more than the exchange).
+constexpr auto kHealthCheckEvery = std::chrono::milliseconds(20);
+
 uint64_t pidNamespaceInode() {
   struct stat st {};
   return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
@@ -98,12 +144,10 @@ ShmSegment::ShmSegment(StorePtr store, SegmentOptions options)
       heartbeatTimeout_(options.heartbeatTimeout),
       heartbeatInterval_(options.heartbeatInterval),
       myPidNamespace_(pidNamespaceInode()),
+      coreIdle_(static_cast<size_t>(std::max(1L, ::sysconf(_SC_NPROCESSORS_CONF)))),
       seenHeartbeat_(static_cast<size_t>(options.size), 0),
       heartbeatChanged_(static_cast<size_t>(options.size), Clock::now()) {
-  const unsigned cores = std::thread::hardware_concurrency();
-  const bool oversubscribed = cores != 0 && static_cast<unsigned>(size_) > cores;
-  spinIterations_ = oversubscribed ? 32 : 4000;
-  yieldFor_ = oversubscribed ? std::chrono::microseconds(2000) : std::chrono::microseconds(50);
+  for (auto& idle : coreIdle_) idle.store(kIdleUnknown, std::memory_order_relaxed);
   slotsOffset_ = alignUp(sizeof(Header), 64) + sizeof(RankControl) * static_cast<size_t>(size_);
   slotsOffset_ = alignUp(slotsOffset_, kAlign);
   channelStride_ = alignUp(sizeof(ChannelHeader), 64) + 2 * chunkBytes_;
@@ -233,11 +277,22 @@ uint8_t* ShmSegment::channelChunk(int src, int dst, int index) const {
 void ShmSegment::arrive() {
   RankControl& me = control(rank_);
   ++mySteps_;
+  me.cpu.store(::sched_getcpu(), std::memory_order_relaxed);
   me.step.store(mySteps_, std::memory_order_seq_cst);
   if (me.sleepers.load(std::memory_order_seq_cst) != 0) futexWake(&me.step);
 }
 
+void ShmSegment::enterCollective() { control(rank_).state.fetch_or(kInCollective, std::memory_order_relaxed); }
+
+void ShmSegment::leaveCollective() { control(rank_).state.fetch_and(~kInCollective, std::memory_order_relaxed); }
+
 void ShmSegment::waitForAll(Clock::time_point deadline) {
+  // Peers that last ran on this core first: they cannot run until this
+  // thread gets off it, which waiting for them does at once.
+  const int here = ::sched_getcpu();
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_ && control(r).cpu.load(std::memory_order_relaxed) == here) waitFor(r, deadline);
+  }
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) waitFor(r, deadline);
   }
@@ -255,25 +310,115 @@ void ShmSegment::waitFor(int r, Clock::time_point deadline) {
   }
 }
 
+ShmSegment::WaitStats ShmSegment::waitStats() const {
+  return WaitStats{spun_.load(std::memory_order_relaxed), slept_.load(std::memory_order_relaxed),
+                   sleptForCoreMate_.load(std::memory_order_relaxed), steppedAside_.load(std::memory_order_relaxed)};
+}
+
+void ShmSegment::stepAside(int here) {
+  matesInARow_ = 0;
+  const auto now = Clock::now();
+  if (now < nextStepAside_) return;
+  nextStepAside_ = now + stepAsideRetry_;
+  stepAsideRetry_ = std::min<std::chrono::microseconds>(stepAsideRetry_ * 2, kLongestRetry);
+  cpu_set_t allowed;
+  if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  std::vector<int> taken;
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) taken.push_back(control(r).cpu.load(std::memory_order_relaxed));
+  }
+  std::vector<uint8_t> idle(coreIdle_.size());
+  for (size_t c = 0; c < idle.size(); ++c) idle[c] = coreIdle_[c].load(std::memory_order_relaxed);
+  const int core = chooseIdleCore(allowed, here, taken, runnableThreads(), idle, kMinIdlePercent);
+  if (core >= 0 && moveCallingThreadTo(core)) {
+    control(rank_).cpu.store(core, std::memory_order_relaxed);
+    steppedAside_.fetch_add(1, std::memory_order_relaxed);
+    nextStepAside_ = now + kFirstRetry;
+    stepAsideRetry_ = kFirstRetry;
+  }
+}
+
+// A rank of the group other than this one that last ran on `here` and is
+// not asleep in a wait: it is runnable but cannot run while this thread
+// holds the core. -1 if none.
+int ShmSegment::awakeRankOnCore(int here) const {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const RankControl& c = control(r);
+    if (c.cpu.load(std::memory_order_relaxed) == here && (c.state.load(std::memory_order_relaxed) & kAsleep) == 0) {
+      return r;
+    }
+  }
+  return -1;
+}
+
+// Yields the core to the ranks of the group that share it until rank r
+// reaches `target` (true), or gives up (false: the caller sleeps).
+bool ShmSegment::yieldToMate(int r, uint32_t target, int here) {
+  const RankControl& peer = control(r);
+  auto now = Clock::now();
+  if (now < foreignUntil_) return false;
+  const auto until = now + kYieldToMateFor;
+  while (now < until) {
+    const auto before = now;
+    ::sched_yield();
+    if (reached(peer.step.load(std::memory_order_acquire), target)) return true;
+    now = Clock::now();
+    if (now - before > kForeignSlice) {
+      foreignUntil_ = now + kForeignMemory;
+      return false;
+    }
+    if (::sched_getcpu() != here) return false;  // moved: the scheduler found another core
+    if (peer.cpu.load(std::memory_order_relaxed) != here && awakeRankOnCore(here) < 0) return false;
+  }
+  return false;
+}
+
 void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
   RankControl& peer = control(r);
-  // Spin: a peer that is running arrives within microseconds. With more
-  // ranks than cores the peer may be waiting for this very core: yield early.
-  for (int i = 0; i < spinIterations_; ++i) {
-    DT_CPU_RELAX();
-    if (reached(peer.step.load(std::memory_order_acquire), target)) return;
-  }
-  // Yield: a peer that shares this core needs it. With more ranks than
-  // cores keep yielding much longer: a sleeping rank costs a wake-up on
-  // every exchange, a yielding one hands its core straight to a peer.
-  const auto yieldUntil = Clock::now() + yieldFor_;
-  while (Clock::now() < yieldUntil) {
-    std::this_thread::yield();
-    if (reached(peer.step.load(std::memory_order_acquire), target)) return;
+  const int here = ::sched_getcpu();
+  control(rank_).cpu.store(here, std::memory_order_relaxed);
+  // Spin only while no rank of the group needs this core. The awaited peer,
+  // or any other awake rank, that last ran here cannot run while this thread
+  // holds the core, and spinning would only keep it off: that was the 100x
+  // cliff of ranks sharing a core. Yielding instead would hand the core to
+  // any busy process for a whole time slice; sleeping lets the scheduler run
+  // the rank here or move one of the two to an idle core.
+  const int mate = peer.cpu.load(std::memory_order_relaxed) == here ? r : awakeRankOnCore(here);
+  if (mate >= 0) {
+    sleptForCoreMate_.fetch_add(1, std::memory_order_relaxed);
+    // Of two stacked ranks the higher one moves (both moving would swap cores).
+    if (++matesInARow_ >= kStackedWaits && mate < rank_) stepAside(here);
+    if (yieldToMate(r, target, here)) return;
+  } else {
+    const auto spinStart = Clock::now();
+    while (true) {
+      for (int i = 0; i < kSpinsPerCheck; ++i) {
+        DT_CPU_RELAX();
+        if (reached(peer.step.load(std::memory_order_acquire), target)) {
+          spun_.fetch_add(1, std::memory_order_relaxed);
+          matesInARow_ = 0;
+          return;
+        }
+      }
+      if (peer.cpu.load(std::memory_order_relaxed) == here || awakeRankOnCore(here) >= 0) break;
+      const auto spinning = Clock::now() - spinStart;
+      if (spinning < kSpinBeforeSleeping) continue;
+      const uint32_t state = peer.state.load(std::memory_order_relaxed);
+      const bool peerWorks = (state & kInCollective) != 0 && (state & kAsleep) == 0;
+      if (!peerWorks || spinning >= kSpinForWorkingPeer) break;
+    }
+    slept_.fetch_add(1, std::memory_order_relaxed);
   }
   // Sleep on the peer's word, checking the deadline, the abort word and
   // the peer's health between slices.
-  auto nextHealthCheck = Clock::now();
+  RankControl& me = control(rank_);
+  me.state.fetch_or(kAsleep, std::memory_order_relaxed);
+  struct Awake {
+    RankControl& me;
+    ~Awake() { me.state.fetch_and(~kAsleep, std::memory_order_relaxed); }
+  } awake{me};
+  auto nextHealthCheck = Clock::now() + kHealthCheckEvery;
   while (true) {
     const uint32_t seen = peer.step.load(std::memory_order_acquire);
     if (reached(seen, target)) return;
@@ -281,7 +426,7 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
     const auto now = Clock::now();
     if (now >= nextHealthCheck) {
       checkPeer(r);
-      nextHealthCheck = now + std::chrono::milliseconds(20);
+      nextHealthCheck = now + kHealthCheckEvery;
     }
     if (now >= deadline) {
       throw TransportTimeout(str("waited for rank ", r, " at phase ", target, "; it is at phase ", seen));
@@ -382,9 +527,16 @@ void ShmSegment::checkPeer(int r) const {
 }
 
 void ShmSegment::heartbeatLoop() {
+  CoreIdleSampler sampler;
   std::unique_lock<std::mutex> lock(stopMutex_);
   while (!stopping_) {
     control(rank_).heartbeat.fetch_add(1, std::memory_order_release);
+    if (size_ > 1) {
+      const auto idle = sampler.sample();
+      for (size_t c = 0; c < idle.size() && c < coreIdle_.size(); ++c) {
+        coreIdle_[c].store(idle[c], std::memory_order_relaxed);
+      }
+    }
     stopWake_.wait_for(lock, heartbeatInterval_, [&] { return stopping_; });
   }
 }

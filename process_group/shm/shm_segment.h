@@ -21,10 +21,22 @@
 //    rank's step has reached its own (or waitFor(r): only rank r's, for a
 //    phase where only r publishes). A rank writes into its buffer only when
 //    every rank has reached its current phase, so a buffer is never
-//    rewritten while a slower rank may still read it. Waiting spins briefly, then yields, then sleeps on the
-//    peer's futex word; it gives up (TransportTimeout) at the deadline, or
-//    (PeerLost) when the abort word is set or a peer's pid is gone or its
-//    heartbeat stopped for heartbeatTimeout.
+//    rewritten while a slower rank may still read it.
+//  * Waiting for a peer: each rank publishes the core it last ran on
+//    (sched_getcpu, at every arrival and wait). A waiter whose peer last ran
+//    on the waiter's own core sleeps at once (the peer cannot run while the
+//    waiter holds its core); otherwise it spins for about what sleeping costs
+//    (10 us), or up to 1 ms while the peer is inside a collective and not
+//    asleep in a wait of its own (it is moving bytes toward this phase), then
+//    sleeps on the peer's futex word, which the peer's arrival wakes. It never yields: sched_yield hands the core to any busy process
+//    for a whole time slice. It gives up (TransportTimeout) at the deadline,
+//    or (PeerLost) when the abort word is set or a peer's pid is gone or its
+//    heartbeat stopped for heartbeatTimeout (checked every 20 ms of sleep).
+//    A rank that keeps sleeping for a peer on its own core (16 waits in a
+//    row) has been stacked there by the kernel's wake-up placement and moves
+//    its waiting thread to an idle core of its affinity mask, leaving the
+//    mask as it was (core_placement.h); the heartbeat thread samples the
+//    cores' idle shares for that. waitStats() counts which way the waits went.
 //  * abort() sets the abort word (first caller wins) and wakes every sleeper:
 //    every rank's wait fails promptly. Idempotent, thread-safe.
 //  * One thread runs collectives (the runner's) and one runs p2p; they use
@@ -54,6 +66,8 @@ struct alignas(64) RankControl {
   std::atomic<uint32_t> doorbell{0};  // p2p: bumped when a channel to or from this rank moved (futex word)
   std::atomic<uint32_t> doorbellSleepers{0};
   std::atomic<uint64_t> heartbeat{0};
+  std::atomic<int32_t> cpu{-1};       // the core this rank's collective thread last ran on
+  std::atomic<uint32_t> state{0};     // in a collective; asleep in a wait (shm_segment.cpp)
   // Fingerprint hash of this rank's collectives, by the parity of their
   // count (a peer is at most one collective ahead).
   std::atomic<uint64_t> opHash[2] = {0, 0};
@@ -108,6 +122,9 @@ class ShmSegment {
   uint8_t* channelChunk(int src, int dst, int index) const;
 
   // ---- collective phases -------------------------------------------------------
+  // Around each collective's phases: peers spin longer for a rank inside one.
+  void enterCollective();
+  void leaveCollective();
   // Publishes this rank's arrival at the next phase.
   void arrive();
   // Waits until every rank (or rank r) arrived at this rank's current phase
@@ -115,6 +132,14 @@ class ShmSegment {
   void waitForAll(Clock::time_point deadline);
   void waitFor(int r, Clock::time_point deadline);
   uint32_t currentStep() const { return mySteps_; }
+  // How this rank's waits for peers ended (only the collective thread waits).
+  struct WaitStats {
+    uint64_t spun = 0;              // the peer arrived while this rank spun
+    uint64_t slept = 0;             // slept after spinning for 10 us
+    uint64_t sleptForCoreMate = 0;  // slept at once: the peer needed this core
+    uint64_t steppedAside = 0;      // moved to an idle core, away from a core mate (core_placement.h)
+  };
+  WaitStats waitStats() const;
 
   // ---- p2p doorbells ---------------------------------------------------------------
   void ring(int r);
@@ -137,6 +162,9 @@ class ShmSegment {
   void heartbeatLoop();
   bool peerDead(int r, std::string* why) const;
   void waitSlow(int r, uint32_t target, Clock::time_point deadline);
+  void stepAside(int here);
+  int awakeRankOnCore(int here) const;
+  bool yieldToMate(int r, uint32_t target, int here);
 
   const int rank_;
   const int size_;
@@ -151,9 +179,17 @@ class ShmSegment {
   size_t channelsOffset_ = 0;
   size_t channelStride_ = 0;
   uint32_t mySteps_ = 0;
-  int spinIterations_ = 4000;
-  std::chrono::microseconds yieldFor_{50};
+  std::atomic<uint64_t> spun_{0};
+  std::atomic<uint64_t> slept_{0};
+  std::atomic<uint64_t> sleptForCoreMate_{0};
+  std::atomic<uint64_t> steppedAside_{0};
+  uint32_t matesInARow_ = 0;  // collective thread only
+  Clock::time_point nextStepAside_{};
+  std::chrono::microseconds stepAsideRetry_{1000};
+  Clock::time_point foreignUntil_{};  // a busy process shares this core: sleep, do not yield
+  // Each core's idle share over the last heartbeat interval (heartbeat thread writes).
   uint64_t myPidNamespace_ = 0;
+  std::vector<std::atomic<uint8_t>> coreIdle_;
 
   // Last heartbeat seen per peer and when it changed (waiters only).
   mutable std::mutex heartbeatMutex_;

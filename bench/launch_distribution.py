@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Distribution of per-launch medians, from the RESULT lines of bench/run_small_ops_bench.sh.
+
+    launch_distribution.py FILE
+
+Input lines: `RESULT <op>_launch impl=... cond=idle|busy launch=N ... time_us=...`.
+Prints per impl and condition the launch medians' best, p10, median, p90 and worst (us), the
+worst/best ratio and how many launches are beyond 2x the best, as
+    RESULT launch_distribution impl=... cond=... launches=N best_us= p10_us= median_us= p90_us= worst_us= worst_over_best=
+then, for every dtrain impl, the goals (the MPI one for dtrain-shm, which shares its medium):
+    GOAL slow_mode impl=... cond=... worst_over_best=... (<= 2 within its condition) MET|MISSED
+    GOAL vs_idle_best impl=... cond=busy worst_over_idle_best=... (<= 2) MET|MISSED
+    GOAL vs_mpi impl=... cond=... worst_over_mpi_median=... (<= 1.5) MET|MISSED
+    RATIO launch_distribution a=IMPL b=mpi-sm cond=... ratio_median_us=... ratio_worst_us=...
+"""
+import statistics
+import sys
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    index = max(1, min(len(ordered), int(-(-q * len(ordered) // 1)))) - 1
+    return ordered[index]
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    launches = {}  # (impl, cond) -> [time_us]
+    for line in open(sys.argv[1]):
+        fields = line.split()
+        if len(fields) < 2 or fields[0] != "RESULT" or not fields[1].endswith("_launch"):
+            continue
+        kv = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
+        try:
+            launches.setdefault((kv["impl"], kv["cond"]), []).append(float(kv["time_us"]))
+        except (KeyError, ValueError):
+            continue
+    if not launches:
+        print("launch_distribution: no launch results", file=sys.stderr)
+        return 1
+    stats = {}
+    for (impl, cond), values in sorted(launches.items()):
+        best, worst = min(values), max(values)
+        s = {"best": best, "p10": percentile(values, 0.1), "median": statistics.median(values),
+             "p90": percentile(values, 0.9), "worst": worst, "n": len(values),
+             "beyond2x": sum(v > 2 * best for v in values)}
+        stats[(impl, cond)] = s
+        print(f"RESULT launch_distribution impl={impl} cond={cond} launches={s['n']} best_us={best:.2f} "
+              f"p10_us={s['p10']:.2f} median_us={s['median']:.2f} p90_us={s['p90']:.2f} worst_us={worst:.2f} "
+              f"worst_over_best={worst / best:.2f} beyond_2x_best={s['beyond2x']}")
+    print()
+    for (impl, cond), s in sorted(stats.items()):
+        if not impl.startswith("dtrain"):
+            continue
+        ratio = s["worst"] / s["best"]
+        print(f"GOAL slow_mode impl={impl} cond={cond} worst_over_best={ratio:.2f} (<= 2) "
+              f"{'MET' if ratio <= 2 else 'MISSED'}")
+        idle = stats.get((impl, "idle"))
+        if cond != "idle" and idle:
+            r = s["worst"] / idle["best"]
+            print(f"GOAL vs_idle_best impl={impl} cond={cond} worst_over_idle_best={r:.2f} (<= 2) "
+                  f"{'MET' if r <= 2 else 'MISSED'}")
+        mpi = stats.get(("mpi-sm", cond))
+        if mpi and impl == "dtrain-shm":  # both over shared memory; Gloo goes through TCP
+            r = s["worst"] / mpi["median"]
+            print(f"GOAL vs_mpi impl={impl} cond={cond} worst_over_mpi_median={r:.2f} (<= 1.5) "
+                  f"{'MET' if r <= 1.5 else 'MISSED'}")
+            print(f"RATIO launch_distribution a={impl} b=mpi-sm cond={cond} "
+                  f"ratio_median_us={s['median'] / mpi['median']:.3f} ratio_worst_us={s['worst'] / mpi['worst']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Small collectives across many launches: is there a slow mode? One launch is one process set
+# (a fresh rendezvous, fresh scheduler placement) and gives one median; a runtime whose waits
+# depend on where the kernel happened to put its ranks shows up as launches far from the best.
+#
+#   dtrain-shm   bench/collectives_bench --backend shm   (200 ops, barrier before each)
+#   dtrain-gloo  bench/collectives_bench --backend gloo
+#   mpi-sm       OpenMPI over shared memory (bench/peers/mpi_bench.cpp, batches of back-to-back calls)
+#
+# Conditions, each impl interleaved launch by launch: "idle" (IDLE launches), and "busy"
+# (BUSY launches) with one competing process spinning on a core, which this script starts and
+# stops itself. Prints one RESULT line per launch, then per impl and condition the
+# distribution of launch medians (best, p10, median, p90, worst, worst/best), and the goal
+# checks: every launch within 2x of the best launch of its condition (and of the idle best),
+# and within 1.5x of MPI's median launch in the same condition.
+#
+# usage: bench/run_small_ops_bench.sh [build-dir]
+#   Env: IDLE=50 BUSY=20 WORLD=2 SIZE=4K OP=allreduce IMPLS="dtrain-shm dtrain-gloo mpi-sm"
+#   OUT=file, PEERS (bench/peers), PEERS_BUILD (build-peers).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+build=${1:-${DT_BUILD_DIR:-build-bench}}
+idle=${IDLE:-50}
+busy=${BUSY:-20}
+world=${WORLD:-2}
+size=${SIZE:-4K}
+op=${OP:-allreduce}
+impls=${IMPLS:-"dtrain-shm dtrain-gloo mpi-sm"}
+peers=${PEERS:-bench/peers}
+peers_build=${PEERS_BUILD:-build-peers}
+out=${OUT:-$(mktemp /tmp/small-ops-bench.XXXXXX.txt)}
+# shellcheck source=bench/collectives_setup.sh
+. bench/collectives_setup.sh
+
+spinner=""
+stop_spinner() {
+  [ -n "$spinner" ] && kill "$spinner" 2>/dev/null && wait "$spinner" 2>/dev/null
+  spinner=""
+}
+trap stop_spinner EXIT INT TERM
+
+launch() {  # impl condition index
+  local impl=$1 cond=$2 i=$3 line
+  case $impl in
+    dtrain-*) line=$("$bench" --nproc "$world" --backend "${impl#dtrain-}" --sizes "$size" --ops "$op" 2>/dev/null | grep '^RESULT') ;;
+    mpi-sm) [ "$have_mpi" = 1 ] || return 0
+            line=$(mpi_results "$world" "$op" "$size") ;;
+  esac
+  [ -n "$line" ] || { echo "# $impl launch $i ($cond) gave no result" >&2; return 0; }
+  echo "$line cond=$cond launch=$i" | sed "s/^RESULT $op /RESULT ${op}_launch /" | tee -a "$out"
+}
+
+echo "# run_small_ops_bench: $op $size world $world, $idle idle + $busy busy launches of [$impls] $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
+for ((i = 1; i <= idle; i++)); do
+  for impl in $impls; do launch "$impl" idle "$i"; done
+done
+if ((busy > 0)); then
+  sh -c 'while :; do :; done' &
+  spinner=$!
+  for ((i = 1; i <= busy; i++)); do
+    for impl in $impls; do launch "$impl" busy "$i"; done
+  done
+  stop_spinner
+fi
+echo
+/usr/bin/python3 bench/launch_distribution.py "$out"

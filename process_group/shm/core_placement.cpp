@@ -1,0 +1,87 @@
+#include "process_group/shm/core_placement.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+namespace dt::shm {
+
+std::vector<uint8_t> CoreIdleSampler::sample() {
+  std::vector<Times> now;
+  FILE* f = std::fopen("/proc/stat", "r");
+  if (f == nullptr) return {};
+  char line[512];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    // "cpu3 user nice system idle iowait irq softirq steal ..." (the aggregate "cpu " line is skipped)
+    unsigned core = 0;
+    unsigned long long v[8] = {};
+    if (std::strncmp(line, "cpu", 3) != 0 || line[3] < '0' || line[3] > '9') continue;
+    if (std::sscanf(line + 3, "%u %llu %llu %llu %llu %llu %llu %llu %llu", &core, &v[0], &v[1], &v[2], &v[3], &v[4],
+                    &v[5], &v[6], &v[7]) < 5) {
+      continue;
+    }
+    if (core >= now.size()) now.resize(core + 1);
+    now[core].idle = v[3] + v[4];
+    now[core].total = v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
+  }
+  std::fclose(f);
+  std::vector<uint8_t> idle;
+  if (!last_.empty()) {
+    idle.assign(now.size(), 0);
+    for (size_t c = 0; c < now.size() && c < last_.size(); ++c) {
+      const uint64_t total = now[c].total - last_[c].total;
+      const uint64_t quiet = now[c].idle - last_[c].idle;
+      // An offline core (no ticks counted) is not idle: nothing can run there.
+      idle[c] = total == 0 ? 0 : static_cast<uint8_t>(std::min<uint64_t>(100, quiet * 100 / total));
+    }
+  }
+  last_ = std::move(now);
+  return idle;
+}
+
+int runnableThreads() {
+  FILE* f = std::fopen("/proc/stat", "r");
+  if (f == nullptr) return -1;
+  char line[512];
+  int runnable = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "procs_running %d", &runnable) == 1) break;
+  }
+  std::fclose(f);
+  return runnable;
+}
+
+int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& taken, int runnable,
+                   const std::vector<uint8_t>& idlePercent, int minIdlePercent) {
+  if (runnable < 0) return -1;
+  const int others = CPU_COUNT(&allowed) - (CPU_ISSET(here, &allowed) ? 1 : 0);
+  if (runnable - 2 >= others) return -1;  // every other allowed core may be busy
+  int best = -1;
+  int bestScore = -1;
+  for (int core = 0; core < CPU_SETSIZE; ++core) {
+    if (core == here || !CPU_ISSET(core, &allowed)) continue;
+    if (std::find(taken.begin(), taken.end(), core) != taken.end()) continue;
+    const int idle = core < static_cast<int>(idlePercent.size()) ? idlePercent[core] : kIdleUnknown;
+    if (idle != kIdleUnknown && idle < minIdlePercent) continue;
+    const int score = idle == kIdleUnknown ? 0 : idle + 1;  // a known idle core before an unknown one
+    if (score > bestScore) {
+      best = core;
+      bestScore = score;
+    }
+  }
+  return best;
+}
+
+bool moveCallingThreadTo(int core) {
+  if (core < 0 || core >= CPU_SETSIZE) return false;
+  cpu_set_t previous;
+  if (::sched_getaffinity(0, sizeof previous, &previous) != 0 || !CPU_ISSET(core, &previous)) return false;
+  cpu_set_t only;
+  CPU_ZERO(&only);
+  CPU_SET(core, &only);
+  if (::sched_setaffinity(0, sizeof only, &only) != 0) return false;
+  (void)::sched_setaffinity(0, sizeof previous, &previous);
+  return true;
+}
+
+}  // namespace dt::shm
