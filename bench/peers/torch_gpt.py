@@ -95,7 +95,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(width, 3 * width)
         self.c_proj = nn.Linear(width, width)
         self.heads, self.width, self.dropout = heads, width, dropout
-        self.register_buffer("mask", torch.tril(torch.ones(context, context, dtype=torch.bool)), persistent=False)
+        # A plain attribute, not a buffer: DDP would broadcast a buffer, and gloo has no bool broadcast.
+        self.mask = torch.tril(torch.ones(context, context, dtype=torch.bool))
 
     def core(self, qkv):
         """[B, T, 3C] -> [B, T, C]: split, heads, masked softmax attention, merge."""
