@@ -19,10 +19,15 @@
 //    Tensors must be defined, contiguous CUDA tensors of one device (the one
 //    the op's communicator serves); anything else, a bool tensor or a root
 //    outside the group throws InvalidArgument at the call naming the tensor
-//    and what is wrong. NCCL reads and writes the caller's memory; only
-//    reduceScatter's list of inputs is first copied into one buffer (on the
-//    NCCL stream). send/recv take tag 0 only (NCCL matches them in order);
-//    batchIsendIrecv launches its whole batch as one NCCL group call.
+//    and what is wrong. NCCL reads and writes the caller's memory, except
+//    that reduceScatter's list of inputs is first copied into one buffer,
+//    and allgather (one ncclAllGather) gathers into one buffer copied out to
+//    the outputs afterwards unless they already lie back to back (both on
+//    the NCCL stream). send/recv take tag 0 only (NCCL matches them in
+//    order); batchIsendIrecv launches its whole batch as one NCCL group call.
+//  * Enqueueing: on these nonblocking communicators NCCL finishes each op's
+//    enqueue on a helper thread of its own; the call waits for it (yielding
+//    first, then sleeping; bounded by the op's timeout, ended by an abort).
 //  * Streams: each communicator has its own NCCL stream. An op is launched at
 //    the call, on the calling thread: the NCCL stream first waits (on the
 //    device) for the caller's current stream of that device, so the op sees
