@@ -29,7 +29,6 @@
 #include <limits>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -130,23 +129,11 @@ Config parseArgs(int argc, char** argv, bool& help) {
   auto real = [](const std::string& v, const std::string& f, double lo, double hi) {
     return examples::parseDouble(kProgram, v, f, lo, hi);
   };
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::optional<std::string> inlineValue;
-    if (const auto eq = flag.find('='); flag.starts_with("--") && eq != std::string::npos) {
-      inlineValue = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    }
-    if (flag == "--help" || flag == "-h") {
-      help = true;
-      return c;
-    }
-    if (flag == "--quiet") { c.quiet = true; continue; }
-    if (flag == "--bench") { c.bench = true; continue; }
-    if (!flag.starts_with("--")) throw InvalidArgument(str("gpt: unexpected argument \"", flag, "\"; see --help"));
-    if (!inlineValue && i + 1 >= argc) throw InvalidArgument(str("gpt: ", flag, " needs a value; see --help"));
-    const std::string v = inlineValue ? *inlineValue : argv[++i];
-    if (flag == "--data") c.data = v;
+  help = !examples::forEachFlag(kProgram, argc, argv, {"--quiet", "--bench"}, [&](const std::string& flag,
+                                                                                 const std::string& v) {
+    if (flag == "--quiet") c.quiet = true;
+    else if (flag == "--bench") c.bench = true;
+    else if (flag == "--data") c.data = v;
     else if (flag == "--layers") c.model.layers = positive(v, flag);
     else if (flag == "--heads") c.model.heads = positive(v, flag);
     else if (flag == "--width") c.model.width = positive(v, flag);
@@ -176,7 +163,8 @@ Config parseArgs(int argc, char** argv, bool& help) {
     else if (flag == "--top-k") c.topK = positive(v, flag, 0);
     else if (flag == "--bench-warmup") c.benchWarmup = positive(v, flag, 0);
     else throw InvalidArgument(str("gpt: unknown flag ", flag, "; see --help"));
-  }
+  });
+  if (help) return c;
   c.model.validate();
   if (c.minLr > c.lr) throw InvalidArgument(str("gpt: --min-lr ", c.minLr, " is above --lr ", c.lr));
   if (c.warmup > c.steps) throw InvalidArgument(str("gpt: --warmup ", c.warmup, " is more than --steps ", c.steps));
@@ -199,8 +187,7 @@ double peakRssMib() {
   return 0.0;
 }
 
-// Text as one printable line for a log ("\n" shown as a newline is fine on a terminal, but
-// the sample is printed as it is, after a header line).
+// Byte tokens back to text (the vocabulary is the 256 byte values).
 std::string tokensToText(const std::vector<int64_t>& tokens) {
   std::string out;
   for (int64_t t : tokens) out += static_cast<char>(t);
@@ -329,42 +316,21 @@ std::vector<std::pair<std::string, std::string>> GptJob::resumeKeys() const {
 void GptJob::resumeOrStart() {
   if (!checkpoints_) return;
   if (c_.resume == "never" && restartCount_ == 0) {
-    if (rank_ == 0) {
-      const int removed = checkpoints_->removeAll();
-      if (removed > 0) say(str("gpt: --resume never: removed ", removed, " checkpoint(s) from ", checkpoints_->path().string()));
-    }
-    group_->barrier()->wait();
+    examples::clearCheckpoints(*group_, *checkpoints_, kProgram, c_.quiet);
     return;
   }
-  dt::Tensor chosen = dt::fromVector<int64_t>({-1});
-  if (rank_ == 0) {
-    if (auto latest = checkpoints_->latest()) chosen = dt::fromVector<int64_t>({latest->step});
-  }
-  group_->broadcast(chosen, {.root = 0})->wait();
-  const int64_t step = chosen.item<int64_t>();
+  const int64_t step = examples::chooseCheckpoint(*group_, *checkpoints_);
   if (step < 0) return;
   const trainer::LoadedCheckpoint ckpt = checkpoints_->load(checkpoints_->refFor(step));
   const trainer::Manifest& m = ckpt.manifest;
   const std::string file = ckpt.ref.manifest.string();
-  for (const auto& [key, value] : resumeKeys()) {
-    const std::string saved = m.text("config." + key);
-    if (saved != value) {
-      throw InvalidArgument(str("gpt: checkpoint ", file, " was written with ", key, " = ", saved, " but this run has ",
-                                key, " = ", value, ". Resume with the same settings, or start afresh with --resume never"));
-    }
-  }
-  dt::NamedTensors modelState, optimState;
-  std::optional<dt::Tensor> myRng;
-  for (const auto& [name, t] : ckpt.tensors) {
-    if (name.starts_with("model.")) modelState.emplace_back(name.substr(6), t);
-    else if (name.starts_with("optim.")) optimState.emplace_back(name.substr(6), t);
-    else if (name == str("rng.rank", rank_)) myRng = t;
-  }
-  model_->loadStateDict(modelState, /*strict=*/true);
-  optimizer_->loadStateDict(optimState);
+  examples::requireSameSettings(m, resumeKeys(), kProgram, file);
+  const examples::CheckpointParts parts = examples::splitCheckpoint(ckpt.tensors, rank_);
+  model_->loadStateDict(parts.model, /*strict=*/true);
+  optimizer_->loadStateDict(parts.optimizer);
   const int64_t savedWorld = m.integer("world_size");
   if (savedWorld == world_) {
-    examples::restoreRngState(dropoutRng_, myRng, rank_, kProgram, ckpt.ref.tensors.string());
+    examples::restoreRngState(dropoutRng_, parts.rng, rank_, kProgram, ckpt.ref.tensors.string());
   } else if (c_.model.dropout > 0) {
     say(str("gpt: note: checkpoint written by ", savedWorld, " ranks, resumed by ", world_,
             ": the per-rank dropout streams restart from the seed, so this resume is not bitwise exact"));
@@ -544,11 +510,7 @@ int GptJob::run() {
   if (!lastValLoss_) lastValLoss_ = validationLoss(*model_, *val_, c_.evalWindows, *group_);
 
   // Identical parameters everywhere: max and min over ranks must agree.
-  dt::Tensor flat = dt::flattenTensors(params);
-  dt::Tensor highest = flat.clone(), lowest = flat.clone();
-  group_->allreduce(highest, {.reduceOp = dt::ReduceOp::Max})->wait();
-  group_->allreduce(lowest, {.reduceOp = dt::ReduceOp::Min})->wait();
-  const double spread = dt::max(dt::abs(highest - lowest)).item<float>();
+  const double spread = examples::parameterSpread(*group_, params);
   dt::Tensor rss = dt::fromVector<double>({peakRssMib()});
   group_->allreduce(rss, {.reduceOp = dt::ReduceOp::Max})->wait();
 
@@ -597,8 +559,7 @@ int GptJob::run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  try {
+  return examples::runMain(kProgram, [&] {
     bool help = false;
     const Config config = parseArgs(argc, argv, help);
     if (help) {
@@ -609,11 +570,5 @@ int main(int argc, char** argv) {
     auto group = dt::initProcessGroup();
     GptJob job(config, group);
     return job.run();
-  } catch (const std::exception& e) {
-    const char* rank = std::getenv("RANK");
-    const char* world = std::getenv("WORLD_SIZE");
-    const std::string who = rank && world ? str(" (rank ", rank, "/", world, ")") : std::string();
-    std::fprintf(stderr, "gpt%s: %s\n", who.c_str(), dt::describe(e).c_str());
-    return 1;
-  }
+  });
 }

@@ -5,11 +5,14 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/env.h"
 #include "common/errors.h"
+#include "collectives/coalesce.h"
 #include "common/strings.h"
+#include "tensor/ops.h"
 
 namespace examples {
 namespace {
@@ -139,6 +142,90 @@ void restoreRngState(dt::Generator& generator, const std::optional<dt::Tensor>& 
   generator.setState(dt::GeneratorState::fromWords(
       {static_cast<uint64_t>(w[0]), static_cast<uint64_t>(w[1]), static_cast<uint64_t>(w[2]), static_cast<uint64_t>(w[3])},
       str(file, " rng.rank", rank)));
+}
+
+bool forEachFlag(const std::string& program, int argc, char** argv, const std::vector<std::string>& switches,
+                 const std::function<void(const std::string& flag, const std::string& value)>& onFlag) {
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::optional<std::string> inlineValue;
+    if (const auto eq = flag.find('='); flag.starts_with("--") && eq != std::string::npos) {
+      inlineValue = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    }
+    if (flag == "--help" || flag == "-h") return false;
+    if (std::find(switches.begin(), switches.end(), flag) != switches.end()) {
+      onFlag(flag, "");
+      continue;
+    }
+    if (!flag.starts_with("--")) throw InvalidArgument(str(program, ": unexpected argument \"", flag, "\"; see --help"));
+    if (!inlineValue && i + 1 >= argc) throw InvalidArgument(str(program, ": ", flag, " needs a value; see --help"));
+    onFlag(flag, inlineValue ? *inlineValue : std::string(argv[++i]));
+  }
+  return true;
+}
+
+void clearCheckpoints(dt::ProcessGroup& group, const trainer::CheckpointDir& dir, const std::string& program, bool quiet) {
+  if (group.rank() == 0) {
+    const int removed = dir.removeAll();
+    if (removed > 0 && !quiet) {
+      std::printf("%s: --resume never: removed %d checkpoint(s) of an earlier run from %s\n", program.c_str(), removed,
+                  dir.path().string().c_str());
+    }
+  }
+  group.barrier()->wait();
+}
+
+int64_t chooseCheckpoint(dt::ProcessGroup& group, const trainer::CheckpointDir& dir) {
+  dt::Tensor chosen = dt::fromVector<int64_t>({-1});
+  if (group.rank() == 0) {
+    if (auto latest = dir.latest()) chosen = dt::fromVector<int64_t>({latest->step});
+  }
+  group.broadcast(chosen, {.root = 0})->wait();
+  return chosen.item<int64_t>();
+}
+
+void requireSameSettings(const trainer::Manifest& manifest, const std::vector<std::pair<std::string, std::string>>& keys,
+                         const std::string& program, const std::string& file) {
+  for (const auto& [key, value] : keys) {
+    const std::string saved = manifest.text("config." + key);
+    if (saved != value) {
+      throw InvalidArgument(str(program, ": checkpoint ", file, " was written with ", key, " = ", saved,
+                                " but this run has ", key, " = ", value,
+                                ". Resume with the same settings, or start afresh with --resume never or another --checkpoint-dir"));
+    }
+  }
+}
+
+CheckpointParts splitCheckpoint(const dt::NamedTensors& tensors, int rank) {
+  CheckpointParts parts;
+  for (const auto& [name, t] : tensors) {
+    if (name.starts_with("model.")) parts.model.emplace_back(name.substr(6), t);
+    else if (name.starts_with("optim.")) parts.optimizer.emplace_back(name.substr(6), t);
+    else if (name == str("rng.rank", rank)) parts.rng = t;
+  }
+  return parts;
+}
+
+double parameterSpread(dt::ProcessGroup& group, const std::vector<dt::Tensor>& params) {
+  const dt::Tensor flat = dt::flattenTensors(params);
+  dt::Tensor highest = flat.clone(), lowest = flat.clone();
+  group.allreduce(highest, {.reduceOp = dt::ReduceOp::Max})->wait();
+  group.allreduce(lowest, {.reduceOp = dt::ReduceOp::Min})->wait();
+  return dt::max(dt::abs(highest - lowest)).to(dt::Device::cpu()).item<double>();
+}
+
+int runMain(const std::string& program, const std::function<int()>& body) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    const char* rank = std::getenv("RANK");
+    const char* world = std::getenv("WORLD_SIZE");
+    const std::string who = rank && world ? str(" (rank ", rank, "/", world, ")") : std::string();
+    std::fprintf(stderr, "%s%s: %s\n", program.c_str(), who.c_str(), dt::describe(e).c_str());
+    return 1;
+  }
 }
 
 }  // namespace examples

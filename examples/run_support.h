@@ -11,10 +11,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "examples/checkpoint.h"
 #include "process_group/process_group.h"
 #include "tensor/generator.h"
 #include "tensor/nn/safetensors.h"
@@ -48,5 +50,38 @@ std::vector<dt::Tensor> gatherRngStates(dt::ProcessGroup& group, const dt::Gener
 // InvalidArgument naming `file` when it is missing or malformed.
 void restoreRngState(dt::Generator& generator, const std::optional<dt::Tensor>& saved, int rank,
                      const std::string& program, const std::string& file);
+
+// Walks argv[1..]: "--flag value" and "--flag=value" call onFlag(flag, value); a flag named in
+// `switches` takes no value (onFlag(flag, "")). Returns false, calling nothing more, at
+// --help/-h. A bare word or a missing value throws InvalidArgument; onFlag throws for an
+// unknown flag.
+bool forEachFlag(const std::string& program, int argc, char** argv, const std::vector<std::string>& switches,
+                 const std::function<void(const std::string& flag, const std::string& value)>& onFlag);
+
+// --resume never on a first attempt: rank 0 deletes the folder's checkpoints (saying how many
+// on stdout unless quiet) before any rank looks, so a later restart resumes from this run's
+// own checkpoints only; every rank waits at a barrier (a collective).
+void clearCheckpoints(dt::ProcessGroup& group, const trainer::CheckpointDir& dir, const std::string& program, bool quiet);
+// The step of the newest checkpoint in `dir` as rank 0 sees it, broadcast so that every rank
+// resumes from the same one (a collective); -1 when there is none.
+int64_t chooseCheckpoint(dt::ProcessGroup& group, const trainer::CheckpointDir& dir);
+// Throws InvalidArgument naming the first setting whose "config.<key>" in the manifest differs.
+void requireSameSettings(const trainer::Manifest& manifest, const std::vector<std::pair<std::string, std::string>>& keys,
+                         const std::string& program, const std::string& file);
+// A checkpoint's tensors by prefix: "model.*", "optim.*" (prefixes stripped) and "rng.rank<rank>".
+struct CheckpointParts {
+  dt::NamedTensors model;
+  dt::NamedTensors optimizer;
+  std::optional<dt::Tensor> rng;
+};
+CheckpointParts splitCheckpoint(const dt::NamedTensors& tensors, int rank);
+
+// The largest difference of any parameter between ranks (max - min over the group; a
+// collective): 0 when every rank holds the same model.
+double parameterSpread(dt::ProcessGroup& group, const std::vector<dt::Tensor>& params);
+
+// main()'s body: line-buffered stdout (whole lines reach dtrun and SLURM's files), and an
+// exception printed as "<program> (rank R/W): <what>" with exit code 1.
+int runMain(const std::string& program, const std::function<int()>& body);
 
 }  // namespace examples

@@ -156,25 +156,13 @@ std::string deviceName(const std::string& value, const std::string& flag) {
 
 Config parseArgs(int argc, char** argv, bool& help) {
   Config c;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::optional<std::string> inlineValue;
-    if (const auto eq = flag.find('='); flag.starts_with("--") && eq != std::string::npos) {
-      inlineValue = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    }
-    if (flag == "--help" || flag == "-h") {
-      help = true;
-      return c;
-    }
-    if (flag == "--quiet") { c.quiet = true; continue; }
-    if (flag == "--drop-last") { c.dropLast = true; continue; }
-    if (flag == "--no-eval") { c.eval = false; continue; }
-    if (flag == "--bench") { c.bench = true; continue; }
-    if (!flag.starts_with("--")) throw InvalidArgument(str("trainer: unexpected argument \"", flag, "\"; see --help"));
-    if (!inlineValue && i + 1 >= argc) throw InvalidArgument(str("trainer: ", flag, " needs a value; see --help"));
-    const std::string value = inlineValue ? *inlineValue : argv[++i];
-    if (flag == "--data") c.data = value;
+  help = !examples::forEachFlag("trainer", argc, argv, {"--quiet", "--drop-last", "--no-eval", "--bench"},
+                                [&](const std::string& flag, const std::string& value) {
+    if (flag == "--quiet") c.quiet = true;
+    else if (flag == "--drop-last") c.dropLast = true;
+    else if (flag == "--no-eval") c.eval = false;
+    else if (flag == "--bench") c.bench = true;
+    else if (flag == "--data") c.data = value;
     else if (flag == "--epochs") c.epochs = parsePositive(value, flag);
     else if (flag == "--steps") c.steps = parsePositive(value, flag, 0);
     else if (flag == "--global-batch") c.globalBatch = parsePositive(value, flag);
@@ -198,7 +186,8 @@ Config parseArgs(int argc, char** argv, bool& help) {
     else if (flag == "--device") c.device = deviceName(value, flag);
     else if (flag == "--bench-warmup") c.benchWarmup = parsePositive(value, flag, 0);
     else throw InvalidArgument(str("trainer: unknown flag ", flag, "; see --help"));
-  }
+  });
+  if (help) return c;
   if (c.checkpointDir.empty()) throw InvalidArgument("trainer: --checkpoint-dir is empty (use none to write no checkpoints)");
   return c;
 }
@@ -359,22 +348,13 @@ void Trainer::settleBuckets(dt::DistributedDataParallel& ddp, int64_t perRank) {
 void Trainer::resumeOrStart() {
   if (!checkpoints_) return;
   if (c_.resume == "never" && restartCount_ == 0) {
-    // A fresh start: rank 0 clears the folder before anyone looks, so that a restart later
+    // A fresh start: the folder is cleared before anyone looks, so that a restart later
     // resumes from this run's checkpoints only.
-    if (rank_ == 0) {
-      const int removed = checkpoints_->removeAll();
-      if (removed > 0) say(str("trainer: --resume never: removed ", removed, " checkpoint(s) of an earlier run from ", checkpoints_->path().string()));
-    }
-    group_->barrier()->wait();
+    examples::clearCheckpoints(*group_, *checkpoints_, "trainer", c_.quiet);
     return;
   }
   // Rank 0 picks the checkpoint and tells the others, so every rank resumes from the same one.
-  dt::Tensor chosen = dt::fromVector<int64_t>({-1});
-  if (rank_ == 0) {
-    if (auto latest = checkpoints_->latest()) chosen = dt::fromVector<int64_t>({latest->step});
-  }
-  group_->broadcast(chosen, {.root = 0})->wait();
-  const int64_t step = chosen.item<int64_t>();
+  const int64_t step = examples::chooseCheckpoint(*group_, *checkpoints_);
   if (step < 0) {
     if (restartCount_ > 0) say(str("trainer: restart ", restartCount_, " found no checkpoint in ", checkpoints_->path().string(), "; starting from step 0"));
     return;
@@ -382,25 +362,13 @@ void Trainer::resumeOrStart() {
   const trainer::LoadedCheckpoint ckpt = checkpoints_->load(checkpoints_->refFor(step));
   const trainer::Manifest& m = ckpt.manifest;
   const std::string file = ckpt.ref.manifest.string();
-  for (const auto& [key, value] : resumeKeys(c_, modelName_, train_->size())) {
-    const std::string saved = m.text("config." + key);
-    if (saved != value) {
-      throw InvalidArgument(str("trainer: checkpoint ", file, " was written with ", key, " = ", saved, " but this run has ", key,
-                                " = ", value, ". Resume with the same settings, or start afresh with --resume never or another --checkpoint-dir"));
-    }
-  }
-  dt::NamedTensors modelState, optimState;
-  std::optional<dt::Tensor> myRng;
+  examples::requireSameSettings(m, resumeKeys(c_, modelName_, train_->size()), "trainer", file);
   const int64_t savedWorld = m.integer("world_size");
-  for (const auto& [name, t] : ckpt.tensors) {
-    if (name.starts_with("model.")) modelState.emplace_back(name.substr(6), t);
-    else if (name.starts_with("optim.")) optimState.emplace_back(name.substr(6), t);
-    else if (name == str("rng.rank", rank_)) myRng = t;
-  }
-  model_->loadStateDict(modelState, /*strict=*/true);
-  optimizer_->loadStateDict(optimState);
+  examples::CheckpointParts parts = examples::splitCheckpoint(ckpt.tensors, rank_);
+  model_->loadStateDict(parts.model, /*strict=*/true);
+  optimizer_->loadStateDict(parts.optimizer);
   if (savedWorld == world_) {
-    examples::restoreRngState(dropoutRng_, myRng, rank_, "trainer", ckpt.ref.tensors.string());
+    examples::restoreRngState(dropoutRng_, parts.rng, rank_, "trainer", ckpt.ref.tensors.string());
   } else if (c_.dropout > 0) {
     say(str("trainer: note: checkpoint written by ", savedWorld, " ranks, resumed by ", world_,
             ": the per-rank dropout streams restart from the seed, so this resume is not bitwise exact"));
@@ -573,12 +541,7 @@ int Trainer::run() {
   if (checkpoints_ && step > startStep_) saveCheckpoint(step, "final");
 
   // Identical parameters everywhere: max and min over ranks must agree.
-  dt::Tensor flat = dt::flattenTensors(params);
-  dt::Tensor highest = flat.clone();
-  dt::Tensor lowest = flat.clone();
-  group_->allreduce(highest, {.reduceOp = dt::ReduceOp::Max})->wait();
-  group_->allreduce(lowest, {.reduceOp = dt::ReduceOp::Min})->wait();
-  const double spread = dt::max(dt::abs(highest - lowest)).item<float>();
+  const double spread = examples::parameterSpread(*group_, params);
 
   std::optional<EvalResult> eval;
   if (c_.eval) eval = evaluate(*model_, *test_, *group_, device_);
@@ -633,9 +596,7 @@ int Trainer::run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Whole lines reach dtrun (and a SLURM output file) as they are printed, not when a block fills.
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  try {
+  return examples::runMain("trainer", [&] {
     bool help = false;
     const Config config = parseArgs(argc, argv, help);
     if (help) {
@@ -648,11 +609,5 @@ int main(int argc, char** argv) {
     auto group = dt::initProcessGroup();
     Trainer trainer(config, group, device);
     return trainer.run();
-  } catch (const std::exception& e) {
-    const char* rank = std::getenv("RANK");
-    const char* world = std::getenv("WORLD_SIZE");
-    const std::string who = rank && world ? str(" (rank ", rank, "/", world, ")") : std::string();
-    std::fprintf(stderr, "trainer%s: %s\n", who.c_str(), dt::describe(e).c_str());
-    return 1;
-  }
+  });
 }
