@@ -34,6 +34,15 @@ void dispatchFloat(DType t, const char* op, Fn&& fn) {
 
 // ---- sum / extreme -------------------------------------------------------------------------
 
+// Work item `item` of a chunked row reduction: row item / chunks, elements [begin, end).
+struct ChunkRange {
+  int64_t row, begin, end;
+};
+__device__ inline ChunkRange chunkRange(int64_t item, int64_t chunks, int64_t chunkLen, int64_t n) {
+  const int64_t begin = (item % chunks) * chunkLen;
+  return ChunkRange{item / chunks, begin, begin + chunkLen < n ? begin + chunkLen : n};
+}
+
 // One block per (row, chunk): the chunk's sum into out[item] (item = row * chunks + chunk).
 // With one chunk per row it is the row's sum; otherwise a partial for the second pass (this
 // kernel again, over the partials).
@@ -41,14 +50,11 @@ template <typename In, typename Out, typename Acc>
 __global__ void sumChunksKernel(Out* out, const In* in, int64_t rows, int64_t n, int64_t chunks,
                                 int64_t chunkLen) {
   __shared__ Acc shared[kThreads / 32];
-  const int64_t items = rows * chunks;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t r = item / chunks;
-    const int64_t begin = (item % chunks) * chunkLen;
-    const int64_t end = begin + chunkLen < n ? begin + chunkLen : n;
-    const In* row = in + r * n;
+  for (int64_t item = blockIdx.x; item < rows * chunks; item += gridDim.x) {
+    const ChunkRange c = chunkRange(item, chunks, chunkLen, n);
+    const In* row = in + c.row * n;
     Acc acc = 0;
-    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) acc += static_cast<Acc>(row[j]);
+    for (int64_t j = c.begin + threadIdx.x; j < c.end; j += kThreads) acc += static_cast<Acc>(row[j]);
     acc = blockSum(acc, shared);
     if (threadIdx.x == 0) out[item] = static_cast<Out>(acc);
   }
@@ -98,14 +104,11 @@ __global__ void extremeChunksKernel(detail::ExtremeCandidate<T>* partials, T* va
                                     const T* in, int64_t rows, int64_t n, int64_t chunks, int64_t chunkLen,
                                     bool isMax) {
   __shared__ detail::ExtremeCandidate<T> shared[kThreads];
-  const int64_t items = rows * chunks;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t r = item / chunks;
-    const int64_t begin = (item % chunks) * chunkLen;
-    const int64_t end = begin + chunkLen < n ? begin + chunkLen : n;
-    const T* row = in + r * n;
+  for (int64_t item = blockIdx.x; item < rows * chunks; item += gridDim.x) {
+    const ChunkRange c = chunkRange(item, chunks, chunkLen, n);
+    const T* row = in + c.row * n;
     detail::ExtremeCandidate<T> mine{T(0), -1};
-    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
+    for (int64_t j = c.begin + threadIdx.x; j < c.end; j += kThreads) {
       mine = detail::betterExtreme(mine, detail::ExtremeCandidate<T>{row[j], j}, isMax);
     }
     const detail::ExtremeCandidate<T> best = blockBestExtreme(mine, shared, isMax);
@@ -113,8 +116,8 @@ __global__ void extremeChunksKernel(detail::ExtremeCandidate<T>* partials, T* va
       if (partials != nullptr) {
         partials[item] = best;
       } else {
-        values[r] = best.value;
-        indices[r] = best.index;
+        values[c.row] = best.value;
+        indices[c.row] = best.index;
       }
     }
   }
