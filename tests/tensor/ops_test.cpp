@@ -365,6 +365,11 @@ TEST(Ops, UnsupportedDeviceNamesOpAndDevice) {
   expectThrowsWith<NotSupportedError>([&] { sum(c); }, {"sum", "cuda:0"});
   expectThrowsWith<NotSupportedError>([&] { relu(c); }, {"relu", "cuda:0"});
   expectThrowsWith<NotSupportedError>([&] { c.fill_(1.0); }, {"fill_", "cuda:0"});
+  // Attention has no CUDA kernel on any machine: it names itself and the device.
+  Tensor qkv = empty({1, 2, 6}, DType::Float32, Device::cuda(0));
+  expectThrowsWith<NotSupportedError>([&] { selfAttention(qkv, 1); }, {"selfAttention", "cuda:0"});
+  expectThrowsWith<NotSupportedError>([&] { scaledDotProductAttention(c, c, c); },
+                                      {"scaledDotProductAttention", "cuda:0"});
   expectThrowsWith<InvalidArgument>([&] { add(c, h); }, {"different devices", "cuda:0", "cpu"});
   expectThrowsWith<InvalidArgument>([&] { mm(h, c); }, {"cuda:0", "cpu"});
   Tensor leaf = empty({2}, DType::Float64, Device::cuda(0)).setRequiresGrad(true);
