@@ -1,12 +1,21 @@
 // The NCCL backend's decisions, apart from NCCL and CUDA: when a watched op
 // counts as done, how a nonblocking NCCL call is waited for, how each
 // device's communicator is created once while an abort can still get
-// through, and how shutdown chooses between finalizing and aborting. NcclBackend implements the small interfaces below with its NCCL
-// and CUDA calls; tests implement them with fakes, so the rules are checked
-// in every build, with or without a GPU. No CUDA or NCCL header here.
+// through, and how shutdown chooses between finalizing and aborting.
+// NcclBackend implements the small interfaces below with its NCCL and CUDA
+// calls; tests implement them with fakes, so the rules are checked in every
+// build, with or without a GPU. No CUDA or NCCL header here.
 //
-// Thread safety: the free functions keep no state and call their arguments
-// on the calling thread only; CommRegistry is thread-safe.
+// Contract:
+//  * Blocking: pollOp never blocks; awaitCall and closeCommunicators poll
+//    (with a Backoff) until their deadline at most; CommRegistry::getOrCreate
+//    blocks while another thread creates the same key (which is bounded by
+//    that creation's own deadline) and returns at once on an abort.
+//  * Thread safety: the free functions keep no state and call their
+//    arguments on the calling thread only; CommRegistry is thread-safe.
+//  * Ownership: CommRegistry shares its communicators (shared_ptr); it never
+//    ends one itself (beginAbort hands them to the caller, a late one goes
+//    to the creator's abandon()).
 #pragma once
 
 #include <atomic>

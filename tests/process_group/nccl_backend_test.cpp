@@ -1,6 +1,9 @@
 // What the NCCL backend does beyond the conformance suite: Work's device
-// wait, the watchdog's timeout report, communicator rendezvous timeouts, and
-// ProcessGroup's routing of CUDA tensors. Built in every configuration: the
+// wait, the watchdog's timeout report, communicator rendezvous timeouts,
+// ProcessGroup's routing of CUDA tensors, and the cases of issue 24's review
+// (no context on cuda:0, an aborted op fails, shutdown during a creation,
+// destroy() right after a device wait, allgather's two paths; their rules
+// also run without a GPU in nccl_lifecycle_test). Built in every configuration: the
 // Work and routing-error cases run everywhere; the others need NCCL and a
 // GPU and skip with the reason otherwise.
 #include <gtest/gtest.h>
