@@ -18,5 +18,6 @@ ctest --test-dir build-asan -j 2 --output-on-failure --no-tests=error --timeout 
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDT_SANITIZE=thread \
   -DDT_USE_CUDA=OFF -DDT_USE_GLOO=OFF -DDT_BUILD_BENCH=OFF -DDT_BUILD_EXAMPLES=OFF
-cmake --build build-tsan -j 2 --target store_conformance_test launcher_coordinator_test tensor_autograd_test tensor_ops_test tensor_profiler_test data_test work_test
+cmake --build build-tsan -j 2 --target store_conformance_test launcher_coordinator_test tensor_autograd_test tensor_ops_test tensor_profiler_test data_test work_test \
+  tensor_device_switch_test nccl_lifecycle_test ddp_comm_hooks_test
 ctest --test-dir build-tsan -j 2 --output-on-failure --no-tests=error --timeout 600 -L tsan
