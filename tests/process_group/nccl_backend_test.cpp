@@ -356,7 +356,8 @@ TEST(NcclBackend, ARankOnCuda1OpensNoContextOnCuda0FromAnyOfItsThreads) {
   {
     // The watchdog aborts the communicator from the runner's worker (a deadline passes). Last:
     // the op held behind the stream starts on an aborted communicator once released.
-    NcclBackend backend(std::make_shared<HashStore>(), 0, 1, fastOptions("ctx-abort", 1s));
+    // 5 s: room for NCCL's initialisation, which the group timeout bounds too.
+    NcclBackend backend(std::make_shared<HashStore>(), 0, 1, fastOptions("ctx-abort", 5s));
     Tensor t = ones({1024}, DType::Float32, gpu);
     backend.allreduce({t})->wait(60s);
     cuda::Stream user = cuda::Stream::create(gpu);
@@ -364,7 +365,7 @@ TEST(NcclBackend, ARankOnCuda1OpensNoContextOnCuda0FromAnyOfItsThreads) {
     static std::atomic<bool> released{false};
     ASSERT_EQ(cudaLaunchHostFunc(static_cast<cudaStream_t>(user.handle()), holdStream, &released), cudaSuccess);
     std::thread releaser([&] {
-      std::this_thread::sleep_for(3s);
+      std::this_thread::sleep_for(8s);
       released = true;
     });
     auto stuck = backend.allreduce({t});
