@@ -175,7 +175,7 @@ class CollectiveRunner {
   int size() const { return size_; }
   Millis timeout() const { return timeout_; }
   // "rank 1/4 pg=default gloo"
-  std::string who() const;
+  const std::string& who() const { return who_; }
   // "2" or "2 (global 5)"
   std::string rankName(int rank) const;
   const Logger& log() const { return log_; }
@@ -218,6 +218,7 @@ class CollectiveRunner {
   const Millis timeout_;
   Logger log_;
   std::string who_;
+  std::shared_ptr<const std::string> sharedWho_;  // the same, for Works that outlive the runner
   std::function<void()> abort_;
   std::unique_ptr<ProgressTracker> progress_;
 

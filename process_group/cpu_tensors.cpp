@@ -35,15 +35,23 @@ std::vector<TensorSignature> signatures(const std::vector<Tensor>& tensors) {
 
 void Staged::copyBack() {
   for (size_t i = 0; i < buffers.size(); ++i) {
-    if (!members[i].empty()) unflattenInto(buffers[i], members[i]);
+    if (i < members.size() && !members[i].empty()) unflattenInto(buffers[i], members[i]);
   }
+}
+
+Staged stage(std::vector<Tensor>&& tensors) {
+  if (tensors.size() == 1 && tensors[0].isContiguous()) {
+    Staged staged;
+    staged.buffers = std::move(tensors);
+    return staged;
+  }
+  return stage(static_cast<const std::vector<Tensor>&>(tensors));
 }
 
 Staged stage(const std::vector<Tensor>& tensors) {
   Staged staged;
   if (tensors.size() == 1 && tensors[0].isContiguous()) {
     staged.buffers.push_back(tensors[0]);
-    staged.members.emplace_back();
     return staged;
   }
   for (auto& [dtype, members] : byDType(tensors)) {

@@ -20,11 +20,13 @@ std::vector<TensorSignature> signatures(const std::vector<Tensor>& tensors);
 
 struct Staged {
   std::vector<Tensor> buffers;
-  std::vector<std::vector<Tensor>> members;  // empty: buffers[i] is the user's tensor
+  std::vector<std::vector<Tensor>> members;  // empty or missing: buffers[i] is the user's tensor
   void copyBack();
 };
 
 Staged stage(const std::vector<Tensor>& tensors);
+// The same, taking the list over when it can serve as is (no allocation).
+Staged stage(std::vector<Tensor>&& tensors);
 // Always copies: one flat buffer per dtype, nothing to copy back (reduce's
 // non-root ranks, whose tensors must stay unchanged).
 Staged stageCopy(const std::vector<Tensor>& tensors);
@@ -36,7 +38,7 @@ Staged stageCopy(const std::vector<Tensor>& tensors);
 // number the op). `who` is "rank 1/4 pg=default shm", `size` the group's,
 // `seq` the op's number from its options (0: unnumbered).
 struct CpuCallSite {
-  std::string who;
+  std::string_view who;  // the backend's own text (outlives the call): no string built per op
   const char* backend;
   int rank;
   int size;

@@ -54,7 +54,7 @@ HierarchicalBackend::~HierarchicalBackend() { shutdown(); }
 
 WorkPtr HierarchicalBackend::allreduce(const std::vector<Tensor>& tensors, const AllreduceOptions& options) {
   CollectiveFingerprint fp = checkAllreduce(
-      CpuCallSite{str("rank ", rank_, "/", size_, " shm+gloo"), "shm+gloo", rank_, size_, options.seq}, tensors, options);
+      CpuCallSite{runner_->who(), "shm+gloo", rank_, size_, options.seq}, tensors, options);
   const ReduceOp op = options.reduceOp;
   return runner_->enqueue(options.seq, "allreduce", std::move(fp), options.timeout,
                           [this, tensors, op](std::chrono::milliseconds limit, const CollectiveFingerprint&) {

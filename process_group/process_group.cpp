@@ -229,15 +229,21 @@ Backend& ProcessGroup::backendFor(const Device& device) {
 template <typename Fn>
 WorkPtr ProcessGroup::numbered(const char* op, const Device& device, uint64_t& seqField, std::vector<Tensor> result,
                                Fn&& call) {
-  requireMember(op);
-  Backend& backend = backendFor(device);
+  // CPU tensors (every small op) take the CPU backend under the one lock
+  // below; backendFor's own checks would lock twice more.
+  Backend* backend = device.isCpu() && isMember() ? nullptr : &backendFor(device);
   // Holding the lock across the call keeps issue order == sequence order
   // when several threads issue (backends only enqueue here).
   std::lock_guard<std::mutex> lock(mutex_);
+  if (destroyed_) {
+    throw InvalidArgument(str(op, " on process group ", options_.name, " [", who(),
+                              "]: the group was destroyed; create a new one"));
+  }
+  if (backend == nullptr) backend = cpuBackend_.get();
   seqField = seq_ + 1;
   WorkPtr work;
   try {
-    work = call(backend);
+    work = call(*backend);
   } catch (const InvalidArgument& e) {
     // The CPU backends already say "<op> #<seq> (not issued)"; others get it here.
     if (std::string(e.what()).find(" (not issued)") != std::string::npos) throw;
@@ -258,6 +264,31 @@ Device deviceOf(const std::vector<Tensor>& tensors) {
 WorkPtr ProcessGroup::allreduce(const std::vector<Tensor>& tensors, AllreduceOptions options) {
   return numbered("allreduce", deviceOf(tensors), options.seq, tensors,
                   [&](Backend& b) { return b.allreduce(tensors, options); });
+}
+
+// The one-tensor forms build the list once and hand it to the Work as its
+// result after the call (the list forms copy theirs).
+WorkPtr ProcessGroup::allreduce(const Tensor& tensor, AllreduceOptions options) {
+  std::vector<Tensor> tensors{tensor};
+  WorkPtr work = numbered("allreduce", deviceOf(tensor), options.seq, {},
+                          [&](Backend& b) { return b.allreduce(tensors, options); });
+  work->setResult(std::move(tensors));
+  return work;
+}
+
+WorkPtr ProcessGroup::broadcast(const Tensor& tensor, BroadcastOptions options) {
+  std::vector<Tensor> tensors{tensor};
+  WorkPtr work = numbered("broadcast", deviceOf(tensor), options.seq, {},
+                          [&](Backend& b) { return b.broadcast(tensors, options); });
+  work->setResult(std::move(tensors));
+  return work;
+}
+
+WorkPtr ProcessGroup::reduce(const Tensor& tensor, ReduceOptions options) {
+  std::vector<Tensor> tensors{tensor};
+  WorkPtr work = numbered("reduce", deviceOf(tensor), options.seq, {}, [&](Backend& b) { return b.reduce(tensors, options); });
+  work->setResult(std::move(tensors));
+  return work;
 }
 
 WorkPtr ProcessGroup::broadcast(const std::vector<Tensor>& tensors, BroadcastOptions options) {

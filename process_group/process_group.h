@@ -97,19 +97,13 @@ class ProcessGroup {
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   WorkPtr allreduce(const std::vector<Tensor>& tensors, AllreduceOptions options = {});
-  WorkPtr allreduce(const Tensor& tensor, AllreduceOptions options = {}) {
-    return allreduce(std::vector<Tensor>{tensor}, options);
-  }
+  WorkPtr allreduce(const Tensor& tensor, AllreduceOptions options = {});
   WorkPtr broadcast(const std::vector<Tensor>& tensors, BroadcastOptions options = {});
-  WorkPtr broadcast(const Tensor& tensor, BroadcastOptions options = {}) {
-    return broadcast(std::vector<Tensor>{tensor}, options);
-  }
+  WorkPtr broadcast(const Tensor& tensor, BroadcastOptions options = {});
   WorkPtr allgather(const std::vector<Tensor>& outputs, const Tensor& input, AllgatherOptions options = {});
   WorkPtr reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs, ReduceScatterOptions options = {});
   WorkPtr reduce(const std::vector<Tensor>& tensors, ReduceOptions options = {});
-  WorkPtr reduce(const Tensor& tensor, ReduceOptions options = {}) {
-    return reduce(std::vector<Tensor>{tensor}, options);
-  }
+  WorkPtr reduce(const Tensor& tensor, ReduceOptions options = {});
   WorkPtr barrier(BarrierOptions options = {});
   WorkPtr send(const std::vector<Tensor>& tensors, int dstRank, SendOptions options = {});
   WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, RecvOptions options = {});

@@ -95,6 +95,26 @@ void runCallbacks(Work& work, std::vector<std::function<void(Work&)>>& callbacks
 
 Work::Work(std::string description) : description_(std::move(description)) {}
 
+Work::Work(const char* op, uint64_t seq, std::shared_ptr<const std::string> who)
+    : op_(op), seq_(seq), who_(std::move(who)) {}
+
+const std::string& Work::description() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return describeLocked();
+}
+
+const std::string& Work::describeLocked() const {
+  if (description_.empty() && op_ != nullptr) {
+    description_ = op_;
+    description_ += " #";
+    description_ += std::to_string(seq_);
+    description_ += " (";
+    description_ += who_ ? *who_ : std::string();
+    description_ += ')';
+  }
+  return description_;
+}
+
 std::shared_ptr<Work> Work::completed(std::string description) {
   auto work = std::make_shared<Work>(std::move(description));
   work->markCompleted();
@@ -107,20 +127,18 @@ std::shared_ptr<Work> Work::failed(std::string description, std::exception_ptr e
   return work;
 }
 
+// completed_ is read without the lock where that saves one on the op's path:
+// error_ is written before completed_ is set (release) and never after, and
+// the start and device helpers are set before the Work is handed out.
+bool Work::done() const { return completed_.load(std::memory_order_acquire); }
+
 void Work::hintStartSoon() const {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (completed_ || startHinted_ || !startHelper_) return;
-    startHinted_ = true;
-  }
-  startHelper_(Start::Soon);  // set before the Work was handed out, never changed
+  if (!startHelper_ || done() || startHinted_.exchange(true)) return;
+  startHelper_(Start::Soon);
 }
 
 bool Work::isCompleted() const {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (completed_) return true;
-  }
+  if (done()) return true;
   hintStartSoon();
   return false;
 }
@@ -147,33 +165,36 @@ bool Work::hasDeviceWait() const {
 }
 
 void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (!timeout && deviceWait_) {
+  // A completed op's event (device work) has completed too: nothing to wait for.
+  if (done()) {
     if (error_) std::rethrow_exception(error_);
-    // A completed op's event has completed too: there is nothing to wait for.
-    if (completed_) return;
-    auto deviceWait = deviceWait_;
-    lock.unlock();
-    deviceWait();
     return;
   }
-  if (!completed_ && startHelper_) {
-    lock.unlock();
+  if (!timeout && deviceWait_) {
+    deviceWait_();
+    return;
+  }
+  if (startHelper_) {
     if (timeout) {
       hintStartSoon();
     } else {
       startHelper_(Start::OnThisThread);
     }
-    lock.lock();
+    if (done()) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
   }
+  std::unique_lock<std::mutex> lock(mutex_);
   if (timeout) {
-    if (!done_.wait_for(lock, *timeout, [&] { return completed_; })) {
-      throw TimeoutError(str("Work::wait: ", description_, " still running after ", formatDuration(*timeout),
+    if (!done_.wait_for(lock, *timeout, [&] { return done(); })) {
+      lock.unlock();
+      throw TimeoutError(str("Work::wait: ", description(), " still running after ", formatDuration(*timeout),
                              "; only this wait timed out: the op continues, the group is not broken by it, and "
                              "the op's own timeout ends it; wait again, or check ProcessGroup::isBroken()"));
     }
   } else {
-    done_.wait(lock, [&] { return completed_; });
+    done_.wait(lock, [&] { return done(); });
   }
   if (error_) std::rethrow_exception(error_);
 }
@@ -220,7 +241,8 @@ void Work::drainCallbacks(std::vector<std::function<void(Work&)>> batch) {
 }
 
 void Work::setResult(std::vector<Tensor> tensors) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  // No lock: before the Work is handed out nothing reads result_ (only
+  // result(), future() and a completion with a future made read it).
   result_ = std::move(tensors);
 }
 
@@ -249,7 +271,7 @@ std::shared_future<std::vector<Tensor>> Work::future() {
 void Work::markCompleted() { finish(nullptr); }
 
 void Work::markFailed(std::exception_ptr error) {
-  if (!error) error = std::make_exception_ptr(Error(str(description_, " failed without an error (internal error)")));
+  if (!error) error = std::make_exception_ptr(Error(str(description(), " failed without an error (internal error)")));
   finish(std::move(error));
 }
 
@@ -259,10 +281,10 @@ void Work::finish(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (completed_) {
-      throw Error(str("Work ", description_, " completed twice (internal error, please report)"));
+      throw Error(str("Work ", describeLocked(), " completed twice (internal error, please report)"));
     }
-    completed_ = true;
     error_ = std::move(error);
+    completed_.store(true, std::memory_order_release);
     if (promise_) {
       if (error_) {
         promise_->set_exception(error_);

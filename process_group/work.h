@@ -51,6 +51,7 @@
 //    isCompleted(), then(), future() and result() read as for any Work.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -68,8 +69,11 @@ namespace dt {
 
 class Work : public std::enable_shared_from_this<Work> {
  public:
-  // description names the op for messages, e.g. "allreduce #3 (pg=default, gloo)".
+  // description names the op for messages, e.g. "allreduce #3 (rank 0/2 pg=default gloo)".
   explicit Work(std::string description);
+  // The same text, made only when something asks for it (errors, logs): a
+  // collective's Work is on every op's path. `op` must be a string literal.
+  Work(const char* op, uint64_t seq, std::shared_ptr<const std::string> who);
   virtual ~Work() = default;
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
@@ -87,7 +91,7 @@ class Work : public std::enable_shared_from_this<Work> {
   void thenInline(std::function<void(Work&)> callback);
   std::vector<Tensor> result() const;
   std::shared_future<std::vector<Tensor>> future();
-  const std::string& description() const { return description_; }
+  const std::string& description() const;
 
   // Backend side. Throws dt::Error when already completed.
   void markCompleted();
@@ -100,17 +104,20 @@ class Work : public std::enable_shared_from_this<Work> {
   // Whether wait() without a timeout only orders the caller's stream; code
   // that must see the op finished on the host uses wait(timeout) then.
   bool hasDeviceWait() const;
-  void setResult(std::vector<Tensor> tensors);
+  void setResult(std::vector<Tensor> tensors);  // before the Work is handed out, like the helpers
 
  private:
   void finish(std::exception_ptr error);
   // Runs `batch`, then whatever then() queued meanwhile, until none is left.
   void drainCallbacks(std::vector<std::function<void(Work&)>> batch);
 
-  const std::string description_;
+  mutable std::string description_;  // made once from the parts below if empty (under mutex_)
+  const char* op_ = nullptr;
+  uint64_t seq_ = 0;
+  std::shared_ptr<const std::string> who_;
   mutable std::mutex mutex_;
   std::condition_variable done_;
-  bool completed_ = false;
+  std::atomic<bool> completed_{false};  // set under mutex_, also read without it (done())
   std::exception_ptr error_;
   std::vector<std::function<void(Work&)>> inlineCallbacks_;
   std::vector<std::function<void(Work&)>> callbacks_;
@@ -119,7 +126,9 @@ class Work : public std::enable_shared_from_this<Work> {
   void hintStartSoon() const;
 
   std::function<bool(Start)> startHelper_;
-  mutable bool startHinted_ = false;
+  bool done() const;
+  const std::string& describeLocked() const;
+  mutable std::atomic<bool> startHinted_{false};
   std::function<void()> deviceWait_;
   std::vector<Tensor> result_;
   std::optional<std::promise<std::vector<Tensor>>> promise_;  // made by the first future()

@@ -149,7 +149,8 @@ struct GlooBackend::Impl {
   bool p2pStopping = false;
   std::thread p2pWorker;
 
-  std::string who() const { return str("rank ", rank, "/", size, " pg=", options.groupName, " gloo"); }
+  std::string whoText;  // "rank 1/4 pg=default gloo", made once: who() is on every op's path
+  const std::string& who() const { return whoText; }
   CpuCallSite callSite(uint64_t seq) const { return CpuCallSite{who(), "gloo", rank, size, seq}; }
 
   // ---- set-up --------------------------------------------------------------
@@ -335,6 +336,7 @@ GlooBackend::GlooBackend(StorePtr store, int rank, int size, GlooBackendOptions 
   d.rank = rank;
   d.size = size;
   d.options = std::move(options);
+  d.whoText = str("rank ", rank, "/", size, " pg=", d.options.groupName, " gloo");
   d.timeout = d.options.resolvedTimeout();
   d.allreduceAlgorithm = d.options.allreduceAlgorithm
                              ? *d.options.allreduceAlgorithm

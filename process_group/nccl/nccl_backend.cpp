@@ -151,7 +151,7 @@ struct NcclBackend::Impl {
   bool p2pStopping = false;
   std::thread p2pThread;
 
-  std::string who() const { return runner->who(); }
+  const std::string& who() const { return runner->who(); }
   CpuCallSite callSite(uint64_t seq) const { return CpuCallSite{who(), "nccl", rank, size, seq}; }
 
   // ---- input checks --------------------------------------------------------------------------------

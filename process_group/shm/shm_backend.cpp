@@ -112,7 +112,8 @@ struct ShmBackend::Impl {
   // Works to complete once p2pMutex is released (their callbacks may post more).
   std::vector<std::pair<WorkPtr, std::exception_ptr>> finished;
 
-  std::string who() const { return str("rank ", rank, "/", size, " pg=", options.groupName, " shm"); }
+  std::string whoText;  // "rank 1/4 pg=default shm", made once: who() is on every op's path
+  const std::string& who() const { return whoText; }
   CpuCallSite callSite(uint64_t seq) const { return CpuCallSite{who(), "shm", rank, size, seq}; }
 
   // ---- collective skeleton --------------------------------------------------------
@@ -555,6 +556,7 @@ ShmBackend::ShmBackend(StorePtr store, int rank, int size, ShmBackendOptions opt
   d.rank = rank;
   d.size = size;
   d.options = std::move(options);
+  d.whoText = str("rank ", rank, "/", size, " pg=", d.options.groupName, " shm");
   d.timeout = d.options.resolvedTimeout();
   DT_REQUIRE(d.options.slotBytes >= 4096, "ShmBackend: slotBytes must be at least 4096, got ", d.options.slotBytes);
   d.options.smallBytes = std::min(d.options.smallBytes, d.options.slotBytes);
@@ -597,7 +599,12 @@ WorkPtr collective(ShmBackend::Impl& d, uint64_t seq, const char* op, Collective
                    Run run) {
   return d.runner->enqueue(
       seq, op, std::move(fp), timeout,
-      [&d, run = std::move(run)](Millis limit, const CollectiveFingerprint& numbered) {
+      [&d, run = std::move(run)](Millis limit, const CollectiveFingerprint& numbered) mutable {
+        if (d.size == 1) {  // nothing to exchange, nobody to compare with
+          run(d);
+          d.end();
+          return;
+        }
         d.seg->enterCollective();
         struct Leave {
           shm::ShmSegment& seg;
@@ -622,8 +629,8 @@ WorkPtr ShmBackend::allreduce(const std::vector<Tensor>& tensors, const Allreduc
   CollectiveFingerprint fp = checkAllreduce(d.callSite(options.seq), tensors, options);
   const ReduceOp op = options.reduceOp;
   return collective(d, options.seq, "allreduce", std::move(fp), options.timeout,
-                    [tensors, op](Impl& impl) {
-                      Staged staged = stage(tensors);
+                    [tensors, op](Impl& impl) mutable {  // runs once: it may give its list away
+                      Staged staged = stage(std::move(tensors));
                       for (auto& b : staged.buffers) {
                         impl.allreduceBuffer(static_cast<uint8_t*>(b.dataPtr()), static_cast<size_t>(b.numel()),
                                              b.dtype(), op, true, 0);
@@ -654,8 +661,8 @@ WorkPtr ShmBackend::broadcast(const std::vector<Tensor>& tensors, const Broadcas
   CollectiveFingerprint fp = checkBroadcast(d.callSite(options.seq), tensors, options);
   const int root = options.root;
   return collective(d, options.seq, "broadcast", std::move(fp), options.timeout,
-                    [tensors, root](Impl& impl) {
-                      Staged staged = stage(tensors);
+                    [tensors, root](Impl& impl) mutable {  // runs once: it may give its list away
+                      Staged staged = stage(std::move(tensors));
                       for (auto& b : staged.buffers) {
                         impl.broadcastBuffer(static_cast<uint8_t*>(b.dataPtr()), b.nbytes(), root);
                       }
