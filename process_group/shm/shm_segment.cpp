@@ -312,7 +312,7 @@ void ShmSegment::waitFor(int r, Clock::time_point deadline) {
 
 ShmSegment::WaitStats ShmSegment::waitStats() const {
   return WaitStats{spun_.load(std::memory_order_relaxed), slept_.load(std::memory_order_relaxed),
-                   sleptForCoreMate_.load(std::memory_order_relaxed), steppedAside_.load(std::memory_order_relaxed)};
+                   forCoreMate_.load(std::memory_order_relaxed), steppedAside_.load(std::memory_order_relaxed)};
 }
 
 void ShmSegment::stepAside(int here) {
@@ -386,7 +386,7 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
   // the rank here or move one of the two to an idle core.
   const int mate = peer.cpu.load(std::memory_order_relaxed) == here ? r : awakeRankOnCore(here);
   if (mate >= 0) {
-    sleptForCoreMate_.fetch_add(1, std::memory_order_relaxed);
+    forCoreMate_.fetch_add(1, std::memory_order_relaxed);
     // Of two stacked ranks the higher one moves (both moving would swap cores).
     if (++matesInARow_ >= kStackedWaits && mate < rank_) stepAside(here);
     if (yieldToMate(r, target, here)) return;

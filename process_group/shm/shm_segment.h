@@ -136,7 +136,7 @@ class ShmSegment {
   struct WaitStats {
     uint64_t spun = 0;              // the peer arrived while this rank spun
     uint64_t slept = 0;             // slept after spinning for 10 us
-    uint64_t sleptForCoreMate = 0;  // slept at once: the peer needed this core
+    uint64_t forCoreMate = 0;  // yielded or slept at once: a rank of the group needed this core
     uint64_t steppedAside = 0;      // moved to an idle core, away from a core mate (core_placement.h)
   };
   WaitStats waitStats() const;
@@ -181,7 +181,7 @@ class ShmSegment {
   uint32_t mySteps_ = 0;
   std::atomic<uint64_t> spun_{0};
   std::atomic<uint64_t> slept_{0};
-  std::atomic<uint64_t> sleptForCoreMate_{0};
+  std::atomic<uint64_t> forCoreMate_{0};
   std::atomic<uint64_t> steppedAside_{0};
   uint32_t matesInARow_ = 0;  // collective thread only
   Clock::time_point nextStepAside_{};

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <functional>
 #include <future>
+#include <mutex>
 #include <thread>
 
 #include "common/errors.h"
@@ -178,6 +179,56 @@ class EmptyBackend final : public Backend {
   int rank() const override { return 0; }
   int size() const override { return 1; }
 };
+
+// A backend's start helper hears how the caller uses a Work it has not started:
+// wait() asks to run it on the waiting thread; any other use (then,
+// thenInline, isCompleted, exception, future, a wait with a timeout) asks
+// for it to start soon elsewhere, once.
+TEST(Work, TheStartHelperHearsWaitsAndEveryOtherUseOnce) {
+  using Start = Work::Start;
+  struct Heard {
+    std::mutex mutex;
+    std::vector<Start> calls;
+  };
+  auto make = [](Heard& heard) {
+    auto work = std::make_shared<Work>("allreduce", 7, std::make_shared<const std::string>("rank 0/2 pg=default test"));
+    work->setStartHelper([&heard](Start how) {
+      std::lock_guard<std::mutex> lock(heard.mutex);
+      heard.calls.push_back(how);
+      return false;
+    });
+    return work;
+  };
+  {
+    Heard heard;
+    auto work = make(heard);
+    std::thread completer([&] {
+      while (true) {
+        std::lock_guard<std::mutex> lock(heard.mutex);
+        if (!heard.calls.empty()) break;
+      }
+      work->markCompleted();
+    });
+    work->wait();
+    completer.join();
+    EXPECT_EQ(heard.calls, std::vector<Start>{Start::OnThisThread});
+    EXPECT_EQ(work->description(), "allreduce #7 (rank 0/2 pg=default test)");  // made when asked
+  }
+  const std::vector<std::function<void(Work&)>> uses = {
+      [](Work& w) { w.then([](Work&) {}); },      [](Work& w) { w.thenInline([](Work&) {}); },
+      [](Work& w) { (void)w.isCompleted(); },     [](Work& w) { (void)w.exception(); },
+      [](Work& w) { (void)w.future(); },          [](Work& w) { EXPECT_THROW(w.wait(1ms), TimeoutError); }};
+  for (size_t use = 0; use < uses.size(); ++use) {
+    Heard heard;
+    auto work = make(heard);
+    uses[use](*work);
+    uses[use](*work);  // a second use says nothing new
+    EXPECT_EQ(heard.calls, std::vector<Start>{Start::Soon}) << "use " << use;
+    work->markCompleted();
+    (void)work->isCompleted();  // completed: nothing to start
+    EXPECT_EQ(heard.calls.size(), 1u) << "use " << use;
+  }
+}
 
 TEST(Backend, MissingOpsThrowNotSupportedNamingBackendAndOp) {
   EmptyBackend b;

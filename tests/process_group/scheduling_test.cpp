@@ -1,0 +1,328 @@
+// Who runs a small op, and how ranks wait for each other: every scheduling
+// path the runner (collective_runner.h) and the shared-memory segment
+// (shm_segment.h, core_placement.h) keep, checked by what ran where and by the
+// counters they keep, never by time.
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/errors.h"
+#include "process_group/collective_runner.h"
+#include "process_group/shm/core_placement.h"
+#include "process_group/shm/shm_segment.h"
+#include "common/strings.h"
+#include "store/hash_store.h"
+#include "tests/testing/processes.h"
+#include "tests/testing/testing.h"
+
+namespace dt {
+namespace {
+
+using namespace std::chrono_literals;
+using Millis = std::chrono::milliseconds;
+
+bool eventually(const std::function<bool()>& done, std::chrono::seconds limit = 30s) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  return done();
+}
+
+CollectiveFingerprint floats(int64_t count) {
+  CollectiveFingerprint fp;
+  fp.tensors.push_back({DType::Float32, {count}});
+  return fp;
+}
+
+// A one-rank runner whose ops record the thread that ran them.
+struct Recorder {
+  std::unique_ptr<CollectiveRunner> runner;
+  std::mutex mutex;
+  std::vector<std::thread::id> ranOn;  // by op, in run order
+  std::atomic<int> ran{0};
+
+  Recorder() {
+    CollectiveRunnerOptions options;
+    options.backendName = "test";
+    runner = std::make_unique<CollectiveRunner>(std::make_shared<HashStore>(), 0, 1, options, [] {});
+  }
+  WorkPtr issue(int64_t count = 1024) {
+    return runner->enqueue(0, "allreduce", floats(count), std::nullopt, [this](Millis, const CollectiveFingerprint&) {
+      std::lock_guard<std::mutex> lock(mutex);
+      ranOn.push_back(std::this_thread::get_id());
+      ++ran;
+    });
+  }
+  std::thread::id thread(size_t op) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return ranOn.at(op);
+  }
+};
+
+TEST(Scheduling, ASmallOpItsCallerWaitsForRunsOnTheCallerWithNoWakeUp) {
+  Recorder r;
+  for (int i = 0; i < 50; ++i) r.issue()->wait();
+  for (size_t i = 0; i < 50; ++i) EXPECT_EQ(r.thread(i), std::this_thread::get_id()) << "op " << i;
+  EXPECT_EQ(r.runner->stats().ranByCaller, 50u);
+  EXPECT_EQ(r.runner->stats().ranByWorker, 0u);
+}
+
+TEST(Scheduling, AnOpNobodyTouchesStartsOnTheWorkerAtItsSecondTick) {
+  Recorder r;
+  WorkPtr work = r.issue();
+  // Nothing is asked of the Work: only the worker's tick can start it.
+  ASSERT_TRUE(eventually([&] { return r.ran.load() == 1; }));
+  EXPECT_NE(r.thread(0), std::this_thread::get_id());
+  work->wait();  // a late waiter finds it done and runs nothing
+  EXPECT_EQ(r.runner->stats().ranByWorker, 1u);
+  EXPECT_EQ(r.runner->stats().ranByCaller, 0u);
+}
+
+TEST(Scheduling, UsingTheWorkOtherwiseHandsItToTheWorkerAtOnce) {
+  for (int hint = 0; hint < 4; ++hint) {
+    Recorder r;
+    WorkPtr work = r.issue();
+    std::atomic<bool> called{false};
+    switch (hint) {
+      case 0: EXPECT_FALSE(work->isCompleted() && r.ran.load() == 0); break;
+      case 1: work->then([&](Work&) { called = true; }); break;
+      case 2: (void)work->future(); break;
+      case 3: work->wait(30s); break;  // a wait with a timeout does not run it here
+    }
+    ASSERT_TRUE(eventually([&] { return r.ran.load() == 1; })) << "hint " << hint;
+    EXPECT_NE(r.thread(0), std::this_thread::get_id()) << "hint " << hint;
+    work->wait();
+    if (hint == 1) {
+      EXPECT_TRUE(eventually([&] { return called.load(); }));
+    }
+  }
+}
+
+TEST(Scheduling, IssuingAnotherOpHandsTheEarlierOneToTheWorker) {
+  Recorder r;
+  WorkPtr first = r.issue();
+  WorkPtr second = r.issue();
+  second->wait();
+  first->wait();
+  EXPECT_NE(r.thread(0), std::this_thread::get_id()) << "the caller moved on: the first op was the worker's";
+  EXPECT_EQ(r.runner->stats().ranByCaller + r.runner->stats().ranByWorker, 2u);
+}
+
+TEST(Scheduling, LargeOpsStartOnTheWorkerWithoutAnyHint) {
+  Recorder r;
+  WorkPtr work = r.issue(int64_t{1} << 20);  // 4 MiB: what a caller overlaps with compute
+  ASSERT_TRUE(eventually([&] { return r.ran.load() == 1; }, 5s));
+  EXPECT_NE(r.thread(0), std::this_thread::get_id());
+  work->wait();
+}
+
+TEST(Scheduling, OpsIssuedFromTwoThreadsAllRunOnceInIssueOrder) {
+  Recorder r;
+  std::mutex issueOrder;
+  std::vector<uint64_t> issued;
+  auto caller = [&] {
+    for (int i = 0; i < 200; ++i) {
+      WorkPtr work;
+      {
+        std::lock_guard<std::mutex> lock(issueOrder);
+        work = r.issue();
+      }
+      work->wait();
+    }
+  };
+  std::thread a(caller), b(caller);
+  a.join();
+  b.join();
+  EXPECT_EQ(r.ran.load(), 400);
+  const auto stats = r.runner->stats();
+  EXPECT_EQ(stats.ranByCaller + stats.ranByWorker, 400u);
+}
+
+TEST(Scheduling, ABrokenGroupFailsAnOpLeftToItsCallerAtOnce) {
+  Recorder r;
+  WorkPtr work = r.issue();
+  r.runner->fail(std::make_exception_ptr(BackendError("peer 1 is gone")));
+  testing::expectThrowsWith<BackendError>([&] { work->wait(); }, {"not started", "peer 1 is gone"});
+  EXPECT_EQ(r.ran.load(), 0);
+}
+
+// ---- shared memory: how ranks wait for each other ------------------------------------------
+
+void pinThisThreadTo(int core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  ASSERT_EQ(::pthread_setaffinity_np(::pthread_self(), sizeof set, &set), 0);
+}
+
+// Two threads as ranks of one segment, each pinned to `coreOf(rank)`, run
+// `rounds` exchanges and return each rank's wait statistics.
+std::vector<shm::ShmSegment::WaitStats> exchange(int rounds, const std::function<int(int)>& coreOf) {
+  auto store = std::make_shared<HashStore>();
+  std::vector<shm::ShmSegment::WaitStats> stats(2);
+  testing::runRanks(2, [&](int rank) {
+    pinThisThreadTo(coreOf(rank));
+    shm::SegmentOptions options;
+    options.name = "scheduling";
+    options.rank = rank;
+    options.size = 2;
+    options.slotBytes = 4096;
+    shm::ShmSegment segment(store, options);
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    for (int i = 0; i < rounds; ++i) {
+      *reinterpret_cast<int*>(segment.slot(rank, i & 1)) = i * 10 + rank;
+      segment.arrive();
+      segment.waitForAll(deadline);
+      EXPECT_EQ(*reinterpret_cast<int*>(segment.slot(1 - rank, i & 1)), i * 10 + 1 - rank) << "round " << i;
+      // Nobody rewrites a slot before every rank has read it (the backend's rule).
+      segment.arrive();
+      segment.waitForAll(deadline);
+    }
+    stats[rank] = segment.waitStats();
+  });
+  for (int r = 0; r < 2; ++r) {
+    std::printf("rank %d: spun %llu, slept %llu, for a core mate %llu, stepped aside %llu\n", r,
+                static_cast<unsigned long long>(stats[r].spun), static_cast<unsigned long long>(stats[r].slept),
+                static_cast<unsigned long long>(stats[r].forCoreMate),
+                static_cast<unsigned long long>(stats[r].steppedAside));
+  }
+  return stats;
+}
+
+TEST(Scheduling, RanksSharingACoreNeverSpinForEachOther) {
+  const auto stats = exchange(500, [](int) { return 0; });
+  for (int rank = 0; rank < 2; ++rank) {
+    // Every wait that was not over at once found its peer on its own core.
+    EXPECT_GT(stats[rank].forCoreMate, 0u) << "rank " << rank;
+    EXPECT_EQ(stats[rank].spun, 0u) << "rank " << rank;
+    EXPECT_EQ(stats[rank].steppedAside, 0u) << "rank " << rank << ": pinned to one core, nowhere to go";
+  }
+}
+
+TEST(Scheduling, RanksOnTwoCoresSpinForEachOther) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
+  const auto stats = exchange(2000, [](int rank) { return rank; });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_GT(stats[rank].spun, 0u) << "rank " << rank;
+    EXPECT_EQ(stats[rank].forCoreMate, 0u) << "rank " << rank;
+  }
+}
+
+// A peer stopped mid-exchange (SIGSTOP, as a preempted or paused process is)
+// is waited for by sleeping, not by spinning for as long as it is away, and
+// the exchange completes once it runs again. Forked ranks: a stopped thread
+// of this process would stop the test.
+TEST(Scheduling, APeerStoppedMidExchangeIsWaitedForAsleepAndCatchesUp) {
+  const auto results = testing::runProcesses(2, [](int rank, uint16_t port) -> std::string {
+    auto store = testing::clientStore(port, rank);
+    shm::SegmentOptions options;
+    options.name = "stopped";
+    options.rank = rank;
+    options.size = 2;
+    options.slotBytes = 4096;
+    shm::ShmSegment segment(store, options);
+    std::thread stopper;
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    int wrong = 0;
+    for (int round = 0; round < 1000; ++round) {
+      if (rank == 0 && round == 100) {
+        const pid_t peer = segment.control(1).pid;
+        stopper = std::thread([peer] {
+          ::kill(peer, SIGSTOP);
+          std::this_thread::sleep_for(300ms);  // well under the 5 s heartbeat timeout
+          ::kill(peer, SIGCONT);
+        });
+      }
+      *reinterpret_cast<int*>(segment.slot(rank, round & 1)) = round * 10 + rank;
+      segment.arrive();
+      segment.waitForAll(deadline);
+      wrong += *reinterpret_cast<int*>(segment.slot(1 - rank, round & 1)) != round * 10 + 1 - rank;
+      segment.arrive();
+      segment.waitForAll(deadline);
+    }
+    if (stopper.joinable()) stopper.join();
+    const auto stats = segment.waitStats();
+    return str("wrong ", wrong, " slept ", stats.slept + stats.forCoreMate, " ");
+  });
+  ASSERT_EQ(results.size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_FALSE(results[rank].killed) << "rank " << rank << ": " << results[rank].text;
+    EXPECT_EQ(results[rank].text.rfind("wrong 0 ", 0), 0u) << results[rank].text;
+  }
+  // Rank 0 waited 300 ms for the stopped rank 1: asleep, not spinning.
+  EXPECT_EQ(results[0].text.find(" slept 0 "), std::string::npos) << results[0].text;
+}
+
+// ---- core placement ----------------------------------------------------------------------
+
+cpu_set_t cores(std::initializer_list<int> list) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : list) CPU_SET(c, &set);
+  return set;
+}
+
+TEST(CorePlacement, AStackedRankGoesOnlyToAnIdleCoreNoRankHolds) {
+  using shm::chooseIdleCore;
+  using shm::kIdleUnknown;
+  const std::vector<uint8_t> idle = {0, 100, 95, 100};
+  // On core 0 with its core mate (runnable threads: this one and the mate).
+  EXPECT_EQ(chooseIdleCore(cores({0, 1, 2, 3}), 0, {0}, 2, idle, 80), 1);
+  // Core 1 holds another rank of the group: the next idlest free core.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1, 2, 3}), 0, {0, 1}, 2, idle, 80), 3);
+  // Outside the affinity mask: never.
+  EXPECT_EQ(chooseIdleCore(cores({0, 2}), 0, {0}, 2, idle, 80), 2);
+  // As many threads run elsewhere as there are other cores: none is idle now.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 3, {0, 100}, 80), -1);
+  // Busy in the last interval (a busy process holds it): stay.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 2, {0, 40}, 80), -1);
+  // Nothing known yet about idle shares: the runnable count decides.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 2, {kIdleUnknown, kIdleUnknown}, 80), 1);
+  // A known idle core before an unknown one.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1, 2}), 0, {0}, 2, {0, kIdleUnknown, 90}, 80), 2);
+  // procs_running unreadable: stay.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, -1, {0, 100}, 80), -1);
+}
+
+TEST(CorePlacement, MovingAThreadLeavesItsAffinityMaskAsItWas) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
+  std::thread([] {
+    cpu_set_t before;
+    ASSERT_EQ(::sched_getaffinity(0, sizeof before, &before), 0);
+    int target = -1;
+    for (int c = 0; c < CPU_SETSIZE && target < 0; ++c) {
+      if (CPU_ISSET(c, &before) && c != ::sched_getcpu()) target = c;
+    }
+    if (target < 0) GTEST_SKIP() << "this thread may run on one core only";
+    ASSERT_TRUE(shm::moveCallingThreadTo(target));
+    EXPECT_EQ(::sched_getcpu(), target);
+    cpu_set_t after;
+    ASSERT_EQ(::sched_getaffinity(0, sizeof after, &after), 0);
+    EXPECT_TRUE(CPU_EQUAL(&before, &after));
+    // A core outside the mask is refused and changes nothing.
+    EXPECT_FALSE(shm::moveCallingThreadTo(CPU_SETSIZE + 1));
+  }).join();
+}
+
+TEST(CorePlacement, IdleSharesComeFromProcStat) {
+  shm::CoreIdleSampler sampler;
+  EXPECT_TRUE(sampler.sample().empty()) << "nothing to compare with yet";
+  std::this_thread::sleep_for(50ms);
+  const auto idle = sampler.sample();
+  ASSERT_GE(idle.size(), std::min<size_t>(1, std::thread::hardware_concurrency()));
+  for (uint8_t share : idle) EXPECT_LE(share, 100);
+  EXPECT_GE(shm::runnableThreads(), 1) << "this thread is running";
+}
+
+}  // namespace
+}  // namespace dt
