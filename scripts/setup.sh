@@ -18,6 +18,8 @@ packages=(
   dataset-fashion-mnist           # examples/trainer's data: /usr/share/datasets/fashion-mnist/*.gz
   fortunes                        # examples/gpt's text: /usr/share/games/fortunes (2.5 MB of English)
   python3-matplotlib              # scripts/plot_metrics.py
+  libcurl4-openssl-dev nlohmann-json3-dev   # store/etcd_store: etcd's v3 JSON gateway over HTTP(S)
+  etcd-server openssl             # the etcd tests' private members (tests/store/etcd_test_support.h)
 )
 if [[ "${1:-}" == "--peers" ]]; then
   packages+=(libtorch-dev redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine time)
