@@ -17,6 +17,8 @@
 # usage: bench/run_small_ops_bench.sh [build-dir]
 #   Env: IDLE=50 BUSY=20 WORLD=2 SIZE=4K OP=allreduce IMPLS="dtrain-shm dtrain-gloo mpi-sm"
 #   OUT=file, PEERS (bench/peers), PEERS_BUILD (build-peers).
+#   BEFORE=path/to/an/older/collectives_bench adds dtrain-shm-before and dtrain-gloo-before,
+#   launched by the same loop (a before/after comparison in one run).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 build=${1:-${DT_BUILD_DIR:-build-bench}}
@@ -26,6 +28,11 @@ world=${WORLD:-2}
 size=${SIZE:-4K}
 op=${OP:-allreduce}
 impls=${IMPLS:-"dtrain-shm dtrain-gloo mpi-sm"}
+before=${BEFORE:-}
+if [ -n "$before" ]; then
+  [ -x "$before" ] || { echo "BEFORE=$before is not an executable collectives_bench" >&2; exit 2; }
+  impls="$impls dtrain-shm-before dtrain-gloo-before"
+fi
 peers=${PEERS:-bench/peers}
 peers_build=${PEERS_BUILD:-build-peers}
 out=${OUT:-$(mktemp /tmp/small-ops-bench.XXXXXX.txt)}
@@ -42,6 +49,8 @@ trap stop_spinner EXIT INT TERM
 launch() {  # impl condition index
   local impl=$1 cond=$2 i=$3 line
   case $impl in
+    dtrain-*-before) line=$("$before" --nproc "$world" --backend "$(echo "$impl" | cut -d- -f2)" --sizes "$size" --ops "$op" \
+                       --impl "$impl" 2>/dev/null | grep '^RESULT') ;;
     dtrain-*) line=$("$bench" --nproc "$world" --backend "${impl#dtrain-}" --sizes "$size" --ops "$op" 2>/dev/null | grep '^RESULT') ;;
     mpi-sm) [ "$have_mpi" = 1 ] || return 0
             line=$(mpi_results "$world" "$op" "$size") ;;
