@@ -1,7 +1,10 @@
-# Resolves DT_USE_CUDA / DT_USE_NCCL / DT_USE_GLOO into DT_HAVE_* (0/1).
+# Resolves DT_USE_CUDA / DT_USE_NCCL / DT_USE_GLOO / DT_USE_ETCD into DT_HAVE_* (0/1).
 # AUTO means "on when found"; an explicit ON that cannot be honoured is a
 # configure-time error that says why.
 include(CheckLanguage)
+
+# The etcd store's switch lives here, next to its resolution (the others are at the top of CMakeLists.txt).
+set(DT_USE_ETCD AUTO CACHE STRING "Build EtcdStore, the etcd v3 store (ON/OFF/AUTO; AUTO: on when libcurl and nlohmann_json are found)")
 
 macro(_dt_is_on var out)
   string(TOUPPER "${${var}}" _v)
@@ -20,6 +23,7 @@ macro(dt_resolve_switches)
   _dt_is_on(DT_USE_CUDA _cuda_req)
   _dt_is_on(DT_USE_NCCL _nccl_req)
   _dt_is_on(DT_USE_GLOO _gloo_req)
+  _dt_is_on(DT_USE_ETCD _etcd_req)
 
   # CUDA: the toolkit lives under /usr/local/cuda on our machines.
   set(DT_HAVE_CUDA 0)
@@ -91,6 +95,31 @@ macro(dt_resolve_switches)
       set(DT_GLOO_REASON "not found")
     endif()
   endif()
+
+  # EtcdStore: etcd's v3 JSON gateway over libcurl, JSON by nlohmann/json (both Debian packages).
+  set(DT_HAVE_ETCD 0)
+  set(DT_ETCD_REASON "disabled (DT_USE_ETCD=OFF)")
+  if(NOT _etcd_req STREQUAL "OFF")
+    find_package(CURL QUIET)
+    find_package(nlohmann_json 3 QUIET)
+    if(CURL_FOUND AND nlohmann_json_FOUND)
+      set(DT_HAVE_ETCD 1)
+      set(DT_ETCD_REASON "libcurl ${CURL_VERSION_STRING}, nlohmann_json ${nlohmann_json_VERSION}")
+    else()
+      set(_etcd_missing "")
+      if(NOT CURL_FOUND)
+        list(APPEND _etcd_missing "libcurl (libcurl4-openssl-dev)")
+      endif()
+      if(NOT nlohmann_json_FOUND)
+        list(APPEND _etcd_missing "nlohmann_json (nlohmann-json3-dev)")
+      endif()
+      list(JOIN _etcd_missing " and " _etcd_missing)
+      if(_etcd_req STREQUAL "ON")
+        message(FATAL_ERROR "DT_USE_ETCD=ON but ${_etcd_missing} was not found. Run scripts/setup.sh or set -DDT_USE_ETCD=OFF.")
+      endif()
+      set(DT_ETCD_REASON "not found: ${_etcd_missing} (scripts/setup.sh installs them)")
+    endif()
+  endif()
 endmacro()
 
 function(dt_print_summary)
@@ -99,6 +128,7 @@ function(dt_print_summary)
   message(STATUS "  CUDA       : ${DT_HAVE_CUDA} - ${DT_CUDA_REASON}")
   message(STATUS "  NCCL       : ${DT_HAVE_NCCL} - ${DT_NCCL_REASON}")
   message(STATUS "  Gloo       : ${DT_HAVE_GLOO} - ${DT_GLOO_REASON}")
+  message(STATUS "  etcd store : ${DT_HAVE_ETCD} - ${DT_ETCD_REASON}")
   message(STATUS "  BLAS       : ${BLAS_LIBRARIES} (cblas.h in ${CBLAS_INCLUDE_DIR})")
   message(STATUS "  sanitizers : '${DT_SANITIZE}'   werror: ${DT_WERROR}")
 endfunction()

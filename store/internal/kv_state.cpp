@@ -18,11 +18,20 @@ void KvState::set(const std::string& key, Bytes value) { data_[key] = std::move(
 
 int64_t KvState::add(const std::string& key, int64_t delta) {
   auto [it, inserted] = data_.try_emplace(key, "0");
-  const Bytes& current = it->second;
+  try {
+    const int64_t result = addToCounter(key, it->second, delta);
+    it->second = std::to_string(result);
+    return result;
+  } catch (...) {
+    if (inserted) data_.erase(it);
+    throw;
+  }
+}
+
+int64_t addToCounter(const std::string& key, const Bytes& current, int64_t delta) {
   int64_t value = 0;
   const auto [end, ec] = std::from_chars(current.data(), current.data() + current.size(), value);
   if (current.empty() || ec != std::errc() || end != current.data() + current.size()) {
-    if (inserted) data_.erase(it);
     throw InvalidArgument(str("store add(\"", key, "\", ", delta, "): the stored value ", quoteBytes(current),
                               " is not a decimal integer; add() only works on counters"));
   }
@@ -30,7 +39,6 @@ int64_t KvState::add(const std::string& key, int64_t delta) {
   if (__builtin_add_overflow(value, delta, &result)) {
     throw InvalidArgument(str("store add(\"", key, "\", ", delta, "): ", value, " + ", delta, " overflows int64"));
   }
-  it->second = std::to_string(result);
   return result;
 }
 

@@ -42,6 +42,11 @@ class KvState {
   std::unordered_map<std::string, std::deque<Bytes>> queues_;
 };
 
+// current + delta for a counter stored as decimal ASCII (add()'s rule, shared
+// by every store). Throws InvalidArgument naming the key when `current` is
+// not a decimal integer or the sum overflows.
+int64_t addToCounter(const std::string& key, const Bytes& current, int64_t delta);
+
 // now + timeout, saturated: a timeout of hours, Duration::max() or a negative
 // one must neither overflow the clock nor wrap into the past.
 std::chrono::steady_clock::time_point deadlineAfter(Store::Duration timeout,

@@ -19,4 +19,6 @@ expect_configure_failure(nccl_without_cuda "DT_USE_NCCL=ON needs CUDA" -DDT_USE_
 expect_configure_failure(bad_value "DT_USE_GLOO=maybe is not valid" -DDT_USE_GLOO=maybe)
 expect_configure_failure(gloo_missing "DT_USE_GLOO=ON but Gloo was not found"
   -DDT_USE_CUDA=OFF -DDT_USE_GLOO=ON -DGloo_DIR=/nonexistent -DCMAKE_DISABLE_FIND_PACKAGE_Gloo=ON)
+expect_configure_failure(etcd_missing "DT_USE_ETCD=ON but libcurl"
+  -DDT_USE_CUDA=OFF -DDT_USE_ETCD=ON -DCMAKE_DISABLE_FIND_PACKAGE_CURL=ON)
 file(REMOVE_RECURSE ${WORK_DIR})
