@@ -209,6 +209,7 @@ const char* categoryName(EventCategory category) {
     case EventCategory::User: return "user";
     case EventCategory::Collective: return "collective";
     case EventCategory::Ddp: return "ddp";
+    case EventCategory::Sharded: return "sharded";
   }
   return "?";
 }

@@ -8,8 +8,9 @@
 //    node, "MulBackward"), every recordFunction range (user), every
 //    process-group collective (collective: from start to end on the thread
 //    that ran it, with its sequence number, bytes and time queued since
-//    issue) and every DDP bucket (ddp: from launch to done, with its bytes)
-//    becomes an event: name, category, thread, rank, start and duration
+//    issue), every DDP bucket (ddp: from launch to done, with its bytes) and
+//    every gather and reduce-scatter of the sharded wrapper (sharded: from
+//    launch to done, each on a track of its own) becomes an event: name, category, thread, rank, start and duration
 //    (steady clock, ns), and the input shapes when ProfilerOptions::
 //    recordShapes is on.
 //  * Several profilers may record at once (nested scopes, or one inside a
@@ -47,7 +48,8 @@
 
 namespace dt {
 
-enum class EventCategory : uint8_t { Op, Backward, User, Collective, Ddp };
+// Sharded: the sharded wrapper's parameter gathers and gradient reduce-scatters (fsdp/).
+enum class EventCategory : uint8_t { Op, Backward, User, Collective, Ddp, Sharded };
 const char* categoryName(EventCategory category);
 
 struct ProfilerOptions {

@@ -361,4 +361,15 @@ Storage::Storage(DataPtr data, size_t nbytes) : impl_(std::make_shared<Impl>()) 
   impl_->nbytes = nbytes;
 }
 
+void Storage::resizeBytes(size_t nbytes) {
+  if (!impl_) throw InvalidArgument("Storage::resizeBytes on an undefined storage");
+  const Device device = impl_->data.device();
+  // Free first, so that the peak is the larger of the two sizes, not their sum.
+  impl_->data.reset();
+  impl_->nbytes = 0;
+  if (nbytes == 0) return;
+  impl_->data = allocatorFor(device).allocateOn(device, nbytes);
+  impl_->nbytes = nbytes;
+}
+
 }  // namespace dt

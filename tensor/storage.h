@@ -20,6 +20,13 @@
 //    NotSupportedError naming the device, so an allocator opts in.
 //  * Storage is a cheap, shared handle (copies share the bytes). Its contents
 //    are not synchronised: concurrent writers must coordinate themselves.
+//  * resizeBytes() replaces the bytes under every handle at once (the old ones
+//    are freed first; the new ones are uninitialised), and resizeBytes(0)
+//    frees them: how a sharded wrapper frees a unit's gathered parameters
+//    between uses while tensors saved for backward keep pointing at the same
+//    storage, and gives them memory again before backward reads them. Tensors
+//    over a storage must not be read or written while it is smaller than
+//    their extent; the caller guarantees that (nothing checks).
 #pragma once
 
 #include <cstddef>
@@ -93,6 +100,9 @@ class Storage {
   Device device() const { return impl_ ? impl_->data.device() : Device::cpu(); }
   long useCount() const { return impl_.use_count(); }
   bool isSameAs(const Storage& other) const { return impl_ == other.impl_; }
+  // See the contract above: frees the current bytes, then (nbytes > 0) allocates nbytes on
+  // the same device; every handle sharing this storage sees the new bytes.
+  void resizeBytes(size_t nbytes);
 
  private:
   struct Impl {

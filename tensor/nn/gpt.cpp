@@ -6,6 +6,7 @@
 
 #include "common/errors.h"
 #include "common/strings.h"
+#include "tensor/autograd/checkpoint.h"
 
 namespace dt::nn {
 
@@ -54,7 +55,8 @@ Tensor Mlp::forward(const Tensor& x) {
   return dropout((*c_proj)(gelu((*c_fc)(x))), dropout_, isTraining(), *dropoutGenerator_);
 }
 
-TransformerBlock::TransformerBlock(const GptConfig& config, Generator& init, Generator& dropout) {
+TransformerBlock::TransformerBlock(const GptConfig& config, Generator& init, Generator& dropout)
+    : checkpointActivations(config.activationCheckpointing), dropoutGenerator_(&dropout) {
   ln_1 = registerModule("ln_1", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
   attn = registerModule("attn", std::make_shared<CausalSelfAttention>(config, init, dropout));
   ln_2 = registerModule("ln_2", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
@@ -62,6 +64,12 @@ TransformerBlock::TransformerBlock(const GptConfig& config, Generator& init, Gen
 }
 
 Tensor TransformerBlock::forward(const Tensor& x) {
+  if (!checkpointActivations) return body(x);
+  return autograd::checkpoint([this](const Tensor& in) { return body(in); }, x,
+                              {.preserveGenerators = {dropoutGenerator_}});
+}
+
+Tensor TransformerBlock::body(const Tensor& x) {
   const Tensor h1 = add(x, (*attn)((*ln_1)(x)));
   return add(h1, (*mlp)((*ln_2)(h1)));
 }

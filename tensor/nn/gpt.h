@@ -45,6 +45,9 @@ struct GptConfig {
   int64_t width = 256;  // embedding width; a multiple of heads
   double dropout = 0.0;
   double layerNormEps = 1e-5;
+  // Each block's activations are recomputed in backward instead of kept (autograd::checkpoint;
+  // dropout draws the same masks both times): less memory, one more forward of every block.
+  bool activationCheckpointing = false;
   // Throws InvalidArgument naming the first impossible value.
   void validate() const;
   // Parameters of the model this config makes (the tied output layer counted once).
@@ -81,7 +84,8 @@ class Mlp : public Module {
   Generator* dropoutGenerator_;
 };
 
-// Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+// Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). With checkpointActivations
+// (GptConfig::activationCheckpointing) the block runs under autograd::checkpoint.
 class TransformerBlock : public Module {
  public:
   TransformerBlock(const GptConfig& config, Generator& init, Generator& dropout);
@@ -91,6 +95,11 @@ class TransformerBlock : public Module {
   std::shared_ptr<CausalSelfAttention> attn;
   std::shared_ptr<LayerNorm> ln_2;
   std::shared_ptr<Mlp> mlp;
+  bool checkpointActivations = false;
+
+ private:
+  Tensor body(const Tensor& x);
+  Generator* dropoutGenerator_;
 };
 
 struct SamplingOptions {

@@ -42,7 +42,36 @@ ModulePath currentModulePath() {
 
 Tensor Module::operator()(const Tensor& input) {
   ModuleScope scope(*this);
-  return forward(input);
+  if (forwardHooks_.empty()) return forward(input);
+  // Copies: a hook may register or remove hooks (on this module too) while it runs.
+  const std::vector<ForwardHookEntry> hooks = forwardHooks_;
+  Tensor x = input;
+  for (const auto& h : hooks) {
+    if (!h.pre) continue;
+    Tensor replaced = h.pre(*this, x);
+    if (replaced.defined()) x = std::move(replaced);
+  }
+  Tensor out = forward(x);
+  for (const auto& h : hooks) {
+    if (!h.post) continue;
+    Tensor replaced = h.post(*this, x, out);
+    if (replaced.defined()) out = std::move(replaced);
+  }
+  return out;
+}
+
+int Module::registerForwardPreHook(ForwardPreHook hook) {
+  forwardHooks_.push_back({++lastHookHandle_, std::move(hook), {}});
+  return lastHookHandle_;
+}
+
+int Module::registerForwardHook(ForwardHook hook) {
+  forwardHooks_.push_back({++lastHookHandle_, {}, std::move(hook)});
+  return lastHookHandle_;
+}
+
+void Module::removeForwardHook(int handle) {
+  std::erase_if(forwardHooks_, [&](const ForwardHookEntry& h) { return h.handle == handle; });
 }
 
 Tensor Module::forward(const Tensor&) {

@@ -16,9 +16,18 @@
 //    (currentModulePath(), used by anomaly mode). forward(x) called directly
 //    skips that, as PyTorch's module.forward(x) skips its hooks; a module whose
 //    forward takes other arguments puts a ModuleScope in its own call operator.
+//  * Forward hooks (what a wrapper that acts per submodule uses: the sharded
+//    wrapper gathers a unit's parameters before its forward and frees them
+//    after): the call operator runs the pre-hooks before forward, in
+//    registration order, each of which may replace the input by returning a
+//    defined tensor, then forward, then the post-hooks, each of which may
+//    replace the output. A hook that throws ends the call with its exception
+//    (later hooks do not run). Hooks registered or removed while hooks run take
+//    effect from the next call. forward(x) called directly runs none.
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -62,8 +71,16 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // Single-tensor forward; modules with other signatures add their own.
   virtual Tensor forward(const Tensor& input);
-  // forward(input) inside a ModuleScope (see the contract above).
+  // forward(input) inside a ModuleScope, with the forward hooks (see the contract above).
   Tensor operator()(const Tensor& input);
+
+  // Returned tensors replace the input (pre) or the output (post) when defined.
+  using ForwardPreHook = std::function<Tensor(Module& module, const Tensor& input)>;
+  using ForwardHook = std::function<Tensor(Module& module, const Tensor& input, const Tensor& output)>;
+  // Handles for removeForwardHook (unique per module).
+  int registerForwardPreHook(ForwardPreHook hook);
+  int registerForwardHook(ForwardHook hook);
+  void removeForwardHook(int handle);
   virtual std::string typeName() const { return "Module"; }
 
   NamedTensors namedParameters(bool recurse = true) const;
@@ -104,9 +121,16 @@ class Module : public std::enable_shared_from_this<Module> {
  private:
   void collect(const std::string& prefix, bool params, bool recurse, NamedTensors& out) const;
   void checkName(const std::string& name) const;
+  struct ForwardHookEntry {
+    int handle;
+    ForwardPreHook pre;
+    ForwardHook post;
+  };
   NamedTensors params_;
   NamedTensors buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::vector<ForwardHookEntry> forwardHooks_;
+  int lastHookHandle_ = 0;
   bool training_ = true;
 };
 

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "common/errors.h"
+#include "common/json.h"
 #include "common/strings.h"
 
 namespace dt {
@@ -38,159 +39,6 @@ DType dtypeFromSafetensors(const std::string& name) {
   throw InvalidArgument(str("safetensors: dtype \"", name, "\" is not supported by dtrain (F32, F64, F16, BF16, I32, I64, BOOL)"));
 }
 
-namespace {
-
-// Minimal JSON reader for the header: objects, arrays, strings, integers.
-struct Json {
-  enum Kind { Object, Array, String, Number, Other } kind = Other;
-  std::vector<std::pair<std::string, Json>> object;
-  std::vector<Json> array;
-  std::string string;
-  int64_t number = 0;
-  const Json* find(const std::string& key) const {
-    for (auto& [k, v] : object) {
-      if (k == key) return &v;
-    }
-    return nullptr;
-  }
-};
-
-class JsonParser {
- public:
-  JsonParser(const std::string& text, const std::string& file) : s_(text), file_(file) {}
-  Json parse() {
-    Json j = value(0);
-    ws();
-    if (i_ != s_.size()) fail("trailing characters after the header object");
-    return j;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) {
-    throw InvalidArgument(str("safetensors: bad header in ", file_, " at byte ", i_, ": ", what));
-  }
-  void ws() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\t' || s_[i_] == '\r')) ++i_;
-  }
-  char peek() {
-    ws();
-    if (i_ >= s_.size()) fail("unexpected end");
-    return s_[i_];
-  }
-  void expect(char c) {
-    if (peek() != c) fail(str("expected '", c, "'"));
-    ++i_;
-  }
-  std::string stringValue() {
-    expect('"');
-    std::string out;
-    while (i_ < s_.size() && s_[i_] != '"') {
-      char c = s_[i_++];
-      if (c == '\\') {
-        if (i_ >= s_.size()) fail("bad escape");
-        char e = s_[i_++];
-        switch (e) {
-          case 'n': out += '\n'; break;
-          case 't': out += '\t'; break;
-          case 'r': out += '\r'; break;
-          case 'b': out += '\b'; break;
-          case 'f': out += '\f'; break;
-          case 'u': {
-            if (i_ + 4 > s_.size()) fail("bad \\u escape");
-            const unsigned code = static_cast<unsigned>(std::stoul(s_.substr(i_, 4), nullptr, 16));
-            i_ += 4;
-            if (code < 0x80) {
-              out += static_cast<char>(code);
-            } else if (code < 0x800) {
-              out += static_cast<char>(0xc0 | (code >> 6));
-              out += static_cast<char>(0x80 | (code & 0x3f));
-            } else {
-              out += static_cast<char>(0xe0 | (code >> 12));
-              out += static_cast<char>(0x80 | ((code >> 6) & 0x3f));
-              out += static_cast<char>(0x80 | (code & 0x3f));
-            }
-            break;
-          }
-          default: out += e;
-        }
-      } else {
-        out += c;
-      }
-    }
-    if (i_ >= s_.size()) fail("unterminated string");
-    ++i_;
-    return out;
-  }
-  Json value(int depth) {
-    if (depth > 16) fail("nesting too deep");
-    Json j;
-    const char c = peek();
-    if (c == '{') {
-      ++i_;
-      j.kind = Json::Object;
-      if (peek() == '}') {
-        ++i_;
-        return j;
-      }
-      for (;;) {
-        std::string k = stringValue();
-        expect(':');
-        j.object.emplace_back(std::move(k), value(depth + 1));
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect('}');
-        return j;
-      }
-    }
-    if (c == '[') {
-      ++i_;
-      j.kind = Json::Array;
-      if (peek() == ']') {
-        ++i_;
-        return j;
-      }
-      for (;;) {
-        j.array.push_back(value(depth + 1));
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect(']');
-        return j;
-      }
-    }
-    if (c == '"') {
-      j.kind = Json::String;
-      j.string = stringValue();
-      return j;
-    }
-    if (c == '-' || (c >= '0' && c <= '9')) {
-      size_t start = i_;
-      if (s_[i_] == '-') ++i_;
-      while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') ++i_;
-      if (i_ < s_.size() && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E')) fail("non-integer number");
-      j.kind = Json::Number;
-      try {
-        j.number = std::stoll(s_.substr(start, i_ - start));
-      } catch (const std::exception&) {
-        fail("number out of range");
-      }
-      return j;
-    }
-    // true/false/null are not used by the format; skip the word.
-    while (i_ < s_.size() && std::isalpha(static_cast<unsigned char>(s_[i_]))) ++i_;
-    j.kind = Json::Other;
-    return j;
-  }
-  const std::string& s_;
-  std::string file_;
-  size_t i_ = 0;
-};
-
-}  // namespace
-
 void syncPath(const std::filesystem::path& path, const std::string& who) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw InvalidArgument(str(who, ": cannot open ", path.string(), " to sync it: ", std::strerror(errno)));
@@ -203,8 +51,13 @@ void syncPath(const std::filesystem::path& path, const std::string& who) {
   }
 }
 
-void saveSafetensors(const std::filesystem::path& path, const NamedTensors& tensors,
-                     const std::map<std::string, std::string>& metadata) {
+
+namespace {
+
+// The header JSON (padded with spaces to a multiple of 8, so the data stays 8-byte aligned)
+// and the contiguous cpu tensors whose bytes follow it, in order.
+std::string headerFor(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
+                      std::vector<Tensor>& data) {
   std::ostringstream header;
   header << "{";
   bool first = true;
@@ -219,7 +72,6 @@ void saveSafetensors(const std::filesystem::path& path, const NamedTensors& tens
     first = false;
   }
   uint64_t offset = 0;
-  std::vector<Tensor> data;
   for (auto& [name, t] : tensors) {
     if (!t.defined()) throw InvalidArgument(str("saveSafetensors: tensor \"", name, "\" is undefined"));
     if (!t.device().isCpu()) {
@@ -235,15 +87,83 @@ void saveSafetensors(const std::filesystem::path& path, const NamedTensors& tens
   }
   header << "}";
   std::string h = header.str();
-  while (h.size() % 8 != 0) h.push_back(' ');  // keeps the data 8-byte aligned
+  while (h.size() % 8 != 0) h.push_back(' ');
+  return h;
+}
+
+void lengthPrefix(uint64_t n, char out[8]) {
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+}
+
+uint64_t readLengthPrefix(const unsigned char* len) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+  return n;
+}
+
+// Checks the 8-byte length against the whole size (file or buffer) of `what`.
+void checkHeaderLength(uint64_t n, uint64_t size, const std::string& what) {
+  if (n > size - 8 || n > (100u << 20)) {
+    throw InvalidArgument(str("loadSafetensors: ", what, " declares a header of ", n, " bytes but holds ", size, " bytes"));
+  }
+}
+
+struct ParsedHeader {
+  std::vector<SafetensorsEntry> entries;  // in data order
+  std::map<std::string, std::string> metadata;
+};
+
+ParsedHeader parseHeader(const std::string& header, uint64_t dataSize, const std::string& what) {
+  const json::Value root = json::parse(header, str("safetensors header of ", what));
+  if (!root.isObject()) throw InvalidArgument(str("loadSafetensors: header of ", what, " is not an object"));
+  ParsedHeader out;
+  for (const auto& [name, v] : root.members()) {
+    if (name == "__metadata__") {
+      for (const auto& [k, mv] : v.members(what, name)) out.metadata[k] = mv.asString(what, k);
+      continue;
+    }
+    const json::Value* dt = v.find("dtype");
+    const json::Value* shape = v.find("shape");
+    const json::Value* offs = v.find("data_offsets");
+    if (!dt || !shape || !offs || !offs->isArray() || offs->items().size() != 2) {
+      throw InvalidArgument(str("loadSafetensors: entry \"", name, "\" in ", what, " lacks dtype/shape/data_offsets"));
+    }
+    SafetensorsEntry e{name, dtypeFromSafetensors(dt->asString(what, "dtype")), {}, 0, 0};
+    for (const auto& d : shape->items(what, "shape")) {
+      const int64_t size = d.asInt(what, "shape");
+      if (size < 0) throw InvalidArgument(str("loadSafetensors: negative dim for \"", name, "\" in ", what));
+      e.shape.push_back(size);
+    }
+    const int64_t begin = offs->items()[0].asInt(what, "data_offsets");
+    const int64_t end = offs->items()[1].asInt(what, "data_offsets");
+    e.begin = static_cast<uint64_t>(std::max<int64_t>(begin, 0));
+    e.end = static_cast<uint64_t>(std::max<int64_t>(end, 0));
+    const uint64_t want = static_cast<uint64_t>(shapeNumel(e.shape)) * itemSize(e.dtype);
+    if (begin < 0 || e.end < e.begin || e.end > dataSize || e.end - e.begin != want) {
+      throw InvalidArgument(str("loadSafetensors: entry \"", name, "\" in ", what, " has data_offsets [", begin, ", ",
+                                end, "] but ", toString(e.dtype), describeShape(e.shape), " needs ", want,
+                                " bytes within a data section of ", dataSize, " bytes"));
+    }
+    out.entries.push_back(std::move(e));
+  }
+  std::sort(out.entries.begin(), out.entries.end(),
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin; });
+  return out;
+}
+
+}  // namespace
+
+void saveSafetensors(const std::filesystem::path& path, const NamedTensors& tensors,
+                     const std::map<std::string, std::string>& metadata) {
+  std::vector<Tensor> data;
+  const std::string h = headerFor(tensors, metadata, data);
   const std::filesystem::path tmp = path.string() + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) throw InvalidArgument(str("saveSafetensors: cannot open ", tmp.string(), " for writing"));
-    uint64_t n = h.size();
-    unsigned char len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>((n >> (8 * i)) & 0xff);
-    out.write(reinterpret_cast<const char*>(len), 8);
+    char len[8];
+    lengthPrefix(h.size(), len);
+    out.write(len, 8);
     out.write(h.data(), static_cast<std::streamsize>(h.size()));
     for (const Tensor& t : data) {
       out.write(static_cast<const char*>(t.dataPtr()), static_cast<std::streamsize>(t.nbytes()));
@@ -259,70 +179,119 @@ void saveSafetensors(const std::filesystem::path& path, const NamedTensors& tens
   syncPath(dir, "saveSafetensors");
 }
 
-SafetensorsFile loadSafetensors(const std::filesystem::path& path) {
-  const std::string file = path.string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InvalidArgument(str("loadSafetensors: cannot open ", file));
-  in.seekg(0, std::ios::end);
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
-  unsigned char len[8];
-  if (size < 8 || !in.read(reinterpret_cast<char*>(len), 8)) {
-    throw InvalidArgument(str("loadSafetensors: ", file, " is too short to be a safetensors file (", size, " bytes)"));
+std::string encodeSafetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+  std::vector<Tensor> data;
+  const std::string h = headerFor(tensors, metadata, data);
+  size_t total = 8 + h.size();
+  for (const Tensor& t : data) total += t.nbytes();
+  std::string out;
+  out.reserve(total);
+  char len[8];
+  lengthPrefix(h.size(), len);
+  out.append(len, 8);
+  out += h;
+  for (const Tensor& t : data) out.append(static_cast<const char*>(t.dataPtr()), t.nbytes());
+  return out;
+}
+
+SafetensorsFile decodeSafetensors(std::string_view bytes, const std::string& what) {
+  if (bytes.size() < 8) {
+    throw InvalidArgument(str("loadSafetensors: ", what, " is too short to be a safetensors file (", bytes.size(), " bytes)"));
   }
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-  if (n > size - 8 || n > (100u << 20)) {
-    throw InvalidArgument(str("loadSafetensors: ", file, " declares a header of ", n, " bytes but holds ", size, " bytes"));
-  }
-  std::string header(static_cast<size_t>(n), '\0');
-  in.read(header.data(), static_cast<std::streamsize>(n));
-  const uint64_t dataSize = size - 8 - n;
-  Json root = JsonParser(header, file).parse();
-  if (root.kind != Json::Object) throw InvalidArgument(str("loadSafetensors: header of ", file, " is not an object"));
+  const uint64_t n = readLengthPrefix(reinterpret_cast<const unsigned char*>(bytes.data()));
+  checkHeaderLength(n, bytes.size(), what);
+  const ParsedHeader header = parseHeader(std::string(bytes.substr(8, n)), bytes.size() - 8 - n, what);
   SafetensorsFile result;
-  struct Entry {
-    std::string name;
-    DType dtype;
-    Shape shape;
-    uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
-  for (auto& [name, v] : root.object) {
-    if (name == "__metadata__") {
-      for (auto& [k, mv] : v.object) result.metadata[k] = mv.string;
-      continue;
-    }
-    const Json* dt = v.find("dtype");
-    const Json* shape = v.find("shape");
-    const Json* offs = v.find("data_offsets");
-    if (!dt || !shape || !offs || offs->array.size() != 2) {
-      throw InvalidArgument(str("loadSafetensors: entry \"", name, "\" in ", file, " lacks dtype/shape/data_offsets"));
-    }
-    Entry e{name, dtypeFromSafetensors(dt->string), {}, 0, 0};
-    for (auto& d : shape->array) {
-      if (d.number < 0) throw InvalidArgument(str("loadSafetensors: negative dim for \"", name, "\" in ", file));
-      e.shape.push_back(d.number);
-    }
-    e.begin = static_cast<uint64_t>(offs->array[0].number);
-    e.end = static_cast<uint64_t>(offs->array[1].number);
-    const uint64_t want = static_cast<uint64_t>(shapeNumel(e.shape)) * itemSize(e.dtype);
-    if (e.end < e.begin || e.end > dataSize || e.end - e.begin != want) {
-      throw InvalidArgument(str("loadSafetensors: entry \"", name, "\" in ", file, " has data_offsets [", e.begin, ", ",
-                                e.end, "] but ", toString(e.dtype), describeShape(e.shape), " needs ", want,
-                                " bytes within a data section of ", dataSize, " bytes"));
-    }
-    entries.push_back(std::move(e));
-  }
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
-  for (auto& e : entries) {
+  result.metadata = header.metadata;
+  const char* data = bytes.data() + 8 + n;
+  for (const auto& e : header.entries) {
     Tensor t = empty(e.shape, e.dtype);
-    in.seekg(static_cast<std::streamoff>(8 + n + e.begin));
-    if (t.nbytes() > 0 && !in.read(static_cast<char*>(t.dataPtr()), static_cast<std::streamsize>(t.nbytes()))) {
-      throw InvalidArgument(str("loadSafetensors: short read for \"", e.name, "\" in ", file));
-    }
+    if (t.nbytes() > 0) std::memcpy(t.dataPtr(), data + e.begin, t.nbytes());
     result.tensors.emplace_back(e.name, t);
   }
+  return result;
+}
+
+SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(path) {
+  const std::string file = path.string();
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw InvalidArgument(str("loadSafetensors: cannot open ", file, ": ", std::strerror(errno)));
+  try {
+    const off_t size = ::lseek(fd_, 0, SEEK_END);
+    if (size < 0) throw InvalidArgument(str("loadSafetensors: cannot seek in ", file, ": ", std::strerror(errno)));
+    fileBytes_ = static_cast<uint64_t>(size);
+    unsigned char len[8];
+    if (fileBytes_ < 8) {
+      throw InvalidArgument(str("loadSafetensors: ", file, " is too short to be a safetensors file (", fileBytes_, " bytes)"));
+    }
+    readAt(0, len, 8);
+    const uint64_t n = readLengthPrefix(len);
+    checkHeaderLength(n, fileBytes_, file);
+    std::string header(static_cast<size_t>(n), '\0');
+    readAt(8, header.data(), n);
+    dataStart_ = 8 + n;
+    ParsedHeader parsed = parseHeader(header, fileBytes_ - dataStart_, file);
+    entries_ = std::move(parsed.entries);
+    metadata_ = std::move(parsed.metadata);
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+SafetensorsReader::~SafetensorsReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void SafetensorsReader::readAt(uint64_t position, void* out, uint64_t bytes) const {
+  auto* dst = static_cast<char*>(out);
+  while (bytes > 0) {
+    const ssize_t got = ::pread(fd_, dst, bytes, static_cast<off_t>(position));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      throw InvalidArgument(str("loadSafetensors: short read in ", path_.string(), " at byte ", position,
+                                got < 0 ? str(": ", std::strerror(errno)) : std::string(" (end of file)")));
+    }
+    dst += got;
+    position += static_cast<uint64_t>(got);
+    bytes -= static_cast<uint64_t>(got);
+  }
+}
+
+const SafetensorsEntry* SafetensorsReader::find(const std::string& name) const {
+  for (const auto& e : entries_) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+const SafetensorsEntry& SafetensorsReader::entry(const std::string& name) const {
+  const SafetensorsEntry* e = find(name);
+  if (e == nullptr) throw InvalidArgument(str("safetensors file ", path_.string(), " has no tensor \"", name, "\""));
+  return *e;
+}
+
+Tensor SafetensorsReader::read(const SafetensorsEntry& e) const {
+  Tensor t = empty(e.shape, e.dtype);
+  if (t.nbytes() > 0) readAt(dataStart_ + e.begin, t.dataPtr(), t.nbytes());
+  return t;
+}
+
+void SafetensorsReader::readElements(const SafetensorsEntry& e, int64_t offset, int64_t count, void* dst) const {
+  const int64_t numel = shapeNumel(e.shape);
+  if (offset < 0 || count < 0 || offset + count > numel) {
+    throw InvalidArgument(str("safetensors file ", path_.string(), ": elements [", offset, ", ", offset + count,
+                              ") of \"", e.name, "\" are out of its ", numel));
+  }
+  const uint64_t width = itemSize(e.dtype);
+  if (count > 0) readAt(dataStart_ + e.begin + static_cast<uint64_t>(offset) * width, dst, static_cast<uint64_t>(count) * width);
+}
+
+SafetensorsFile loadSafetensors(const std::filesystem::path& path) {
+  const SafetensorsReader reader(path);
+  SafetensorsFile result;
+  result.metadata = reader.metadata();
+  for (const auto& e : reader.entries()) result.tensors.emplace_back(e.name, reader.read(e));
   return result;
 }
 
