@@ -29,6 +29,13 @@ constexpr std::array kKnobs = {
     Knob{"DT_STORE_MAX_VALUE_BYTES", "67108864", "Largest value (and largest request) a TcpStore server accepts.", "user"},
     Knob{"DT_STORE_HANDSHAKE_TIMEOUT", "5s", "A TcpStore server closes a connection that has not completed its handshake this long after connecting (or after DT_STORE_STALL_TIMEOUT, if shorter).", "user"},
     Knob{"DT_STORE_MAX_UNAUTHENTICATED", "64", "Connections a TcpStore server lets wait for their handshake at once; one more closes the oldest of them.", "user"},
+    Knob{"DT_ETCD_ENDPOINTS", "", "Client URLs of an etcd v3 cluster (host:port[,host:port...], https://host:port for TLS): initProcessGroup's store is then an EtcdStore there. dtrun --rdzv-backend etcd sets it for its workers.", "dtrun, user"},
+    Knob{"DT_ETCD_PREFIX", "/dtrain", "Key prefix of the EtcdStore that initProcessGroup opens (dtrun: /dtrain/<rdzv id>/r<round>).", "dtrun, user"},
+    Knob{"DT_ETCD_CA", "", "CA file (PEM) that signed the etcd members' certificates; empty: the system's CAs.", "dtrun, user"},
+    Knob{"DT_ETCD_CERT", "", "Client certificate (PEM) for etcd members run with --client-cert-auth.", "dtrun, user"},
+    Knob{"DT_ETCD_KEY", "", "Key (PEM) of DT_ETCD_CERT.", "dtrun, user"},
+    Knob{"DT_ETCD_USER", "", "etcd user name (authentication); it needs read-write permission on the prefix.", "dtrun, user"},
+    Knob{"DT_ETCD_PASSWORD", "", "Password of DT_ETCD_USER.", "dtrun, user"},
     Knob{"DT_STORE_MAX_BUFFERED_BYTES", "268435456", "Input a TcpStore server buffers for large requests (over 64 KiB) across all connections; a request that does not fit is not read until earlier ones complete.", "user"},
     // process groups
     Knob{"DT_PG_TIMEOUT", "10min", "Default timeout of collectives and of process-group set-up. Overridable per group and per op.", "user"},
@@ -63,6 +70,14 @@ constexpr std::array kKnobs = {
     Knob{"DT_NODE_TIMEOUT", "10s", "dtrun --node-timeout: a node (or the store) silent for this long counts as failed.", "user"},
     Knob{"DT_RDZV_TIMEOUT", "300s", "dtrun --rdzv-timeout: how long nodes wait for each other at start and at each restart.", "user"},
     Knob{"DT_PREFIX", "[rank %r] ", "dtrun --prefix: console line prefix (%r rank, %l local rank, %n node, %h host); none disables.", "user"},
+    Knob{"DT_RDZV_BACKEND", "static", "dtrun --rdzv-backend: static (node 0's dtrun hosts the store) or etcd (an etcd v3 cluster is the store; no node is special).", "user"},
+    Knob{"DT_RDZV_ENDPOINT", "", "dtrun --rdzv-endpoint: the etcd members' client URLs, host:port[,host:port...].", "user"},
+    Knob{"DT_RDZV_ID", "", "dtrun --rdzv-id: the job's id in etcd, the same on every node (default: --run-id).", "user"},
+    Knob{"DT_RDZV_CA", "", "dtrun --rdzv-ca: CA file (PEM) of the etcd members' certificates.", "user"},
+    Knob{"DT_RDZV_CERT", "", "dtrun --rdzv-cert: client certificate (PEM) for etcd.", "user"},
+    Knob{"DT_RDZV_KEY", "", "dtrun --rdzv-key: key (PEM) of the client certificate.", "user"},
+    Knob{"DT_RDZV_USER", "", "dtrun --rdzv-user: etcd user name.", "user"},
+    Knob{"DT_RDZV_PASSWORD", "", "dtrun --rdzv-password: etcd password (set it here rather than on the command line, which every user can read).", "user"},
     Knob{"DT_SLURM", "auto", "dtrun --slurm: take nodes from SLURM: auto (inside an srun step with one task per node), on, off.", "user"},
 };
 

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/config.h"
 #include "common/errors.h"
 #include "common/strings.h"
 #include "launcher/coordinator.h"
@@ -22,6 +23,10 @@
 #include "launcher/summary.h"
 #include "launcher/worker_env.h"
 #include "store/tcp_store.h"
+#if DT_HAVE_ETCD
+#include "launcher/etcd_rendezvous.h"
+#include "store/etcd_store.h"
+#endif
 
 namespace dt::launcher {
 namespace {
@@ -153,6 +158,14 @@ struct Agent::Impl {
 
   Guardian* guardian;
 
+  // --rdzv-backend etcd: the job's store (/dtrain/<id>), this dtrun's lease
+  // and the round it joined; `store` is the round's store then.
+#if DT_HAVE_ETCD
+  std::shared_ptr<EtcdStore> etcdJob;
+  std::unique_ptr<EtcdRendezvous> etcdRdzv;
+#endif
+  std::string workerMasterAddr;  // MASTER_ADDR for the workers
+
   Impl(AgentConfig config, SignalChannel& channel, Guardian* guard)
       : cfg(std::move(config)), o(cfg.options), signals(channel), guardian(guard) {
     tag = o.nnodes > 1 ? str("dtrun (node ", o.nodeRank, "/", o.nnodes, "): ") : std::string("dtrun: ");
@@ -164,7 +177,54 @@ struct Agent::Impl {
 
   // ---- store ---------------------------------------------------------------
 
+  void setupEtcd() {
+#if DT_HAVE_ETCD
+    EtcdStoreOptions eo;
+    eo.endpoints = o.rdzvEndpoint;
+    eo.prefix = "/dtrain/" + o.rdzvId;
+    eo.timeout = o.rdzvTimeout;
+    eo.connectTimeout = o.rdzvTimeout;
+    eo.caFile = o.rdzvCa;
+    eo.certFile = o.rdzvCert;
+    eo.keyFile = o.rdzvKey;
+    eo.user = o.rdzvUser;
+    eo.password = o.rdzvPassword;
+    try {
+      etcdJob = std::make_shared<EtcdStore>(eo);
+      etcdRdzv = std::make_unique<EtcdRendezvous>(etcdJob, etcdJob->grantLease(o.nodeTimeout));
+      store = etcdRdzv->enterRound();
+    } catch (const InvalidArgument&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(str("dtrun: cannot use the rendezvous etcd at ", o.rdzvEndpoint, " (--rdzv-endpoint, job ",
+                      o.rdzvId, "): ", e.what()));
+    }
+    runId = o.rdzvId;
+    storeAddr = etcdJob->endpoints();
+#else
+    throw InvalidArgument("dtrun: --rdzv-backend etcd, but this dtrun was built without the etcd store "
+                          "(DT_USE_ETCD=OFF, or libcurl/nlohmann-json missing when it was built: run scripts/setup.sh)");
+#endif
+  }
+
+  void startCoordinator(bool leaseLiveness) {
+    if (coord || (o.nnodes == 1 && o.hangTimeout.count() == 0)) return;
+    Coordinator::Config cc;
+    cc.nodeRank = o.nodeRank;
+    cc.nnodes = o.nnodes;
+    cc.interval = o.monitorInterval;
+    cc.nodeTimeout = o.nodeTimeout;
+    cc.hangTimeout = o.hangTimeout;
+    cc.leaseLiveness = leaseLiveness;
+    coord = std::make_unique<Coordinator>(store->clone(), cc, wakeFd);
+  }
+
   void setupStore() {
+    if (o.etcd()) {
+      setupEtcd();  // the coordinator starts once this node knows its rank
+      return;
+    }
+    workerMasterAddr = o.masterAddr;
     token = !cfg.userToken.empty() ? cfg.userToken : (o.nnodes == 1 ? randomHex(16) : std::string());
     if (o.nnodes > 1 && token.empty() && o.nodeRank == 0) {
       say("note: DT_STORE_TOKEN is not set, so the job's store accepts any client that reaches it; "
@@ -224,15 +284,7 @@ struct Agent::Impl {
       }
       storeAddr = str(o.masterAddr, ":", o.masterPort);
     }
-    if (o.nnodes > 1 || o.hangTimeout.count() > 0) {
-      Coordinator::Config cc;
-      cc.nodeRank = o.nodeRank;
-      cc.nnodes = o.nnodes;
-      cc.interval = o.monitorInterval;
-      cc.nodeTimeout = o.nodeTimeout;
-      cc.hangTimeout = o.hangTimeout;
-      coord = std::make_unique<Coordinator>(store->clone(), cc, wakeFd);
-    }
+    startCoordinator(false);
   }
 
   // Waits on the signal channel and the coordinator for up to `ms`; handles
@@ -258,7 +310,88 @@ struct Agent::Impl {
     return terminationSignal == 0;
   }
 
+#if DT_HAVE_ETCD
+  // --rdzv-backend etcd: claim a node slot bound to this dtrun's lease, mark
+  // the attempt full when ours was the last claim, and wait (in slices, so
+  // signals and lost nodes are noticed) for it to be full.
+  std::optional<Rendezvous> rendezvousInEtcd(int attempt) {
+    const std::string mine = str(cfg.nproc, "\t", cfg.hostname, "\t", nonce);
+    const int wanted = attempt == 0 && !o.nodeRankSet ? -1 : o.nodeRank;
+    std::string holder;
+    const auto slot = etcdRdzv->claim(attempt, wanted, o.nnodes, mine, holder);
+    if (!slot) {
+      const auto parts = split(holder, '\t');
+      if (wanted >= 0) {
+        throw InvalidArgument(str("dtrun: --node-rank ", wanted, " of job ", runId, " is already taken by another dtrun (host ",
+                                  parts.size() > 1 ? parts[1] : "?", "); give each node its own --node-rank"));
+      }
+      throw InvalidArgument(str("dtrun: job ", runId, " in etcd at ", storeAddr, " already has its ", o.nnodes,
+                                " nodes; is --nnodes the same on every node, and is this node one too many?"));
+    }
+    if (o.nodeRank != *slot) o.nodeRank = *slot;
+    tag = o.nnodes > 1 ? str("dtrun (node ", o.nodeRank, "/", o.nnodes, "): ") : std::string("dtrun: ");
+    if (attempt == 0 && o.nodeRank == 0) {
+      workerPort = o.workerPort != 0 ? o.workerPort : pickFreePort("");
+      workerMasterAddr = o.masterAddrSet ? o.masterAddr : cfg.hostname;
+      store->set("dtrun/meta", str(runId, "\t", workerPort, "\t", workerMasterAddr));
+    }
+    startCoordinator(true);
+    const std::string full = EtcdRendezvous::fullKey(attempt);
+    std::vector<std::string> keys;
+    for (int node = 0; node < o.nnodes; ++node) keys.push_back(EtcdRendezvous::nodeKey(attempt, node));
+    etcdRdzv->markIfFull(attempt, o.nnodes);
+    const int64_t deadline = wallMs() + o.rdzvTimeout.count();
+    while (true) {
+      try {
+        store->wait({full}, Millis(500));
+        break;
+      } catch (const TimeoutError&) {
+      }
+      if (!idleWait(0)) return std::nullopt;
+      for (const auto& event : pendingEvents) {
+        if (event.kind == CoordinatorEvent::Kind::StoreLost) {
+          throw Error(str("dtrun: while waiting for the other nodes: ", event.text));
+        }
+      }
+      pendingEvents.clear();  // a node lost before the attempt is full: its slot waits for another dtrun
+      if (wallMs() > deadline) {
+        const auto claims = etcdRdzv->roundStore()->list(str("dtrun/a", attempt, "/node/"));
+        std::vector<std::string> joined;
+        for (const auto& entry : claims.entries) {
+          const auto parts = split(entry.value, '\t');
+          joined.push_back(str("node ", entry.key.substr(entry.key.rfind('/') + 1), " on ", parts.size() > 1 ? parts[1] : "?"));
+        }
+        throw TimeoutError(str("dtrun: ", claims.entries.size(), " of ", o.nnodes, " nodes joined job ", runId,
+                               " (attempt ", attempt + 1, ", round ", etcdRdzv->round(), ") in etcd at ", storeAddr,
+                               " within ", formatDuration(o.rdzvTimeout), " (--rdzv-timeout)", joined.empty() ? "" : ": ",
+                               join(joined), ". Are the other nodes' dtruns running with --rdzv-backend etcd, the same ",
+                               "--rdzv-endpoint and --rdzv-id ", runId, ", and --nnodes ", o.nnodes, "?"));
+      }
+    }
+    const auto values = store->multiGet(keys, o.rdzvTimeout);
+    if (attempt == 0) {
+      if (o.nodeRank != 0) {
+        const auto meta = split(store->get("dtrun/meta", o.rdzvTimeout), '\t');
+        workerPort = std::stoi(meta.at(1));
+        workerMasterAddr = meta.at(2);
+      }
+      store->set("dtrun/started", "1");
+    }
+    Rendezvous out;
+    out.worldSize = 0;
+    for (int node = 0; node < o.nnodes; ++node) {
+      const int n = std::stoi(values[static_cast<size_t>(node)]);
+      if (node < o.nodeRank) out.rankOffset += n;
+      out.worldSize += n;
+    }
+    return out;
+  }
+#endif
+
   std::optional<Rendezvous> rendezvous(int attempt) {
+#if DT_HAVE_ETCD
+    if (o.etcd()) return rendezvousInEtcd(attempt);
+#endif
     if (o.nnodes == 1) return Rendezvous{cfg.nproc, 0};
     store->add(str("dtrun/hb/", o.nodeRank), 1);  // beating before anyone can count on us
     // compareSet: a second dtrun claiming the same --node-rank is caught here
@@ -378,10 +511,24 @@ struct Agent::Impl {
       id.localWorldSize = cfg.nproc;
       id.groupRank = o.nodeRank;
       id.numNodes = o.nnodes;
-      id.masterAddr = o.masterAddr;
+      id.masterAddr = workerMasterAddr;
       id.masterPort = workerPort;
-      id.storeAddr = storeAddr;
-      id.storeToken = token;
+#if DT_HAVE_ETCD
+      if (o.etcd()) {
+        // The workers' store is etcd itself, under this round's prefix.
+        id.etcdEndpoints = storeAddr;
+        id.etcdPrefix = etcdRdzv->roundStore()->prefix();
+        id.etcdCa = o.rdzvCa;
+        id.etcdCert = o.rdzvCert;
+        id.etcdKey = o.rdzvKey;
+        id.etcdUser = o.rdzvUser;
+        id.etcdPassword = o.rdzvPassword;
+      } else
+#endif
+      {
+        id.storeAddr = storeAddr;
+        id.storeToken = token;
+      }
       id.runId = runId;
       id.restartCount = attempt;
       id.maxRestarts = o.maxRestarts;
@@ -692,10 +839,17 @@ struct Agent::Impl {
   }
 
   void finishJob() {
+    if (o.etcd() && !storeGone) {
+      try {  // a later job with the same --rdzv-id opens a new round
+        store->set("dtrun/ended", "1");
+      } catch (const std::exception& e) {
+        say(str("warning: could not record the job's end in etcd: ", e.what()));
+      }
+    }
     if (!coord || o.nnodes == 1 || storeGone) return;
     const int64_t until = wallMs() + std::min<int64_t>(o.nodeTimeout.count(), 10000);
-    if (o.nodeRank == 0) {
-      // Keep the store up until every other node has seen the outcome.
+    if (o.nodeRank == 0 && !o.etcd()) {
+      // Keep the store up until every other node has seen the outcome (etcd stays up by itself).
       coord->awaitExits();
       bool seen = false;
       while (!seen && wallMs() < until) {

@@ -160,11 +160,15 @@ struct Coordinator::Shared {
       post({CoordinatorEvent::Kind::ExitPublished, "", 0});
     }
     if (config.nnodes > 1) {
-      store->add(key(str("hb/", config.nodeRank)), 1);
-      // Node 0 watches everyone's heartbeats (one multiGet per tick) and
-      // records a lost node as the attempt's failure; the other nodes learn
-      // it from there, and notice node 0's own death as a store failure.
-      if (config.nodeRank == 0) watchHeartbeats(k, exits, now);
+      if (config.leaseLiveness) {
+        watchRegistrations(k, exits);
+      } else {
+        store->add(key(str("hb/", config.nodeRank)), 1);
+        // Node 0 watches everyone's heartbeats (one multiGet per tick) and
+        // records a lost node as the attempt's failure; the other nodes learn
+        // it from there, and notice node 0's own death as a store failure.
+        if (config.nodeRank == 0) watchHeartbeats(k, exits, now);
+      }
       if (k >= 0 && !failureSeen) {
         const std::string failedKey = key(str("a", k, "/failed"));
         if (store->check({failedKey})) {
@@ -224,6 +228,30 @@ struct Coordinator::Shared {
       }
     }
     lastContact.store(wallMs());
+  }
+
+  // leaseLiveness: the other nodes' lease-bound claims on attempt k (one
+  // check per tick while all are there).
+  void watchRegistrations(int k, bool exits) {
+    if (k < 0 || exits) return;
+    std::vector<std::string> keys;
+    std::vector<int> nodes;
+    for (int node = 0; node < config.nnodes; ++node) {
+      if (node == config.nodeRank || lost[node]) continue;
+      keys.push_back(key(str("a", k, "/node/", node)));
+      nodes.push_back(node);
+    }
+    if (keys.empty() || store->check(keys)) return;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const int node = nodes[i];
+      if (store->check({keys[i]}) || store->check({key(str("exit/", node))})) continue;
+      lost[node] = true;
+      post({CoordinatorEvent::Kind::NodeLost,
+            str("node ", node, "'s registration in etcd (", keys[i], ", bound to its dtrun's lease) vanished: its dtrun ",
+                "died, or could not reach etcd for longer than the lease's TTL (--node-timeout ",
+                formatDuration(config.nodeTimeout), ")"),
+            1});
+    }
   }
 
   void watchHeartbeats(int k, bool exits, int64_t now) {

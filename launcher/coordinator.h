@@ -3,7 +3,7 @@
 // a slow or unreachable store never stalls the monitor loop.
 //
 // Keys (all under "dtrun/"; attempt k = restart count):
-//   dtrun/hb/<node>            heartbeat counter, add(1) every tick
+//   dtrun/hb/<node>            heartbeat counter, add(1) every tick (not with leaseLiveness)
 //   dtrun/a<k>/failed          first failure of attempt k (compareSet: first one wins):
 //                              "<exit code>\t<epoch ms>\t<node>\t<description>"
 //   dtrun/a<k>/done/<node>     the node's workers all succeeded
@@ -71,6 +71,12 @@ class Coordinator {
     Millis interval{500};
     Millis nodeTimeout{10000};
     Millis hangTimeout{0};  // 0: no watchdog
+    // etcd (--rdzv-backend etcd): each node's claim on the attempt,
+    // dtrun/a<k>/node/<i>, is bound to its dtrun's lease, and that is its
+    // heartbeat: every node (none is special) watches the others' claims and
+    // reports NodeLost when one vanishes without an exit record. No
+    // dtrun/hb counters then.
+    bool leaseLiveness = false;
   };
   Coordinator(StorePtr store, Config config, int wakeFd);
   ~Coordinator();

@@ -87,7 +87,7 @@ const std::vector<OptionSpec>& optionSpecs() {
          o.nnodes = parseCount(v, what, 1, 1 << 20, "a positive integer");
          o.nnodesSet = true;
        }},
-      {"node-rank", "DT_NODE_RANK", true, "0", "this node's rank, 0..nnodes-1; node 0 hosts the store",
+      {"node-rank", "DT_NODE_RANK", true, "0", "this node's rank, 0..nnodes-1; node 0 hosts the store (with --rdzv-backend etcd: optional, nodes get ranks in the order they join)",
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.nodeRank = parseCount(v, what, 0, 1 << 20, "an integer from 0 to nnodes-1");
          o.nodeRankSet = true;
@@ -155,6 +155,39 @@ const std::vector<OptionSpec>& optionSpecs() {
          if (v != "auto" && v != "on" && v != "off") throw InvalidArgument(str(what, "=", quoteBytes(v), " is not valid; accepted: auto, on, off"));
          o.slurm = v;
        }},
+      {"rdzv-backend", "DT_RDZV_BACKEND", true, "static", "how nodes meet: static (node 0's dtrun hosts the store) or etcd (an etcd v3 cluster, --rdzv-endpoint, is the store; no node is special)",
+       [](LaunchOptions& o, const std::string& v, const std::string& what) {
+         if (v == "static" || v == "c10d") {
+           o.rdzvBackend = "static";
+         } else if (v == "etcd" || v == "etcd-v3") {
+           o.rdzvBackend = "etcd";
+         } else if (v == "etcd-v2") {
+           throw InvalidArgument(str(what, "=etcd-v2 is not supported (etcd 3.6 removed the v2 API); accepted: etcd (the v3 API) or static"));
+         } else {
+           throw InvalidArgument(str(what, "=", quoteBytes(v), " is not valid; accepted: static, etcd"));
+         }
+       }},
+      {"rdzv-endpoint", "DT_RDZV_ENDPOINT", true, "(none)", "with --rdzv-backend etcd: the etcd members' client URLs, host:port[,host:port...] (https://host:port for TLS)",
+       [](LaunchOptions& o, const std::string& v, const std::string&) { o.rdzvEndpoint = v; }},
+      {"rdzv-id", "DT_RDZV_ID", true, "(--run-id)", "with --rdzv-backend etcd: the job's id, the same on every node (its keys live under /dtrain/<id>)",
+       [](LaunchOptions& o, const std::string& v, const std::string& what) {
+         for (char c : v) {
+           if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+             throw InvalidArgument(str(what, "=", quoteBytes(v), " is not valid; accepted: letters, digits, '-', '_', '.'"));
+           }
+         }
+         o.rdzvId = v;
+       }},
+      {"rdzv-ca", "DT_RDZV_CA", true, "(system CAs)", "etcd TLS: the CA file (PEM) that signed the members' certificates",
+       [](LaunchOptions& o, const std::string& v, const std::string&) { o.rdzvCa = v; }},
+      {"rdzv-cert", "DT_RDZV_CERT", true, "(none)", "etcd TLS: this node's client certificate (PEM), for members run with --client-cert-auth",
+       [](LaunchOptions& o, const std::string& v, const std::string&) { o.rdzvCert = v; }},
+      {"rdzv-key", "DT_RDZV_KEY", true, "(none)", "etcd TLS: the client certificate's key (PEM)",
+       [](LaunchOptions& o, const std::string& v, const std::string&) { o.rdzvKey = v; }},
+      {"rdzv-user", "DT_RDZV_USER", true, "(none)", "etcd authentication: user name (it needs read-write permission on /dtrain/<rdzv id>/)",
+       [](LaunchOptions& o, const std::string& v, const std::string&) { o.rdzvUser = v; }},
+      {"rdzv-password", "DT_RDZV_PASSWORD", true, "(none)", "etcd authentication: password (prefer the environment variable: a command line is visible to every user)",
+       [](LaunchOptions& o, const std::string& v, const std::string&) { o.rdzvPassword = v; }},
   };
   return specs;
 }
@@ -164,6 +197,7 @@ std::string canonicalName(std::string name) {
   std::replace(name.begin(), name.end(), '_', '-');
   if (name == "nproc-per-node") return "nproc";
   if (name == "max-restart") return "max-restarts";
+  if (name == "rdzv-endpoints") return "rdzv-endpoint";
   return name;
 }
 
@@ -290,7 +324,21 @@ ParseResult parseCommandLine(const std::vector<std::string>& args, const EnvLook
     throw InvalidArgument(str("--node-rank=", o.nodeRank, " is out of range for --nnodes=", o.nnodes,
                               "; accepted: 0 to ", o.nnodes - 1));
   }
-  if (o.nnodes > 1 && o.masterPort == 0) {
+  if (o.etcd()) {
+    if (o.rdzvEndpoint.empty()) {
+      throw InvalidArgument("--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...] (the etcd members' client URLs)");
+    }
+    if (o.rdzvId.empty()) o.rdzvId = o.runId;
+    if (o.rdzvId.empty()) {
+      throw InvalidArgument("--rdzv-backend etcd needs --rdzv-id JOB (or --run-id), the same on every node of the job");
+    }
+    if (o.rdzvCert.empty() != o.rdzvKey.empty()) {
+      throw InvalidArgument("--rdzv-cert and --rdzv-key go together (a client certificate and its key)");
+    }
+  } else if (!o.rdzvEndpoint.empty()) {
+    throw InvalidArgument("--rdzv-endpoint is given but --rdzv-backend is static; accepted: --rdzv-backend etcd with it, or neither");
+  }
+  if (o.nnodes > 1 && o.masterPort == 0 && !o.etcd()) {
     throw InvalidArgument("--master-port=0 needs --nnodes=1 (other nodes could not find the port); accepted: a fixed port for several nodes");
   }
   return result;
@@ -301,9 +349,11 @@ std::string helpText() {
       "usage: dtrun [options] program [args...]\n"
       "       dtrun [options] -- program [args...]\n\n"
       "Starts --nproc copies of program on this node (one dtrun per node), hosts the job's store on\n"
-      "node 0, watches the workers, and tears everything down when one fails.\n\n"
+      "node 0 (or meets the other nodes in etcd: --rdzv-backend etcd), watches the workers, and tears\n"
+      "everything down when one fails.\n\n"
       "Workers get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,\n"
-      "DT_STORE_ADDR, DT_STORE_TOKEN, DT_RUN_ID, DT_RESTART_COUNT, DT_MAX_RESTARTS.\n\n"
+      "DT_STORE_ADDR, DT_STORE_TOKEN, DT_RUN_ID, DT_RESTART_COUNT, DT_MAX_RESTARTS (with etcd: DT_ETCD_ENDPOINTS,\n"
+      "DT_ETCD_PREFIX and the DT_ETCD_* TLS and credential variables instead of DT_STORE_ADDR/TOKEN).\n\n"
       "options (each also read from the environment variable shown):\n";
   for (const auto& spec : optionSpecs()) {
     std::string left = str("  --", spec.name, spec.takesValue ? " VALUE" : "");

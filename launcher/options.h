@@ -52,6 +52,14 @@ struct LaunchOptions {
   Millis rdzvTimeout{300000};   // how long nodes wait for each other at each (re)start
   std::string prefix = "[rank %r] ";  // "" disables; %r rank, %l local rank, %n node, %h host
   std::string slurm = "auto";   // auto, on, off
+  // Rendezvous: "static" (node 0's dtrun hosts a TcpStore) or "etcd" (nodes
+  // meet in etcd, which is also the workers' store; no node is special).
+  std::string rdzvBackend = "static";
+  std::string rdzvEndpoint;     // etcd: host:port[,host:port...]
+  std::string rdzvId;           // etcd: the job's id, the same on every node (keys under /dtrain/<id>)
+  std::string rdzvCa, rdzvCert, rdzvKey;  // etcd TLS: CA, client certificate and key files
+  std::string rdzvUser, rdzvPassword;     // etcd authentication
+  bool etcd() const { return rdzvBackend == "etcd"; }
 
   std::vector<std::string> program;  // program and its arguments
 

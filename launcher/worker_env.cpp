@@ -55,6 +55,17 @@ WorkerEnv buildWorkerEnv(const std::vector<std::string>& base, const WorkerIdent
   put("DT_RUN_ID", id.runId);
   put("DT_RESTART_COUNT", str(id.restartCount));
   put("DT_MAX_RESTARTS", str(id.maxRestarts));
+  // Always set: a DT_ETCD_ENDPOINTS inherited from dtrun's environment must not
+  // send the workers of a static job to etcd.
+  put("DT_ETCD_ENDPOINTS", id.etcdEndpoints);
+  if (!id.etcdEndpoints.empty()) {
+    put("DT_ETCD_PREFIX", id.etcdPrefix);
+    put("DT_ETCD_CA", id.etcdCa);
+    put("DT_ETCD_CERT", id.etcdCert);
+    put("DT_ETCD_KEY", id.etcdKey);
+    put("DT_ETCD_USER", id.etcdUser);
+    put("DT_ETCD_PASSWORD", id.etcdPassword);
+  }
 
   out.entries.reserve(vars.size());
   for (const auto& [name, value] : vars) out.entries.push_back(name + "=" + value);

@@ -28,6 +28,8 @@ struct WorkerIdentity {
   std::string runId;
   int restartCount = 0;
   int maxRestarts = 0;
+  // --rdzv-backend etcd: the workers' store is etcd (DT_ETCD_*); storeAddr is empty then.
+  std::string etcdEndpoints, etcdPrefix, etcdCa, etcdCert, etcdKey, etcdUser, etcdPassword;
 };
 
 struct WorkerEnv {

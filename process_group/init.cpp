@@ -9,8 +9,12 @@
 #include "common/errors.h"
 #include "common/hostlist.h"
 #include "common/strings.h"
+#include "common/config.h"
 #include "store/prefix_store.h"
 #include "store/tcp_store.h"
+#if DT_HAVE_ETCD
+#include "store/etcd_store.h"
+#endif
 
 namespace dt {
 namespace {
@@ -72,6 +76,21 @@ ResolvedInit resolveInit(const InitOptions& options) {
     out.source = "options";
     return out;
   }
+  if (auto endpoints = getVar("DT_ETCD_ENDPOINTS")) {
+    // The host of the first member, for choosing Gloo's address (loopback or not).
+    std::string host = endpoints->substr(0, endpoints->find(','));
+    if (const auto scheme = host.find("://"); scheme != std::string::npos) host = host.substr(scheme + 3);
+    if (host.starts_with("[")) {
+      host = host.substr(1, host.find(']') - 1);
+    } else if (const auto colon = host.rfind(':'); colon != std::string::npos) {
+      host = host.substr(0, colon);
+    }
+    out.storeHost = host;
+    out.etcdEndpoints = *endpoints;
+    out.launcherStore = true;
+    out.source = "etcd";
+    return out;
+  }
   if (auto token = getVar("DT_STORE_TOKEN")) out.token = *token;
   if (auto addr = getVar("DT_STORE_ADDR")) {
     // "host:port" or "[v6]:port"
@@ -118,6 +137,17 @@ std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
   const ResolvedInit init = resolveInit(options);
   const auto timeout = options.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
   StorePtr store = options.store;
+  if (!store && !init.etcdEndpoints.empty()) {
+#if DT_HAVE_ETCD
+    EtcdStoreOptions etcd = EtcdStoreOptions::fromEnvironment();
+    etcd.timeout = timeout;
+    etcd.rank = init.rank;
+    store = std::make_shared<EtcdStore>(etcd);
+#else
+    throw InvalidArgument("initProcessGroup: DT_ETCD_ENDPOINTS is set but this dtrain was built without the etcd store "
+                          "(DT_USE_ETCD=OFF, or libcurl/nlohmann-json missing at build time: run scripts/setup.sh)");
+#endif
+  }
   if (!store) {
     TcpStoreOptions storeOptions;
     storeOptions.isServer = init.hostStore;

@@ -13,6 +13,9 @@
 //         slurmDerivedPort(SLURM_JOB_ID) = 20000 + SLURM_JOB_ID mod 10000
 //         (MASTER_ADDR / MASTER_PORT still win when set).
 //    A missing variable throws InvalidArgument naming it and what sets it.
+//    With DT_ETCD_ENDPOINTS set (dtrun --rdzv-backend etcd sets it), the
+//    store is an EtcdStore on that cluster (EtcdStoreOptions::fromEnvironment:
+//    DT_ETCD_PREFIX, TLS files, credentials) and every rank is its client.
 //  * resolveInit() does only that parsing (no network), so it is testable.
 //  * initProcessGroup() blocks until every rank joined (group timeout:
 //    options.timeout or DT_PG_TIMEOUT). With DT_STORE_ADDR it also makes the
@@ -55,7 +58,8 @@ struct ResolvedInit {
   int localRank = 0;
   std::string storeHost;
   uint16_t storePort = 0;
-  bool launcherStore = false;  // DT_STORE_ADDR: everyone is a client
+  bool launcherStore = false;  // DT_STORE_ADDR or DT_ETCD_ENDPOINTS: everyone is a client
+  std::string etcdEndpoints;   // DT_ETCD_ENDPOINTS: the store is etcd
   bool hostStore = false;      // this rank runs the TcpStore server
   std::string token;           // DT_STORE_TOKEN ("" = none)
   std::string source;          // "options", "env", "dtrun", "slurm"

@@ -16,10 +16,14 @@ namespace {
 using Ms = std::chrono::milliseconds;
 
 // How long one attempt at a unary request may take before the next member is
-// tried: long enough for a member that waits for a new leader (etcd's own
-// request timeout is a few seconds), short enough that a frozen member does
-// not hold a call for long.
-constexpr Ms kAttemptTimeout{10'000};
+// tried. A member still following a leader that just died holds a write
+// until etcd's own request timeout (5 s + two election timeouts); giving up
+// on it after 2 s and asking the next member (a repeat is safe, see
+// EtcdStore's receipts) gets through as soon as the new leader is elected.
+// Each further attempt of the same request may take twice as long, up to
+// 10 s, so that a request that is merely slow still completes.
+constexpr Ms kFirstAttemptTimeout{2'000};
+constexpr Ms kMaxAttemptTimeout{10'000};
 // How long connecting to one member may take before the next one is tried.
 constexpr Ms kConnectAttemptTimeout{2'000};
 constexpr Ms kMaxBackoff{500};
@@ -276,7 +280,8 @@ Attempt EtcdClient::Impl::perform(const EtcdConfig& config, const std::string& u
   headers = curl_slist_append(headers, "Content-Type: application/json");
   // Without this, curl waits up to a second for "100 Continue" before sending a large body.
   headers = curl_slist_append(headers, "Expect:");
-  // A watch on a member cut off from the quorum would never fire: make etcd cancel it instead.
+  // A member without a leader answers "no leader" at once instead of holding the
+  // request (etcd's require-leader metadata), and cancels a watch it can no longer serve.
   if (requireLeader) headers = curl_slist_append(headers, "Grpc-Metadata-hasleader: true");
   std::string authorization;
   if (!token.empty()) {
@@ -293,6 +298,22 @@ Attempt EtcdClient::Impl::perform(const EtcdConfig& config, const std::string& u
 }
 
 namespace {
+
+// Whether host:port of a plain-HTTP URL completes a TLS handshake (its certificate unchecked).
+bool speaksTls(const std::string& httpUrl) {
+  CURL* probe = curl_easy_init();
+  if (!probe) return false;
+  const std::string url = "https://" + httpUrl.substr(std::string_view("http://").size());
+  curl_easy_setopt(probe, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(probe, CURLOPT_CONNECT_ONLY, 1L);
+  curl_easy_setopt(probe, CURLOPT_SSL_VERIFYPEER, 0L);
+  curl_easy_setopt(probe, CURLOPT_SSL_VERIFYHOST, 0L);
+  curl_easy_setopt(probe, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(probe, CURLOPT_TIMEOUT_MS, 1000L);
+  const CURLcode code = curl_easy_perform(probe);
+  curl_easy_cleanup(probe);
+  return code == CURLE_OK;
+}
 
 [[noreturn]] void throwTlsFailure(const EtcdConfig& config, const std::string& url, const std::string& what,
                                   const std::string& op) {
@@ -322,6 +343,9 @@ namespace {
                "grant its role the prefix (etcdctl role grant-permission --prefix ROLE readwrite PREFIX)");
   } else if (contains(message, "database space exceeded")) {
     hint = "the cluster's database is full (NOSPACE alarm): its operator must compact, defragment and disarm it";
+  } else if (contains(message, "CommonName of client")) {
+    hint = "with authentication on, etcd 3.4's gateway refuses client certificates that carry a CommonName (etcd "
+           "would take it for the user name); use a client certificate without a CN, or drop user/password";
   } else if (contains(message, "lease not found")) {
     hint = "the lease expired (its keep-alives stopped for longer than its TTL) or was revoked";
   } else {
@@ -339,6 +363,7 @@ Json EtcdClient::call(const char* path, const Json& body, EtcdClock::time_point 
   const bool authenticating = std::string_view(path) == "/v3/auth/authenticate";
   std::vector<std::string> lastErrors(members);
   Ms backoff{10};
+  Ms attemptTimeout = kFirstAttemptTimeout;
   int failures = 0;
   bool renewed = false;
   const auto start = EtcdClock::now();
@@ -349,8 +374,9 @@ Json EtcdClient::call(const char* path, const Json& body, EtcdClock::time_point 
     if (!authenticating) std::tie(token, generation) = this->token(deadline, op);
     const std::string& url = config.urls[impl_->current];
     const Ms left = remaining(deadline);
-    const Attempt a = impl_->perform(config, url + path, payload, token, std::min(left, kAttemptTimeout),
-                              std::min(left, kConnectAttemptTimeout), false);
+    const Attempt a = impl_->perform(config, url + path, payload, token, std::min(left, attemptTimeout),
+                                     std::min(left, kConnectAttemptTimeout), true);
+    if (a.code == CURLE_OPERATION_TIMEDOUT) attemptTimeout = std::min(attemptTimeout * 2, kMaxAttemptTimeout);
     std::string failure;
     if (a.code == CURLE_OK && a.status == 200) {
       Json reply = Json::parse(impl_->reply, nullptr, false);
@@ -367,6 +393,7 @@ Json EtcdClient::call(const char* path, const Json& body, EtcdClock::time_point 
           throw NetworkError(str("etcd store ", op, ": ", url, " speaks HTTPS but was addressed over plain HTTP. ",
                                  "Hint: use an https:// endpoint and give the CA file (dtrun --rdzv-ca, DT_ETCD_CA)"));
         }
+        if (contains(impl_->reply, "CommonName of client")) throwRefused(config, url, path, trim(impl_->reply), op);
         throwRefused(config, url, path,
                      str("HTTP ", a.status, " with ", quoteBytes(impl_->reply, 80), " (not an etcd v3 gateway reply)"), op);
       }
@@ -392,6 +419,11 @@ Json EtcdClient::call(const char* path, const Json& body, EtcdClock::time_point 
     } else {
       const std::string what = describeCurl(a);
       if (isTlsFailure(a.code, what)) throwTlsFailure(config, url, what, op);
+      // A TLS member drops a plain-HTTP request without a word: ask it for a handshake.
+      if (a.code == CURLE_GOT_NOTHING && url.starts_with("http://") && speaksTls(url)) {
+        throw NetworkError(str("etcd store ", op, ": ", url, " speaks HTTPS but was addressed over plain HTTP. ",
+                               "Hint: use an https:// endpoint and give the CA file (dtrun --rdzv-ca, DT_ETCD_CA)"));
+      }
       failure = what;
     }
     lastErrors[impl_->current] = failure;

@@ -4,6 +4,8 @@
 //   dtrain_worker allreduce STEPS     every rank checks STEPS allreduces, prints "ok"
 //   dtrain_worker restart             rank 1 fails after one allreduce in attempt 0
 //   dtrain_worker hang                3 allreduces, then rank 1 stops calling them
+//   dtrain_worker steps STEPS MS      STEPS allreduces MS ms apart, each announced
+//                                     ("rank r step i"), then "ok" as for allreduce
 //   dtrain_worker backend             prints the CPU backend the group chose, checks
 //                                     sum/avg allreduces of several sizes and that
 //                                     every rank holds the same bits, prints "ok"
@@ -44,6 +46,18 @@ int main(int argc, char** argv) {
   if (mode == "allreduce") {
     const int steps = argc > 2 ? std::atoi(argv[2]) : 3;
     for (int i = 0; i < steps; ++i) allreduceOnce(*pg, rank, world);
+    std::printf("rank %d allreduce ok world %d restart %d\n", rank, world, restart);
+    return 0;
+  }
+  if (mode == "steps") {
+    const int steps = argc > 2 ? std::atoi(argv[2]) : 10;
+    const int pause = argc > 3 ? std::atoi(argv[3]) : 100;
+    for (int i = 0; i < steps; ++i) {
+      allreduceOnce(*pg, rank, world);
+      std::printf("rank %d step %d\n", rank, i);
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause));
+    }
     std::printf("rank %d allreduce ok world %d restart %d\n", rank, world, restart);
     return 0;
   }

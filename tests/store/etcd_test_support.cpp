@@ -162,7 +162,7 @@ void EtcdCluster::makeCertificates() {
       str("openssl req ", ec, " -keyout ", p("server.key"), " -out ", p("server.csr"), " -subj /CN=127.0.0.1"),
       str("openssl x509 -req -in ", p("server.csr"), " -CA ", p("ca.crt"), " -CAkey ", p("ca.key"),
           " -CAcreateserial -days 2 -extfile ", p("server.ext"), " -out ", p("server.crt")),
-      str("openssl req ", ec, " -keyout ", p("client.key"), " -out ", p("client.csr"), " -subj /CN=dtrain-client"),
+      str("openssl req ", ec, " -keyout ", p("client.key"), " -out ", p("client.csr"), " -subj /O=dtrain-test-client"),
       str("openssl x509 -req -in ", p("client.csr"), " -CA ", p("ca.crt"), " -CAkey ", p("ca.key"),
           " -CAcreateserial -days 2 -extfile ", p("client.ext"), " -out ", p("client.crt")),
       str("openssl req ", ec, " -keyout ", p("other-client.key"), " -out ", p("other-client.csr"), " -subj /CN=intruder"),
@@ -277,7 +277,7 @@ void EtcdCluster::enableAuth() {
   }
   detail::EtcdClient client(std::make_shared<detail::EtcdSession>(config));
   const auto deadline = std::chrono::steady_clock::now() + 10s;
-  const std::string prefix = std::string(kAuthPrefix) + "/";
+  const std::string prefix = options_.authPrefix + "/";
   using detail::Json;
   client.call("/v3/auth/user/add", Json{{"name", "root"}, {"password", "root-secret"}}, deadline, "user add");
   client.call("/v3/auth/user/grant", Json{{"user", "root"}, {"role", "root"}}, deadline, "grant root");
@@ -304,7 +304,9 @@ int EtcdCluster::leader() const {
     try {
       const auto reply = client.call("/v3/maintenance/status", detail::Json::object(),
                                      std::chrono::steady_clock::now() + 1s, "status");
-      if (detail::jsonInt(reply, "leader") != 0 && detail::jsonInt(reply, "leader") == detail::jsonInt(reply["header"], "member_id")) {
+      // Member ids are unsigned 64-bit: compare them as the strings the gateway writes.
+      const std::string leaderId = reply.value("leader", "");
+      if (!leaderId.empty() && leaderId == reply["header"].value("member_id", "")) {
         return i;
       }
     } catch (const std::exception&) {

@@ -6,11 +6,13 @@
 //  * EtcdCluster({.members = 3}) starts a cluster; kill(i) SIGKILLs member i
 //    (the real process, as a crash would); endpoints() lists the client URLs.
 //  * tls: https client URLs with certificates made by openssl (an EC CA, a
-//    server certificate for 127.0.0.1, a client certificate, and a second CA
+//    server certificate for 127.0.0.1, a client certificate without a
+//    CommonName (etcd 3.4's gateway refuses one with a CN when authentication
+//    is on), and a second CA
 //    with its own client certificate for the "wrong certificate" cases);
 //    clientCertAuth makes the members require a client certificate.
 //  * auth: users root and "alice" (password "alice-secret"), alice with
-//    read-write permission on the key prefix "/dtrain-auth" only, and
+//    read-write permission on the key prefix authPrefix ("/dtrain-auth") only, and
 //    authentication enabled.
 //  * When etcd or openssl is missing, the constructor fails the test
 //    (ADD_FAILURE + throw) saying to run scripts/setup.sh: these tests never
@@ -35,6 +37,8 @@ struct EtcdClusterOptions {
   bool tls = false;
   bool clientCertAuth = false;
   bool auth = false;
+  // With auth: the key prefix alice may read and write.
+  std::string authPrefix = "/dtrain-auth";
 };
 
 struct EtcdCertificates {
@@ -59,6 +63,7 @@ class EtcdCluster {
   std::string endpoint(int member) const;
   int size() const { return static_cast<int>(members_.size()); }
   pid_t pid(int member) const { return members_[static_cast<size_t>(member)].pid; }
+  int peerPort(int member) const { return members_[static_cast<size_t>(member)].peerPort; }
   // SIGKILLs member i and reaps it.
   void kill(int member);
   // The member that is the leader now (asks the members; -1 when none answers).

@@ -3,16 +3,23 @@
 // StoreHarness: a fresh store, plus extra clients onto the same data (what a
 // second rank would hold).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <thread>
 
+#include "common/config.h"
 #include "common/errors.h"
+#include "common/strings.h"
 #include "store/file_store.h"
 #include "store/hash_store.h"
 #include "store/prefix_store.h"
 #include "store/tcp_store.h"
 #include "tests/testing/testing.h"
+#if DT_HAVE_ETCD
+#include "store/etcd_store.h"
+#include "tests/store/etcd_test_support.h"
+#endif
 
 namespace dt {
 namespace {
@@ -72,6 +79,27 @@ struct TcpHarness : StoreHarness {
   }
   std::string where() override { return "127.0.0.1:"; }
 };
+
+#if DT_HAVE_ETCD
+// One real etcd member per test process (started at the first EtcdStore
+// test); each test gets a fresh key prefix on it.
+struct EtcdHarness : StoreHarness {
+  static dt::testing::EtcdCluster& cluster() {
+    static dt::testing::EtcdCluster member;
+    return member;
+  }
+  EtcdStoreOptions options;
+  StorePtr store;
+  EtcdHarness() {
+    static int counter = 0;
+    options = cluster().storeOptions(str("/conformance/", getpid(), "/", counter++));
+    store = std::make_shared<EtcdStore>(options);
+  }
+  StorePtr main() override { return store; }
+  StorePtr newClient() override { return std::make_shared<EtcdStore>(options); }
+  std::string where() override { return "etcd http://127.0.0.1:"; }
+};
+#endif
 
 struct Impl {
   std::string name;
@@ -422,6 +450,10 @@ INSTANTIATE_TEST_SUITE_P(Stores, StoreConformance,
                                            Impl{"FileStore", [] { return std::make_unique<FileHarness>(); }},
                                            Impl{"TcpStore", [] { return std::make_unique<TcpHarness>(); }}),
                          implName);
+#if DT_HAVE_ETCD
+INSTANTIATE_TEST_SUITE_P(Etcd, StoreConformance,
+                         ::testing::Values(Impl{"EtcdStore", [] { return std::make_unique<EtcdHarness>(); }}), implName);
+#endif
 
 }  // namespace
 }  // namespace dt

@@ -1,0 +1,118 @@
+// dtrun --rdzv-backend etcd with real etcd members (tests/store/etcd_test_support.h)
+// and real dtrain workers: two emulated nodes (two dtruns on loopback) meet in
+// etcd, the workers' store is etcd itself and they allreduce; losing one etcd
+// member of three in the middle changes nothing; TLS with a client
+// certificate plus user/password reach the workers; bad endpoints, a lonely node and a
+// node rank claimed twice are one clear error each.
+#include <csignal>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/strings.h"
+#include "tests/launcher/dtrun_process.h"
+#include "tests/store/etcd_test_support.h"
+
+namespace dt::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+const std::string kDtrun = DTRUN_PATH;
+const std::string kWorker = DTRAIN_WORKER_PATH;
+
+std::vector<std::string> dtrun(const EtcdCluster& cluster, const std::string& id, std::vector<std::string> extra,
+                               std::vector<std::string> program) {
+  std::vector<std::string> argv = {kDtrun, "--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints(),
+                                   "--rdzv-id", id, "--monitor-interval", "200ms", "--node-timeout", "2s",
+                                   "--kill-grace", "2s", "--rdzv-timeout", "60s"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), program.begin(), program.end());
+  return argv;
+}
+
+TEST(DtrunEtcd, TwoNodesAllreduceThroughEtcdAndLoseAnEtcdMemberUnnoticed) {
+  EtcdCluster cluster({.members = 3});
+  // No --node-rank: the nodes get ranks in the order they join.
+  ChildProcess a(dtrun(cluster, "job-a", {"--nnodes", "2", "--nproc", "2"}, {kWorker, "steps", "12", "100"}));
+  ChildProcess b(dtrun(cluster, "job-a", {"--nnodes", "2", "--nproc", "2"}, {kWorker, "steps", "12", "100"}));
+  ASSERT_TRUE(a.waitForOutput("step 3", 60s)) << a.output() << b.output();
+  cluster.kill(0);  // the member every client started on
+  const auto ra = a.wait(90s);
+  const auto rb = b.wait(90s);
+  ASSERT_EQ(ra.exitCode, 0) << ra.out << ra.err;
+  ASSERT_EQ(rb.exitCode, 0) << rb.out << rb.err;
+  const std::string out = ra.out + rb.out;
+  for (int rank = 0; rank < 4; ++rank) EXPECT_THAT(out, HasSubstr(str("rank ", rank, " allreduce ok world 4 restart 0")));
+  // Both node ranks were handed out.
+  EXPECT_THAT(ra.err + rb.err, HasSubstr("(node 0/2)"));
+  EXPECT_THAT(ra.err + rb.err, HasSubstr("(node 1/2)"));
+  // The same id again: a new round, not the old job's keys.
+  ChildProcess c(dtrun(cluster, "job-a", {"--nnodes", "2", "--node-rank", "1"}, {kWorker, "allreduce", "2"}));
+  ChildProcess d(dtrun(cluster, "job-a", {"--nnodes", "2", "--node-rank", "0"}, {kWorker, "allreduce", "2"}));
+  const auto rc = c.wait(60s), rd = d.wait(60s);
+  EXPECT_EQ(rc.exitCode, 0) << rc.out << rc.err;
+  EXPECT_EQ(rd.exitCode, 0) << rd.out << rd.err;
+  EXPECT_THAT(rc.out + rd.out, HasSubstr("allreduce ok world 2"));
+}
+
+TEST(DtrunEtcd, TlsAndCredentialsReachTheWorkers) {
+  // alice may use /dtrain/secure/: the job's keys (its id is "secure").
+  EtcdCluster cluster({.tls = true, .clientCertAuth = true, .auth = true, .authPrefix = "/dtrain/secure"});
+  const auto& certs = cluster.certificates();
+  const std::vector<std::string> security = {"--nnodes", "2", "--rdzv-ca", certs.ca, "--rdzv-cert", certs.clientCert,
+                                             "--rdzv-key", certs.clientKey, "--rdzv-user", EtcdCluster::kUser};
+  const std::vector<std::string> env = {str("DT_RDZV_PASSWORD=", EtcdCluster::kPassword)};
+  ChildProcess a(dtrun(cluster, "secure", security, {kWorker, "allreduce", "3"}), env);
+  ChildProcess b(dtrun(cluster, "secure", security, {kWorker, "allreduce", "3"}), env);
+  const auto ra = a.wait(60s), rb = b.wait(60s);
+  ASSERT_EQ(ra.exitCode, 0) << ra.out << ra.err;
+  ASSERT_EQ(rb.exitCode, 0) << rb.out << rb.err;
+  EXPECT_THAT(ra.out + rb.out, HasSubstr("allreduce ok world 2"));
+  // A wrong password: one clear error, at once.
+  const auto bad = runProcess(dtrun(cluster, "secure", security, {kWorker, "allreduce", "1"}), 30s,
+                              {"DT_RDZV_PASSWORD=wrong"});
+  EXPECT_EQ(bad.exitCode, 1);
+  EXPECT_THAT(bad.err, HasSubstr("authentication failed"));
+  EXPECT_THAT(bad.err, HasSubstr(cluster.endpoint(0)));
+}
+
+TEST(DtrunEtcd, BadInputIsOneClearErrorEach) {
+  EtcdCluster cluster;
+  // A lonely node: the others use another id (or are not started).
+  const auto lonely = runProcess(dtrun(cluster, "nobody-else", {"--nnodes", "2", "--rdzv-timeout", "1s"},
+                                       {kWorker, "allreduce", "1"}),
+                                 30s);
+  EXPECT_EQ(lonely.exitCode, 1);
+  EXPECT_THAT(lonely.err, HasSubstr("1 of 2 nodes joined job nobody-else"));
+  EXPECT_THAT(lonely.err, HasSubstr(cluster.endpoint(0)));
+  EXPECT_THAT(lonely.err, HasSubstr("--rdzv-id nobody-else"));
+  // Nothing listens there.
+  const auto unreachable = runProcess({kDtrun, "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id",
+                                       "x", "--rdzv-timeout", "1s", kWorker, "allreduce", "1"},
+                                      30s);
+  EXPECT_EQ(unreachable.exitCode, 1);
+  EXPECT_THAT(unreachable.err, HasSubstr("cannot use the rendezvous etcd at 127.0.0.1:1"));
+  EXPECT_THAT(unreachable.err, HasSubstr("Is etcd running"));
+  EXPECT_LT(unreachable.seconds, 20);
+  // Two dtruns claiming one node rank.
+  ChildProcess first(dtrun(cluster, "twice", {"--nnodes", "2", "--node-rank", "0"}, {kWorker, "allreduce", "1"}));
+  std::this_thread::sleep_for(1s);  // it claims node 0 within milliseconds of starting
+  const auto second = runProcess(dtrun(cluster, "twice", {"--nnodes", "2", "--node-rank", "0"}, {kWorker, "allreduce", "1"}), 30s);
+  EXPECT_EQ(second.exitCode, 1) << second.err;
+  EXPECT_THAT(second.err, HasSubstr("--node-rank 0 of job twice is already taken"));
+  first.signal(SIGTERM);
+  first.wait(30s);
+  // Usage errors.
+  const auto noEndpoint = runProcess({kDtrun, "--rdzv-backend", "etcd", "--rdzv-id", "x", kWorker}, 10s);
+  EXPECT_EQ(noEndpoint.exitCode, 2);
+  EXPECT_THAT(noEndpoint.err, HasSubstr("needs --rdzv-endpoint"));
+  const auto v2 = runProcess({kDtrun, "--rdzv-backend", "etcd-v2", kWorker}, 10s);
+  EXPECT_EQ(v2.exitCode, 2);
+  EXPECT_THAT(v2.err, HasSubstr("etcd 3.6 removed the v2 API"));
+}
+
+}  // namespace
+}  // namespace dt::testing
