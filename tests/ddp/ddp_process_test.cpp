@@ -6,7 +6,7 @@
 #include "common/strings.h"
 #include "ddp/ddp.h"
 #include "tests/ddp/harness.h"
-#include "tests/testing/processes.h"
+#include "testing/spawn.h"
 
 namespace dt {
 namespace {
@@ -19,11 +19,11 @@ using testing::TrainSpec;
 // Each child trains, computes the single-process reference itself and
 // reports the largest difference.
 void expectProcessesMatchReference(const TrainSpec& spec) {
-  const auto results = testing::runProcesses(spec.world, [&](int rank, uint16_t port) -> std::string {
+  const auto results = testing::spawn(spec.world, [&](testing::RankContext& ctx) -> std::string {
     ProcessGroupOptions o;
     o.timeout = 30s;
     o.progressInterval = 100ms;
-    auto group = ProcessGroup::create(testing::clientStore(port, rank), rank, spec.world, o);
+    auto group = ProcessGroup::create(ctx.store(), ctx.rank, spec.world, o);
     const auto mine = testing::trainRank(spec, group);
     group->barrier()->wait();
     group->destroy();
@@ -31,8 +31,8 @@ void expectProcessesMatchReference(const TrainSpec& spec) {
     return str(difference <= 2e-5f ? "OK" : "DIFFERENT", " max difference ", difference);
   });
   for (int rank = 0; rank < spec.world; ++rank) {
-    EXPECT_EQ(results[rank].exitCode, 0) << "rank " << rank;
-    EXPECT_EQ(results[rank].text.rfind("OK", 0), 0u) << "rank " << rank << ": " << results[rank].text;
+    EXPECT_EQ(results[rank].exitCode, 0) << results[rank].describe();
+    EXPECT_EQ(results[rank].value.rfind("OK", 0), 0u) << results[rank].describe();
   }
 }
 

@@ -1,7 +1,7 @@
-// Processes as ranks: forked children over a TcpStore the parent hosts on
-// port 0. Failure semantics that threads cannot show: a rank that is killed,
-// ranks that disagree across address spaces, initProcessGroup from the
-// environment.
+// Processes as ranks (dt::testing::spawn: forked children over a TcpStore
+// the parent hosts on port 0). Failure semantics that threads cannot show: a
+// rank that is killed, ranks that disagree across address spaces,
+// initProcessGroup from the environment.
 #include <gtest/gtest.h>
 
 #include <netinet/in.h>
@@ -23,13 +23,16 @@
 #include "process_group/init.h"
 #include "process_group/process_group.h"
 #include "store/tcp_store.h"
-#include "tests/testing/processes.h"
+#include "testing/point.h"
+#include "testing/spawn.h"
 
 namespace dt {
 namespace {
 
-using testing::clientStore;
-using testing::runProcesses;
+using testing::Ending;
+using testing::RankContext;
+using testing::spawn;
+using testing::SpawnOptions;
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -42,18 +45,22 @@ class ProcessFailureOnBackend : public ::testing::TestWithParam<std::string> {};
 TEST_P(ProcessFailureOnBackend, KilledRankFailsEverySurvivorPromptlyAndIsNamed) {
   constexpr int kWorld = 3;
   constexpr auto kTimeout = 20s;
-  const auto results = runProcesses(kWorld, [&](int rank, uint16_t port) -> std::string {
+  SpawnOptions options;
+  options.plan = {testing::killAt(2, "mid-allreduce")};
+  options.deadline = 90s;
+  const auto results = spawn(kWorld, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
     ProcessGroupOptions o;
     o.backend = GetParam();
     o.timeout = kTimeout;
     o.progressInterval = 200ms;
-    auto pg = ProcessGroup::create(clientStore(port, rank), rank, kWorld, o);
+    auto pg = ProcessGroup::create(ctx.store(), rank, kWorld, o);
     Tensor t = ones({4 << 20});  // 16 MiB
     pg->allreduce(t)->wait();     // everyone is connected and running
     if (rank == 2) {
       auto work = pg->allreduce(t);
       std::this_thread::sleep_for(30ms);  // in the middle of it
-      ::kill(::getpid(), SIGKILL);
+      testing::point("mid-allreduce");    // SIGKILLed here
     }
     for (int i = 0; i < 1000; ++i) {
       const auto start = Clock::now();
@@ -74,12 +81,12 @@ TEST_P(ProcessFailureOnBackend, KilledRankFailsEverySurvivorPromptlyAndIsNamed) 
       }
     }
     return "NO-FAILURE";
-  }, 90s);
-  ASSERT_TRUE(results[2].killed) << results[2].text;
+  }, options);
+  ASSERT_EQ(results[2].ending, Ending::Killed) << results.summary();
+  ASSERT_EQ(results[2].signal, SIGKILL) << results.summary();
   for (int r = 0; r < 2; ++r) {
-    const auto& text = results[r].text;
-    ASSERT_EQ(text.rfind("FAILED ", 0), 0u) << "rank " << r << ": " << text << " (exit code "
-                                             << results[r].exitCode << ", signal " << results[r].signal << ")";
+    const auto& text = results[r].value;
+    ASSERT_EQ(text.rfind("FAILED ", 0), 0u) << results[r].describe();
     const long ms = std::stol(text.substr(7));
     EXPECT_LT(ms, std::chrono::duration_cast<std::chrono::milliseconds>(kTimeout + 5s).count()) << text;
     const bool named = text.find("Rank 2 stopped responding") != std::string::npos ||
@@ -97,11 +104,12 @@ TEST_P(ProcessFailureOnBackend, KilledRankFailsEverySurvivorPromptlyAndIsNamed) 
 // SIGPIPE, whose default action would kill the survivor before any error
 // could be reported. Here rank 1 exits in the middle of receiving 64 MiB.
 TEST_P(ProcessFailureOnBackend, PeerExitingMidTransferFailsTheWorkInsteadOfKillingTheSender) {
-  const auto results = runProcesses(2, [&](int rank, uint16_t port) -> std::string {
+  const auto results = spawn(2, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
     ProcessGroupOptions o;
     o.backend = GetParam();
     o.timeout = 10s;
-    auto pg = ProcessGroup::create(clientStore(port, rank), rank, 2, o);
+    auto pg = ProcessGroup::create(ctx.store(), rank, 2, o);
     pg->allreduce(ones({16}))->wait();
     Tensor big = ones({16 << 20});  // 64 MiB
     if (rank == 1) {
@@ -120,19 +128,22 @@ TEST_P(ProcessFailureOnBackend, PeerExitingMidTransferFailsTheWorkInsteadOfKilli
       return str("FAILED ", e.what());
     }
   });
-  ASSERT_FALSE(results[0].killed) << "rank 0 died of signal " << results[0].signal;
-  EXPECT_EQ(results[0].text.rfind("FAILED ", 0), 0u) << results[0].text;
-  EXPECT_NE(results[0].text.find("send to rank 1"), std::string::npos) << results[0].text;
+  ASSERT_EQ(results[0].signal, 0) << results.summary();
+  ASSERT_TRUE(results[0].returned()) << results.summary();
+  EXPECT_EQ(results[0].value.rfind("FAILED ", 0), 0u) << results[0].value;
+  EXPECT_NE(results[0].value.find("send to rank 1"), std::string::npos) << results[0].value;
+  EXPECT_EQ(results[1].ending, Ending::Exited) << results.summary();
 }
 
 // A peer that is already known to be gone: posting a recv must return a
 // failed Work, not throw Gloo's exception from the call.
 TEST_P(ProcessFailureOnBackend, PostingToAnExitedPeerReturnsAFailedWork) {
-  const auto results = runProcesses(2, [&](int rank, uint16_t port) -> std::string {
+  const auto results = spawn(2, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
     ProcessGroupOptions o;
     o.backend = GetParam();
     o.timeout = 10s;
-    auto pg = ProcessGroup::create(clientStore(port, rank), rank, 2, o);
+    auto pg = ProcessGroup::create(ctx.store(), rank, 2, o);
     pg->allreduce(ones({16}))->wait();
     if (rank == 1) ::_exit(0);  // gone, without a word
     std::this_thread::sleep_for(300ms);
@@ -154,17 +165,18 @@ TEST_P(ProcessFailureOnBackend, PostingToAnExitedPeerReturnsAFailedWork) {
     }
     return str("SURVIVED ", failed, " of ", works.size(), " recvs failed");
   });
-  EXPECT_FALSE(results[0].killed) << "rank 0 died of signal " << results[0].signal;
-  EXPECT_EQ(results[0].text, "SURVIVED 8 of 8 recvs failed");
+  EXPECT_EQ(results[0].signal, 0) << results.summary();
+  EXPECT_EQ(results[0].value, "SURVIVED 8 of 8 recvs failed") << results.summary();
 }
 
 TEST_P(ProcessFailureOnBackend, DesyncAcrossProcessesRaisesOnEveryRank) {
-  const auto results = runProcesses(2, [&](int rank, uint16_t port) -> std::string {
+  const auto results = spawn(2, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
     ProcessGroupOptions o;
     o.backend = GetParam();
     o.timeout = 30s;
     o.checkFingerprints = true;
-    auto pg = ProcessGroup::create(clientStore(port, rank), rank, 2, o);
+    auto pg = ProcessGroup::create(ctx.store(), rank, 2, o);
     Tensor small = ones({16});
     pg->allreduce(small)->wait();
     WorkPtr work;
@@ -183,8 +195,8 @@ TEST_P(ProcessFailureOnBackend, DesyncAcrossProcessesRaisesOnEveryRank) {
     }
   });
   for (int r = 0; r < 2; ++r) {
-    const auto& text = results[r].text;
-    ASSERT_EQ(text.rfind("DESYNC ", 0), 0u) << "rank " << r << ": " << text;
+    const auto& text = results[r].value;
+    ASSERT_EQ(text.rfind("DESYNC ", 0), 0u) << results[r].describe();
     EXPECT_NE(text.find("collective #2 mismatch"), std::string::npos) << text;
     EXPECT_NE(text.find("allreduce(float32[1048576], sum)"), std::string::npos) << text;
     EXPECT_NE(text.find("broadcast(float32[4096], root 0)"), std::string::npos) << text;
@@ -209,7 +221,8 @@ uint16_t freePort() {
 
 TEST(ProcessFailure, InitFromTorchrunEnvironmentRankZeroHostsTheStore) {
   const uint16_t masterPort = freePort();
-  const auto results = runProcesses(3, [&](int rank, uint16_t) -> std::string {
+  const auto results = spawn(3, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
     ::setenv("RANK", std::to_string(rank).c_str(), 1);
     ::setenv("WORLD_SIZE", "3", 1);
     ::setenv("MASTER_ADDR", "127.0.0.1", 1);
@@ -223,42 +236,40 @@ TEST(ProcessFailure, InitFromTorchrunEnvironmentRankZeroHostsTheStore) {
     pg->barrier()->wait();
     return str("SUM ", t.toVector<float>()[0]);
   });
-  for (const auto& r : results) EXPECT_EQ(r.text, "SUM 3");
+  for (const auto& r : results.ranks) EXPECT_EQ(r.value, "SUM 3") << r.describe();
 }
 
 TEST(ProcessFailure, InitFromLauncherStoreWritesTheWatchdogKeys) {
-  const auto results = runProcesses(
-      2,
-      [&](int rank, uint16_t port) -> std::string {
-        ::setenv("RANK", std::to_string(rank).c_str(), 1);
-        ::setenv("WORLD_SIZE", "2", 1);
-        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-        ::setenv("MASTER_PORT", "1", 1);  // must not be used: the launcher's store wins
-        ::setenv("DT_STORE_ADDR", str("127.0.0.1:", port).c_str(), 1);
-        ::setenv("DT_RESTART_COUNT", "1", 1);  // a restarted incarnation gets its own key space
-        auto pg = initProcessGroup();
-        Tensor t = ones({10});
-        for (int i = 0; i < 3; ++i) pg->allreduce(t)->wait();
-        pg->destroy();  // flushes the last progress value
-        return "OK";
-      },
-      60s,
-      [](TcpStore& store) {
-        EXPECT_TRUE(store.check({"restart1/pg/default/instances"}));
-        EXPECT_FALSE(store.check({"pg/default/instances"}));
-        for (int r = 0; r < 2; ++r) {
-          const std::string key = str("dt/progress/", r);
-          ASSERT_TRUE(store.check({key})) << key;
-          EXPECT_EQ(store.get(key), "3 allreduce") << key;
-        }
-      });
-  for (const auto& r : results) EXPECT_EQ(r.text, "OK");
+  testing::SpawnedRanks run(2, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
+    ::setenv("RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", "1", 1);  // must not be used: the launcher's store wins
+    ::setenv("DT_STORE_ADDR", str("127.0.0.1:", ctx.storePort).c_str(), 1);
+    ::setenv("DT_RESTART_COUNT", "1", 1);  // a restarted incarnation gets its own key space
+    auto pg = initProcessGroup();
+    Tensor t = ones({10});
+    for (int i = 0; i < 3; ++i) pg->allreduce(t)->wait();
+    pg->destroy();  // flushes the last progress value
+    return "OK";
+  });
+  const auto results = run.wait();
+  TcpStore& store = run.store();
+  EXPECT_TRUE(store.check({"restart1/pg/default/instances"}));
+  EXPECT_FALSE(store.check({"pg/default/instances"}));
+  for (int r = 0; r < 2; ++r) {
+    const std::string key = str("dt/progress/", r);
+    ASSERT_TRUE(store.check({key})) << key;
+    EXPECT_EQ(store.get(key), "3 allreduce") << key;
+  }
+  for (const auto& r : results.ranks) EXPECT_EQ(r.value, "OK") << r.describe();
 }
 
 #endif  // DT_HAVE_GLOO
 
 TEST(ProcessFailure, MissingEnvironmentVariableIsNamed) {
-  const auto results = runProcesses(1, [&](int, uint16_t) -> std::string {
+  const auto results = spawn(1, [&](RankContext&) -> std::string {
     ::unsetenv("RANK");
     ::unsetenv("SLURM_PROCID");
     ::unsetenv("DT_STORE_ADDR");
@@ -269,8 +280,8 @@ TEST(ProcessFailure, MissingEnvironmentVariableIsNamed) {
       return str("INVALID ", e.what());
     }
   });
-  const auto& text = results[0].text;
-  EXPECT_EQ(text.rfind("INVALID ", 0), 0u) << text;
+  const auto& text = results[0].value;
+  EXPECT_EQ(text.rfind("INVALID ", 0), 0u) << results[0].describe();
   EXPECT_NE(text.find("RANK is not set"), std::string::npos) << text;
   EXPECT_NE(text.find("dtrun and torchrun set it"), std::string::npos) << text;
 }

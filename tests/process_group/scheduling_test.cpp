@@ -23,7 +23,8 @@
 #include "process_group/shm/shm_segment.h"
 #include "common/strings.h"
 #include "store/hash_store.h"
-#include "tests/testing/processes.h"
+#include "testing/point.h"
+#include "testing/spawn.h"
 #include "tests/testing/testing.h"
 
 namespace dt {
@@ -221,28 +222,24 @@ TEST(Scheduling, RanksOnTwoCoresSpinForEachOther) {
 // A peer stopped mid-exchange (SIGSTOP, as a preempted or paused process is)
 // is waited for by sleeping, not by spinning for as long as it is away, and
 // the exchange completes once it runs again. Forked ranks: a stopped thread
-// of this process would stop the test.
+// of this process would stop the test. Rank 1 freezes at round 100 for
+// 300 ms, well under the 5 s heartbeat timeout.
 TEST(Scheduling, APeerStoppedMidExchangeIsWaitedForAsleepAndCatchesUp) {
-  const auto results = testing::runProcesses(2, [](int rank, uint16_t port) -> std::string {
-    auto store = testing::clientStore(port, rank);
+  testing::SpawnOptions spawnOptions;
+  spawnOptions.plan = {testing::freezeAt(1, "round-100", 300ms)};
+  const auto results = testing::spawn(2, [](testing::RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
+    auto store = ctx.store();
     shm::SegmentOptions options;
     options.name = "stopped";
     options.rank = rank;
     options.size = 2;
     options.slotBytes = 4096;
     shm::ShmSegment segment(store, options);
-    std::thread stopper;
     const auto deadline = std::chrono::steady_clock::now() + 30s;
     int wrong = 0;
     for (int round = 0; round < 1000; ++round) {
-      if (rank == 0 && round == 100) {
-        const pid_t peer = segment.control(1).pid;
-        stopper = std::thread([peer] {
-          ::kill(peer, SIGSTOP);
-          std::this_thread::sleep_for(300ms);  // well under the 5 s heartbeat timeout
-          ::kill(peer, SIGCONT);
-        });
-      }
+      if (round == 100) testing::point("round-100");
       *reinterpret_cast<int*>(segment.slot(rank, round & 1)) = round * 10 + rank;
       segment.arrive();
       segment.waitForAll(deadline);
@@ -250,17 +247,17 @@ TEST(Scheduling, APeerStoppedMidExchangeIsWaitedForAsleepAndCatchesUp) {
       segment.arrive();
       segment.waitForAll(deadline);
     }
-    if (stopper.joinable()) stopper.join();
     const auto stats = segment.waitStats();
     return str("wrong ", wrong, " slept ", stats.slept + stats.forCoreMate, " ");
-  });
-  ASSERT_EQ(results.size(), 2u);
+  }, spawnOptions);
+  ASSERT_EQ(results.ranks.size(), 2u);
   for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_FALSE(results[rank].killed) << "rank " << rank << ": " << results[rank].text;
-    EXPECT_EQ(results[rank].text.rfind("wrong 0 ", 0), 0u) << results[rank].text;
+    EXPECT_EQ(results[rank].signal, 0) << results[rank].describe();
+    EXPECT_EQ(results[rank].value.rfind("wrong 0 ", 0), 0u) << results[rank].describe();
   }
+  EXPECT_TRUE(results.planNotFired.empty()) << results.summary();
   // Rank 0 waited 300 ms for the stopped rank 1: asleep, not spinning.
-  EXPECT_EQ(results[0].text.find(" slept 0 "), std::string::npos) << results[0].text;
+  EXPECT_EQ(results[0].value.find(" slept 0 "), std::string::npos) << results[0].value;
 }
 
 // ---- core placement ----------------------------------------------------------------------

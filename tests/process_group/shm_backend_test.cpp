@@ -17,15 +17,18 @@
 #include "process_group/process_group.h"
 #include "process_group/shm/shm_backend.h"
 #include "store/prefix_store.h"
-#include "tests/testing/processes.h"
+#include "testing/point.h"
+#include "testing/spawn.h"
 
 namespace dt {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-using testing::clientStore;
-using testing::runProcesses;
+using testing::Ending;
+using testing::RankContext;
+using testing::spawn;
+using testing::SpawnOptions;
 
 // Names in /dev/shm that belong to run `runId`.
 std::vector<std::string> leftovers(const std::string& runId) {
@@ -52,22 +55,24 @@ ProcessGroupOptions shmOptions(std::chrono::milliseconds timeout) {
 
 TEST(ShmBackendProcesses, TheSegmentLeavesDevShmOnceEveryRankMappedIt) {
   const std::string runId = uniqueRunId("unlink");
-  const auto results = runProcesses(3, [&](int rank, uint16_t port) -> std::string {
+  const auto results = spawn(3, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
     ::setenv("DT_RUN_ID", runId.c_str(), 1);
-    auto pg = ProcessGroup::create(clientStore(port, rank), rank, 3, shmOptions(30s));
+    auto pg = ProcessGroup::create(ctx.store(), rank, 3, shmOptions(30s));
     Tensor t = full({1 << 18}, rank + 1);
     pg->allreduce(t)->wait();
     const size_t visible = leftovers(runId).size();  // the group is live and working
     pg->barrier()->wait();
     return str("OK sum ", t.toVector<float>()[0], " visible ", visible);
   });
-  for (int r = 0; r < 3; ++r) EXPECT_EQ(results[r].text, "OK sum 6 visible 0") << "rank " << r;
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(results[r].value, "OK sum 6 visible 0") << results[r].describe();
   EXPECT_TRUE(leftovers(runId).empty());
 }
 
 // Ranks killed with SIGKILL at random points of a mixed sequence of
 // collectives: every survivor fails promptly naming the killed rank, nothing
-// hangs, and nothing of the job stays in /dev/shm.
+// hangs, and nothing of the job stays in /dev/shm. The test kills the victim
+// a random time after every rank has its group.
 TEST(ShmBackendProcesses, RanksKilledAtRandomPointsAreNamedAndLeaveNothingBehind) {
   constexpr int kWorld = 4;
   constexpr auto kTimeout = 20s;
@@ -76,15 +81,13 @@ TEST(ShmBackendProcesses, RanksKilledAtRandomPointsAreNamedAndLeaveNothingBehind
     const int victim = (trial * 3 + 1) % kWorld;
     const int killAfterUs = static_cast<int>(random() % 200000);
     const std::string runId = uniqueRunId(str("kill", trial));
-    const auto results = runProcesses(kWorld, [&](int rank, uint16_t port) -> std::string {
+    SpawnOptions options;
+    options.deadline = 90s;
+    testing::SpawnedRanks run(kWorld, [&](RankContext& ctx) -> std::string {
+      const int rank = ctx.rank;
       ::setenv("DT_RUN_ID", runId.c_str(), 1);
-      auto pg = ProcessGroup::create(clientStore(port, rank), rank, kWorld, shmOptions(kTimeout));
-      if (rank == victim) {
-        std::thread([killAfterUs] {
-          std::this_thread::sleep_for(std::chrono::microseconds(killAfterUs));
-          ::kill(::getpid(), SIGKILL);
-        }).detach();
-      }
+      auto pg = ProcessGroup::create(ctx.store(), rank, kWorld, shmOptions(kTimeout));
+      ctx.store()->set(str("created/", rank), "1");
       const auto start = Clock::now();
       try {
         for (int i = 0;; ++i) {
@@ -102,11 +105,17 @@ TEST(ShmBackendProcesses, RanksKilledAtRandomPointsAreNamedAndLeaveNothingBehind
         const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
         return str("FAILED ", ms, " ", describe(e));
       }
-    }, 90s);
-    ASSERT_TRUE(results[victim].killed) << "trial " << trial << ": " << results[victim].text;
+    }, options);
+    std::vector<std::string> created;
+    for (int r = 0; r < kWorld; ++r) created.push_back(str("created/", r));
+    run.store().wait(created);
+    std::this_thread::sleep_for(std::chrono::microseconds(killAfterUs));
+    run.kill(victim);
+    const auto results = run.wait();
+    ASSERT_EQ(results[victim].ending, Ending::Killed) << "trial " << trial << ": " << results.summary();
     for (int r = 0; r < kWorld; ++r) {
       if (r == victim) continue;
-      const auto& text = results[r].text;
+      const auto& text = results[r].value;
       ASSERT_EQ(text.rfind("FAILED ", 0), 0u) << "trial " << trial << " rank " << r << ": " << text;
       const long ms = std::stol(text.substr(7));
       // Named directly (pid gone) or through a peer's report.
@@ -117,24 +126,26 @@ TEST(ShmBackendProcesses, RanksKilledAtRandomPointsAreNamedAndLeaveNothingBehind
     }
     EXPECT_TRUE(leftovers(runId).empty()) << "trial " << trial << " left " << join(leftovers(runId), ", ");
     std::printf("trial %d: killed rank %d after %d us; rank %d saw: %s\n", trial, victim, killAfterUs,
-                victim == 0 ? 1 : 0, results[victim == 0 ? 1 : 0].text.c_str());
+                victim == 0 ? 1 : 0, results[victim == 0 ? 1 : 0].value.c_str());
   }
 }
 
+// Rank 1 freezes (SIGSTOP, the plan's freeze with no end) after the first
+// allreduce; once rank 0 has reported, the harness kills it.
 TEST(ShmBackendProcesses, AFrozenRankIsNamedByItsStoppedHeartbeat) {
-  const auto results = runProcesses(2, [&](int rank, uint16_t port) -> std::string {
+  SpawnOptions options;
+  options.plan = {testing::freezeAt(1, "after-first-allreduce")};
+  options.deadline = 30s;
+  const auto results = spawn(2, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
     ShmBackendOptions o;
     o.timeout = 30s;
     o.progressInterval = 100ms;
     o.heartbeatTimeout = 1s;
-    auto store = clientStore(port, rank);
-    ShmBackend backend(std::make_shared<PrefixStore>("frozen", store), rank, 2, o);
+    ShmBackend backend(std::make_shared<PrefixStore>("frozen", ctx.store()), rank, 2, o);
     Tensor t = ones({1000});
     backend.allreduce({t})->wait();
-    if (rank == 1) {
-      store->set("frozen-pid", std::to_string(::getpid()));
-      ::raise(SIGSTOP);  // frozen, not dead: only the heartbeat tells
-    }
+    if (rank == 1) testing::point("after-first-allreduce");  // frozen, not dead: only the heartbeat tells
     const auto start = Clock::now();
     std::string outcome = "NO-FAILURE";
     try {
@@ -143,10 +154,10 @@ TEST(ShmBackendProcesses, AFrozenRankIsNamedByItsStoppedHeartbeat) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
       outcome = str("FAILED ", ms, " ", e.what());
     }
-    ::kill(static_cast<pid_t>(std::stol(store->get("frozen-pid"))), SIGKILL);  // so the test can reap it
     return outcome;
-  }, 30s);
-  const auto& text = results[0].text;
+  }, options);
+  EXPECT_EQ(results[1].ending, Ending::Killed) << results.summary();
+  const auto& text = results[0].value;
   ASSERT_EQ(text.rfind("FAILED ", 0), 0u) << text;
   EXPECT_NE(text.find("rank 1"), std::string::npos) << text;
   EXPECT_NE(text.find("stopped its heartbeat"), std::string::npos) << text;
@@ -154,8 +165,9 @@ TEST(ShmBackendProcesses, AFrozenRankIsNamedByItsStoppedHeartbeat) {
 }
 
 TEST(ShmBackendProcesses, DesyncIsCaughtWithoutDebugChecks) {
-  const auto results = runProcesses(3, [&](int rank, uint16_t port) -> std::string {
-    auto pg = ProcessGroup::create(clientStore(port, rank), rank, 3, shmOptions(20s));
+  const auto results = spawn(3, [&](RankContext& ctx) -> std::string {
+    const int rank = ctx.rank;
+    auto pg = ProcessGroup::create(ctx.store(), rank, 3, shmOptions(20s));
     pg->allreduce(ones({16}))->wait();
     try {
       if (rank == 2) {
@@ -171,8 +183,8 @@ TEST(ShmBackendProcesses, DesyncIsCaughtWithoutDebugChecks) {
     }
   });
   for (int r = 0; r < 3; ++r) {
-    const auto& text = results[r].text;
-    ASSERT_EQ(text.rfind("DESYNC ", 0), 0u) << "rank " << r << ": " << text;
+    const auto& text = results[r].value;
+    ASSERT_EQ(text.rfind("DESYNC ", 0), 0u) << results[r].describe();
     EXPECT_NE(text.find("collective #2 mismatch"), std::string::npos) << text;
     EXPECT_NE(text.find("broadcast(float32[4096], root 0)"), std::string::npos) << text;
     EXPECT_NE(text.find("allreduce(float32[1024], sum)"), std::string::npos) << text;
