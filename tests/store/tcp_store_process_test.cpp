@@ -1,5 +1,6 @@
 // TcpStore specifics with the server in a separate process (forked before
-// the test process starts any thread), and raw sockets that speak the wire
+// the test process starts any thread), clients as forked ranks
+// (dt::testing::spawn), and raw sockets that speak the wire
 // format of store/internal/protocol.h to split, corrupt and fuzz requests.
 #include <gtest/gtest.h>
 
@@ -28,6 +29,8 @@
 #include "store/internal/protocol.h"
 #include "store/tcp_store.h"
 #include "store/tcp_store_server.h"
+#include "testing/spawn.h"
+#include "testing/spawn_gtest.h"
 #include "tests/store/tcp_test_support.h"
 #include "tests/testing/testing.h"
 
@@ -55,27 +58,25 @@ TEST(TcpStoreProcess, AddressAlreadyInUseNamesTheAddress) {
 TEST(TcpStoreProcess, ManyProcessesHammeringAddGetExactCount) {
   ServerProcess server;
   constexpr int kProcs = 6, kThreads = 3, kAdds = 200;
-  std::vector<std::unique_ptr<Child>> children;
-  for (int p = 0; p < kProcs; ++p) {
-    children.push_back(std::make_unique<Child>([&] {
-      std::vector<std::thread> threads;
-      std::atomic<bool> ok{true};
-      for (int t = 0; t < kThreads; ++t) {
-        threads.emplace_back([&] {
-          try {
-            auto store = client(server.port());
-            for (int i = 0; i < kAdds; ++i) store->add("hammer", 1);
-          } catch (const std::exception& e) {
-            std::fprintf(stderr, "%s\n", e.what());
-            ok = false;
-          }
-        });
-      }
-      for (auto& t : threads) t.join();
-      if (!ok) throw std::runtime_error("a client failed");
-    }));
-  }
-  for (auto& child : children) EXPECT_EQ(child->join(), 0);
+  const auto result = dt::testing::spawn(kProcs, [&](dt::testing::RankContext&) {
+    std::vector<std::thread> threads;
+    std::vector<std::string> errors(kThreads);
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        try {
+          auto store = client(server.port());
+          for (int i = 0; i < kAdds; ++i) store->add("hammer", 1);
+        } catch (const std::exception& e) {
+          errors[static_cast<size_t>(t)] = describe(e);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& error : errors) {
+      if (!error.empty()) throw std::runtime_error("a client failed: " + error);
+    }
+  });
+  EXPECT_TRUE(dt::testing::everyRankReturned(result));
   EXPECT_EQ(client(server.port())->get("hammer"), std::to_string(kProcs * kThreads * kAdds));
 }
 
@@ -547,21 +548,19 @@ TEST(FileStoreProcess, ProcessesShareCountersAndBarriers) {
   dt::testing::TempDir dir;
   const std::string path = (dir.path() / "rendezvous").string();
   constexpr int kProcs = 4, kAdds = 50;
-  std::vector<std::unique_ptr<Child>> children;
-  for (int rank = 0; rank < kProcs; ++rank) {
-    children.push_back(std::make_unique<Child>([&, rank] {
-      FileStore store(path);
-      for (int i = 0; i < kAdds; ++i) store.add("count", 1);
-      store.set(str("rank/", rank), std::to_string(rank * 10));
-      storeBarrier(store, "after-adds", rank, kProcs, 30s);
-      // After the barrier every rank sees every add and every rank's key.
-      if (store.get("count") != std::to_string(kProcs * kAdds)) throw std::runtime_error("count mismatch");
-      for (int r = 0; r < kProcs; ++r) {
-        if (store.get(str("rank/", r)) != std::to_string(r * 10)) throw std::runtime_error("value mismatch");
-      }
-    }));
-  }
-  for (auto& child : children) EXPECT_EQ(child->join(), 0);
+  const auto result = dt::testing::spawn(kProcs, [&](dt::testing::RankContext& ctx) {
+    const int rank = ctx.rank;
+    FileStore store(path);
+    for (int i = 0; i < kAdds; ++i) store.add("count", 1);
+    store.set(str("rank/", rank), std::to_string(rank * 10));
+    storeBarrier(store, "after-adds", rank, kProcs, 30s);
+    // After the barrier every rank sees every add and every rank's key.
+    if (store.get("count") != std::to_string(kProcs * kAdds)) throw std::runtime_error("count mismatch");
+    for (int r = 0; r < kProcs; ++r) {
+      if (store.get(str("rank/", r)) != std::to_string(r * 10)) throw std::runtime_error("value mismatch");
+    }
+  });
+  EXPECT_TRUE(dt::testing::everyRankReturned(result));
   EXPECT_EQ(FileStore(path).get("count"), std::to_string(kProcs * kAdds));
 }
 
