@@ -126,7 +126,8 @@ double rdzvTcp(int n) {
 double rdzvEtcd(const std::string& endpoints, int n, int rep) {
   StartLine start;
   std::vector<Clock::time_point> done(static_cast<size_t>(n));
-  std::vector<std::shared_ptr<dt::EtcdStore>> keep(static_cast<size_t>(n));
+  // Every node keeps its lease (and so its claim) until all are done, as a running dtrun does.
+  std::vector<std::unique_ptr<dt::launcher::EtcdRendezvous>> keep(static_cast<size_t>(n));
   std::vector<std::thread> nodes;
   const std::string job = dt::str("/dtrain/bench-", ::getpid(), "-", n, "-", rep);
   std::atomic<int> failures{0};
@@ -138,7 +139,9 @@ double rdzvEtcd(const std::string& endpoints, int n, int rep) {
         o.endpoints = endpoints;
         o.prefix = job;
         auto store = std::make_shared<dt::EtcdStore>(o);
-        dt::launcher::EtcdRendezvous rdzv(store, store->grantLease(10s));
+        auto& slot = keep[static_cast<size_t>(node)];
+        slot = std::make_unique<dt::launcher::EtcdRendezvous>(store, store->grantLease(10s));
+        auto& rdzv = *slot;
         auto round = rdzv.enterRound();
         std::string holder;
         rdzv.claim(0, node, n, claimValue(node), holder);
@@ -154,7 +157,6 @@ double rdzvEtcd(const std::string& endpoints, int n, int rep) {
         for (int i = 0; i < n; ++i) keys.push_back(dt::launcher::EtcdRendezvous::nodeKey(0, i));
         round->multiGet(keys);
         done[static_cast<size_t>(node)] = Clock::now();
-        keep[static_cast<size_t>(node)] = round;
       } catch (const std::exception& e) {
         std::fprintf(stderr, "etcd node %d: %s\n", node, e.what());
         ++failures;
