@@ -24,6 +24,10 @@ std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string
     return std::make_exception_ptr(NotSupportedError(prefix + e.what() + suffix));
   } catch (const AnomalyError& e) {
     return std::make_exception_ptr(AnomalyError(prefix + e.what() + suffix));
+  } catch (const MemberLostError& e) {
+    return std::make_exception_ptr(MemberLostError(prefix + e.what() + suffix));
+  } catch (const MembershipError& e) {
+    return std::make_exception_ptr(MembershipError(prefix + e.what() + suffix));
   } catch (const BackendError& e) {
     return std::make_exception_ptr(BackendError(prefix + e.what() + suffix));
   } catch (const Error& e) {

@@ -44,6 +44,13 @@ DT_DECLARE_ERROR(NotSupportedError);
 // Anomaly mode found an op that made a NaN or Inf (tensor/autograd/anomaly.h):
 // the computation ran as asked, its values went bad.
 DT_DECLARE_ERROR(AnomalyError);
+// A member of an elastic job is gone (exited, killed, frozen past its liveness
+// timeout): the group it belonged to is broken, and the job goes on without it
+// (elastic/elastic_group.h). The message names the rank and how it ended.
+DT_DECLARE_ERROR(MemberLostError);
+// An elastic job cannot go on as asked: fewer members than its minimum, or
+// this process is no longer a member. The message names who is left and why.
+DT_DECLARE_ERROR(MembershipError);
 
 #undef DT_DECLARE_ERROR
 

@@ -106,6 +106,12 @@ class Backend {
 
   // The error that broke the backend, or nullptr while healthy.
   virtual std::exception_ptr brokenCause() const { return nullptr; }
+  // Breaks the backend with `cause` (the first cause wins) and aborts its
+  // transfers: every op in flight or queued fails at once with it (in its
+  // own words, with the op's context), and so does every later op. For a
+  // caller that knows a peer is gone before the transport does (an elastic
+  // job told that a member died). Any thread; idempotent.
+  virtual void abort(std::exception_ptr cause) = 0;
   // Stops the worker(s), failing queued work with an error saying the group
   // was shut down, and closes connections. Idempotent; the destructor calls it.
   virtual void shutdown() {}

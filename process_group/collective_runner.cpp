@@ -312,7 +312,15 @@ void CollectiveRunner::runTask(Task& task) {
     task.body(task.timeout, task.fingerprint);
     progress_->completed(task.seq, task.op);
   } catch (...) {
-    failure = explainFailure(std::current_exception(), task);
+    // Aborted from outside (Backend::abort) before or while the failure is
+    // explained: the transport's error is only the abort's echo, so the
+    // abort's cause is what the op says (and the peers are not asked).
+    if (!brokenCause()) failure = explainFailure(std::current_exception(), task);
+    if (std::exception_ptr cause = brokenCause()) {
+      const std::string description = task.fingerprint.describe();
+      failure = withPrefix(cause, str("[", who(), "] ", task.op, " #", task.seq, " ",
+                                      description.substr(std::min(description.size(), std::strlen(task.op))), " failed: "));
+    }
   }
   if (profiledStartNs >= 0) [[unlikely]] recordProfile(task, profiledStartNs, failure != nullptr);
   if (failure) {
@@ -490,7 +498,7 @@ CollectiveRunner::PeerReport CollectiveRunner::collectPeerReports(const std::vec
           ++it;
         }
       }
-      if (pending.empty() || Clock::now() >= deadline) break;
+      if (pending.empty() || Clock::now() >= deadline || brokenCause()) break;  // an abort says why
       std::this_thread::sleep_for(Millis(50));
     }
     report.silent.assign(pending.begin(), pending.end());

@@ -125,6 +125,13 @@ std::exception_ptr HierarchicalBackend::brokenCause() const {
   return whole_->brokenCause();
 }
 
+void HierarchicalBackend::abort(std::exception_ptr cause) {
+  runner_->fail(cause);
+  for (Backend* part : {local_.get(), leaders_.get(), whole_.get()}) {
+    if (part != nullptr) part->abort(cause);
+  }
+}
+
 void HierarchicalBackend::shutdown() {
   if (runner_) runner_->shutdown();
   if (local_) local_->shutdown();

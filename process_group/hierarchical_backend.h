@@ -58,6 +58,7 @@ class HierarchicalBackend final : public Backend {
   WorkPtr monitoredBarrier(const BarrierOptions& options = {}) override;
 
   std::exception_ptr brokenCause() const override;
+  void abort(std::exception_ptr cause) override;
   void shutdown() override;
 
  private:

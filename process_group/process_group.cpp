@@ -38,6 +38,7 @@ Options backendOptions(const ProcessGroupOptions& options, std::chrono::millisec
   o.watchdogStore = options.watchdogStore;
   o.watchdogKey = options.watchdogKey;
   o.progressInterval = options.progressInterval;
+  o.failureReportWindow = options.failureReportWindow;
   return o;
 }
 
@@ -421,6 +422,20 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
   group->cpuBackend_ = makeCpuBackend(group->store_, group->rank_, group->size_, cpuOptions(group->options_),
                                       group->timeout_, group->parentRanks_);
   return group;
+}
+
+void ProcessGroup::abort(std::exception_ptr cause) {
+  BackendPtr backend, nccl;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    backend = cpuBackend_;
+  }
+  {
+    std::lock_guard<std::mutex> lock(ncclMutex_);
+    nccl = ncclBackend_;
+  }
+  if (backend) backend->abort(cause);
+  if (nccl) nccl->abort(cause);
 }
 
 void ProcessGroup::destroy() {

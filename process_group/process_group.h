@@ -76,6 +76,10 @@ struct ProcessGroupOptions {
   StorePtr watchdogStore;
   std::string watchdogKey;
   std::chrono::milliseconds progressInterval = std::chrono::seconds(1);
+  // How long a rank that lost a peer waits for the others' failure reports
+  // before it names the silent ones (an elastic job, which learns who died
+  // from its launcher, keeps it short).
+  std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
 };
 
 class ProcessGroup {
@@ -129,6 +133,10 @@ class ProcessGroup {
 
   // The backend that serves `device` (NotSupportedError if none can).
   Backend& backendFor(const Device& device);
+  // Breaks the group with `cause`: every op in flight or queued on any of its
+  // backends fails at once with it, and so does every later op (Backend::abort).
+  // Any thread; idempotent. destroy() still releases the group.
+  void abort(std::exception_ptr cause);
   // Shuts the backends down; later calls fail with "destroyed".
   void destroy();
 

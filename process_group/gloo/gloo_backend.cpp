@@ -1,5 +1,10 @@
 #include "process_group/gloo/gloo_backend.h"
 
+#include <dlfcn.h>
+
+#include <cstring>
+#include <typeinfo>
+
 #include <gloo/allgather.h>
 #include <gloo/alltoall.h>
 #include <gloo/alltoallv.h>
@@ -41,6 +46,42 @@
 #include "store/prefix_store.h"
 
 namespace dt {
+
+// The group's Gloo context, able to fail this rank's own pending transfers.
+//
+// Gloo fails every pending send and recv of every pair when one of its own
+// waits times out (tcp::Context::signalException); that call is protected,
+// and its header does not build from Debian's package (it includes
+// gloo/common/memory.h, which the package does not ship). An abort needs
+// it: closing this rank's connections ends the peers' waits, but not its own,
+// since a closed socket reports nothing more. So dtrain calls the function
+// Gloo exports, by its symbol, on a context whose dynamic type it checked,
+// and falls back to closing only (waits on live peers then end at their
+// timeout) when either is not as expected.
+class AbortableContext final : public gloo::rendezvous::Context {
+ public:
+  using gloo::rendezvous::Context::Context;
+  bool failPendingTransfers(const std::string& why) {
+    using Signal = void (*)(void* self, const std::string& message);
+    static const Signal signal = [] {
+      Signal fn = nullptr;
+      void* symbol = ::dlsym(RTLD_DEFAULT,
+                             "_ZN4gloo9transport3tcp7Context15signalExceptionERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
+      static_assert(sizeof fn == sizeof symbol);
+      std::memcpy(&fn, &symbol, sizeof fn);
+      return fn;
+    }();
+    gloo::transport::Context* transport = transportContext_.get();
+    // tcp::Context's first base is transport::Context: the same address.
+    if (signal == nullptr || transport == nullptr ||
+        std::strcmp(typeid(*transport).name(), "N4gloo9transport3tcp7ContextE") != 0) {
+      return false;
+    }
+    signal(transport, why);
+    return true;
+  }
+};
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -138,7 +179,7 @@ struct GlooBackend::Impl {
   GlooBackendOptions options;
   Millis timeout;
   Logger log;
-  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::shared_ptr<AbortableContext> context;
   GlooAllreduceAlgorithm allreduceAlgorithm = GlooAllreduceAlgorithm::Auto;
   std::vector<uint8_t> scratch;  // the worker thread's receive space for allreduce
   std::unique_ptr<CollectiveRunner> runner;
@@ -168,7 +209,7 @@ struct GlooBackend::Impl {
                              ": ", glooMessage(e),
                              ". Set the interface address with GlooBackendOptions.hostname / DT_GLOO_HOSTNAME"));
     }
-    context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context = std::make_shared<AbortableContext>(rank, size);
     context->setTimeout(timeout);
     GlooStoreAdapter adapter(std::make_shared<PrefixStore>("gloo", store), timeout);
     try {
@@ -215,7 +256,9 @@ struct GlooBackend::Impl {
         if (!ok) throw BackendError("aborted");
         if (!task.isSend && !task.copyBackTo.empty()) unflattenInto(task.staging, task.copyBackTo);
       } catch (...) {
-        failure = p2pFailure(task.what, std::current_exception());
+        // After an abort the connections were closed on purpose: its cause is the reason.
+        failure = runner->brokenCause() ? withPrefix(runner->brokenCause(), str("[", who(), "] ", task.what, " failed: "))
+                                        : p2pFailure(task.what, std::current_exception());
       }
       if (failure) {
         // The first failure breaks the group and closes the connections, so
@@ -248,7 +291,14 @@ struct GlooBackend::Impl {
 
   void closeConnections() {
     try {
-      if (context) context->closeConnections();
+      if (context) {
+        // Closing ends the peers' waits; this rank's own need their transfers failed.
+        if (!context->failPendingTransfers("dtrain aborted the group's transfers")) {
+          log->debug("cannot fail Gloo's pending transfers (symbol or context type not as expected); "
+                     "waits on live peers end at their timeout");
+        }
+        context->closeConnections();
+      }
     } catch (const std::exception& e) {
       log->debug("closing connections: {}", e.what());
     }
@@ -361,6 +411,8 @@ int GlooBackend::rank() const { return impl_->rank; }
 int GlooBackend::size() const { return impl_->size; }
 
 std::exception_ptr GlooBackend::brokenCause() const { return impl_->runner->brokenCause(); }
+
+void GlooBackend::abort(std::exception_ptr cause) { impl_->runner->fail(cause); }
 
 void GlooBackend::shutdown() {
   auto& d = *impl_;

@@ -792,6 +792,8 @@ int NcclBackend::size() const { return impl_->size; }
 
 std::exception_ptr NcclBackend::brokenCause() const { return impl_->runner->brokenCause(); }
 
+void NcclBackend::abort(std::exception_ptr cause) { impl_->runner->fail(cause); }
+
 void NcclBackend::shutdown() {
   auto& d = *impl_;
   if (!d.runner) return;

@@ -128,6 +128,7 @@ class NcclBackend final : public Backend {
   WorkPtr monitoredBarrier(const BarrierOptions& options = {}) override;
 
   std::exception_ptr brokenCause() const override;
+  void abort(std::exception_ptr cause) override;
   void shutdown() override;
 
   struct Impl;

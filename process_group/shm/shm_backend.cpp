@@ -439,6 +439,10 @@ struct ShmBackend::Impl {
 
   // Deadlines and peers' health for the pending ops. p2pMutex held.
   void p2pCheck() {
+    if (std::exception_ptr broken = runner->brokenCause()) {  // aborted, or a collective failed
+      if (!pendingP2P().empty()) failAllP2P(broken);
+      return;
+    }
     const auto now = Clock::now();
     for (auto& op : pendingP2P()) {
       std::exception_ptr cause;
@@ -581,6 +585,8 @@ int ShmBackend::rank() const { return impl_->rank; }
 int ShmBackend::size() const { return impl_->size; }
 
 std::exception_ptr ShmBackend::brokenCause() const { return impl_->runner->brokenCause(); }
+
+void ShmBackend::abort(std::exception_ptr cause) { impl_->runner->fail(cause); }
 
 void ShmBackend::shutdown() {
   auto& d = *impl_;

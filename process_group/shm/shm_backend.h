@@ -87,6 +87,7 @@ class ShmBackend final : public Backend {
   WorkPtr monitoredBarrier(const BarrierOptions& options = {}) override;
 
   std::exception_ptr brokenCause() const override;
+  void abort(std::exception_ptr cause) override;
   void shutdown() override;
 
   struct Impl;

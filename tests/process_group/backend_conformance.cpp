@@ -764,6 +764,37 @@ TEST_P(BackendConformance, TimeoutNamesWhoIsStuckAndBreaksTheGroup) {
   }, o);
 }
 
+// abort(cause): what an elastic job calls when it learns a member died. The
+// op in flight, the op queued behind it and every later op fail with that
+// cause, long before the group's timeout would end them (it is a minute here:
+// the test would hang, not pass). Rank 2 plays a frozen member: it never
+// starts #2 and holds its connections open until the others are done.
+TEST_P(BackendConformance, AbortFailsInFlightQueuedAndLaterOpsWithItsCause) {
+  BackendTestOptions o;
+  o.timeout = 60s;
+  std::atomic<int> done{0};
+  withBackends(GetParam(), 3, [&](int rank, Backend& backend) {
+    Tensor t = dones({64});
+    finish(backend.allreduce({t}));  // #1 on every rank
+    const auto cause = std::make_exception_ptr(MemberLostError("rank 2 exited: signal SIGKILL"));
+    if (rank == 2) {
+      while (done.load() < 2) std::this_thread::sleep_for(1ms);
+      backend.abort(std::make_exception_ptr(BackendError("this rank is ending")));
+      return;
+    }
+    auto stuck = backend.allreduce({t});   // #2: waits for rank 2
+    auto queued = backend.broadcast({t});  // #3: behind it
+    std::this_thread::sleep_for(50ms);     // let #2 start waiting
+    backend.abort(cause);
+    backend.abort(std::make_exception_ptr(BackendError("a second cause")));  // the first one wins
+    expectThrowsWith<MemberLostError>([&] { finish(stuck); }, {"allreduce #2", "rank 2 exited: signal SIGKILL"});
+    expectThrowsWith<MemberLostError>([&] { finish(queued); }, {"broadcast #3", "rank 2 exited: signal SIGKILL"});
+    expectThrowsWith<MemberLostError>([&] { finish(backend.barrier()); }, {"rank 2 exited: signal SIGKILL"});
+    EXPECT_NE(backend.brokenCause(), nullptr);
+    ++done;
+  }, o);
+}
+
 TEST_P(BackendConformance, DesyncDetectedOnEveryRankWithDetailChecks) {
   BackendTestOptions o;
   o.checkFingerprints = true;

@@ -178,6 +178,7 @@ class EmptyBackend final : public Backend {
   std::string name() const override { return "empty"; }
   int rank() const override { return 0; }
   int size() const override { return 1; }
+  void abort(std::exception_ptr) override {}  // no transfers to end
 };
 
 // A backend's start helper hears how the caller uses a Work it has not started:
