@@ -15,9 +15,9 @@
 // tokens/s, elapsed, ETA) and the validation loss every --eval-every steps; --metrics FILE
 // writes the same as one JSON object a line (scripts/plot_metrics.py draws it). At the end it
 // prints a text sample generated from --prompt. Checkpoints and resume work as the trainer's
-// (examples/checkpoint.h): rank 0 writes model, optimizer and every rank's RNG state every
-// --checkpoint-every steps, at the end and on SIGTERM/SIGUSR1/SIGINT; a restart resumes from
-// the newest one, bitwise exactly (the windows of step s depend on the seed and s alone).
+// (checkpoint/checkpoint_dir.h): the ranks write model, optimizer and every rank's RNG state
+// every --checkpoint-every steps, at the end and on SIGTERM/SIGUSR1/SIGINT; a restart resumes
+// from the newest one, bitwise exactly (the windows of step s depend on the seed and s alone).
 // `gpt --help` lists the flags.
 #include <unistd.h>
 
@@ -38,7 +38,6 @@
 #include "common/strings.h"
 #include "data/text.h"
 #include "ddp/ddp.h"
-#include "examples/checkpoint.h"
 #include "examples/run_support.h"
 #include "process_group/init.h"
 #include "tensor/nn/clip_grad.h"
@@ -279,6 +278,7 @@ class GptJob {
   }
   std::vector<std::pair<std::string, std::string>> resumeKeys() const;
   void resumeOrStart();
+  dt::TrainingState trainingState();
   void saveCheckpoint(int64_t step, const std::string& reason);
   void settleBuckets(dt::DistributedDataParallel& ddp, int64_t microBatch);
 
@@ -291,7 +291,7 @@ class GptJob {
   dt::Generator initRng_, dropoutRng_;
   std::shared_ptr<dt::nn::Gpt> model_;
   std::unique_ptr<dt::optim::AdamW> optimizer_;
-  std::optional<trainer::CheckpointDir> checkpoints_;
+  std::optional<dt::CheckpointDir> checkpoints_;
   int64_t startStep_ = 0;
   double priorSeconds_ = 0;
   double recentLoss_ = 0;
@@ -313,51 +313,48 @@ std::vector<std::pair<std::string, std::string>> GptJob::resumeKeys() const {
           {"train_bytes", std::to_string(train_->text().size())}};
 }
 
+dt::TrainingState GptJob::trainingState() {
+  dt::TrainingState state(rank_, world_);
+  state.addModule("model", *model_);
+  state.addOptimizer("optim", *optimizer_, dt::ParameterMap::replicated(*model_));
+  state.addGenerator("rng", dropoutRng_);
+  return state;
+}
+
 void GptJob::resumeOrStart() {
   if (!checkpoints_) return;
   if (c_.resume == "never" && restartCount_ == 0) {
     examples::clearCheckpoints(*group_, *checkpoints_, kProgram, c_.quiet);
     return;
   }
-  const int64_t step = examples::chooseCheckpoint(*group_, *checkpoints_);
-  if (step < 0) return;
-  const trainer::LoadedCheckpoint ckpt = checkpoints_->load(checkpoints_->refFor(step));
-  const trainer::Manifest& m = ckpt.manifest;
-  const std::string file = ckpt.ref.manifest.string();
-  examples::requireSameSettings(m, resumeKeys(), kProgram, file);
-  const examples::CheckpointParts parts = examples::splitCheckpoint(ckpt.tensors, rank_);
-  model_->loadStateDict(parts.model, /*strict=*/true);
-  optimizer_->loadStateDict(parts.optimizer);
-  const int64_t savedWorld = m.integer("world_size");
-  if (savedWorld == world_) {
-    examples::restoreRngState(dropoutRng_, parts.rng, rank_, kProgram, ckpt.ref.tensors.string());
-  } else if (c_.model.dropout > 0) {
-    say(str("gpt: note: checkpoint written by ", savedWorld, " ranks, resumed by ", world_,
+  const std::optional<dt::CheckpointRef> ref = checkpoints_->latestAgreed(*group_);
+  if (!ref) return;
+  checkpoints_->readManifest(*ref).requireSame(
+      resumeKeys(), "config.", "Resume with the same settings, or start afresh with --resume never or another --checkpoint-dir");
+  dt::TrainingState state = trainingState();
+  const dt::CheckpointManifest m = checkpoints_->load(*ref, state, group_.get());
+  if (m.worldSize != world_ && c_.model.dropout > 0) {
+    say(str("gpt: note: checkpoint written by ", m.worldSize, " ranks, resumed by ", world_,
             ": the per-rank dropout streams restart from the seed, so this resume is not bitwise exact"));
   }
-  startStep_ = step;
+  startStep_ = state.step;
   priorSeconds_ = static_cast<double>(m.integer("train_ms")) / 1000.0;
   recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
-  say(str("gpt: resumed from ", file, " (step ", step, ", written by ", savedWorld, " rank(s), ", m.text("reason"), ")",
-          restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
+  say(str("gpt: resumed from ", ref->manifest.string(), " (step ", startStep_, ", written by ", m.worldSize, " rank(s), ",
+          m.text("reason"), ")", restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
 }
 
 void GptJob::saveCheckpoint(int64_t step, const std::string& reason) {
-  const std::vector<dt::Tensor> rngs = examples::gatherRngStates(*group_, dropoutRng_);
-  if (rank_ != 0) return;
-  dt::NamedTensors tensors;
-  for (const auto& [name, t] : model_->stateDict()) tensors.emplace_back("model." + name, t);
-  for (const auto& [name, t] : optimizer_->stateDict()) tensors.emplace_back("optim." + name, t);
-  for (int r = 0; r < world_; ++r) tensors.emplace_back(str("rng.rank", r), rngs[static_cast<size_t>(r)]);
-  trainer::Manifest m;
-  m.set("total_steps", c_.steps);
-  m.set("world_size", world_);
-  m.set("tokens_seen", step * c_.globalBatch * c_.model.contextLength);
-  m.set("train_ms", static_cast<int64_t>((priorSeconds_ + runSeconds_) * 1000.0));
-  m.set("reason", reason);
-  m.setNumberText("train_loss", str(recentLoss_));
-  for (const auto& [key, value] : resumeKeys()) m.set("config." + key, value);
-  const trainer::CheckpointRef ref = checkpoints_->write(step, tensors, std::move(m));
+  dt::TrainingState state = trainingState();
+  state.step = step;
+  auto& m = state.metadata;
+  m["total_steps"] = std::to_string(c_.steps);
+  m["tokens_seen"] = std::to_string(step * c_.globalBatch * c_.model.contextLength);
+  m["train_ms"] = std::to_string(static_cast<int64_t>((priorSeconds_ + runSeconds_) * 1000.0));
+  m["reason"] = reason;
+  m["train_loss"] = str(recentLoss_);
+  for (const auto& [key, value] : resumeKeys()) m["config." + key] = value;
+  const dt::CheckpointRef ref = checkpoints_->save(state, group_.get());
   say(str("gpt: checkpoint at step ", step, " (", reason, ") written to ", ref.tensors.string()));
 }
 

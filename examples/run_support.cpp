@@ -123,27 +123,6 @@ uint64_t fingerprint(const std::vector<dt::Tensor>& tensors) {
   return h;
 }
 
-std::vector<dt::Tensor> gatherRngStates(dt::ProcessGroup& group, const dt::Generator& generator) {
-  const auto words = generator.state().toWords();
-  dt::Tensor mine = dt::fromVector<int64_t>({static_cast<int64_t>(words[0]), static_cast<int64_t>(words[1]),
-                                             static_cast<int64_t>(words[2]), static_cast<int64_t>(words[3])});
-  std::vector<dt::Tensor> all;
-  for (int r = 0; r < group.size(); ++r) all.push_back(dt::empty({4}, dt::DType::Int64));
-  group.allgather(all, mine)->wait();
-  return all;
-}
-
-void restoreRngState(dt::Generator& generator, const std::optional<dt::Tensor>& saved, int rank,
-                     const std::string& program, const std::string& file) {
-  if (!saved || saved->numel() != 4 || saved->dtype() != dt::DType::Int64) {
-    throw InvalidArgument(str(program, ": checkpoint ", file, " lacks rng.rank", rank, " (int64[4])"));
-  }
-  const auto w = saved->toVector<int64_t>();
-  generator.setState(dt::GeneratorState::fromWords(
-      {static_cast<uint64_t>(w[0]), static_cast<uint64_t>(w[1]), static_cast<uint64_t>(w[2]), static_cast<uint64_t>(w[3])},
-      str(file, " rng.rank", rank)));
-}
-
 bool forEachFlag(const std::string& program, int argc, char** argv, const std::vector<std::string>& switches,
                  const std::function<void(const std::string& flag, const std::string& value)>& onFlag) {
   for (int i = 1; i < argc; ++i) {
@@ -165,46 +144,12 @@ bool forEachFlag(const std::string& program, int argc, char** argv, const std::v
   return true;
 }
 
-void clearCheckpoints(dt::ProcessGroup& group, const trainer::CheckpointDir& dir, const std::string& program, bool quiet) {
-  if (group.rank() == 0) {
-    const int removed = dir.removeAll();
-    if (removed > 0 && !quiet) {
-      std::printf("%s: --resume never: removed %d checkpoint(s) of an earlier run from %s\n", program.c_str(), removed,
-                  dir.path().string().c_str());
-    }
+void clearCheckpoints(dt::ProcessGroup& group, const dt::CheckpointDir& dir, const std::string& program, bool quiet) {
+  const int removed = dir.clear(group);
+  if (group.rank() == 0 && removed > 0 && !quiet) {
+    std::printf("%s: --resume never: removed %d checkpoint(s) of an earlier run from %s\n", program.c_str(), removed,
+                dir.path().string().c_str());
   }
-  group.barrier()->wait();
-}
-
-int64_t chooseCheckpoint(dt::ProcessGroup& group, const trainer::CheckpointDir& dir) {
-  dt::Tensor chosen = dt::fromVector<int64_t>({-1});
-  if (group.rank() == 0) {
-    if (auto latest = dir.latest()) chosen = dt::fromVector<int64_t>({latest->step});
-  }
-  group.broadcast(chosen, {.root = 0})->wait();
-  return chosen.item<int64_t>();
-}
-
-void requireSameSettings(const trainer::Manifest& manifest, const std::vector<std::pair<std::string, std::string>>& keys,
-                         const std::string& program, const std::string& file) {
-  for (const auto& [key, value] : keys) {
-    const std::string saved = manifest.text("config." + key);
-    if (saved != value) {
-      throw InvalidArgument(str(program, ": checkpoint ", file, " was written with ", key, " = ", saved,
-                                " but this run has ", key, " = ", value,
-                                ". Resume with the same settings, or start afresh with --resume never or another --checkpoint-dir"));
-    }
-  }
-}
-
-CheckpointParts splitCheckpoint(const dt::NamedTensors& tensors, int rank) {
-  CheckpointParts parts;
-  for (const auto& [name, t] : tensors) {
-    if (name.starts_with("model.")) parts.model.emplace_back(name.substr(6), t);
-    else if (name.starts_with("optim.")) parts.optimizer.emplace_back(name.substr(6), t);
-    else if (name == str("rng.rank", rank)) parts.rng = t;
-  }
-  return parts;
 }
 
 double parameterSpread(dt::ProcessGroup& group, const std::vector<dt::Tensor>& params) {

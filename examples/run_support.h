@@ -1,12 +1,13 @@
 // What the example training programs (trainer, gpt) share: flag values, the stop signals of
-// pre-emption, time formatting, parameter fingerprints, and the per-rank RNG states that a
-// checkpoint carries.
+// pre-emption, time formatting and parameter fingerprints. Their checkpoints are the library's
+// (checkpoint/checkpoint_dir.h).
 //
 // Contract: parse helpers throw dt::InvalidArgument "<program>: <flag> ..." naming the value and
 // what was expected. installStopHandlers makes the first SIGTERM, SIGUSR1 or SIGINT set
 // stopSignal() (the training loop polls it at a step boundary and checkpoints); a second such
-// signal takes the default action at once. The handler is async-signal-safe. gatherRngStates is
-// a collective (every rank calls it at the same point). Nothing else keeps state.
+// signal takes the default action at once. The handler is async-signal-safe. clearCheckpoints
+// and parameterSpread are collectives (every rank calls them at the same point). Nothing else
+// keeps state.
 #pragma once
 
 #include <atomic>
@@ -16,10 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "examples/checkpoint.h"
+#include "checkpoint/checkpoint_dir.h"
 #include "process_group/process_group.h"
-#include "tensor/generator.h"
-#include "tensor/nn/safetensors.h"
 #include "tensor/tensor.h"
 
 namespace examples {
@@ -44,13 +43,6 @@ std::string exactText(double value);
 // (and between two runs) mean bitwise equal parameters, in practice.
 uint64_t fingerprint(const std::vector<dt::Tensor>& tensors);
 
-// Every rank's generator state, gathered on every rank: int64 [4] per rank, in rank order.
-std::vector<dt::Tensor> gatherRngStates(dt::ProcessGroup& group, const dt::Generator& generator);
-// Restores `generator` from the checkpoint tensor "rng.rank<rank>" (int64 [4]); throws
-// InvalidArgument naming `file` when it is missing or malformed.
-void restoreRngState(dt::Generator& generator, const std::optional<dt::Tensor>& saved, int rank,
-                     const std::string& program, const std::string& file);
-
 // Walks argv[1..]: "--flag value" and "--flag=value" call onFlag(flag, value); a flag named in
 // `switches` takes no value (onFlag(flag, "")). Returns false, calling nothing more, at
 // --help/-h. A bare word or a missing value throws InvalidArgument; onFlag throws for an
@@ -58,23 +50,10 @@ void restoreRngState(dt::Generator& generator, const std::optional<dt::Tensor>& 
 bool forEachFlag(const std::string& program, int argc, char** argv, const std::vector<std::string>& switches,
                  const std::function<void(const std::string& flag, const std::string& value)>& onFlag);
 
-// --resume never on a first attempt: rank 0 deletes the folder's checkpoints (saying how many
-// on stdout unless quiet) before any rank looks, so a later restart resumes from this run's
-// own checkpoints only; every rank waits at a barrier (a collective).
-void clearCheckpoints(dt::ProcessGroup& group, const trainer::CheckpointDir& dir, const std::string& program, bool quiet);
-// The step of the newest checkpoint in `dir` as rank 0 sees it, broadcast so that every rank
-// resumes from the same one (a collective); -1 when there is none.
-int64_t chooseCheckpoint(dt::ProcessGroup& group, const trainer::CheckpointDir& dir);
-// Throws InvalidArgument naming the first setting whose "config.<key>" in the manifest differs.
-void requireSameSettings(const trainer::Manifest& manifest, const std::vector<std::pair<std::string, std::string>>& keys,
-                         const std::string& program, const std::string& file);
-// A checkpoint's tensors by prefix: "model.*", "optim.*" (prefixes stripped) and "rng.rank<rank>".
-struct CheckpointParts {
-  dt::NamedTensors model;
-  dt::NamedTensors optimizer;
-  std::optional<dt::Tensor> rng;
-};
-CheckpointParts splitCheckpoint(const dt::NamedTensors& tensors, int rank);
+// --resume never on a first attempt: the folder's checkpoints are deleted before any rank looks
+// (CheckpointDir::clear), so a later restart resumes from this run's own checkpoints only; rank 0
+// says how many on stdout unless quiet.
+void clearCheckpoints(dt::ProcessGroup& group, const dt::CheckpointDir& dir, const std::string& program, bool quiet);
 
 // The largest difference of any parameter between ranks (max - min over the group; a
 // collective): 0 when every rank holds the same model.

@@ -9,9 +9,9 @@
 //   DDP        DistributedDataParallel averages gradients while backward runs
 //   tensor     an MLP (784-256-128-10, ReLU), cross-entropy, AdamW or SGD
 //
-// Checkpoints: every --checkpoint-every steps, at the end and when stopped, rank 0 writes the
-// model, the optimizer state, the sampler position and every rank's RNG state (safetensors +
-// JSON manifest, written atomically; examples/checkpoint.h). On start the ranks resume from the
+// Checkpoints: every --checkpoint-every steps, at the end and when stopped, the ranks write the
+// training state: model, optimizer state, sampler position and every rank's RNG state
+// (safetensors + JSON manifest, written atomically, with CRC-32s; checkpoint/checkpoint_dir.h). On start the ranks resume from the
 // newest checkpoint in --checkpoint-dir (always after a restart); resuming is exact: the
 // parameters end bitwise equal to an uninterrupted run's with the same seed and world size.
 //
@@ -47,7 +47,6 @@
 #include "data/loader.h"
 #include "data/sampler.h"
 #include "ddp/ddp.h"
-#include "examples/checkpoint.h"
 #include "examples/run_support.h"
 #include "process_group/init.h"
 #include "tensor/autograd/autograd.h"
@@ -297,6 +296,8 @@ class Trainer {
     if (rank_ == 0 && !c_.quiet) std::printf("%s\n", line.c_str());
   }
   void resumeOrStart();
+  // The whole training state, as checkpoints hold it (checkpoint/state.h).
+  dt::TrainingState trainingState();
   void settleBuckets(dt::DistributedDataParallel& ddp, int64_t perRank);
   void saveCheckpoint(int64_t step, const std::string& reason);
   double lrAt(int64_t step) const {
@@ -317,7 +318,7 @@ class Trainer {
   dt::Generator initRng_;
   dt::Generator dropoutRng_;
   std::unique_ptr<dt::optim::Optimizer> optimizer_;
-  std::optional<trainer::CheckpointDir> checkpoints_;
+  std::optional<dt::CheckpointDir> checkpoints_;
   int64_t totalSteps_ = 0;
   int64_t startStep_ = 0;
   double priorSeconds_ = 0;  // training time of earlier attempts (from the checkpoint)
@@ -345,6 +346,14 @@ void Trainer::settleBuckets(dt::DistributedDataParallel& ddp, int64_t perRank) {
   }
 }
 
+dt::TrainingState Trainer::trainingState() {
+  dt::TrainingState state(rank_, world_);
+  state.addModule("model", *model_);
+  state.addOptimizer("optim", *optimizer_, dt::ParameterMap::replicated(*model_));
+  state.addGenerator("rng", dropoutRng_);
+  return state;
+}
+
 void Trainer::resumeOrStart() {
   if (!checkpoints_) return;
   if (c_.resume == "never" && restartCount_ == 0) {
@@ -354,62 +363,51 @@ void Trainer::resumeOrStart() {
     return;
   }
   // Rank 0 picks the checkpoint and tells the others, so every rank resumes from the same one.
-  const int64_t step = examples::chooseCheckpoint(*group_, *checkpoints_);
-  if (step < 0) {
+  const std::optional<dt::CheckpointRef> ref = checkpoints_->latestAgreed(*group_);
+  if (!ref) {
     if (restartCount_ > 0) say(str("trainer: restart ", restartCount_, " found no checkpoint in ", checkpoints_->path().string(), "; starting from step 0"));
     return;
   }
-  const trainer::LoadedCheckpoint ckpt = checkpoints_->load(checkpoints_->refFor(step));
-  const trainer::Manifest& m = ckpt.manifest;
-  const std::string file = ckpt.ref.manifest.string();
-  examples::requireSameSettings(m, resumeKeys(c_, modelName_, train_->size()), "trainer", file);
-  const int64_t savedWorld = m.integer("world_size");
-  examples::CheckpointParts parts = examples::splitCheckpoint(ckpt.tensors, rank_);
-  model_->loadStateDict(parts.model, /*strict=*/true);
-  optimizer_->loadStateDict(parts.optimizer);
-  if (savedWorld == world_) {
-    examples::restoreRngState(dropoutRng_, parts.rng, rank_, "trainer", ckpt.ref.tensors.string());
-  } else if (c_.dropout > 0) {
-    say(str("trainer: note: checkpoint written by ", savedWorld, " ranks, resumed by ", world_,
+  const std::string file = ref->manifest.string();
+  checkpoints_->readManifest(*ref).requireSame(
+      resumeKeys(c_, modelName_, train_->size()), "config.",
+      "Resume with the same settings, or start afresh with --resume never or another --checkpoint-dir");
+  dt::TrainingState state = trainingState();
+  const dt::CheckpointManifest m = checkpoints_->load(*ref, state, group_.get());
+  if (m.worldSize != world_ && c_.dropout > 0) {
+    say(str("trainer: note: checkpoint written by ", m.worldSize, " ranks, resumed by ", world_,
             ": the per-rank dropout streams restart from the seed, so this resume is not bitwise exact"));
   }
-  startStep_ = step;
+  startStep_ = state.step;
   priorSeconds_ = static_cast<double>(m.integer("train_ms")) / 1000.0;
   recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
   const int64_t savedTotal = m.integer("total_steps");
   if (savedTotal != totalSteps_) {
     say(str("trainer: note: the step budget changed from ", savedTotal, " to ", totalSteps_, "; the learning-rate schedule follows the new one"));
   }
-  const auto pos = sampler_->positionAfter(step);
-  say(str("trainer: resumed from ", file, " (step ", step, ", epoch ", pos.epoch + 1, " batch ", pos.batch, ", written by ",
-          savedWorld, " rank(s), ", m.text("reason"), ")", restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
+  const auto pos = sampler_->positionAfter(startStep_);
+  say(str("trainer: resumed from ", file, " (step ", startStep_, ", epoch ", pos.epoch + 1, " batch ", pos.batch, ", written by ",
+          m.worldSize, " rank(s), ", m.text("reason"), ")", restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
 }
 
 void Trainer::saveCheckpoint(int64_t step, const std::string& reason) {
-  // Every rank's RNG state (a collective: every rank calls this at the same steps).
-  const std::vector<dt::Tensor> all = examples::gatherRngStates(*group_, dropoutRng_);
-  if (rank_ != 0) return;
-
-  dt::NamedTensors tensors;
-  // Checkpoints hold host copies, so that any device (or none) can resume them.
-  const dt::Device cpu = dt::Device::cpu();
-  for (const auto& [name, t] : model_->stateDict()) tensors.emplace_back("model." + name, t.to(cpu));
-  for (const auto& [name, t] : optimizer_->stateDict()) tensors.emplace_back("optim." + name, t.to(cpu));
-  for (int r = 0; r < world_; ++r) tensors.emplace_back(str("rng.rank", r), all[static_cast<size_t>(r)]);
-  trainer::Manifest m;
+  // A collective: every rank writes its part (here rank 0 holds everything but the other
+  // ranks' RNG states, which travel to it).
+  dt::TrainingState state = trainingState();
+  state.step = step;
   const auto pos = sampler_->positionAfter(step);
-  m.set("epoch", pos.epoch);
-  m.set("batch_in_epoch", pos.batch);
-  m.set("samples_seen", step * c_.globalBatch);
-  m.set("total_steps", totalSteps_);
-  m.set("world_size", world_);
-  m.set("train_ms", static_cast<int64_t>((priorSeconds_ + runSeconds_) * 1000.0));
-  m.set("reason", reason);
+  auto& m = state.metadata;
+  m["epoch"] = std::to_string(pos.epoch);
+  m["batch_in_epoch"] = std::to_string(pos.batch);
+  m["samples_seen"] = std::to_string(step * c_.globalBatch);
+  m["total_steps"] = std::to_string(totalSteps_);
+  m["train_ms"] = std::to_string(static_cast<int64_t>((priorSeconds_ + runSeconds_) * 1000.0));
+  m["reason"] = reason;
   char loss[32];
   std::snprintf(loss, sizeof(loss), "%.6f", recentLoss_);
-  m.setNumberText("train_loss", loss);
-  for (const auto& [key, value] : resumeKeys(c_, modelName_, train_->size())) m.set("config." + key, value);
-  const trainer::CheckpointRef ref = checkpoints_->write(step, tensors, std::move(m));
+  m["train_loss"] = loss;
+  for (const auto& [key, value] : resumeKeys(c_, modelName_, train_->size())) m["config." + key] = value;
+  const dt::CheckpointRef ref = checkpoints_->save(state, group_.get());
   say(str("trainer: checkpoint at step ", step, " (", reason, ") written to ", ref.tensors.string()));
 }
 
