@@ -40,6 +40,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ddp/comm_hooks.h"
@@ -66,6 +67,11 @@ struct DdpOptions {
   bool broadcastBuffers = true;
   // Empty: allreduceHook().
   CommHook commHook;
+  // The bucket layout of an earlier run (bucketOrder() saved with its
+  // checkpoint): the buckets are planned from it at once and never rebuilt,
+  // so a resumed job needs no first iteration to settle them. Parameter paths
+  // as bucketOrder() gives them; the same on every rank.
+  std::vector<std::string> bucketOrder;
 };
 
 class DistributedDataParallel : public nn::Module {
@@ -115,6 +121,13 @@ class DistributedDataParallel : public nn::Module {
 
   std::vector<DdpBucketInfo> buckets() const { return reducer_->buckets(); }
   bool bucketsRebuilt() const { return reducer_->rebuilt(); }
+  // Parameter paths in bucket order, for DdpOptions::bucketOrder.
+  std::vector<std::string> bucketOrder() const;
+  // Continues on `group`, a group rebuilt with other members (elastic jobs:
+  // elastic/elastic_group.h), keeping the buckets as they are; the parameters
+  // must already be equal on every member of it. Not collective; between
+  // iterations or after one that threw (its buckets are dropped).
+  void rebind(std::shared_ptr<ProcessGroup> group);
   const DdpIterationStats& lastIteration() const { return reducer_->lastIteration(); }
   const DdpIterationStats& totals() const { return reducer_->totals(); }
 

@@ -105,7 +105,20 @@ Reducer::Reducer(std::vector<Tensor> params, std::vector<std::string> names, std
   }
   ready_.assign(params_.size(), 0);
   hookCalls_.assign(params_.size(), 0);
-  buildBuckets(reverseOrder(params_.size()));
+  if (options_.bucketOrder.empty()) {
+    buildBuckets(reverseOrder(params_.size()));
+  } else {
+    std::vector<uint8_t> seen(params_.size(), 0);
+    bool permutation = options_.bucketOrder.size() == params_.size();
+    for (size_t p : options_.bucketOrder) permutation = permutation && p < params_.size() && !seen[p]++;
+    if (!permutation) {
+      throw InvalidArgument(str("[", who(), "] DDP: the bucket order lists ", options_.bucketOrder.size(),
+                                " parameter indices but must be a permutation of the model's ", params_.size(),
+                                " parameters (was it saved for another model?)"));
+    }
+    buildBuckets(options_.bucketOrder);
+    rebuilt_ = true;  // the layout was settled in an earlier run: no rebuild
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     hookHandles_.push_back(params_[i].registerPostAccumulateGradHook([this, i](Tensor&) { onGradReady(i); }));
   }
@@ -192,6 +205,37 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
   buckets_ = std::move(buckets);
   bucketOf_ = std::move(bucketOf);
   views_ = std::move(views);
+}
+
+std::vector<size_t> Reducer::bucketOrder() const {
+  std::vector<size_t> order;
+  for (const auto& bucket : buckets_) order.insert(order.end(), bucket->params.begin(), bucket->params.end());
+  return order;
+}
+
+void Reducer::rebind(std::shared_ptr<ProcessGroup> group) {
+  if (!group) throw InvalidArgument(str("[", who(), "] DDP: rebind to a null process group"));
+  // Works of the old group: failed or aborted, or complete; none writes again.
+  for (auto& bucket : buckets_) {
+    if (bucket->work) abandoned_.push_back(std::move(bucket->work));
+  }
+  for (auto& work : abandoned_) {
+    try {
+      work->wait();
+    } catch (const std::exception&) {  // the old group's failure: reported where it happened
+    }
+  }
+  abandoned_.clear();
+  const bool wasSingle = group_->size() == 1;
+  group_ = std::move(group);
+  phase_ = Phase::Idle;
+  backwardStarted_ = false;
+  // One rank accumulates straight into the bucket; several scale into it (buildBuckets).
+  if (options_.gradientAsBucketView && wasSingle != (group_->size() == 1)) {
+    for (size_t p = 0; p < params_.size(); ++p) {
+      autograd::setGradBuffer(params_[p], group_->size() == 1 ? views_[p] : Tensor());
+    }
+  }
 }
 
 std::vector<DdpBucketInfo> Reducer::buckets() const {

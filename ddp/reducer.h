@@ -49,6 +49,11 @@ struct ReducerOptions {
   // Rank 0 prints the bucket table once and a summary line every logEvery
   // synchronised iterations to stderr (DT_DDP_LOG); 0: silent.
   int logEvery = 0;
+  // Plan the buckets from this order of parameter indices (a permutation,
+  // the same on every rank; what bucketOrder() returned in an earlier run)
+  // and never rebuild them. Empty: reverse registration order, rebuilt once
+  // from rank 0's observed gradient order after the first iteration.
+  std::vector<size_t> bucketOrder;
 };
 
 struct DdpBucketInfo {
@@ -90,6 +95,15 @@ class Reducer {
 
   std::vector<DdpBucketInfo> buckets() const;
   bool rebuilt() const { return rebuilt_; }
+  // The parameter indices in bucket order: what ReducerOptions::bucketOrder
+  // takes to plan the same buckets again (save it with a checkpoint).
+  std::vector<size_t> bucketOrder() const;
+  // Moves the reducer to `group` (the same model on every member: a group
+  // rebuilt after a member left or joined) keeping its bucket layout, and
+  // forgets the iteration in progress: the buckets of a backward that failed
+  // with the old group are released, every gradient stays as it is. Between
+  // iterations or after one that threw; the next forward starts afresh.
+  void rebind(std::shared_ptr<ProcessGroup> group);
   const DdpIterationStats& lastIteration() const { return last_; }
   // Sums over all synchronised iterations (iteration = their count).
   const DdpIterationStats& totals() const { return totals_; }

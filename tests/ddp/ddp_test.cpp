@@ -16,6 +16,7 @@
 #include "common/strings.h"
 #include "ddp/ddp.h"
 #include "store/hash_store.h"
+#include "store/prefix_store.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/ops.h"
 #include "tensor/optim/optim.h"
@@ -297,6 +298,98 @@ TEST(Ddp, BucketsAreRebuiltFromRankZerosObservedOrder) {
   EXPECT_EQ(layouts[0], (std::vector<std::string>{"head.weight", "head.bias", "body.weight", "body.bias"}));
   EXPECT_EQ(layouts[1], layouts[0]);
   EXPECT_EQ(layouts[2], layouts[0]);
+}
+
+// A saved layout plans the buckets at once: no rebuild, no settling
+// iteration, the same buckets as the run that saved it.
+TEST(Ddp, ASavedBucketOrderPlansTheSameBucketsWithoutARebuild) {
+  std::vector<std::string> saved;
+  std::vector<std::vector<std::string>> first;
+  onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    DistributedDataParallel ddp(std::make_shared<testing::TestNet>(1, false), group, {.bucketCapBytes = 300});
+    for (int step = 0; step < 2; ++step) {
+      ddp.zeroGrad();
+      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      crossEntropy(ddp(x), y).backward();
+    }
+    if (rank == 0) {
+      saved = ddp.bucketOrder();
+      for (const auto& b : ddp.buckets()) first.push_back(b.parameters);
+    }
+  });
+  onGroup(2, [&](int, const std::shared_ptr<ProcessGroup>& group) {
+    DistributedDataParallel ddp(std::make_shared<testing::TestNet>(1, false), group,
+                                {.bucketCapBytes = 300, .bucketOrder = saved});
+    EXPECT_TRUE(ddp.bucketsRebuilt()) << "a saved layout is final";
+    std::vector<std::vector<std::string>> now;
+    for (const auto& b : ddp.buckets()) now.push_back(b.parameters);
+    EXPECT_EQ(now, first);
+  });
+  // An order that does not fit the model reads as the caller's problem.
+  onGroup(1, [&](int, const std::shared_ptr<ProcessGroup>& group) {
+    expectThrowsWith<InvalidArgument>(
+        [&] {
+          DistributedDataParallel ddp(std::make_shared<testing::TestNet>(1, false), group,
+                                      {.bucketOrder = {"no.such.weight"}});
+        },
+        {"bucket order", "\"no.such.weight\"", "another model"});
+    expectThrowsWith<InvalidArgument>(
+        [&] {
+          DistributedDataParallel ddp(std::make_shared<testing::TestNet>(1, false), group,
+                                      {.bucketOrder = {saved.front()}});
+        },
+        {"bucket order lists 1 parameter indices", "permutation"});
+  });
+}
+
+// An elastic job that lost a member continues on a smaller group with the
+// same buckets: after rebind, the survivors' steps are those of a fresh DDP
+// over the smaller group (every rank's batch averaged over the new world).
+TEST(Ddp, RebindContinuesOnANewGroupWithTheSameBuckets) {
+  auto store = std::make_shared<HashStore>();
+  std::vector<std::vector<Tensor>> rebound(2), fresh(2);
+  runRanks(3, [&](int rank) {
+    auto group = makeGroup(std::make_shared<PrefixStore>("epoch0", store), rank, 3);
+    auto model = std::make_shared<testing::TestNet>(7, false);
+    DistributedDataParallel ddp(model, group, {.bucketCapBytes = 300});
+    optim::SGD sgd(ddp.parameters(), {.lr = 0.1});
+    auto step = [&](DistributedDataParallel& d, int s) {
+      sgd.zeroGrad();
+      auto [x, y] = testing::batchFor(TrainSpec{}, s, 0, rank);
+      crossEntropy(d(x), y).backward();
+      sgd.step();
+    };
+    step(ddp, 0);
+    step(ddp, 1);
+    if (rank == 2) return;  // "dies" between steps
+    const auto buckets = ddp.bucketOrder();
+    auto smaller = makeGroup(std::make_shared<PrefixStore>("epoch1", store), rank, 2);
+    ddp.rebind(smaller);
+    EXPECT_EQ(ddp.bucketOrder(), buckets);
+    EXPECT_EQ(ddp.processGroup().size(), 2);
+    std::vector<Tensor> before;
+    for (const auto& p : model->parameters()) before.push_back(p.clone());
+    step(ddp, 2);
+    for (const auto& p : model->parameters()) rebound[rank].push_back(p.clone());
+    // The same step by a DDP built on the smaller group from the same values.
+    auto twin = std::make_shared<testing::TestNet>(7, false);
+    {
+      NoGradGuard noGrad;
+      auto params = twin->parameters();
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(before[i]);
+    }
+    auto twinGroup = makeGroup(std::make_shared<PrefixStore>("twin", store), rank, 2);
+    DistributedDataParallel other(twin, twinGroup, {.bucketCapBytes = 300, .bucketOrder = buckets});
+    optim::SGD twinSgd(other.parameters(), {.lr = 0.1});
+    twinSgd.zeroGrad();
+    auto [x, y] = testing::batchFor(TrainSpec{}, 2, 0, rank);
+    crossEntropy(other(x), y).backward();
+    twinSgd.step();
+    for (const auto& p : twin->parameters()) fresh[rank].push_back(p.clone());
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(testing::maxAbsDifference(rebound[rank], fresh[rank]), 0.0f) << "rank " << rank;
+  }
 }
 
 TEST(Ddp, MismatchedModelsNameTheParameterAndTheRanksOnEveryRank) {
