@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "collectives/coalesce.h"
+#include "checkpoint/exchange.h"
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
@@ -22,97 +22,14 @@ std::string describeParameter(const std::string& name, const Tensor& t) {
   return str(name, ": ", t.describe(), t.device().isCpu() ? " on cpu" : "", t.requiresGrad() ? "" : " (no grad)");
 }
 
-uint64_t fnv1a(const std::string& text, uint64_t hash = 1469598103934665603ull) {
-  for (unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
-
-// Every rank's list of parameter descriptions (two allgathers: lengths, then
-// the text padded to the longest).
-std::vector<std::vector<std::string>> gatherDescriptions(ProcessGroup& group, const std::vector<std::string>& mine) {
-  std::string text;
-  for (const auto& line : mine) text += line + '\n';
-  Tensor length = fromVector<int64_t>({static_cast<int64_t>(text.size())});
-  std::vector<Tensor> lengths;
-  for (int r = 0; r < group.size(); ++r) lengths.push_back(empty({1}, DType::Int64));
-  group.allgather(lengths, length)->wait();
-  int64_t longest = 1;
-  for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
-  Tensor bytes = zeros({longest}, DType::Bool);
-  std::memcpy(bytes.dataPtr(), text.data(), text.size());
-  std::vector<Tensor> all;
-  for (int r = 0; r < group.size(); ++r) all.push_back(empty({longest}, DType::Bool));
-  group.allgather(all, bytes)->wait();
-  std::vector<std::vector<std::string>> out;
-  for (int r = 0; r < group.size(); ++r) {
-    const std::string theirs(static_cast<const char*>(all[r].dataPtr()), static_cast<size_t>(lengths[r].item<int64_t>()));
-    std::vector<std::string> lines;
-    for (const auto& line : split(theirs, '\n')) {
-      if (!line.empty()) lines.emplace_back(line);
-    }
-    out.push_back(std::move(lines));
-  }
-  return out;
-}
-
 // Throws the same InvalidArgument on every rank when the models differ.
 void verifySameModel(ProcessGroup& group, const NamedTensors& params, const std::string& who) {
-  if (group.size() == 1) return;
-  std::vector<std::string> mine;
-  uint64_t hash = fnv1a(std::to_string(params.size()));
-  for (const auto& [name, t] : params) {
-    mine.push_back(describeParameter(name, t));
-    hash = fnv1a(mine.back(), hash);
-  }
-  // Cheap check first: one allgather of (count, hash).
-  Tensor summary = fromVector<int64_t>({static_cast<int64_t>(params.size()), static_cast<int64_t>(hash)});
-  std::vector<Tensor> summaries;
-  for (int r = 0; r < group.size(); ++r) summaries.push_back(empty({2}, DType::Int64));
-  group.allgather(summaries, summary)->wait();
-  bool same = true;
-  for (const auto& s : summaries) same = same && s.toVector<int64_t>() == summaries[0].toVector<int64_t>();
-  if (same) return;
-
-  const auto all = gatherDescriptions(group, mine);
-  size_t longest = 0;
-  for (const auto& list : all) longest = std::max(longest, list.size());
-  const auto entry = [&](int rank, size_t i) {
-    return i < all[rank].size() ? all[rank][i] : str("no parameter #", i, " (it has ", all[rank].size(), ")");
-  };
-  for (size_t i = 0; i < longest; ++i) {
-    std::map<std::string, std::vector<int>> holders;  // description -> ranks
-    for (int r = 0; r < group.size(); ++r) holders[entry(r, i)].push_back(r);
-    if (holders.size() == 1) continue;
-    const std::string reference = entry(0, i);
-    std::string others;
-    for (const auto& [description, ranks] : holders) {
-      if (description == reference) continue;
-      others += str("; rank", ranks.size() > 1 ? "s " : " ", formatRanges(ranks), ranks.size() > 1 ? " have " : " has ",
-                    description);
-    }
-    throw InvalidArgument(str("[", who, "] DistributedDataParallel: the ranks' models differ at parameter #", i,
-                              ": rank 0 has ", reference, others,
-                              ". Every rank must build the same model (same parameters in the same order, with the "
-                              "same shapes, dtypes and devices) before wrapping it."));
-  }
-  throw InvalidArgument(str("[", who, "] DistributedDataParallel: the ranks' parameter lists hash differently but "
-                            "read the same; is the build or the platform the same on every rank?"));
-}
-
-// Copies rank `root`'s tensors to every rank, one broadcast per dtype/device.
-void broadcastTensors(ProcessGroup& group, const std::vector<Tensor>& tensors, int root) {
-  if (group.size() == 1 || tensors.empty()) return;
-  std::map<std::pair<int, std::string>, std::vector<Tensor>> kinds;
-  for (const auto& t : tensors) kinds[{static_cast<int>(t.dtype()), t.device().str()}].push_back(t);
-  NoGradGuard noGrad;
-  for (auto& [kind, members] : kinds) {
-    Tensor flat = flattenTensors(members);
-    group.broadcast(flat, {.root = root})->wait();
-    if (group.rank() != root) unflattenInto(flat, members);
-  }
+  std::vector<std::string> lines;
+  for (const auto& [name, t] : params) lines.push_back(describeParameter(name, t));
+  requireSameOnAllRanks(group, lines, str("[", who, "] DistributedDataParallel: the ranks' models differ at"),
+                        "parameter",
+                        "Every rank must build the same model (same parameters in the same order, with the same "
+                        "shapes, dtypes and devices) before wrapping it.");
 }
 
 std::vector<Tensor> valuesOf(const NamedTensors& named) {
