@@ -748,6 +748,9 @@ struct SpawnedRanks::State {
       }
       if (got != r.pid) continue;
       if (WIFSTOPPED(status)) {
+        // A planned freeze sends its record before it stops: read it now, so
+        // that its duration is known before anyone takes the stop for good.
+        drain(r, r.controlFd, true);
         r.stopped = true;
         r.stopExpected = false;
         if (r.freezeFor) r.resumeAt = Clock::now() + *r.freezeFor;

@@ -331,12 +331,17 @@ TEST(Spawn, LeavesNoThreadOrDescriptorBehind) {
   for (int i = 0; i < 3; ++i) {
     SpawnOptions options;
     options.plan = {killAt(1, "x")};
-    const auto result = spawn(3, [](RankContext& ctx) {
-      ctx.store()->set(str("k", ctx.rank), "v");
+    SpawnedRanks run(3, [](RankContext& ctx) {
       point("x");
-      if (ctx.rank == 2) throw Error("boom");
+      if (ctx.rank == 2) {
+        ctx.store()->wait({"rank 1 is gone"});
+        throw Error("boom");
+      }
       ctx.store()->get("never-set", 300s);
     }, options);
+    ASSERT_TRUE(eventually([&] { return run.state(1) == RankState::Ended; }));
+    run.store().set("rank 1 is gone", "1");
+    const auto result = run.wait();
     EXPECT_EQ(result[0].ending, Ending::KilledAfterFailure);
     EXPECT_EQ(result[1].ending, Ending::Killed);
     EXPECT_EQ(result[2].ending, Ending::Threw);
