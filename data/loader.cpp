@@ -96,7 +96,7 @@ void PrefetchLoader::run() {
       waitForProducer([&] { return stop_ || generation != generation_ || queue_.size() < capacity; });
       if (stop_ || generation != generation_) break;
       lock.unlock();
-      const int64_t b = sampler_.options().batchSize;
+      const int64_t b = sampler_.localBatchSize();
       LoadedBatch loaded;
       loaded.position = position;
       try {

@@ -15,15 +15,20 @@ DistributedSampler::DistributedSampler(int64_t datasetSize, int worldSize, int r
   if (rank_ < 0 || rank_ >= worldSize_) {
     throw InvalidArgument(str("DistributedSampler: rank ", rank_, " outside [0, ", worldSize_, ")"));
   }
-  if (options_.batchSize < 1) {
+  if (options_.globalBatchSize < 0 || (options_.globalBatchSize > 0 && options_.globalBatchSize < worldSize_)) {
+    throw InvalidArgument(str("DistributedSampler: global batch size ", options_.globalBatchSize, " must be at least the world size ",
+                              worldSize_, " (every rank needs an example per step), or 0 for batchSize per rank"));
+  }
+  if (options_.globalBatchSize == 0 && options_.batchSize < 1) {
     throw InvalidArgument(str("DistributedSampler: batch size ", options_.batchSize, " must be positive"));
   }
   const int64_t global = globalBatch();
   batchesPerEpoch_ = options_.dropLast ? datasetSize_ / global : (datasetSize_ + global - 1) / global;
   if (batchesPerEpoch_ == 0) {
     throw InvalidArgument(str("DistributedSampler: with dropLast, a dataset of ", datasetSize_,
-                              " examples has no full global batch of ", global, " (", worldSize_, " ranks x ",
-                              options_.batchSize, "); use a smaller batch or pad (dropLast = false)"));
+                              " examples has no full global batch of ", global, " (", worldSize_, " ranks",
+                              options_.globalBatchSize > 0 ? std::string() : str(" x ", options_.batchSize),
+                              "); use a smaller batch or pad (dropLast = false)"));
   }
 }
 
@@ -43,11 +48,14 @@ std::vector<int64_t> DistributedSampler::permutation(int64_t epoch) const {
 std::vector<int64_t> DistributedSampler::rankIndices(int64_t epoch) const {
   if (epoch < 0) throw InvalidArgument(str("DistributedSampler: epoch ", epoch, " must be non-negative"));
   const std::vector<int64_t> order = permutation(epoch);
-  const int64_t perRank = batchesPerEpoch_ * options_.batchSize;
-  std::vector<int64_t> mine(static_cast<size_t>(perRank));
-  for (int64_t i = 0; i < perRank; ++i) {
-    const int64_t position = rank_ + i * worldSize_;  // interleaved; past the end wraps (padding)
-    mine[static_cast<size_t>(i)] = order[static_cast<size_t>(position % datasetSize_)];
+  const int64_t local = localBatchSize();
+  const int64_t global = globalBatch();
+  std::vector<int64_t> mine(static_cast<size_t>(batchesPerEpoch_ * local));
+  for (int64_t b = 0; b < batchesPerEpoch_; ++b) {
+    for (int64_t j = 0; j < local; ++j) {
+      const int64_t position = b * global + rank_ + j * worldSize_;  // interleaved; past the end wraps (padding)
+      mine[static_cast<size_t>(b * local + j)] = order[static_cast<size_t>(position % datasetSize_)];
+    }
   }
   return mine;
 }
@@ -57,8 +65,8 @@ std::vector<int64_t> DistributedSampler::batchIndices(int64_t epoch, int64_t bat
     throw InvalidArgument(str("DistributedSampler: batch ", batch, " outside [0, ", batchesPerEpoch_, ") of epoch ", epoch));
   }
   const std::vector<int64_t> all = rankIndices(epoch);
-  const auto begin = all.begin() + batch * options_.batchSize;
-  return {begin, begin + options_.batchSize};
+  const auto begin = all.begin() + batch * localBatchSize();
+  return {begin, begin + localBatchSize()};
 }
 
 SamplerPosition DistributedSampler::positionAfter(int64_t steps) const {

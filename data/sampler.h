@@ -4,10 +4,14 @@
 //  * Every epoch the dataset's indices are shuffled with a permutation that depends only on
 //    (seed, epoch), so every rank computes the same one without communicating, and a job that
 //    resumes at (epoch, batch) sees exactly the batches it would have seen.
-//  * The permutation is cut into global batches of worldSize x batchSize indices. Rank r's
-//    batch k holds the global batch's positions r, r + W, r + 2W, ... (PyTorch's interleaving):
-//    the ranks' batches are disjoint, and their union is the global batch whatever the world
-//    size, so 1, 2 or 4 ranks with the same global batch train on the same examples per step.
+//  * The permutation is cut into global batches of worldSize x batchSize indices (or of
+//    globalBatchSize, when set). Rank r's batch k holds the global batch's positions r, r + W,
+//    r + 2W, ... (PyTorch's interleaving): the ranks' batches are disjoint, and their union is
+//    the global batch whatever the world size, so 1, 2 or 4 ranks with the same global batch
+//    train on the same examples per step. With globalBatchSize a world size that does not
+//    divide it is fine: the ranks' batches differ by at most one example (localBatchSize()),
+//    which is what an elastic job needs after losing a rank; weight each rank's loss by
+//    localBatchSize() x W / globalBatch() to keep the gradient the mean over the global batch.
 //  * The last global batch is usually short: dropLast drops it; otherwise it is padded with
 //    the epoch's first indices (repeated, as PyTorch pads), so every rank has the same number
 //    of full batches per epoch and no rank waits for another at the end of an epoch.
@@ -22,7 +26,10 @@
 namespace dt::data {
 
 struct DistributedSamplerOptions {
-  int64_t batchSize = 1;  // per rank
+  int64_t batchSize = 1;  // per rank (ignored when globalBatchSize is set)
+  // Examples per step over all ranks, split as evenly as the world size allows; 0: batchSize
+  // per rank.
+  int64_t globalBatchSize = 0;
   bool shuffle = true;
   uint64_t seed = 0;      // must be the same on every rank
   bool dropLast = false;
@@ -44,7 +51,15 @@ class DistributedSampler {
   int worldSize() const { return worldSize_; }
   int rank() const { return rank_; }
   const DistributedSamplerOptions& options() const { return options_; }
-  int64_t globalBatch() const { return options_.batchSize * worldSize_; }
+  int64_t globalBatch() const {
+    return options_.globalBatchSize > 0 ? options_.globalBatchSize : options_.batchSize * worldSize_;
+  }
+  // This rank's examples per batch: batchSize, or its share of globalBatchSize (positions r,
+  // r + W, ... of each global batch: ceil((G - r) / W)).
+  int64_t localBatchSize() const {
+    return options_.globalBatchSize > 0 ? (options_.globalBatchSize - rank_ + worldSize_ - 1) / worldSize_
+                                        : options_.batchSize;
+  }
   int64_t batchesPerEpoch() const { return batchesPerEpoch_; }
   // Examples each epoch visits (after padding or dropping), over all ranks.
   int64_t samplesPerEpoch() const { return batchesPerEpoch_ * globalBatch(); }

@@ -32,6 +32,45 @@ TEST(DistributedSampler, ShardsAreDisjointAndCoverTheDataset) {
   EXPECT_EQ(all, expected) << "every example exactly once";
 }
 
+// An elastic job keeps its global batch when a rank leaves: the survivors split each global
+// batch as evenly as they can, and step k holds the same examples at every world size.
+TEST(DistributedSampler, AGlobalBatchSplitsUnevenlyAndKeepsItsExamples) {
+  const int64_t global = 8;
+  DistributedSampler one(50, 1, 0, {.globalBatchSize = global, .seed = 4});
+  for (int world : {2, 3, 4, 5}) {
+    std::vector<DistributedSampler> ranks;
+    for (int r = 0; r < world; ++r) ranks.emplace_back(50, world, r, DistributedSamplerOptions{.globalBatchSize = global, .seed = 4});
+    EXPECT_EQ(ranks[0].batchesPerEpoch(), one.batchesPerEpoch());
+    int64_t total = 0;
+    for (int r = 0; r < world; ++r) {
+      total += ranks[static_cast<size_t>(r)].localBatchSize();
+      EXPECT_LE(ranks[0].localBatchSize() - ranks[static_cast<size_t>(r)].localBatchSize(), 1) << "world " << world;
+    }
+    EXPECT_EQ(total, global) << "world " << world;
+    for (int64_t epoch = 0; epoch < 2; ++epoch) {
+      for (int64_t b = 0; b < one.batchesPerEpoch(); ++b) {
+        std::vector<int64_t> together;
+        for (const auto& s : ranks) {
+          const auto mine = s.batchIndices(epoch, b);
+          EXPECT_EQ(static_cast<int64_t>(mine.size()), s.localBatchSize());
+          together.insert(together.end(), mine.begin(), mine.end());
+        }
+        auto expected = one.batchIndices(epoch, b);
+        std::sort(together.begin(), together.end());
+        std::sort(expected.begin(), expected.end());
+        EXPECT_EQ(together, expected) << "world " << world << " epoch " << epoch << " batch " << b;
+      }
+    }
+  }
+  // Where the world size divides it, the global batch reads exactly as batchSize per rank.
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(DistributedSampler(50, 4, r, {.globalBatchSize = 8, .seed = 4}).rankIndices(1),
+              DistributedSampler(50, 4, r, {.batchSize = 2, .seed = 4}).rankIndices(1));
+  }
+  expectThrowsWith<InvalidArgument>([] { DistributedSampler(50, 4, 0, {.globalBatchSize = 3}); },
+                                    {"global batch size 3", "world size 4"});
+}
+
 TEST(DistributedSampler, ReshufflesEachEpochFromTheSharedSeed) {
   DistributedSampler a(1000, 2, 0, {.batchSize = 10, .seed = 7});
   DistributedSampler b(1000, 2, 1, {.batchSize = 10, .seed = 7});
