@@ -134,6 +134,11 @@ ResolvedInit resolveInit(const InitOptions& options) {
 }
 
 std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
+  JobConnection job = connectJob(std::move(options));
+  return ProcessGroup::create(job.store, job.rank, job.worldSize, std::move(job.group));
+}
+
+JobConnection connectJob(InitOptions options) {
   const ResolvedInit init = resolveInit(options);
   const auto timeout = options.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
   StorePtr store = options.store;
@@ -180,7 +185,7 @@ std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options) {
   // gets its own key space so counters of a crashed one cannot misalign it.
   const int64_t restart = env::getInt("DT_RESTART_COUNT");
   if (restart > 0) store = std::make_shared<PrefixStore>(str("restart", restart), store);
-  return ProcessGroup::create(store, init.rank, init.worldSize, std::move(pg));
+  return JobConnection{std::move(store), init.rank, init.worldSize, init.localRank, std::move(pg)};
 }
 
 }  // namespace dt

@@ -68,4 +68,17 @@ struct ResolvedInit {
 ResolvedInit resolveInit(const InitOptions& options);
 std::shared_ptr<ProcessGroup> initProcessGroup(InitOptions options = {});
 
+// What initProcessGroup() reads and connects before it makes the group: the
+// job's store (scoped to this restart), this rank, the world size, and the
+// options the group would be made with. For code that makes its own groups
+// from the launcher's environment (an elastic job: elastic/elastic_group.h).
+struct JobConnection {
+  StorePtr store;
+  int rank = -1;
+  int worldSize = 0;
+  int localRank = 0;
+  ProcessGroupOptions group;
+};
+JobConnection connectJob(InitOptions options = {});
+
 }  // namespace dt

@@ -1,0 +1,53 @@
+#include "store/membership.h"
+
+#include "common/env.h"
+#include "common/errors.h"
+#include "common/strings.h"
+
+namespace dt::membership {
+namespace {
+
+std::string deadKey(int member) { return str("elastic/dead/", member); }
+std::string deathKey(int64_t n) { return str("elastic/death/", n); }
+std::string aliveKey(int member) { return str("elastic/alive/", member); }
+const char* const kDeaths = "elastic/deaths";
+
+}  // namespace
+
+bool postDeath(Store& store, int member, const std::string& reason) {
+  // The first poster wins the claim; the reason is written before the death
+  // is counted, so whoever sees the count finds the reason.
+  if (store.add(str("elastic/claim/", member), 1) != 1) return false;
+  store.set(deadKey(member), reason.empty() ? std::string("ended") : reason);
+  const int64_t n = store.add(kDeaths, 1);
+  store.set(deathKey(n), std::to_string(member));
+  return true;
+}
+
+std::optional<std::string> deathOf(Store& store, int member) {
+  if (!store.check({deadKey(member)})) return std::nullopt;
+  return store.get(deadKey(member));
+}
+
+int64_t deathCount(Store& store) { return store.add(kDeaths, 0); }
+
+std::optional<Death> waitForDeath(Store& store, int64_t n, std::chrono::milliseconds timeout) {
+  try {
+    store.wait({deathKey(n)}, timeout);
+  } catch (const TimeoutError&) {
+    return std::nullopt;
+  }
+  Death d;
+  d.member = static_cast<int>(env::parseInt(store.get(deathKey(n)), "membership death record"));
+  d.reason = deathOf(store, d.member).value_or("ended");
+  return d;
+}
+
+void beat(Store& store, int member, uint64_t counter) { store.set(aliveKey(member), std::to_string(counter)); }
+
+std::optional<uint64_t> heartbeatOf(Store& store, int member) {
+  if (!store.check({aliveKey(member)})) return std::nullopt;
+  return static_cast<uint64_t>(env::parseInt(store.get(aliveKey(member)), "membership heartbeat"));
+}
+
+}  // namespace dt::membership

@@ -1,0 +1,47 @@
+// The membership records an elastic job keeps in its store (under "elastic/"),
+// shared by the launcher (dtrun --elastic), which reports which members died
+// and why, and the members themselves (elastic/elastic_group.h), which beat
+// and react. Members are numbered by their launch rank ("member ids").
+//
+//   elastic/claim/<member>  who posts its death (the first to add 1)
+//   elastic/dead/<member>   why it ended ("exited: signal SIGKILL"), once
+//   elastic/deaths          how many deaths were posted (a counter)
+//   elastic/death/<n>       the member of the n-th death (1, 2, ...)
+//   elastic/alive/<member>  its heartbeat counter
+//
+// Contract:
+//  * postDeath() records a member's death once: the first reason wins, a
+//    second post (the launcher saw the exit, its heartbeat monitor the silence)
+//    changes nothing and returns false. Then the n-th death key appears, which
+//    waitForDeath(n) waits for.
+//  * Every function is one or a few store calls; thread safety and blocking
+//    are the store's (a blocking TcpStore call from several threads needs
+//    their own clones). Store errors propagate.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "store/store.h"
+
+namespace dt::membership {
+
+struct Death {
+  int member = -1;
+  std::string reason;
+};
+
+bool postDeath(Store& store, int member, const std::string& reason);
+// The reason a member died, or nullopt while it lives.
+std::optional<std::string> deathOf(Store& store, int member);
+int64_t deathCount(Store& store);
+// The n-th death (n >= 1), waiting up to `timeout` for it; nullopt on timeout.
+std::optional<Death> waitForDeath(Store& store, int64_t n, std::chrono::milliseconds timeout);
+
+void beat(Store& store, int member, uint64_t counter);
+// The member's last heartbeat counter; nullopt if it never beat.
+std::optional<uint64_t> heartbeatOf(Store& store, int member);
+
+}  // namespace dt::membership

@@ -1,0 +1,189 @@
+// ElasticGroup with forked ranks: members killed or frozen at chosen points of
+// a training-like step, the survivors agreeing on the next epoch and going
+// on without losing a step or an example; below the minimum the job stops
+// naming who is left. The test plays the launcher: it posts a rank's death
+// when the rank ends, and when a frozen rank's heartbeat goes stale (then it
+// kills it), as dtrun --elastic does.
+//
+// The step: each rank sums the values of its share of the step's global
+// batch (12 examples, positions r, r+W, ... : the same examples at any world
+// size), the "gradient" allreduce adds the shares, a commit allreduce ends
+// the step, then every rank applies the sum to its state. The state after
+// all steps is known exactly, so a lost or repeated step shows.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "elastic/elastic_group.h"
+#include "store/membership.h"
+#include "tensor/tensor.h"
+#include "testing/spawn.h"
+#include "tests/testing/testing.h"
+
+namespace dt {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::RankContext;
+
+constexpr int64_t kGlobalBatch = 12;
+constexpr int64_t kSteps = 30;
+
+double valueOf(int64_t example) { return static_cast<double>(example % 7 + 1); }
+
+// What every rank's state must end as: each step's whole global batch, once.
+double expectedState() {
+  double x = 0;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    for (int64_t i = 0; i < kGlobalBatch; ++i) x += valueOf(step * kGlobalBatch + i);
+  }
+  return x;
+}
+
+double shareOf(int64_t step, int rank, int world) {
+  double sum = 0;
+  for (int64_t i = rank; i < kGlobalBatch; i += world) sum += valueOf(step * kGlobalBatch + i);
+  return sum;
+}
+
+// One member's training loop; returns "state=<x> epoch=<e> size=<n> lost=<...>".
+std::string train(RankContext&, int minSize) {
+  elastic::ElasticOptions options;
+  options.minSize = minSize;
+  options.group.timeout = 60s;
+  auto elastic = elastic::ElasticGroup::fromEnvironment(options);
+  double state = 0;
+  int64_t applied = 0;
+  Tensor grad = zeros({1}, DType::Float64);
+  std::string lost;
+  while (applied < kSteps) {
+    const auto& m = elastic->membership();
+    try {
+      testing::point("before-grad");
+      grad.data<double>()[0] = shareOf(applied, m.rank, m.size());
+      elastic->group()->allreduce(grad)->wait();
+      testing::point("before-commit");
+      Tensor commit = ones({1}, DType::Float64);
+      elastic->group()->allreduce(commit)->wait();
+      testing::point("after-commit");
+      state += grad.data<double>()[0];
+      ++applied;
+    } catch (const Error&) {  // MemberLostError, or the transport's own word for the death
+      const auto& next = elastic->recover(std::current_exception(), applied);
+      if (next.resumeStep > applied) {  // the others committed the step this rank's commit missed
+        state += grad.data<double>()[0];
+        ++applied;
+      }
+      for (const auto& l : next.lost) lost += l + ";";
+    }
+  }
+  const auto& m = elastic->membership();
+  return str("state=", state, " epoch=", m.epoch, " size=", m.size(), " lost=", lost);
+}
+
+// The launcher's part: a rank that ended is posted dead at once; a rank whose
+// heartbeat stopped for `liveness` is posted dead and killed.
+void superviseUntilDone(testing::SpawnedRanks& ranks, std::chrono::milliseconds liveness = 2s) {
+  const int world = ranks.worldSize();
+  std::vector<bool> posted(static_cast<size_t>(world), false);
+  std::vector<std::optional<uint64_t>> lastBeat(static_cast<size_t>(world));
+  std::vector<std::chrono::steady_clock::time_point> beatSeen(static_cast<size_t>(world), std::chrono::steady_clock::now());
+  while (true) {
+    bool running = false;
+    for (int r = 0; r < world; ++r) {
+      const auto s = ranks.state(r);
+      running |= s != testing::RankState::Ended;
+      if (posted[static_cast<size_t>(r)]) continue;
+      if (s == testing::RankState::Ended) {
+        membership::postDeath(ranks.store(), r, "exited: signal SIGKILL");
+        posted[static_cast<size_t>(r)] = true;
+        continue;
+      }
+      const auto beat = membership::heartbeatOf(ranks.store(), r);
+      const auto now = std::chrono::steady_clock::now();
+      if (beat != lastBeat[static_cast<size_t>(r)]) {
+        lastBeat[static_cast<size_t>(r)] = beat;
+        beatSeen[static_cast<size_t>(r)] = now;
+      } else if (beat && now - beatSeen[static_cast<size_t>(r)] > liveness) {
+        membership::postDeath(ranks.store(), r, str("stopped responding: no heartbeat for ",
+                                                    formatDuration(liveness), " (frozen or hung)"));
+        posted[static_cast<size_t>(r)] = true;
+        ranks.kill(r);
+      }
+    }
+    if (!running) return;
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
+testing::SpawnResult runJob(int world, std::vector<testing::PlanStep> plan, int minSize = 1) {
+  testing::SpawnOptions options;
+  options.plan = std::move(plan);
+  options.killAllOnFailure = false;  // every survivor's own outcome is what the tests check
+  options.deadline = 90s;
+  testing::SpawnedRanks ranks(world, [minSize](RankContext& ctx) { return train(ctx, minSize); }, options);
+  superviseUntilDone(ranks);
+  return ranks.wait();
+}
+
+void expectSurvivorsFinished(const testing::SpawnResult& result, const std::vector<int>& dead, int epochs) {
+  const std::string expected = str("state=", expectedState(), " epoch=", epochs, " size=",
+                                   static_cast<int>(result.ranks.size() - dead.size()));
+  for (int r = 0; r < static_cast<int>(result.ranks.size()); ++r) {
+    if (std::find(dead.begin(), dead.end(), r) != dead.end()) {
+      EXPECT_FALSE(result[r].returned()) << result[r].describe();
+      continue;
+    }
+    ASSERT_TRUE(result[r].returned()) << result.summary();
+    EXPECT_EQ(result[r].value.rfind(expected, 0), 0u) << "rank " << r << ": " << result[r].value;
+  }
+}
+
+TEST(ElasticGroup, AKilledMemberIsLeftBehindAndNoStepIsLostWhereverItDies) {
+  // Before the gradient: nobody reduced it, the step is redone by three.
+  // Before the commit: everybody reduced, nobody committed: redone.
+  // After the commit: the others committed, no redo.
+  for (const char* where : {"before-grad", "before-commit", "after-commit"}) {
+    const auto result = runJob(4, {testing::killAt(2, where, 11)});
+    SCOPED_TRACE(where);
+    expectSurvivorsFinished(result, {2}, 1);
+    EXPECT_NE(result[0].value.find("rank 2 exited: signal SIGKILL"), std::string::npos) << result[0].value;
+  }
+}
+
+TEST(ElasticGroup, RepeatedAndSimultaneousLossesDownToTheMinimum) {
+  const auto result = runJob(5, {testing::killAt(4, "before-commit", 5), testing::killAt(1, "before-grad", 12),
+                                 testing::killAt(3, "before-grad", 12)},
+                             2);
+  // One loss, then two at once (one or two epochs, as the deaths arrive).
+  for (int r : {0, 2}) {
+    ASSERT_TRUE(result[r].returned()) << result.summary();
+    EXPECT_EQ(result[r].value.rfind(str("state=", expectedState()), 0), 0u) << result[r].value;
+    EXPECT_NE(result[r].value.find("size=2 "), std::string::npos) << result[r].value;
+  }
+}
+
+TEST(ElasticGroup, AFrozenMemberIsDeclaredDeadByItsHeartbeat) {
+  const auto result = runJob(3, {testing::freezeAt(1, "before-commit", std::nullopt, 7)});
+  expectSurvivorsFinished(result, {1}, 1);
+  EXPECT_NE(result[0].value.find("no heartbeat"), std::string::npos) << result[0].value;
+}
+
+TEST(ElasticGroup, BelowTheMinimumTheJobStopsNamingWhoIsLeft) {
+  const auto result = runJob(3, {testing::killAt(2, "before-grad", 4)}, 3);
+  for (int r : {0, 1}) {
+    EXPECT_EQ(result[r].ending, testing::Ending::Threw) << result[r].describe();
+    EXPECT_NE(result[r].error.find("dt::MembershipError"), std::string::npos) << result[r].error;
+    EXPECT_NE(result[r].error.find("2 member(s) left (member 0, member 1), fewer than the minimum of 3"),
+              std::string::npos)
+        << result[r].error;
+    EXPECT_NE(result[r].error.find("rank 2 exited: signal SIGKILL"), std::string::npos) << result[r].error;
+  }
+}
+
+}  // namespace
+}  // namespace dt
