@@ -22,6 +22,7 @@
 #include "launcher/output.h"
 #include "launcher/summary.h"
 #include "launcher/worker_env.h"
+#include "store/membership.h"
 #include "store/tcp_store.h"
 #if DT_HAVE_ETCD
 #include "launcher/etcd_rendezvous.h"
@@ -41,11 +42,16 @@ struct Worker {
   int fds[2] = {-1, -1};  // stdout, stderr read ends
   std::unique_ptr<OutputStream> streams[2];
   WorkerOutcome outcome;
+  // --elastic: posted dead (the others go on without it), and its heartbeat.
+  bool lost = false;
+  std::optional<uint64_t> beat;
+  int64_t beatSeenMs = 0;
 };
 
 struct Rendezvous {
   int worldSize = 1;
   int rankOffset = 0;
+  std::vector<std::pair<int, int>> nodeRanks;  // per node: first rank, count (static multi-node)
 };
 
 struct AttemptResult {
@@ -382,6 +388,7 @@ struct Agent::Impl {
     for (int node = 0; node < o.nnodes; ++node) {
       const int n = std::stoi(values[static_cast<size_t>(node)]);
       if (node < o.nodeRank) out.rankOffset += n;
+      out.nodeRanks.emplace_back(out.worldSize, n);
       out.worldSize += n;
     }
     return out;
@@ -431,6 +438,7 @@ struct Agent::Impl {
     for (int node = 0; node < o.nnodes; ++node) {
       const int n = std::stoi(values[static_cast<size_t>(node)]);
       if (node < o.nodeRank) out.rankOffset += n;
+      out.nodeRanks.emplace_back(out.worldSize, n);
       out.worldSize += n;
     }
     return out;
@@ -532,6 +540,8 @@ struct Agent::Impl {
       id.runId = runId;
       id.restartCount = attempt;
       id.maxRestarts = o.maxRestarts;
+      id.elastic = o.elastic;
+      id.minNproc = o.minNproc;
       const WorkerEnv env = buildWorkerEnv(cfg.baseEnv, id);
       if (env.threadsDefaulted && !threadsNoticePrinted) {
         threadsNoticePrinted = true;
@@ -565,6 +575,67 @@ struct Agent::Impl {
       }
     }
 
+    // --elastic: a worker that died is posted dead (store/membership.h) and
+    // the others go on without it; its death is no reason to stop them.
+    auto loseWorker = [&](Worker& w, const std::string& reason) {
+      if (w.lost) return;
+      w.lost = true;
+      try {
+        membership::postDeath(*store, w.rank, reason);
+      } catch (const std::exception& e) {
+        say(str("cannot post the death of rank ", w.rank, " to the store: ", e.what()));
+      }
+      int left = 0;
+      for (const auto& other : workers) left += other.lost ? 0 : 1;
+      say(str("rank ", w.rank, " (pid ", w.pid, ") ", reason,
+              left > 0 ? str("; the elastic job goes on without it (", left, " worker(s) left on this node)")
+                       : std::string("; no worker is left on this node")));
+    };
+    const int64_t livenessEvery = std::clamp<int64_t>(o.livenessTimeout.count() / 5, 10, 200);
+    int64_t nextLivenessCheck = 0;
+    // --elastic: a worker whose heartbeat stopped (frozen, hung) is posted
+    // dead and killed; before its first beat it is still starting up.
+    auto checkLiveness = [&](int64_t now) {
+      if (!o.elastic || stopping || now < nextLivenessCheck) return;
+      nextLivenessCheck = now + livenessEvery;
+      for (auto& w : workers) {
+        if (w.reaped || w.lost || w.pid <= 0) continue;
+        std::optional<uint64_t> beat;
+        try {
+          beat = membership::heartbeatOf(*store, w.rank);
+        } catch (const std::exception&) {
+          return;  // the store's loss is handled elsewhere
+        }
+        if (beat != w.beat) {
+          w.beat = beat;
+          w.beatSeenMs = now;
+        } else if (w.beat && now - w.beatSeenMs > o.livenessTimeout.count()) {
+          loseWorker(w, str("stopped responding: no heartbeat for ", formatDuration(Millis(now - w.beatSeenMs)),
+                            " (frozen or hung; --liveness-timeout ", formatDuration(o.livenessTimeout), ")"));
+          signalGroup(w.pid, SIGKILL);
+        }
+      }
+    };
+    // --elastic, node 0: a lost node's workers are dead, and the node is done
+    // as far as the others' end-of-job wait is concerned.
+    auto loseNode = [&](int node, const std::string& why) {
+      if (node < 0 || node >= static_cast<int>(rdv.nodeRanks.size())) return;
+      const auto [first, count] = rdv.nodeRanks[static_cast<size_t>(node)];
+      for (int r = first; r < first + count; ++r) {
+        try {
+          membership::postDeath(*store, r, str("was lost with node ", node, " (", why, ")"));
+        } catch (const std::exception& e) {
+          say(str("cannot post the death of rank ", r, " to the store: ", e.what()));
+        }
+      }
+      try {
+        store->set(str("dtrun/a", attempt, "/done/", node), "lost");
+      } catch (const std::exception&) {
+      }
+      say(str("node ", node, " is lost (", why, "): its ranks ", first, "-", first + count - 1,
+              " are dead; the elastic job goes on without them"));
+    };
+
     auto reapAll = [&] {
       std::vector<Worker*> failedNow;
       int status = 0;
@@ -585,6 +656,13 @@ struct Agent::Impl {
           out.killedByLauncher = killSent;
           if (out.failed() && !stopping) failedNow.push_back(&w);
         }
+      }
+      if (!failedNow.empty() && !stopping && o.elastic) {
+        for (Worker* w : failedNow) {
+          const WorkerOutcome& out = w->outcome;
+          loseWorker(*w, str("exited: ", out.signaled ? str("signal ", signalName(out.code)) : str("exit code ", out.code)));
+        }
+        return;
       }
       if (!failedNow.empty() && !stopping) {
         const Worker* first = failedNow.front();
@@ -649,6 +727,12 @@ struct Agent::Impl {
           if (!allDone) external(event.text, event.code);
           break;
         case K::NodeLost:
+          if (o.elastic && event.node >= 0) {
+            loseNode(event.node, event.text);
+            break;
+          }
+          if (!allDone) external(event.text, event.code);
+          break;
         case K::Hang:
           if (!allDone) external(event.text, event.code);
           break;
@@ -714,6 +798,7 @@ struct Agent::Impl {
       if (stopping && !killSent) limit(killAt - now);
       if (drainDeadline != 0) limit(drainDeadline - now);
       if (coord) limit(o.monitorInterval.count());
+      if (o.elastic && !stopping) limit(nextLivenessCheck - now);
       const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(timeout));
       if (ready < 0 && errno != EINTR) throw Error(str("dtrun: poll failed: ", std::strerror(errno)));
 
@@ -759,6 +844,7 @@ struct Agent::Impl {
         for (const auto& event : events) handleEvent(event);
       }
       const int64_t after = wallMs();
+      checkLiveness(after);
       if (coord && multiNode && !stopping && after - coord->lastContactMs() > o.nodeTimeout.count()) {
         storeGone = true;
         external(str("no answer from the job's store at ", storeAddr, " for ",
@@ -782,7 +868,21 @@ struct Agent::Impl {
         if (w.pid > 0) guardian->release(w.pid);
       }
     }
-    if (!stopping && (!multiNode || allDone)) return AttemptResult{true, 0};
+    if (!stopping && (!multiNode || allDone) && o.elastic) {
+      // The job went on without its lost workers: it succeeded where one of
+      // the others finished (not on a node whose workers all died).
+      const bool finished = std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return !w.outcome.failed(); });
+      std::vector<std::string> lost;
+      for (const auto& w : workers) {
+        if (w.lost && w.outcome.failed()) lost.push_back(str("rank ", w.rank, " (", describeOutcome(w.outcome), ")"));
+      }
+      if (finished) {
+        if (!lost.empty()) say(str("the elastic job finished without ", join(lost, ", ")));
+        return AttemptResult{true, 0};
+      }
+    } else if (!stopping && (!multiNode || allDone)) {
+      return AttemptResult{true, 0};
+    }
 
     // Failure. With several nodes, learn which failure the job records as
     // first (each node prints the same root cause and exits with its code).

@@ -250,7 +250,7 @@ struct Coordinator::Shared {
             str("node ", node, "'s registration in etcd (", keys[i], ", bound to its dtrun's lease) vanished: its dtrun ",
                 "died, or could not reach etcd for longer than the lease's TTL (--node-timeout ",
                 formatDuration(config.nodeTimeout), ")"),
-            1});
+            1, -1, node});
     }
   }
 
@@ -288,7 +288,7 @@ struct Coordinator::Shared {
                   formatDuration(Millis(now - it->second.second)), ", node timeout ",
                   formatDuration(config.nodeTimeout),
                   "): its dtrun died, its machine is down, or the network to it is cut"),
-              1});
+              1, -1, node});
       }
     }
   }

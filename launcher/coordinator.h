@@ -47,6 +47,7 @@ struct CoordinatorEvent {
   std::string text;
   int code = 1;
   int attempt = -1;  // the attempt being watched when it was posted
+  int node = -1;     // NodeLost: the node
 };
 
 // "<code>\t<ms>\t<node>\t<description>" and back.

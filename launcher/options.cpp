@@ -111,6 +111,17 @@ const std::vector<OptionSpec>& optionSpecs() {
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.maxRestarts = parseCount(v, what, 0, 1 << 20, "a non-negative integer");
        }},
+      {"elastic", "DT_ELASTIC", false, "off", "keep training when a worker dies: the others go on without it, in place (no restart, no lost step; the program uses dt::elastic::ElasticGroup, docs/elastic.md)",
+       [](LaunchOptions& o, const std::string& v, const std::string& what) { o.elastic = v.empty() ? true : parseBoolOption(v, what); }},
+      {"min-nproc", "DT_MIN_NPROC", true, "1", "with --elastic: the job stops when fewer workers than this are left (over all nodes)",
+       [](LaunchOptions& o, const std::string& v, const std::string& what) {
+         o.minNproc = parseCount(v, what, 1, 1 << 20, "a positive integer");
+       }},
+      {"liveness-timeout", "DT_LIVENESS_TIMEOUT", true, "5s", "with --elastic: a worker whose heartbeat stopped this long (frozen, hung) is declared dead and killed",
+       [](LaunchOptions& o, const std::string& v, const std::string& what) {
+         o.livenessTimeout = parseDurationOption(v, what);
+         if (o.livenessTimeout.count() < 100) throw InvalidArgument(str(what, "=", quoteBytes(v), " is too small; accepted: a duration of at least 100ms"));
+       }},
       {"monitor-interval", "DT_MONITOR_INTERVAL", true, "500ms", "how often the store is polled (other nodes, heartbeats, hang watchdog); local workers are watched without polling",
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.monitorInterval = parseDurationOption(v, what);
@@ -319,6 +330,13 @@ ParseResult parseCommandLine(const std::vector<std::string>& args, const EnvLook
   }
   if (o.program.empty()) {
     throw InvalidArgument("no program given; usage: dtrun [options] program [args...] (see dtrun --help)");
+  }
+  if (o.elastic && o.maxRestarts > 0) {
+    throw InvalidArgument(str("--max-restarts=", o.maxRestarts, " with --elastic is not supported yet: an elastic job does not "
+                              "restart its workers, it goes on without the ones that died; drop one of the two"));
+  }
+  if (o.elastic && o.etcd()) {
+    throw InvalidArgument("--elastic with --rdzv-backend etcd is not supported yet; accepted: --elastic with the static backend");
   }
   if (o.nodeRank >= o.nnodes && o.slurm != "on") {
     throw InvalidArgument(str("--node-rank=", o.nodeRank, " is out of range for --nnodes=", o.nnodes,

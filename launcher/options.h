@@ -38,6 +38,10 @@ struct LaunchOptions {
   int masterPort = 29500;       // the store's port; 0 = pick a free one
   int workerPort = 0;           // MASTER_PORT for the workers; 0 = pick a free one
   int maxRestarts = 0;
+  // --elastic: a worker that dies is left behind and the others go on (elastic/elastic_group.h).
+  bool elastic = false;
+  int minNproc = 1;             // --min-nproc: fewer workers left than this stop an elastic job
+  Millis livenessTimeout{5000}; // --liveness-timeout: a worker silent this long is declared dead
   Millis monitorInterval{500};  // store polling: failures elsewhere, heartbeats, hang watchdog
   std::string logDir;           // empty: no files
   bool tee = false;             // with --log-dir: also print to the console

@@ -55,6 +55,8 @@ WorkerEnv buildWorkerEnv(const std::vector<std::string>& base, const WorkerIdent
   put("DT_RUN_ID", id.runId);
   put("DT_RESTART_COUNT", str(id.restartCount));
   put("DT_MAX_RESTARTS", str(id.maxRestarts));
+  put("DT_ELASTIC", id.elastic ? "1" : "0");
+  put("DT_MIN_NPROC", str(id.minNproc));
   // Always set: a DT_ETCD_ENDPOINTS inherited from dtrun's environment must not
   // send the workers of a static job to etcd.
   put("DT_ETCD_ENDPOINTS", id.etcdEndpoints);

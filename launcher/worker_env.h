@@ -28,6 +28,8 @@ struct WorkerIdentity {
   std::string runId;
   int restartCount = 0;
   int maxRestarts = 0;
+  bool elastic = false;  // DT_ELASTIC=1 and DT_MIN_NPROC for the workers' ElasticGroup
+  int minNproc = 1;
   // --rdzv-backend etcd: the workers' store is etcd (DT_ETCD_*); storeAddr is empty then.
   std::string etcdEndpoints, etcdPrefix, etcdCa, etcdCert, etcdKey, etcdUser, etcdPassword;
 };

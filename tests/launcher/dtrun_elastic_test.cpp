@@ -1,0 +1,82 @@
+// dtrun --elastic on one node: a worker that dies (SIGKILL, a non-zero exit)
+// or freezes (SIGSTOP, found by its stopped heartbeat) is left behind, the
+// others rebuild their group in place and finish every step; below
+// --min-nproc the job stops naming who is left; bad flag combinations are
+// named.
+#include <regex>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/strings.h"
+#include "tests/launcher/dtrun_process.h"
+
+namespace dt::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+const std::string kDtrun = DTRUN_PATH;
+const std::string kWorker = ELASTIC_WORKER_PATH;
+
+// Every listed member finished with the expected state.
+void expectFinished(const ProcessResult& r, std::initializer_list<int> members, int world) {
+  for (int m : members) {
+    const std::regex line(str("member ", m, " rank [0-9]+/", world, " epoch [0-9]+ state ([0-9]+) expected ([0-9]+)"));
+    std::smatch match;
+    ASSERT_TRUE(std::regex_search(r.out, match, line)) << "member " << m << ":\n" << r.out << r.err;
+    EXPECT_EQ(match[1].str(), match[2].str()) << "member " << m;
+  }
+}
+
+TEST(DtrunElastic, AKilledWorkerIsLeftBehindAndTheOthersFinishInPlace) {
+  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "4", "--elastic", kWorker, "40", "2", "2", "15", "kill"}, 120s);
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("exited: signal SIGKILL"));
+  EXPECT_THAT(r.err, HasSubstr("the elastic job goes on without it"));
+  EXPECT_THAT(r.err, HasSubstr("the elastic job finished without rank 2"));
+  EXPECT_THAT(r.out, HasSubstr("go on from step"));
+  EXPECT_THAT(r.out, HasSubstr("rank 2 exited: signal SIGKILL"));
+  expectFinished(r, {0, 1, 3}, 3);
+  EXPECT_THAT(r.err, Not(HasSubstr("restarting")));
+}
+
+TEST(DtrunElastic, AFrozenWorkerIsDeclaredDeadByItsHeartbeatAndKilled) {
+  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "3", "--elastic", "--liveness-timeout", "1s", kWorker, "30",
+                             "2", "1", "10", "stop"},
+                            120s);
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 1"));
+  EXPECT_THAT(r.err, HasSubstr("stopped responding: no heartbeat for"));
+  expectFinished(r, {0, 2}, 2);
+}
+
+TEST(DtrunElastic, AWorkerThatExitsWithAnErrorIsLeftBehindToo) {
+  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "3", "--elastic", kWorker, "20", "0", "0", "5", "exit"}, 120s);
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 0 (pid"));
+  EXPECT_THAT(r.err, HasSubstr("exited: exit code 3"));
+  expectFinished(r, {1, 2}, 2);
+}
+
+TEST(DtrunElastic, BelowTheMinimumTheJobStopsNamingWhoIsLeft) {
+  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "2", "--elastic", "--min-nproc", "2", kWorker, "20", "0",
+                             "1", "4", "kill"},
+                            120s);
+  EXPECT_NE(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("the elastic job stops: 1 member(s) left (member 0), fewer than the minimum of 2 (--min-nproc)"));
+  EXPECT_THAT(r.err, HasSubstr("rank 1 exited: signal SIGKILL"));
+}
+
+TEST(DtrunElastic, BadCombinationsAreNamed) {
+  const auto r = runProcess({kDtrun, "--standalone", "--elastic", "--max-restarts", "2", kWorker, "1"}, 30s);
+  EXPECT_EQ(r.exitCode, 2) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--max-restarts=2 with --elastic is not supported yet"));
+  const auto bad = runProcess({kDtrun, "--standalone", "--elastic", "--liveness-timeout", "5ms", kWorker, "1"}, 30s);
+  EXPECT_THAT(bad.err, HasSubstr("--liveness-timeout=\"5ms\" is too small"));
+}
+
+}  // namespace
+}  // namespace dt::testing

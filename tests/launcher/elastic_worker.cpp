@@ -1,0 +1,103 @@
+// An elastic dtrain worker for dtrun --elastic's tests (one node, network
+// namespaces, SLURM): the training-like loop of tests/elastic, whose final
+// state shows a lost or repeated step.
+//
+//   elastic_worker STEPS [MS] [DIE_RANK DIE_STEP kill|stop|exit|node]
+//
+// Every step each rank sums its share of a global batch of 12 examples
+// (positions r, r+W, ...), allreduces it ("the gradient"), allreduces a
+// commit, then applies the sum, MS ms apart. Rank DIE_RANK, on reaching step
+// DIE_STEP before its commit, SIGKILLs itself (kill), SIGSTOPs itself
+// (stop: the launcher's liveness check must find it), exits with code 3
+// (exit), or SIGKILLs its parent dtrun and itself (node: a node's loss).
+// At the end each survivor prints
+//   "member M rank R/N epoch E state S expected S' lost <who>"
+// and exits 0 when S == S'; the job's exit code tells the rest.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "common/errors.h"
+#include "elastic/elastic_group.h"
+#include "tensor/tensor.h"
+
+namespace {
+
+constexpr int64_t kGlobalBatch = 12;
+
+double valueOf(int64_t example) { return static_cast<double>(example % 7 + 1); }
+
+double shareOf(int64_t step, int rank, int world) {
+  double sum = 0;
+  for (int64_t i = rank; i < kGlobalBatch; i += world) sum += valueOf(step * kGlobalBatch + i);
+  return sum;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return 64;
+  const int64_t steps = std::atoll(argv[1]);
+  const int pauseMs = argc > 2 ? std::atoi(argv[2]) : 0;
+  const int dieRank = argc > 5 ? std::atoi(argv[3]) : -1;
+  const int64_t dieStep = argc > 5 ? std::atoll(argv[4]) : -1;
+  const std::string how = argc > 5 ? argv[5] : "";
+  try {
+    auto elastic = dt::elastic::ElasticGroup::fromEnvironment();
+    const int member = elastic->memberId();
+    double state = 0, expected = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int64_t i = 0; i < kGlobalBatch; ++i) expected += valueOf(s * kGlobalBatch + i);
+    }
+    dt::Tensor grad = dt::zeros({1}, dt::DType::Float64);
+    int64_t applied = 0;
+    std::string lost;
+    while (applied < steps) {
+      const auto& m = elastic->membership();
+      try {
+        grad.data<double>()[0] = shareOf(applied, m.rank, m.size());
+        elastic->group()->allreduce(grad)->wait();
+        if (member == dieRank && applied == dieStep) {
+          std::fflush(nullptr);
+          if (how == "kill") ::kill(::getpid(), SIGKILL);
+          if (how == "stop") ::kill(::getpid(), SIGSTOP);
+          if (how == "exit") std::_Exit(3);
+          if (how == "node") {
+            ::kill(::getppid(), SIGKILL);  // this node's dtrun: its other workers die with it
+            ::kill(::getpid(), SIGKILL);
+          }
+        }
+        dt::Tensor commit = dt::ones({1}, dt::DType::Float64);
+        elastic->group()->allreduce(commit)->wait();
+        state += grad.data<double>()[0];
+        ++applied;
+      } catch (const dt::MembershipError&) {
+        throw;
+      } catch (const dt::Error&) {
+        const auto& next = elastic->recover(std::current_exception(), applied);
+        if (next.resumeStep > applied) {
+          state += grad.data<double>()[0];
+          ++applied;
+        }
+        for (const auto& l : next.lost) lost += l + "; ";
+        std::printf("member %d: epoch %llu: %d member(s) go on from step %lld without: %s\n", member,
+                    static_cast<unsigned long long>(next.epoch), next.size(), static_cast<long long>(next.resumeStep),
+                    lost.c_str());
+        std::fflush(stdout);
+      }
+      if (pauseMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pauseMs));
+    }
+    const auto& m = elastic->membership();
+    std::printf("member %d rank %d/%d epoch %llu state %.0f expected %.0f lost %s\n", member, m.rank, m.size(),
+                static_cast<unsigned long long>(m.epoch), state, expected, lost.empty() ? "none" : lost.c_str());
+    return state == expected ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "elastic_worker: %s\n", dt::describe(e).c_str());
+    return 1;
+  }
+}
