@@ -292,8 +292,10 @@ TrainingState& TrainingState::add(const std::string& prefix, std::shared_ptr<Sta
   return *this;
 }
 
+std::shared_ptr<StateProvider> moduleState(nn::Module& module) { return std::make_shared<ModulePart>(module); }
+
 TrainingState& TrainingState::addModule(const std::string& prefix, nn::Module& module) {
-  return add(prefix, std::make_shared<ModulePart>(module));
+  return add(prefix, moduleState(module));
 }
 
 TrainingState& TrainingState::addOptimizer(const std::string& prefix, optim::Optimizer& optimizer,

@@ -133,6 +133,9 @@ class ParameterMap {
   std::unordered_map<const void*, ParameterLayout> layouts_;
 };
 
+// The part addModule() adds: every parameter and buffer of `module`, replicated.
+std::shared_ptr<StateProvider> moduleState(nn::Module& module);
+
 // What parts do in restore(): `name` must be in the source with `globalShape` (InvalidArgument
 // naming the tensor, both shapes and the source otherwise); its elements from `offset` (rank's
 // value, for a per-rank tensor) are copied into dst in place, bumping dst's version.
