@@ -26,11 +26,13 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <algorithm>
 #include <cinttypes>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <numbers>
 #include <optional>
@@ -47,6 +49,7 @@
 #include "data/loader.h"
 #include "data/sampler.h"
 #include "ddp/ddp.h"
+#include "elastic/elastic_group.h"
 #include "examples/run_support.h"
 #include "process_group/init.h"
 #include "tensor/autograd/autograd.h"
@@ -88,6 +91,12 @@ struct Config {
   bool eval = true;
   bool bench = false;
   int64_t benchWarmup = 20;
+  // Elastic training (dtrun --elastic, docs/elastic.md): on by default under dtrun --elastic.
+  bool elastic = false;
+  std::string failAt;          // "MEMBER:STEP:WHERE": SIGKILL self there (to test recovery)
+  std::string recordSamples;   // PREFIX: each rank appends its committed steps' example ids to PREFIX.<member>
+  std::vector<int64_t> dumpAt;  // steps after which rank 0 writes the parameters to dumpDir
+  std::string dumpDir;
 
   double learningRate() const { return lr.value_or(optimizer == "sgd" ? 0.05 : 1e-3); }
   double decay() const { return weightDecay.value_or(optimizer == "sgd" ? 0.0 : 1e-4); }
@@ -130,6 +139,14 @@ output
   --quiet                 only the final line (and errors)
   --no-eval               skip the test-set evaluation at the end
   --bench                 print a RESULT line with samples/s (after --bench-warmup steps, default 20)
+elastic (docs/elastic.md)
+  --elastic               a rank that dies is left behind and the others go on in place from the same
+                          step, with the same global batch (default: on when dtrun --elastic started it)
+  --fail-at M:STEP:WHERE  to test recovery: member M SIGKILLs itself during step STEP, WHERE = forward,
+                          backward, commit (after its commit vote) or checkpoint (while writing one)
+  --record-samples PREFIX each rank appends the example ids of each step it votes to commit to PREFIX.<member>
+  --dump-at S1,S2,...     after these steps rank 0 writes the parameters to --dump-dir DIR
+  --dump-dir DIR          (default trainer-dumps)
 )";
 
 int64_t parsePositive(const std::string& value, const std::string& flag, int64_t minimum = 1) {
@@ -155,9 +172,26 @@ std::string deviceName(const std::string& value, const std::string& flag) {
 
 Config parseArgs(int argc, char** argv, bool& help) {
   Config c;
-  help = !examples::forEachFlag("trainer", argc, argv, {"--quiet", "--drop-last", "--no-eval", "--bench"},
+  c.elastic = dt::env::getBool("DT_ELASTIC");
+  c.dumpDir = "trainer-dumps";
+  help = !examples::forEachFlag("trainer", argc, argv, {"--quiet", "--drop-last", "--no-eval", "--bench", "--elastic"},
                                 [&](const std::string& flag, const std::string& value) {
     if (flag == "--quiet") c.quiet = true;
+    else if (flag == "--elastic") c.elastic = true;
+    else if (flag == "--fail-at") {
+      const auto parts = dt::split(value, ':');
+      if (parts.size() != 3 || (parts[2] != "forward" && parts[2] != "backward" && parts[2] != "commit" && parts[2] != "checkpoint")) {
+        throw InvalidArgument(str("trainer: --fail-at \"", value, "\" is not MEMBER:STEP:WHERE with WHERE one of forward, backward, commit, checkpoint"));
+      }
+      parsePositive(parts[0], flag, 0);
+      parsePositive(parts[1], flag, 0);
+      c.failAt = value;
+    }
+    else if (flag == "--record-samples") c.recordSamples = value;
+    else if (flag == "--dump-at") {
+      for (const auto& part : dt::split(value, ',')) c.dumpAt.push_back(parsePositive(std::string(part), flag, 0));
+    }
+    else if (flag == "--dump-dir") c.dumpDir = value;
     else if (flag == "--drop-last") c.dropLast = true;
     else if (flag == "--no-eval") c.eval = false;
     else if (flag == "--bench") c.bench = true;
@@ -286,8 +320,14 @@ EvalResult evaluate(dt::nn::Module& model, const dt::data::Dataset& test, dt::Pr
 
 class Trainer {
  public:
-  Trainer(Config config, std::shared_ptr<dt::ProcessGroup> group, dt::Device device)
-      : c_(std::move(config)), group_(std::move(group)), rank_(group_->rank()), world_(group_->size()), device_(device) {}
+  // elastic: the job's membership under --elastic (group is its current group), else null.
+  Trainer(Config config, std::shared_ptr<dt::ProcessGroup> group, dt::Device device, dt::elastic::ElasticGroup* elastic)
+      : c_(std::move(config)),
+        group_(std::move(group)),
+        rank_(group_->rank()),
+        world_(group_->size()),
+        device_(device),
+        elastic_(elastic) {}
 
   int run();
 
@@ -300,6 +340,20 @@ class Trainer {
   dt::TrainingState trainingState();
   void settleBuckets(dt::DistributedDataParallel& ddp, int64_t perRank);
   void saveCheckpoint(int64_t step, const std::string& reason);
+  // --elastic: this rank's share of the global batch, and the loss weight that keeps the
+  // gradient the mean over the global batch when the shares are uneven.
+  void splitData();
+  // --elastic: after a step failed with `cause`, goes on with the members left; applies the
+  // step the others committed if this rank's commit missed it (++step).
+  void recover(std::exception_ptr cause, int64_t& step, dt::DistributedDataParallel& ddp,
+               std::unique_ptr<dt::data::PrefetchLoader>& loader);
+  void failHereIf(int64_t step, const char* where) const;
+  // --fail-at M:S:backward: the kill happens inside backward, in the hook of the last
+  // gradient to arrive, after DDP's own hook launched the last bucket (all on the wire).
+  void armBackwardFailure();
+  int64_t currentStep_ = 0;
+  void recordSamples(int64_t step, const dt::data::LoadedBatch& batch) const;
+  void dumpParameters(int64_t step) const;
   double lrAt(int64_t step) const {
     if (c_.schedule == "constant") return c_.learningRate();
     return c_.learningRate() * 0.5 * (1.0 + std::cos(std::numbers::pi * static_cast<double>(step) / static_cast<double>(totalSteps_)));
@@ -325,7 +379,89 @@ class Trainer {
   double runSeconds_ = 0;
   double recentLoss_ = 0;  // mean training loss over the last log window
   Clock::time_point loopStart_;
+  dt::elastic::ElasticGroup* elastic_ = nullptr;
+  double lossScale_ = 1.0;
 };
+
+void Trainer::splitData() {
+  sampler_.emplace(train_->size(), world_, rank_,
+                   dt::data::DistributedSamplerOptions{.batchSize = c_.globalBatch / std::max(world_, 1),
+                                                       .globalBatchSize = elastic_ ? c_.globalBatch : 0,
+                                                       .shuffle = true,
+                                                       .seed = c_.seed,
+                                                       .dropLast = c_.dropLast});
+  // DDP averages over the ranks: a rank with n of the global batch's G examples weighs its
+  // mean loss by n W / G, so the average is the mean over the global batch (1 when even).
+  const int64_t share = sampler_->localBatchSize();
+  lossScale_ = share * world_ == c_.globalBatch ? 1.0
+                                                : static_cast<double>(share * world_) / static_cast<double>(c_.globalBatch);
+}
+
+void Trainer::recover(std::exception_ptr cause, int64_t& step, dt::DistributedDataParallel& ddp,
+                      std::unique_ptr<dt::data::PrefetchLoader>& loader) {
+  loader.reset();  // its thread prepares batches for the old split
+  const dt::elastic::Membership& m = elastic_->recover(cause, step);
+  if (m.resumeStep > step) {
+    // The others committed this step: this rank holds its reduced gradients too (it voted
+    // only after its backward), so it applies it as they did.
+    optimizer_->step();
+    ++step;
+  }
+  group_ = elastic_->group();
+  rank_ = m.rank;
+  world_ = m.size();
+  ddp.rebind(group_);
+  splitData();
+  loader = std::make_unique<dt::data::PrefetchLoader>(train_, *sampler_, dt::data::LoaderOptions{.prefetch = c_.prefetch});
+  loader->start(sampler_->positionAfter(step));
+  say(str("trainer: epoch ", m.epoch, " of the job: ", world_, " rank(s) go on from step ", step, " without ", dt::join(m.lost, ", ")));
+}
+
+void Trainer::failHereIf(int64_t step, const char* where) const {
+  if (c_.failAt.empty()) return;
+  const auto parts = dt::split(c_.failAt, ':');
+  const int member = elastic_ ? elastic_->memberId() : rank_;
+  if (std::stoi(parts[0]) == member && std::stoll(parts[1]) == step && parts[2] == where) {
+    std::fflush(nullptr);
+    ::kill(::getpid(), SIGKILL);
+  }
+}
+
+// One line per attempt at a step, written before the step's commit vote (a rank that dies
+// after voting has still trained on its examples): "<membership epoch> <step> <data epoch> ids...".
+// A step redone after a loss appears again with a later membership epoch; the last is the one
+// that was committed.
+void Trainer::armBackwardFailure() {
+  if (c_.failAt.empty() || dt::split(c_.failAt, ':')[2] != "backward") return;
+  const std::vector<dt::Tensor> params = model_->parameters();
+  auto fired = std::make_shared<size_t>(0);
+  for (auto p : params) {
+    p.registerPostAccumulateGradHook([this, fired, n = params.size()](dt::Tensor&) {
+      if (++*fired % n == 0) failHereIf(currentStep_, "backward");
+    });
+  }
+}
+
+void Trainer::recordSamples(int64_t step, const dt::data::LoadedBatch& batch) const {
+  if (c_.recordSamples.empty()) return;
+  const std::vector<int64_t> ids = sampler_->batchIndices(batch.position.epoch, batch.position.batch);
+  const int member = elastic_ ? elastic_->memberId() : rank_;
+  FILE* out = std::fopen(str(c_.recordSamples, ".", member).c_str(), "a");
+  if (out == nullptr) throw dt::Error(str("trainer: cannot append to ", c_.recordSamples, ".", member, ": ", std::strerror(errno)));
+  std::fprintf(out, "%llu %lld %lld", static_cast<unsigned long long>(elastic_ ? elastic_->membership().epoch : 0),
+               static_cast<long long>(step), static_cast<long long>(batch.position.epoch));
+  for (int64_t id : ids) std::fprintf(out, " %lld", static_cast<long long>(id));
+  std::fprintf(out, "\n");
+  std::fclose(out);
+}
+
+void Trainer::dumpParameters(int64_t step) const {
+  if (rank_ != 0 || std::find(c_.dumpAt.begin(), c_.dumpAt.end(), step) == c_.dumpAt.end()) return;
+  std::filesystem::create_directories(c_.dumpDir);
+  dt::NamedTensors tensors;
+  for (const auto& [name, t] : model_->namedParameters()) tensors.emplace_back(name, t.to(dt::Device::cpu()));
+  dt::saveSafetensors(std::filesystem::path(c_.dumpDir) / str("step-", step, ".safetensors"), tensors);
+}
 
 // DDP plans its buckets once more after its first iteration, from the order in which the
 // gradients arrived (docs/ddp.md, Rebuild). The layout decides where each gradient sits in the
@@ -413,7 +549,7 @@ void Trainer::saveCheckpoint(int64_t step, const std::string& reason) {
 
 int Trainer::run() {
   restartCount_ = dt::env::getInt("DT_RESTART_COUNT");
-  if (c_.globalBatch % world_ != 0) {
+  if (c_.globalBatch % world_ != 0 && !elastic_) {
     throw InvalidArgument(str("trainer: --global-batch ", c_.globalBatch, " is not divisible by the world size ", world_,
                               " (each rank takes global batch / world); use a multiple of ", world_, ", e.g. ",
                               std::max<int64_t>(world_, c_.globalBatch / world_ * world_)));
@@ -423,8 +559,7 @@ int Trainer::run() {
 
   train_ = dt::data::loadFashionMnist(c_.data, dt::data::Split::Train);
   if (c_.eval) test_ = dt::data::loadFashionMnist(c_.data, dt::data::Split::Test);
-  sampler_.emplace(train_->size(), world_, rank_,
-                   dt::data::DistributedSamplerOptions{.batchSize = perRank, .shuffle = true, .seed = c_.seed, .dropLast = c_.dropLast});
+  splitData();
   totalSteps_ = c_.steps > 0 ? c_.steps : c_.epochs * sampler_->batchesPerEpoch();
   const int64_t epochs = (totalSteps_ + sampler_->batchesPerEpoch() - 1) / sampler_->batchesPerEpoch();
 
@@ -448,6 +583,7 @@ int Trainer::run() {
   dt::DistributedDataParallel ddp(model_, group_);
   const std::vector<dt::Tensor> params = model_->parameters();
   settleBuckets(ddp, perRank);
+  armBackwardFailure();
   int64_t paramCount = 0;
   for (const auto& p : params) paramCount += p.numel();
 
@@ -458,8 +594,8 @@ int Trainer::run() {
           checkpoints_ ? str("checkpoints every ", c_.checkpointEvery, " steps in ", checkpoints_->path().string(), " (keep ", c_.keep, ")")
                        : std::string("no checkpoints")));
 
-  dt::data::PrefetchLoader loader(train_, *sampler_, {.prefetch = c_.prefetch});
-  loader.start(sampler_->positionAfter(std::min(startStep_, totalSteps_)));
+  auto loader = std::make_unique<dt::data::PrefetchLoader>(train_, *sampler_, dt::data::LoaderOptions{.prefetch = c_.prefetch});
+  loader->start(sampler_->positionAfter(std::min(startStep_, totalSteps_)));
 
   // The per-step control allreduce: {stop requested, previous step's loss}, summed over ranks.
   dt::Tensor control = dt::zeros({2}, dt::DType::Float64);
@@ -479,17 +615,34 @@ int Trainer::run() {
     double* ctl = control.data<double>();
     ctl[0] = examples::stopSignal().load() != 0 ? 1.0 : 0.0;
     ctl[1] = lastLoss;
-    dt::WorkPtr controlWork = group_->allreduce(control);  // in flight while the step computes
-
-    dt::data::LoadedBatch batch = loader.next();
-    optimizer_->setLr(lrAt(step));
-    optimizer_->zeroGrad();
-    dt::Tensor loss = dt::crossEntropy(ddp(batch.batch.inputs.to(device_)), batch.batch.targets.to(device_));
-    loss.backward();  // returns with gradients averaged over the ranks
-    optimizer_->step();
-    lastLoss = loss.item<float>();
-    controlWork->wait();
-    ++step;
+    try {
+      // Elastic: the control allreduce is the step's commit vote, after backward: a rank joins
+      // it only with its gradients reduced, and no rank applies the step unless every rank of
+      // the group voted. Otherwise it is in flight while the step computes.
+      dt::WorkPtr controlWork = elastic_ ? nullptr : group_->allreduce(control);
+      dt::data::LoadedBatch batch = loader->next();
+      currentStep_ = step;
+      optimizer_->setLr(lrAt(step));
+      optimizer_->zeroGrad();
+      dt::Tensor loss = dt::crossEntropy(ddp(batch.batch.inputs.to(device_)), batch.batch.targets.to(device_));
+      failHereIf(step, "forward");
+      if (lossScale_ != 1.0) loss = dt::mul(loss, lossScale_);
+      loss.backward();  // returns with gradients averaged over the ranks
+      recordSamples(step, batch);
+      if (elastic_) {
+        group_->allreduce(control)->wait();
+        failHereIf(step, "commit");
+      }
+      optimizer_->step();
+      lastLoss = loss.item<float>() / lossScale_;
+      if (controlWork) controlWork->wait();
+      ++step;
+      dumpParameters(step);
+    } catch (const dt::Error&) {
+      if (!elastic_) throw;
+      recover(std::current_exception(), step, ddp, loader);
+      continue;
+    }
     runSeconds_ = std::chrono::duration<double>(Clock::now() - loopStart_).count();
 
     if (step > startStep_ + 1) {  // the reduced loss is the previous step's
@@ -521,7 +674,16 @@ int Trainer::run() {
       break;
     }
     if (checkpoints_ && c_.checkpointEvery > 0 && step % c_.checkpointEvery == 0 && step < totalSteps_) {
-      saveCheckpoint(step, "periodic");
+      while (true) {
+        try {
+          failHereIf(step, "checkpoint");
+          saveCheckpoint(step, "periodic");
+          break;
+        } catch (const dt::Error&) {
+          if (!elastic_) throw;
+          recover(std::current_exception(), step, ddp, loader);  // every member is at this step: write it again
+        }
+      }
     }
   }
   const double trainSeconds = runSeconds_;
@@ -550,7 +712,7 @@ int Trainer::run() {
     } else {
       const double seconds = std::chrono::duration<double>(loopEnd - *benchStart).count();
       const int64_t measured = step - benchFromStep;
-      const auto stats = loader.stats();
+      const auto stats = loader->stats();
       std::printf("RESULT trainer impl=dtrain device=%s world=%d global_batch=%lld model=%s optimizer=%s steps=%lld step_ms=%.3f "
                   "samples_per_s=%.1f data_wait_ms=%.3f\n",
                   device_.isCpu() ? "cpu" : "cuda", world_, static_cast<long long>(c_.globalBatch), modelName_.c_str(), c_.optimizer.c_str(),
@@ -604,8 +766,15 @@ int main(int argc, char** argv) {
     const dt::Device device = deviceFor(config.device);
     dt::setCurrentDevice(device);  // before any CUDA call, so no rank opens a context on cuda:0 too
     examples::installStopHandlers("trainer");
-    auto group = dt::initProcessGroup();
-    Trainer trainer(config, group, device);
+    std::unique_ptr<dt::elastic::ElasticGroup> elastic;
+    std::shared_ptr<dt::ProcessGroup> group;
+    if (config.elastic) {
+      elastic = dt::elastic::ElasticGroup::fromEnvironment();
+      group = elastic->group();
+    } else {
+      group = dt::initProcessGroup();
+    }
+    Trainer trainer(config, group, device, elastic.get());
     return trainer.run();
   });
 }
