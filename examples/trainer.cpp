@@ -338,7 +338,10 @@ class Trainer {
   void resumeOrStart();
   // The whole training state, as checkpoints hold it (checkpoint/state.h).
   dt::TrainingState trainingState();
-  void settleBuckets(dt::DistributedDataParallel& ddp, int64_t perRank);
+  // The DDP bucket layout a checkpoint recorded (DdpOptions::bucketOrder), so a resumed
+  // run reduces with the layout the uninterrupted one had reached.
+  std::vector<std::string> savedBucketOrder_;
+  dt::DistributedDataParallel* ddp_ = nullptr;
   void saveCheckpoint(int64_t step, const std::string& reason);
   // --elastic: this rank's share of the global batch, and the loss weight that keeps the
   // gradient the mean over the global batch when the shares are uneven.
@@ -463,25 +466,6 @@ void Trainer::dumpParameters(int64_t step) const {
   dt::saveSafetensors(std::filesystem::path(c_.dumpDir) / str("step-", step, ".safetensors"), tensors);
 }
 
-// DDP plans its buckets once more after its first iteration, from the order in which the
-// gradients arrived (docs/ddp.md, Rebuild). The layout decides where each gradient sits in the
-// flat bucket, and so the order in which a ring allreduce adds its four ranks' values: the
-// same gradients reduced with the first plan and with the rebuilt one can differ in the last
-// bit. One iteration whose gradients are thrown away, in every run, makes every real step (of a
-// fresh run and of a resumed one) use the rebuilt layout, so resuming stays bitwise exact. It
-// runs in eval mode, so dropout draws nothing, and takes no optimizer step.
-void Trainer::settleBuckets(dt::DistributedDataParallel& ddp, int64_t perRank) {
-  model_->eval();
-  dt::Tensor x = dt::zeros({perRank, train_->features()}, dt::DType::Float32, device_);
-  dt::Tensor y = dt::zeros({perRank}, dt::DType::Int64, device_);
-  dt::crossEntropy(ddp(x), y).backward();
-  optimizer_->zeroGrad();
-  model_->train();
-  if (!ddp.bucketsRebuilt() && world_ > 1) {
-    throw dt::Error("trainer: DDP did not rebuild its buckets after the first iteration; resume would not be bitwise exact");
-  }
-}
-
 dt::TrainingState Trainer::trainingState() {
   dt::TrainingState state(rank_, world_);
   state.addModule("model", *model_);
@@ -515,6 +499,7 @@ void Trainer::resumeOrStart() {
             ": the per-rank dropout streams restart from the seed, so this resume is not bitwise exact"));
   }
   startStep_ = state.step;
+  if (m.has("ddp.bucket_order")) savedBucketOrder_ = dt::split(m.text("ddp.bucket_order"), ',');
   priorSeconds_ = static_cast<double>(m.integer("train_ms")) / 1000.0;
   recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
   const int64_t savedTotal = m.integer("total_steps");
@@ -539,6 +524,9 @@ void Trainer::saveCheckpoint(int64_t step, const std::string& reason) {
   m["total_steps"] = std::to_string(totalSteps_);
   m["train_ms"] = std::to_string(static_cast<int64_t>((priorSeconds_ + runSeconds_) * 1000.0));
   m["reason"] = reason;
+  // DDP settled its layout after the first step (docs/ddp.md, Rebuild); the layout decides the
+  // order of every reduction, so a resume must reduce with it to stay bitwise exact.
+  if (ddp_ != nullptr && ddp_->bucketsRebuilt()) m["ddp.bucket_order"] = dt::join(ddp_->bucketOrder(), ",");
   char loss[32];
   std::snprintf(loss, sizeof(loss), "%.6f", recentLoss_);
   m["train_loss"] = loss;
@@ -580,9 +568,9 @@ int Trainer::run() {
   resumeOrStart();
   if (checkpoints_ && rank_ == 0) checkpoints_->removeTemporaries();  // only once the checkpoint read is good
 
-  dt::DistributedDataParallel ddp(model_, group_);
+  dt::DistributedDataParallel ddp(model_, group_, {.bucketOrder = savedBucketOrder_});
+  ddp_ = &ddp;
   const std::vector<dt::Tensor> params = model_->parameters();
-  settleBuckets(ddp, perRank);
   armBackwardFailure();
   int64_t paramCount = 0;
   for (const auto& p : params) paramCount += p.numel();
