@@ -399,6 +399,7 @@ ZeroRedundancy::ZeroRedundancy(DistributedDataParallel& ddp, ZeroOptions options
     }
     if (own.empty()) continue;
     const int handle = mod->registerForwardPreHook([&m, own](nn::Module&, const Tensor&) {
+      m.launchGathers();  // a forward that did not come through DDP's (the model called directly)
       for (size_t i : own) m.finishGather(m.parts[i].bucket);
       return Tensor();
     });

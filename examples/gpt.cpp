@@ -9,7 +9,8 @@
 //              output layer tied to the token embedding; GPT-2's initialisation
 //   training   AdamW without weight decay on biases, norms and embeddings, linear warm-up then
 //              cosine learning rate, global gradient-norm clipping, gradient accumulation over
-//              micro-batches (DDP's noSync on all but the last), DDP averaging the gradients
+//              micro-batches (noSync on all but the last), the gradients averaged by DDP, or
+//              by ZeRO-1/2 on DDP's buckets, or by the fully sharded wrapper (--sharding)
 //
 // Rank 0 prints a progress line every --log-every steps (loss, learning rate, gradient norm,
 // tokens/s, elapsed, ETA) and the validation loss every --eval-every steps; --metrics FILE
@@ -25,6 +26,7 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -38,12 +40,16 @@
 #include "common/strings.h"
 #include "data/text.h"
 #include "ddp/ddp.h"
+#include "ddp/zero.h"
+#include "fsdp/fully_shard.h"
 #include "examples/run_support.h"
 #include "process_group/init.h"
 #include "tensor/nn/clip_grad.h"
+#include "tensor/memory_stats.h"
 #include "tensor/nn/gpt.h"
 #include "tensor/optim/optim.h"
 #include "tensor/optim/schedule.h"
+#include "tensor/storage.h"
 
 namespace {
 
@@ -80,7 +86,10 @@ struct Config {
   bool quiet = false;
   bool bench = false;
   int64_t benchWarmup = 5;
+  // ddp, zero1, zero2 (ddp/zero.h), fsdp, fsdp-keep (fsdp/fully_shard.h; keep: no reshard after forward).
+  std::string sharding = "ddp";
   bool checkpoints() const { return checkpointDir != "none"; }
+  bool fullySharded() const { return sharding.starts_with("fsdp"); }
 };
 
 constexpr const char* kUsage = R"(usage: gpt [flags]          (run it under dtrun: dtrun --nproc 4 build/examples/gpt)
@@ -94,6 +103,7 @@ data and model
   --layers N --heads N --width N --context N
                           transformer size (default 4 layers, 4 heads, width 256, context 128)
   --dropout P             on embeddings, attention and residual branches (default 0)
+  --activation-checkpointing  recompute each block's activations in backward instead of keeping them
 training
   --steps N               optimizer steps (default 250)
   --global-batch G        sequences per step over all ranks (default 16; a multiple of ranks x micro-batches)
@@ -103,6 +113,11 @@ training
   --weight-decay WD       AdamW decay of the Linear weights (default 0.1; none on biases, norms, embeddings)
   --grad-clip C           clip the global gradient norm to C (default 1; 0: no clipping)
   --seed S                initialisation, windows and dropout (default 0)
+  --sharding MODE         ddp: every rank holds everything (default); zero1/zero2: the optimizer state
+                          (zero2: and the gradients between steps) split over the ranks on DDP's buckets;
+                          fsdp: parameters, gradients and optimizer state split, one block gathered at a
+                          time; fsdp-keep: fsdp that keeps each block gathered from its forward to its
+                          backward. Checkpoints of any mode resume in any other, at any world size
 evaluation and output
   --eval-every N          validation loss every N steps and at the end (default 50; 0: only at the end)
   --eval-windows N        validation windows (of the context length) per evaluation (default 64)
@@ -112,7 +127,8 @@ evaluation and output
   --prompt TEXT --sample-tokens N --temperature T --top-k K
                           the sample printed at the end (default "The ", 300 tokens, 0.8, 40; 0 tokens: none)
   --quiet                 only the final lines (and errors)
-  --bench                 print a RESULT line (tokens/s after --bench-warmup steps, default 5; peak RSS)
+  --bench                 print a RESULT line (tokens/s after --bench-warmup steps, default 5; peak RSS,
+                          the RSS before the model was built, the activations of one forward)
 checkpoints
   --checkpoint-dir DIR    (default gpt-checkpoints; none: no checkpoints)
   --checkpoint-every N    steps between checkpoints; one is also written at the end (default 100)
@@ -128,10 +144,12 @@ Config parseArgs(int argc, char** argv, bool& help) {
   auto real = [](const std::string& v, const std::string& f, double lo, double hi) {
     return examples::parseDouble(kProgram, v, f, lo, hi);
   };
-  help = !examples::forEachFlag(kProgram, argc, argv, {"--quiet", "--bench"}, [&](const std::string& flag,
-                                                                                 const std::string& v) {
+  help = !examples::forEachFlag(kProgram, argc, argv, {"--quiet", "--bench", "--activation-checkpointing"},
+                                [&](const std::string& flag, const std::string& v) {
     if (flag == "--quiet") c.quiet = true;
     else if (flag == "--bench") c.bench = true;
+    else if (flag == "--activation-checkpointing") c.model.activationCheckpointing = true;
+    else if (flag == "--sharding") c.sharding = examples::choice(kProgram, v, flag, {"ddp", "zero1", "zero2", "fsdp", "fsdp-keep"});
     else if (flag == "--data") c.data = v;
     else if (flag == "--layers") c.model.layers = positive(v, flag);
     else if (flag == "--heads") c.model.heads = positive(v, flag);
@@ -176,14 +194,22 @@ std::string modelName(const dt::nn::GptConfig& m) {
   return str("L", m.layers, "-H", m.heads, "-C", m.width, "-T", m.contextLength);
 }
 
-// The process's peak resident set (VmHWM) in MiB; 0 where /proc is missing.
-double peakRssMib() {
+// The process's resident set, its peak (VmHWM) or now (VmRSS), in MiB; 0 where /proc is missing.
+double rssMib(const char* key) {
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line)) {
-    if (line.starts_with("VmHWM:")) return std::strtod(line.c_str() + 6, nullptr) / 1024.0;
+    if (line.starts_with(key)) return std::strtod(line.c_str() + std::strlen(key), nullptr) / 1024.0;
   }
   return 0.0;
+}
+double peakRssMib() { return rssMib("VmHWM:"); }
+
+// Starts VmHWM again from the current resident set (Linux's clear_refs "5"): --bench measures
+// the peak of training, not that of building the whole model before it was sharded.
+void resetPeakRss() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
 }
 
 // Byte tokens back to text (the vocabulary is the 256 byte values).
@@ -280,7 +306,13 @@ class GptJob {
   void resumeOrStart();
   dt::TrainingState trainingState();
   void saveCheckpoint(int64_t step, const std::string& reason);
-  void settleBuckets(dt::DistributedDataParallel& ddp, int64_t microBatch);
+  void settleBuckets(int64_t microBatch);
+  // The model wrapped as --sharding says, and its optimizer on what this rank updates.
+  void wrapModel();
+  dt::Tensor forward(const dt::Tensor& tokens);
+  double clipGradients();
+  // The whole parameters on every rank (a collective for fsdp; zero: gathered first).
+  std::vector<dt::Tensor> wholeParameters();
 
   Config c_;
   std::shared_ptr<dt::ProcessGroup> group_;
@@ -290,6 +322,9 @@ class GptJob {
   std::shared_ptr<dt::data::TextWindows> train_, val_;
   dt::Generator initRng_, dropoutRng_;
   std::shared_ptr<dt::nn::Gpt> model_;
+  std::shared_ptr<dt::DistributedDataParallel> ddp_;
+  std::unique_ptr<dt::ZeroRedundancy> zero_;
+  std::unique_ptr<dt::FullyShardedDataParallel> fsdp_;
   std::unique_ptr<dt::optim::AdamW> optimizer_;
   std::optional<dt::CheckpointDir> checkpoints_;
   int64_t startStep_ = 0;
@@ -315,10 +350,55 @@ std::vector<std::pair<std::string, std::string>> GptJob::resumeKeys() const {
 
 dt::TrainingState GptJob::trainingState() {
   dt::TrainingState state(rank_, world_);
-  state.addModule("model", *model_);
-  state.addOptimizer("optim", *optimizer_, dt::ParameterMap::replicated(*model_));
+  if (fsdp_) {
+    state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
+  } else if (zero_) {
+    state.add("model", zero_->modelState()).addOptimizer("optim", *optimizer_, zero_->parameterMap());
+  } else {
+    state.addModule("model", *model_).addOptimizer("optim", *optimizer_, dt::ParameterMap::replicated(*model_));
+  }
   state.addGenerator("rng", dropoutRng_);
   return state;
+}
+
+void GptJob::wrapModel() {
+  const auto groups = dt::optim::decayGroups(*model_, c_.weightDecay);
+  const dt::optim::AdamWOptions adamw{.lr = c_.lr, .beta2 = 0.95};
+  if (c_.fullySharded()) {
+    dt::FullyShardOptions options;
+    for (const auto& [name, block] : model_->h->namedChildren()) options.units.push_back(block);
+    options.reshardAfterForward = c_.sharding == "fsdp";
+    fsdp_ = std::make_unique<dt::FullyShardedDataParallel>(model_, group_, options);
+    optimizer_ = std::make_unique<dt::optim::AdamW>(fsdp_->paramGroups(groups), adamw);
+    return;
+  }
+  ddp_ = std::make_shared<dt::DistributedDataParallel>(model_, group_);
+  if (c_.sharding == "ddp") {
+    optimizer_ = std::make_unique<dt::optim::AdamW>(groups, adamw);
+  } else {
+    zero_ = std::make_unique<dt::ZeroRedundancy>(*ddp_, dt::ZeroOptions{.stage = c_.sharding == "zero1" ? 1 : 2});
+    optimizer_ = std::make_unique<dt::optim::AdamW>(zero_->paramGroups(groups), adamw);
+  }
+}
+
+dt::Tensor GptJob::forward(const dt::Tensor& tokens) { return fsdp_ ? (*fsdp_)(tokens) : (*ddp_)(tokens); }
+
+double GptJob::clipGradients() {
+  const double maxNorm = c_.gradClip > 0 ? c_.gradClip : std::numeric_limits<double>::max();
+  if (fsdp_) return dt::nn::clipGradNorm(fsdp_->parameters(), maxNorm, {.reducePartial = fsdp_->gradNormReducer()});
+  if (zero_) return dt::nn::clipGradNorm(zero_->parameters(), maxNorm, {.reducePartial = zero_->gradNormReducer()});
+  return dt::nn::clipGradNorm(model_->parameters(), maxNorm);
+}
+
+std::vector<dt::Tensor> GptJob::wholeParameters() {
+  std::vector<dt::Tensor> out;
+  if (fsdp_) {
+    const auto full = fsdp_->gatherFullParameters();
+    for (const dt::Tensor& p : model_->parameters()) out.push_back(p.detach().clone());
+    return out;
+  }
+  if (zero_) zero_->synchronize();
+  return model_->parameters();
 }
 
 void GptJob::resumeOrStart() {
@@ -360,11 +440,13 @@ void GptJob::saveCheckpoint(int64_t step, const std::string& reason) {
 
 // DDP rebuilds its buckets after the first iteration (docs/ddp.md); one throwaway iteration,
 // in eval mode (no dropout draws) and with no optimizer step, makes every real step of a
-// fresh and of a resumed run use the same bucket layout, so resume stays bitwise exact.
-void GptJob::settleBuckets(dt::DistributedDataParallel& ddp, int64_t microBatch) {
+// fresh and of a resumed run use the same bucket layout, so resume stays bitwise exact (and
+// ZeRO's parts are placed on the final layout before the first step).
+void GptJob::settleBuckets(int64_t microBatch) {
+  if (!ddp_) return;  // the sharded wrapper has no buckets to settle
   model_->eval();
   const dt::Tensor tokens = dt::zeros({microBatch, c_.model.contextLength}, dt::DType::Int64);
-  dt::nn::Gpt::loss(ddp(tokens), tokens).backward();
+  dt::nn::Gpt::loss((*ddp_)(tokens), tokens).backward();
   optimizer_->zeroGrad();
   model_->train();
 }
@@ -387,24 +469,28 @@ int GptJob::run() {
 
   initRng_.manualSeed(c_.seed);
   dropoutRng_.manualSeed(c_.seed * 0x9e3779b97f4a7c15ull + 1000 + static_cast<uint64_t>(rank_));
+  // The runtime's own memory (libraries, the corpus, the process group) before the model exists.
+  const double fixedRss = rssMib("VmRSS:");
   model_ = std::make_shared<dt::nn::Gpt>(c_.model, initRng_, &dropoutRng_);
-  optimizer_ = std::make_unique<dt::optim::AdamW>(dt::optim::decayGroups(*model_, c_.weightDecay),
-                                                  dt::optim::AdamWOptions{.lr = c_.lr, .beta2 = 0.95});
   if (!c_.initOut.empty() && rank_ == 0) dt::saveSafetensors(c_.initOut, model_->stateDict());
+  wrapModel();
+  settleBuckets(microBatch);
+  if (c_.bench) {
+    // The whole model each rank built before sharding it: freed, and left out of the peak.
+    dt::emptyCpuCache();
+    resetPeakRss();
+    dt::resetPeakMemoryStats();
+  }
   const dt::optim::WarmupCosineSchedule schedule(c_.lr, c_.warmup, c_.steps, c_.minLr);
   if (c_.checkpoints()) checkpoints_.emplace(c_.checkpointDir, c_.keep);
   resumeOrStart();
   if (checkpoints_ && rank_ == 0) checkpoints_->removeTemporaries();
-
-  dt::DistributedDataParallel ddp(model_, group_);
-  const std::vector<dt::Tensor> params = model_->parameters();
-  settleBuckets(ddp, microBatch);
   say(str("gpt: ", world_, " rank(s); ", corpus.source, ": train ", corpus.train.size(), " bytes (", corpus.trainDocuments,
           " fortunes), validation ", corpus.validation.size(), " bytes (", corpus.validationDocuments, "); GPT ",
           modelName(c_.model), " (", c_.model.parameterCount(), " parameters, vocabulary 256 bytes); AdamW lr ", c_.lr,
           " warm-up ", c_.warmup, " cosine to ", c_.minLr, ", weight decay ", c_.weightDecay, ", clip ", c_.gradClip,
           "; global batch ", c_.globalBatch, " x ", T, " tokens (", perRank, " per rank", c_.microBatches > 1 ? str(" in ", c_.microBatches, " micro-batches") : "",
-          "); ", c_.steps, " steps"));
+          "); ", c_.steps, " steps; ", c_.sharding == "ddp" ? std::string("DDP") : str("--sharding ", c_.sharding)));
   MetricsFile metrics(rank_ == 0 ? c_.metrics : std::string(), startStep_);
 
   dt::Tensor control = dt::zeros({2}, dt::DType::Float64);  // {stop requested, previous step's loss}, summed
@@ -418,6 +504,7 @@ int GptJob::run() {
   std::optional<Clock::time_point> benchStart;
   const int64_t benchFrom = startStep_ + c_.benchWarmup;
   double gradNorm = 0;
+  double activationMib = 0;  // --bench: what one forward keeps for backward (allocator bytes)
 
   if (step == 0 && c_.evalEvery > 0) {
     // Where the curve starts: the untrained model's validation loss (about ln 256 = 5.55).
@@ -440,13 +527,22 @@ int GptJob::run() {
       const dt::data::Batch b = train_->get(std::span<const int64_t>(windows.data() + micro * microBatch, static_cast<size_t>(microBatch)));
       // All but the last micro-batch accumulate locally; the last one's backward reduces the sum.
       std::optional<dt::DistributedDataParallel::NoSyncGuard> noSync;
-      if (micro + 1 < c_.microBatches) noSync.emplace(ddp.noSync());
-      dt::Tensor loss = dt::nn::Gpt::loss(ddp(b.inputs), b.targets);
+      std::optional<dt::FullyShardedDataParallel::NoSyncGuard> shardedNoSync;
+      if (micro + 1 < c_.microBatches) {
+        if (fsdp_) shardedNoSync.emplace(fsdp_->noSync());
+        else noSync.emplace(ddp_->noSync());
+      }
+      const size_t before = c_.bench ? dt::memoryStats().allocatedBytes : 0;
+      dt::Tensor loss = dt::nn::Gpt::loss(forward(b.inputs), b.targets);
+      if (c_.bench && step == benchFrom && micro == 0) {
+        activationMib = static_cast<double>(dt::memoryStats().allocatedBytes - before) / (1 << 20);
+      }
       stepLoss += loss.item<float>() / static_cast<double>(c_.microBatches);
       dt::mul(loss, 1.0 / static_cast<double>(c_.microBatches)).backward();
     }
-    gradNorm = dt::nn::clipGradNorm(params, c_.gradClip > 0 ? c_.gradClip : std::numeric_limits<double>::max());
+    gradNorm = clipGradients();
     optimizer_->step();
+    if (zero_) zero_->gatherParameters();  // on the wire while the next step begins
     lastLoss = stepLoss;
     controlWork->wait();
     ++step;
@@ -503,13 +599,18 @@ int GptJob::run() {
     group_->destroy();
     return 0;
   }
+  // The peak of the training (before fsdp gathers the whole model below); each over the ranks.
+  dt::Tensor memory = dt::fromVector<double>(
+      {peakRssMib(), fixedRss, activationMib, static_cast<double>(dt::memoryStats().peakAllocatedBytes) / (1 << 20)});
+  group_->allreduce(memory, {.reduceOp = dt::ReduceOp::Max})->wait();
+  const auto mem = memory.toVector<double>();
+  dt::Tensor rss = dt::fromVector<double>({mem[0]});
   if (checkpoints_ && step > startStep_) saveCheckpoint(step, "final");
   if (!lastValLoss_) lastValLoss_ = validationLoss(*model_, *val_, c_.evalWindows, *group_);
 
   // Identical parameters everywhere: max and min over ranks must agree.
+  const std::vector<dt::Tensor> params = wholeParameters();
   const double spread = examples::parameterSpread(*group_, params);
-  dt::Tensor rss = dt::fromVector<double>({peakRssMib()});
-  group_->allreduce(rss, {.reduceOp = dt::ReduceOp::Max})->wait();
 
   if (c_.bench && rank_ == 0) {
     if (!benchStart) {
@@ -519,16 +620,21 @@ int GptJob::run() {
       const double seconds = std::chrono::duration<double>(loopEnd - *benchStart).count();
       const int64_t measured = step - benchFrom;
       std::printf("RESULT gpt impl=dtrain world=%d global_batch=%lld model=%s steps=%lld step_ms=%.3f tokens_per_s=%.1f "
-                  "peak_rss_mb=%.1f val_loss_nats=%.5f\n",
+                  "peak_rss_mb=%.1f val_loss_nats=%.5f sharding=%s parameters=%lld fixed_rss_mb=%.1f activation_mb=%.1f "
+                  "peak_alloc_mb=%.1f\n",
                   world_, static_cast<long long>(c_.globalBatch), modelName(c_.model).c_str(), static_cast<long long>(c_.steps),
                   1e3 * seconds / static_cast<double>(measured), static_cast<double>(measured * tokensPerStep) / seconds,
-                  rss.item<double>(), *lastValLoss_);
+                  mem[0], *lastValLoss_, c_.sharding.c_str(), static_cast<long long>(c_.model.parameterCount()), mem[1],
+                  mem[2], mem[3]);
     }
   }
   if (!c_.quiet) {
     std::printf("gpt: rank %d/%d final parameters fingerprint %016" PRIx64 " (spread across ranks %.3g)\n", rank_, world_,
                 examples::fingerprint(params), spread);
   }
+  // fsdp: the whole model on every rank while rank 0 samples alone (no collective meanwhile).
+  std::optional<dt::FullyShardedDataParallel::FullParametersGuard> whole;
+  if (fsdp_ && c_.sampleTokens > 0) whole.emplace(fsdp_->gatherFullParameters());
   if (rank_ == 0) {
     const double rate = static_cast<double>((step - startStep_) * tokensPerStep) / std::max(trainSeconds, 1e-9);
     std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; validation loss %.4f; peak RSS %.0f MiB per rank\n",
@@ -545,6 +651,7 @@ int GptJob::run() {
     }
   }
   group_->barrier()->wait();
+  whole.reset();
   group_->destroy();
   if (spread != 0.0) {
     std::fprintf(stderr, "gpt: rank %d/%d: parameters differ across ranks (max difference %g)\n", rank_, world_, spread);
