@@ -26,9 +26,10 @@
 //    that a child rebuilds for itself (tensor ops' dt-cpu-pool, Work's
 //    dt-pg-callback), which earlier work may have left idle. Spawn forks
 //    before it starts its own threads (the store's event loop, the
-//    monitor), and they are gone with the SpawnedRanks object. So: spawn from a test body
-//    before starting threads (compute references inside a rank, not in the
-//    test process), one run at a time. Never touch CUDA before spawning.
+//    monitor), and they are gone with the SpawnedRanks object. So: spawn
+//    from a test body before starting threads (compute references inside a
+//    rank, not in the test process; destroy a process group made in the test
+//    process first), one run at a time. Never touch CUDA before spawning.
 //  * Each rank's environment is what dtrun gives a worker on one node:
 //    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (0),
 //    GROUP_WORLD_SIZE (1), MASTER_ADDR (127.0.0.1), MASTER_PORT (a free port
@@ -40,7 +41,8 @@
 //  * A rank's stdout and stderr (file descriptors 1 and 2, so loggers too)
 //    go to one pipe; the parent keeps the last options.logBytes bytes and,
 //    with options.echo, copies each line to its own stderr as "[rank r] ...".
-//    stdout is line-buffered in the child.
+//    stdout is line-buffered in the child, and a planned kill flushes stdio
+//    first, so the log ends with the last line the rank printed.
 //  * A rank ends in one of the ways of Ending. When fn returns, its value
 //    goes back to the parent and the child ends with _exit(0); when fn
 //    throws, describe(e) goes back and it ends with _exit(1). Neither runs
@@ -61,12 +63,17 @@
 //    left, they are killed (ending Killed), since nobody can resume them.
 //  * Errors: bad input throws InvalidArgument (one line naming the rank,
 //    point and value) before anything is forked, as does a process that
-//    ignores SIGCHLD (the kernel would reap the ranks); a failing fork(), pipe()
-//    or store start throws dt::Error after killing the ranks already forked.
+//    ignores SIGCHLD (the kernel would reap the ranks); a failing fork(),
+//    pipe() or store start throws dt::Error after killing the ranks already
+//    forked.
 //    Nothing in this library calls exit() or abort(); children end with
 //    _exit once fn has returned.
+//  * The harness sees stops and continues it did not cause (a rank's code
+//    SIGSTOPs another): state() reads Frozen meanwhile.
 //  * Thread safety: SpawnedRanks' methods may be called from any thread.
-//    The destructor kills whatever still runs and reaps it.
+//    freeze() and resume() block until the stop is seen (milliseconds; at
+//    worst until the deadline). The destructor kills whatever still runs and
+//    reaps it.
 #pragma once
 
 #include <sys/types.h>

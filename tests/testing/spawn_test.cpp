@@ -165,7 +165,7 @@ TEST(Spawn, WithoutKillAllOnFailureTheOthersRunOn) {
 
 TEST(Spawn, AHangIsKilledAtTheDeadline) {
   SpawnOptions options;
-  options.deadline = 1s;
+  options.deadline = 2s;  // long enough for the ranks to start and print on a loaded machine
   const auto result = spawn(2, [](RankContext& ctx) {
     std::printf("rank %d waits for a key nobody sets\n", ctx.rank);
     ctx.store()->get("never-set", 300s);
@@ -174,7 +174,7 @@ TEST(Spawn, AHangIsKilledAtTheDeadline) {
   EXPECT_EQ(result.firstFailure, -1);
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(result[rank].ending, Ending::KilledAtDeadline);
-    EXPECT_EQ(result[rank].describe(), str("rank ", rank, "/2 was killed (SIGKILL) at the 1000 ms deadline, still running"));
+    EXPECT_EQ(result[rank].describe(), str("rank ", rank, "/2 was killed (SIGKILL) at the 2000 ms deadline, still running"));
     EXPECT_EQ(result[rank].lastLines(5), std::vector<std::string>{str("rank ", rank, " waits for a key nobody sets")});
   }
 }
