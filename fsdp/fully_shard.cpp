@@ -20,10 +20,10 @@ using Clock = std::chrono::steady_clock;
 
 // Profiler tracks of the sharded wrapper: far above any thread number and DDP's buckets.
 constexpr uint64_t kShardedTrackBase = uint64_t{3} << 32;
-// A gather's trailer: the unit's number (two digits of base 128, exact in every float type)
-// and the phase. A reduce-scatter's: one slot per unit number modulo kReduceSlots set to 1,
-// so the sum is the world size in the slot of the unit every rank reduced.
-constexpr int64_t kGatherTrailer = 3;
+// Before a unit's gather, every rank sends its trailer (the unit's number and the phase);
+// before its reduce-scatter, a one-hot of the unit's number modulo kReduceSlots is summed, so
+// the world size lands in the slot of the unit every rank reduced.
+constexpr int64_t kGatherTrailer = 2;
 constexpr int64_t kReduceSlots = 16;
 enum Phase : int { kForward = 0, kBackward = 1, kFull = 2 };
 const char* phaseName(int phase) { return phase == kForward ? "forward" : phase == kBackward ? "backward" : "full"; }
@@ -93,20 +93,24 @@ struct Unit {
   DType dtype = DType::Float32;
   Device device = Device::cpu();
   int64_t shardNumel = 0, fullNumel = 0;
-  Tensor shardFlat;  // this rank's shards, the parameters' dtype
+  int64_t shardRegion = 0;  // where its shards start in the wrapper's shard buffer
+  Tensor shardFlat;  // this rank's shards, the parameters' dtype (a view of the shard buffer)
   Tensor fullFlat;   // the gathered parameters, compute dtype; its storage is freed while sharded
   UnitState state = UnitState::Sharded;
   std::vector<int> hookHandles;
-  // A gather in flight.
-  WorkPtr gatherWork;
-  Tensor gatherIn, gatherOut;
+  // A gather in flight: the trailer's (unit number, phase) collective, then one per parameter.
+  WorkPtr gatherWork, trailerWork;
+  Tensor trailerIn, trailerOut;
+  Tensor gatherSource;               // the shards in the compute dtype (a cast copy, or the shards)
+  std::vector<Tensor> gatherTemps;   // padded results of the parameters whose rows W does not divide
   int gatherPhase = kForward;
   // This iteration.
   uint64_t forwardIteration = UINT64_MAX;  // the last iteration whose forward ran it
   bool backwardDone = false;
   Tensor accumulated;  // noSync: the unit's full gradients so far, flat, the parameters' dtype
   WorkPtr reduceWork;
-  Tensor reduceIn, reduceOut;
+  std::vector<Tensor> reduceInputs;  // the whole gradients on the wire (kept until done)
+  Tensor reduceSlots, reduceOut;
 };
 
 }  // namespace fsdp_detail
@@ -123,6 +127,9 @@ struct FullyShardedDataParallel::Impl {
   std::shared_ptr<ProcessGroup> group;
   std::vector<std::unique_ptr<Unit>> units;  // options.units order, root last
   std::vector<std::pair<size_t, size_t>> paramOrder;  // namedParameters() order -> (unit, param)
+  // Every unit's shards in one buffer: one allocation, rounded up by the allocator once, not
+  // once per unit.
+  Tensor shardBuffer;
   std::shared_ptr<char> alive = std::make_shared<char>(0);
   int rootHook[2] = {-1, -1};
 
@@ -163,30 +170,46 @@ struct FullyShardedDataParallel::Impl {
     u.fullNumel = fullAt;
   }
 
-  // Fresh shard buffers: this rank's rows of `values` (the whole parameters) when given,
-  // zeros otherwise; the optimizer's leaves keep their identity.
-  void allocateShards(Unit& u, const std::vector<Tensor>* values) {
+  // A fresh shard buffer: this rank's rows of each parameter (its model tensor still whole)
+  // when copyValues, zeros otherwise; the optimizer's leaves keep their identity. Then the
+  // model's tensors hold their rows.
+  void allocateShards(bool copyValues) {
     NoGradGuard noGrad;
-    u.shardFlat = zeros({std::max<int64_t>(u.shardNumel, 1)}, u.dtype, u.device);
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      ShardParam& p = u.params[i];
-      Tensor view = u.shardFlat.narrow(0, p.shardOffset, p.shardRows * p.rowNumel).view(p.shardShape());
-      if (values != nullptr && p.localRows > 0) {
-        const Tensor whole = (*values)[i].reshape(p.shape.empty() ? Shape{1} : p.shape);
-        view.narrow(0, 0, p.localRows).copy_(whole.narrow(0, rank() * p.shardRows, p.localRows));
-      }
-      if (!p.shard.defined()) {
-        p.shard = view.detach();
-        p.shard.setRequiresGrad(true);
-      } else {
-        repoint(p.shard, view);
-        p.shard.setGrad(Tensor());
-        p.shard.bumpVersion();
-      }
-      repoint(p.param, p.localView());
+    int64_t total = 0;
+    for (auto& u : units) {
+      u->shardRegion = total;
+      total += u->shardNumel;
     }
-    u.fullFlat = empty({std::max<int64_t>(u.fullNumel, 1)}, computeDtype(), u.device);
-    releaseFull(u);
+    const Unit& any = paramOrder.empty() ? *units.front() : *units[paramOrder.front().first];
+    for (auto& u : units) {  // a unit without parameters still gathers its trailer with the others' dtype
+      if (u->params.empty()) {
+        u->dtype = any.dtype;
+        u->device = any.device;
+      }
+    }
+    shardBuffer = zeros({total}, any.dtype, any.device);
+    for (auto& owned : units) {
+      Unit& u = *owned;
+      u.shardFlat = shardBuffer.narrow(0, u.shardRegion, u.shardNumel);
+      for (ShardParam& p : u.params) {
+        Tensor view = shardBuffer.narrow(0, u.shardRegion + p.shardOffset, p.shardRows * p.rowNumel).view(p.shardShape());
+        if (copyValues && p.localRows > 0) {
+          const Tensor whole = p.param.detach().reshape(p.shape.empty() ? Shape{1} : p.shape);
+          view.narrow(0, 0, p.localRows).copy_(whole.narrow(0, rank() * p.shardRows, p.localRows));
+        }
+        if (!p.shard.defined()) {
+          p.shard = view.detach();
+          p.shard.setRequiresGrad(true);
+        } else {
+          repoint(p.shard, view);
+          p.shard.setGrad(Tensor());
+          p.shard.bumpVersion();
+        }
+        repoint(p.param, p.localView());
+      }
+      if (!u.fullFlat.defined()) u.fullFlat = empty({std::max<int64_t>(u.fullNumel, 1)}, computeDtype(), u.device);
+      releaseFull(u);
+    }
   }
 
   // The gathered storage's bytes go; tensors saved for backward keep pointing at it.
@@ -218,18 +241,36 @@ struct FullyShardedDataParallel::Impl {
     });
   }
 
+  // Rank r's k rows of a parameter with rows % W == 0 land exactly at rows [r k, (r + 1) k)
+  // of the whole tensor: its collectives read and write the parameter's own memory. Others go
+  // through a padded buffer.
+  bool direct(const ShardParam& p) const { return p.rows % world() == 0; }
+
   void launchGather(Unit& u, int phase) {
     if (u.state != UnitState::Sharded) return;
-    const int64_t s = u.shardNumel, t = kGatherTrailer, w = world();
+    const int64_t w = world();
     NoGradGuard noGrad;
-    u.gatherIn = empty({s + t}, computeDtype(), u.device);
-    if (s > 0) u.gatherIn.narrow(0, 0, s).copy_(u.shardFlat.narrow(0, 0, s));
-    u.gatherIn.narrow(0, s, t).copy_(fromVector<float>({static_cast<float>(u.index % 128), static_cast<float>(u.index / 128),
-                                                        static_cast<float>(phase)}));
-    u.gatherOut = empty({w * (s + t)}, computeDtype(), u.device);
+    // The whole parameters' memory now: the collectives write into it.
+    Storage full = u.fullFlat.storage();
+    full.resizeBytes(static_cast<size_t>(std::max<int64_t>(u.fullNumel, 1)) * itemSize(computeDtype()));
     const int64_t startNs = profiler::recording() ? profiler::nowNs() : 0;
-    u.gatherWork = group->allgatherIntoTensor(u.gatherOut, u.gatherIn);
-    const size_t bytes = u.gatherOut.nbytes();
+    // First the unit's number and the phase: ranks that run different units find out below.
+    u.trailerIn = fromVector<int64_t>({static_cast<int64_t>(u.index), phase}).to(u.device);
+    u.trailerOut = empty({w * kGatherTrailer}, DType::Int64, u.device);
+    u.trailerWork = group->allgatherIntoTensor(u.trailerOut, u.trailerIn);
+    std::vector<WorkPtr> works{u.trailerWork};
+    u.gatherSource = computeDtype() == u.dtype ? u.shardFlat : u.shardFlat.to(computeDtype());
+    size_t bytes = 0;
+    for (ShardParam& p : u.params) {
+      if (p.shardRows == 0) continue;
+      const Tensor in = u.gatherSource.narrow(0, p.shardOffset, p.shardRows * p.rowNumel);
+      Tensor out = direct(p) ? u.fullFlat.narrow(0, p.fullOffset, shapeNumel(p.shape))
+                             : empty({w * p.shardRows * p.rowNumel}, computeDtype(), u.device);
+      if (!direct(p)) u.gatherTemps.push_back(out);
+      works.push_back(group->allgatherIntoTensor(out, in));
+      bytes += out.nbytes();
+    }
+    u.gatherWork = works.size() == 1 ? works[0] : allOf(str("sharded gather of unit ", u.name), std::move(works));
     recordCollective(u.gatherWork, "gather", u, startNs, bytes, 0);
     u.gatherPhase = phase;
     u.state = UnitState::Gathering;
@@ -238,12 +279,19 @@ struct FullyShardedDataParallel::Impl {
     current.peakGatheredUnits = std::max(current.peakGatheredUnits, gatheredUnits());
   }
 
-  [[noreturn]] void desyncInGather(const Unit& u, const std::vector<float>& trailers) {
-    const int64_t t = kGatherTrailer;
+  // The ranks' trailers (unit number, phase) disagree with this rank's: throws naming them.
+  void checkTrailers(const Unit& u) {
+    const std::vector<int64_t> trailers = u.trailerOut.to(Device::cpu()).toVector<int64_t>();
+    bool same = true;
+    for (int r = 0; r < world(); ++r) {
+      same = same && trailers[static_cast<size_t>(r * kGatherTrailer)] == static_cast<int64_t>(u.index) &&
+             trailers[static_cast<size_t>(r * kGatherTrailer + 1)] == trailers[1];
+    }
+    if (same) return;
     std::map<std::string, std::vector<int>> ran;  // what each rank gathered
     for (int r = 0; r < world(); ++r) {
-      const size_t idx = static_cast<size_t>(trailers[static_cast<size_t>(r * t)] + 128 * trailers[static_cast<size_t>(r * t + 1)]);
-      const int phase = static_cast<int>(trailers[static_cast<size_t>(r * t + 2)]);
+      const auto idx = static_cast<size_t>(trailers[static_cast<size_t>(r * kGatherTrailer)]);
+      const int phase = static_cast<int>(trailers[static_cast<size_t>(r * kGatherTrailer + 1)]);
       const std::string unitName = idx < units.size() ? str("'", units[idx]->name, "'") : str("#", idx);
       ran[str("unit ", unitName, " (", phaseName(phase), ")")].push_back(r);
     }
@@ -258,46 +306,48 @@ struct FullyShardedDataParallel::Impl {
                           "skipping or reordering of units)"));
   }
 
+  void dropGatherBuffers(Unit& u) {
+    u.gatherWork.reset();
+    u.trailerWork.reset();
+    u.gatherSource = u.trailerIn = u.trailerOut = Tensor();
+    u.gatherTemps.clear();
+  }
+
   void finishGather(Unit& u, bool backwardPhase) {
     if (u.state == UnitState::Gathered) return;
     if (u.state == UnitState::Sharded) launchGather(u, backwardPhase ? kBackward : kForward);
     const auto start = Clock::now();
     try {
       u.gatherWork->wait();
+      checkTrailers(u);
     } catch (...) {
-      u.gatherWork.reset();
-      u.gatherIn = u.gatherOut = Tensor();
-      u.state = UnitState::Sharded;
-      std::rethrow_exception(withPrefix(std::current_exception(),
-                                        str("sharded unit '", u.name, "' ", phaseName(u.gatherPhase), " gather: ")));
-    }
-    (backwardPhase ? current.backwardWaitMs : current.forwardWaitMs) += msSince(start);
-    const int64_t s = u.shardNumel, t = kGatherTrailer, w = world();
-    NoGradGuard noGrad;
-    const std::vector<float> trailers =
-        u.gatherOut.view({w, s + t}).narrow(1, s, t).to(DType::Float32).to(Device::cpu()).contiguous().toVector<float>();
-    for (int r = 0; r < w; ++r) {
-      for (int64_t k = 0; k < t; ++k) {
-        if (trailers[static_cast<size_t>(r * t + k)] != trailers[static_cast<size_t>(k)] ||
-            (k < 2 && trailers[static_cast<size_t>(k)] != static_cast<float>(k == 0 ? u.index % 128 : u.index / 128))) {
-          desyncInGather(u, trailers);
+      std::exception_ptr error = withPrefix(std::current_exception(),
+                                            str("sharded unit '", u.name, "' ", phaseName(u.gatherPhase), " gather: "));
+      // A parameter collective of another unit's shape fails in the backend; the trailers (the
+      // first collective, which did arrive) say which units the ranks ran.
+      if (u.trailerWork && u.trailerWork->isSuccess()) {
+        try {
+          checkTrailers(u);
+        } catch (const DesyncError&) {
+          error = std::current_exception();
         }
       }
+      dropGatherBuffers(u);
+      releaseFull(u);
+      u.state = UnitState::Sharded;
+      std::rethrow_exception(error);
     }
-    Storage full = u.fullFlat.storage();
-    full.resizeBytes(static_cast<size_t>(std::max<int64_t>(u.fullNumel, 1)) * itemSize(computeDtype()));
+    (backwardPhase ? current.backwardWaitMs : current.forwardWaitMs) += msSince(start);
+    NoGradGuard noGrad;
+    size_t temp = 0;
     for (ShardParam& p : u.params) {
-      for (int r = 0; r < w; ++r) {
-        const int64_t rowsHere = std::clamp<int64_t>(p.rows - r * p.shardRows, 0, p.shardRows);
-        if (rowsHere == 0) continue;
-        const int64_t n = rowsHere * p.rowNumel;
-        u.fullFlat.narrow(0, p.fullOffset + r * p.shardRows * p.rowNumel, n)
-            .copy_(u.gatherOut.narrow(0, r * (s + t) + p.shardOffset, n));
+      if (p.shardRows > 0 && !direct(p)) {
+        const Tensor& out = u.gatherTemps[temp++];
+        u.fullFlat.narrow(0, p.fullOffset, shapeNumel(p.shape)).copy_(out.narrow(0, 0, shapeNumel(p.shape)));
       }
       repoint(p.param, u.fullFlat.narrow(0, p.fullOffset, shapeNumel(p.shape)).view(p.shape));
     }
-    u.gatherWork.reset();
-    u.gatherIn = u.gatherOut = Tensor();
+    dropGatherBuffers(u);
     u.state = UnitState::Gathered;
   }
 
@@ -308,8 +358,7 @@ struct FullyShardedDataParallel::Impl {
         u.gatherWork->wait();  // its buffers must outlive the collective
       } catch (const std::exception&) {  // reported by whoever needed the result
       }
-      u.gatherWork.reset();
-      u.gatherIn = u.gatherOut = Tensor();
+      dropGatherBuffers(u);
     }
     for (ShardParam& p : u.params) repoint(p.param, p.localView());
     releaseFull(u);
@@ -349,7 +398,8 @@ struct FullyShardedDataParallel::Impl {
         }
       }
       u->reduceWork.reset();
-      u->reduceIn = u->reduceOut = Tensor();
+      u->reduceInputs.clear();
+      u->reduceSlots = u->reduceOut = Tensor();
       reshard(*u);
       for (ShardParam& p : u->params) p.param.setGrad(Tensor());
     }
@@ -520,45 +570,49 @@ struct FullyShardedDataParallel::Impl {
         u.accumulated.narrow(0, p.fullOffset, shapeNumel(p.shape)).add_(grads[i].reshape({-1}).to(u.dtype));
       }
     } else {
-      launchReduceScatter(u, grads);
+      launchReduceScatter(u, std::move(grads));
     }
     if (!u.isRoot) reshard(u);
   }
 
-  void launchReduceScatter(Unit& u, const std::vector<Tensor>& grads) {
-    const int64_t s = u.shardNumel, t = kReduceSlots, w = world();
+  void launchReduceScatter(Unit& u, std::vector<Tensor> grads) {
+    const int64_t w = world();
     const DType reduceType = options.mixedPrecision.reduceDtype;
     NoGradGuard noGrad;
-    // Rank-major: block r holds rank r's rows of every parameter, then the slots.
-    Tensor in = zeros({w * (s + t)}, reduceType, u.device);
+    // First the unit's slot: ranks that reduce different units find out in harvest.
+    u.reduceSlots = zeros({kReduceSlots}, DType::Float32, u.device);
+    u.reduceSlots.narrow(0, static_cast<int64_t>(u.index % kReduceSlots), 1).fill_(1.0);
+    std::vector<WorkPtr> works{group->allreduce(u.reduceSlots)};
+    // Each unit's own result buffer, made as its reduction starts: at the start of backward,
+    // when the activations peak, no gradient shard exists yet.
+    u.reduceOut = empty({std::max<int64_t>(u.shardNumel, 1)}, reduceType, u.device);
+    const int64_t startNs = profiler::recording() ? profiler::nowNs() : 0;
+    size_t bytes = 0;
     for (size_t i = 0; i < u.params.size(); ++i) {
       const ShardParam& p = u.params[i];
+      if (p.shardRows == 0) continue;
       const int64_t numel = shapeNumel(p.shape);
-      Tensor full;
-      if (grads[i].defined()) full = grads[i].reshape({-1});
-      if (u.accumulated.defined()) {
-        const Tensor acc = u.accumulated.narrow(0, p.fullOffset, numel);
-        full = full.defined() ? add(acc, full.to(u.dtype)) : acc;
+      Tensor g = grads[i].defined() ? grads[i].reshape({-1}) : zeros({numel}, u.dtype, u.device);  // unused: zeros
+      if (u.accumulated.defined()) g = add(u.accumulated.narrow(0, p.fullOffset, numel), g.to(u.dtype));
+      if (g.dtype() != reduceType) g = g.to(reduceType);
+      g = g.contiguous();
+      // Divided before the sum, as DDP does: the sum over ranks is then the average. The
+      // gradient is this wrapper's alone (taken from .grad), so in place.
+      if (w > 1) mul_(g, 1.0 / static_cast<double>(w));
+      if (!direct(p)) {
+        Tensor padded = zeros({w * p.shardRows * p.rowNumel}, reduceType, u.device);
+        padded.narrow(0, 0, numel).copy_(g);
+        g = padded;
       }
-      if (!full.defined()) continue;  // unused everywhere here: zeros
-      for (int r = 0; r < w; ++r) {
-        const int64_t rowsHere = std::clamp<int64_t>(p.rows - r * p.shardRows, 0, p.shardRows);
-        if (rowsHere == 0) continue;
-        const int64_t n = rowsHere * p.rowNumel;
-        in.narrow(0, r * (s + t) + p.shardOffset, n).copy_(full.narrow(0, r * p.shardRows * p.rowNumel, n));
-      }
+      works.push_back(group->reduceScatterTensor(u.reduceOut.narrow(0, p.shardOffset, p.shardRows * p.rowNumel), g));
+      bytes += g.nbytes();
+      u.reduceInputs.push_back(std::move(g));
     }
     u.accumulated = Tensor();
-    // Divided before the sum, as DDP does: the sum over ranks is then the average.
-    if (w > 1) mul_(in, 1.0 / static_cast<double>(w));
-    for (int r = 0; r < w; ++r) in.narrow(0, r * (s + t) + s + static_cast<int64_t>(u.index % kReduceSlots), 1).fill_(1.0);
-    u.reduceIn = in;
-    u.reduceOut = empty({s + t}, reduceType, u.device);
-    const int64_t startNs = profiler::recording() ? profiler::nowNs() : 0;
-    u.reduceWork = group->reduceScatterTensor(u.reduceOut, u.reduceIn);
-    recordCollective(u.reduceWork, "reduce-scatter", u, startNs, in.nbytes(), 1);
+    u.reduceWork = works.size() == 1 ? works[0] : allOf(str("sharded reduce-scatter of unit ", u.name), std::move(works));
+    recordCollective(u.reduceWork, "reduce-scatter", u, startNs, bytes, 1);
     ++current.reduceScatters;
-    current.reduceScatterBytes += in.nbytes();
+    current.reduceScatterBytes += bytes;
   }
 
   // Waits for (all) or collects (the completed) reduce-scatters: checks that every rank
@@ -572,13 +626,14 @@ struct FullyShardedDataParallel::Impl {
         u.reduceWork->wait();
       } catch (...) {
         u.reduceWork.reset();
-        u.reduceIn = u.reduceOut = Tensor();
+        u.reduceInputs.clear();
+        u.reduceSlots = u.reduceOut = Tensor();
         std::rethrow_exception(withPrefix(std::current_exception(), str("sharded unit '", u.name, "' reduce-scatter: ")));
       }
       current.backwardWaitMs += msSince(start);
-      const int64_t s = u.shardNumel;
+      u.reduceInputs.clear();
       NoGradGuard noGrad;
-      const std::vector<float> slots = u.reduceOut.narrow(0, s, kReduceSlots).to(DType::Float32).to(Device::cpu()).contiguous().toVector<float>();
+      const std::vector<float> slots = u.reduceSlots.to(Device::cpu()).toVector<float>();
       const size_t mine = u.index % kReduceSlots;
       if (slots[mine] != static_cast<float>(world())) {
         std::string seen;
@@ -592,7 +647,7 @@ struct FullyShardedDataParallel::Impl {
                               "): the ranks reduced different units in one collective: ", seen,
                               ". Every rank must run the same units in the same order"));
       }
-      Tensor g = u.reduceOut.narrow(0, 0, std::max<int64_t>(s, 0));
+      Tensor g = u.reduceOut;
       if (g.dtype() != u.dtype) g = g.to(u.dtype);
       for (ShardParam& p : u.params) {
         Tensor view = g.narrow(0, p.shardOffset, p.shardRows * p.rowNumel).view(p.shardShape());
@@ -604,7 +659,7 @@ struct FullyShardedDataParallel::Impl {
         }
       }
       u.reduceWork.reset();
-      u.reduceIn = u.reduceOut = Tensor();
+      u.reduceSlots = u.reduceOut = Tensor();
     }
   }
 
@@ -749,6 +804,14 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
                                 " on ", u.device.str(), " and ", toString(t.dtype()), " on ", t.device().str(), " (",
                                 name, "); a unit's parameters share one dtype and device"));
     }
+    if (!m.paramOrder.empty()) {
+      const ShardParam& first = m.units[m.paramOrder.front().first]->params[m.paramOrder.front().second];
+      if (t.dtype() != first.param.dtype() || t.device() != first.param.device()) {
+        throw InvalidArgument(str("[", m.who(), "] FullyShardedDataParallel: parameter ", name, " is ", t.describe(),
+                                  " on ", t.device().str(), " but ", first.name, " is ", first.param.describe(), " on ",
+                                  first.param.device().str(), "; the sharded parameters share one dtype and device"));
+      }
+    }
     u.dtype = t.dtype();
     u.device = t.device();
     ShardParam p;
@@ -772,12 +835,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
     broadcastTensors(*group_, state, 0);
   }
 
-  for (auto& u : m.units) {
-    m.layOut(*u);
-    std::vector<Tensor> whole;
-    for (const ShardParam& p : u->params) whole.push_back(p.param.detach().clone());
-    m.allocateShards(*u, o.joining ? nullptr : &whole);
-  }
+  for (auto& u : m.units) m.layOut(*u);
+  m.allocateShards(!o.joining);
 
   // Hooks: the units' forwards, the root's, and a late gradient's check.
   for (auto& owned : m.units) {
@@ -977,9 +1036,9 @@ void FullyShardedDataParallel::rebind(std::shared_ptr<ProcessGroup> group) {
   m.group = std::move(group);
   for (auto& u : m.units) {
     m.layOut(*u);
-    m.allocateShards(*u, nullptr);
     u->accumulated = Tensor();
   }
+  m.allocateShards(false);
   m.lastForwardOrder.clear();
 }
 
