@@ -11,9 +11,11 @@
 #include "common/logging.h"
 #include "common/strings.h"
 #include "common/thread_name.h"
+#include "elastic/internal/loss_aware_store.h"
 #include "process_group/init.h"
 #include "store/membership.h"
 #include "store/prefix_store.h"
+#include "testing/point.h"
 
 namespace dt::elastic {
 namespace {
@@ -185,8 +187,9 @@ std::string ElasticGroup::who() const {
 }
 
 std::shared_ptr<ProcessGroup> ElasticGroup::makeGroup(uint64_t epoch, int rank, int size) {
+  // Its waits (making the group, monitored barriers) end as soon as a member of the epoch dies.
   auto scoped = std::make_shared<PrefixStore>(epochPrefix(epoch) + "pg", store_);
-  return ProcessGroup::create(scoped, rank, size, options_.group);
+  return ProcessGroup::create(std::make_shared<LossAwareStore>(scoped, store_, membership_.members), rank, size, options_.group);
 }
 
 const Membership& ElasticGroup::recover(std::exception_ptr cause, int64_t stepsApplied) {
@@ -200,6 +203,7 @@ const Membership& ElasticGroup::recover(std::exception_ptr cause, int64_t stepsA
     group_.reset();
   }
   store_->set(reportKey(before.epoch, memberId_), std::to_string(stepsApplied));
+  testing::point("elastic-agreement");  // where tests kill a member mid-agreement (testing/point.h)
 
   // One decision per epoch: the lowest-numbered surviving member makes it
   // once every member has reported or is dead, and publishes it with a

@@ -13,6 +13,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <chrono>
 #include <thread>
 
@@ -167,10 +170,91 @@ TEST(ElasticGroup, RepeatedAndSimultaneousLossesDownToTheMinimum) {
   }
 }
 
+TEST(ElasticGroup, AMemberDyingDuringTheAgreementIsLeftOutToo) {
+  const auto result = runJob(4, {testing::killAt(3, "before-grad", 10), testing::killAt(1, "elastic-agreement", 1)});
+  for (int r : {0, 2}) {
+    ASSERT_TRUE(result[r].returned()) << result.summary();
+    EXPECT_EQ(result[r].value.rfind(str("state=", expectedState()), 0), 0u) << result[r].value;
+    EXPECT_NE(result[r].value.find("size=2 "), std::string::npos) << result[r].value;
+  }
+}
+
+TEST(ElasticGroup, AMemberDyingWhileAnotherIsSlowIsWaitedForNotDropped) {
+  // Member 1 is away for half a second in the step in which member 2 dies: the others wait
+  // for its report instead of leaving it out.
+  const auto result = runJob(4, {testing::freezeAt(1, "before-grad", 500ms, 10), testing::killAt(2, "before-grad", 10)});
+  expectSurvivorsFinished(result, {2}, 1);
+}
+
 TEST(ElasticGroup, AFrozenMemberIsDeclaredDeadByItsHeartbeat) {
   const auto result = runJob(3, {testing::freezeAt(1, "before-commit", std::nullopt, 7)});
   expectSurvivorsFinished(result, {1}, 1);
   EXPECT_NE(result[0].value.find("no heartbeat"), std::string::npos) << result[0].value;
+}
+
+// What a process holds that a group's teardown must give back.
+struct Holdings {
+  int fds = 0, threads = 0, shmMaps = 0;
+  std::string text() const { return str(fds, " fds, ", threads, " threads, ", shmMaps, " shared-memory mappings"); }
+  bool operator==(const Holdings&) const = default;
+};
+
+int countEntries(const char* dir) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) n += e.path().filename() != "." ? 1 : 0;
+  return n;
+}
+
+Holdings holdings() {
+  Holdings h;
+  h.fds = countEntries("/proc/self/fd");
+  h.threads = countEntries("/proc/self/task");
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) h.shmMaps += line.find("/dev/shm/dtrain-") != std::string::npos ? 1 : 0;
+  return h;
+}
+
+// 20 shrinks in a row: a job of 22 loses one member per step, and each survivor holds the
+// same fds, threads and shared-memory mappings after the 20th as after the 1st.
+TEST(ElasticGroup, TwentySuccessiveShrinksLeakNothing) {
+  constexpr int kWorld = 22, kShrinks = 20;
+  testing::SpawnOptions options;
+  options.deadline = 170s;
+  options.killAllOnFailure = false;
+  options.echo = false;
+  for (int s = 1; s <= kShrinks; ++s) options.plan.push_back(testing::killAt(kWorld - s, "step", s));
+  testing::SpawnedRanks ranks(kWorld, [](RankContext&) {
+    elastic::ElasticOptions o;
+    o.group.timeout = 120s;
+    auto elastic = elastic::ElasticGroup::fromEnvironment(o);
+    Tensor t = ones({4});
+    std::optional<Holdings> afterFirst;
+    int64_t step = 0;
+    while (elastic->membership().epoch < static_cast<uint64_t>(kShrinks)) {
+      try {
+        testing::point("step");
+        elastic->group()->allreduce(t)->wait();
+        ++step;
+      } catch (const Error&) {
+        elastic->recover(std::current_exception(), step);
+        if (elastic->membership().epoch == 1) afterFirst = holdings();
+      }
+    }
+    elastic->group()->allreduce(t)->wait();  // the last epoch's group works
+    const Holdings now = holdings();
+    return str(afterFirst && *afterFirst == now ? "same" : "changed", ": after the first shrink ",
+               afterFirst ? afterFirst->text() : "(none)", ", after the last ", now.text(), " (size ",
+               elastic->membership().size(), ")");
+  }, options);
+  superviseUntilDone(ranks);
+  const auto result = ranks.wait();
+  for (int r = 0; r < kWorld - kShrinks; ++r) {
+    ASSERT_TRUE(result[r].returned()) << result.summary();
+    EXPECT_EQ(result[r].value.rfind("same: ", 0), 0u) << "rank " << r << ": " << result[r].value;
+    EXPECT_NE(result[r].value.find("(size 2)"), std::string::npos) << result[r].value;
+    std::printf("rank %d: %s\n", r, result[r].value.c_str());
+  }
 }
 
 TEST(ElasticGroup, BelowTheMinimumTheJobStopsNamingWhoIsLeft) {
