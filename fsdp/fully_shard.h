@@ -29,16 +29,19 @@
 //    while their unit is gathered.
 //
 // One iteration (forward, then one backward over its outputs), every rank in the same order:
-//  * Before a unit's forward its shards are gathered (one allgather per unit into a flat
-//    buffer, copied out into the unit's parameter storage, in the compute dtype); after it
+//  * Before a unit's forward its shards are gathered into the unit's parameter storage (in the
+//    compute dtype): a small allgather carrying the unit's number and the phase, then one
+//    allgatherIntoTensor per parameter, straight from the shard into the whole tensor (a
+//    parameter whose rows W does not divide goes through a padded buffer). After the forward
 //    the storage is freed again when reshardAfterForward (default), else kept until the
 //    unit's backward is over (ZeRO-2-like: all units stay gathered between forward and
 //    backward). The root unit stays gathered from its forward to the end of backward.
 //  * In backward the unit is gathered again as soon as the gradient reaches its output; once
-//    its backward is over (the gradient reaches its input, or the pass ends) its gradients are
-//    divided by W, copied into one flat buffer in the reduce dtype and reduce-scattered
-//    (asynchronously, overlapped with the rest of backward), its full gradients and
-//    parameters are freed, and only the local gradient shard is kept. backward() returns once
+//    its backward is over (the gradient reaches its input, or the pass ends) each of its
+//    gradients is divided by W (in the reduce dtype) and reduce-scattered straight into the
+//    shard's gradient (asynchronously, overlapped with the rest of backward, after a small
+//    allreduce that checks every rank reduces the same unit); its parameters' storage is
+//    freed, and each whole gradient once its reduce-scatter is done. backward() returns once
 //    every reduce-scatter has completed and the shards' .grad are set (added to a defined
 //    .grad, as autograd accumulates).
 //  * Prefetch: with prefetch = k, the next k units (in the previous iteration's forward
@@ -70,9 +73,9 @@
 //    the same parameters (names, shapes, dtypes); a difference throws InvalidArgument on
 //    every rank naming the first differing unit or parameter and the ranks. Rank 0's values
 //    are then broadcast so every rank starts equal (not when joining: see the option).
-//  * Every gather carries the unit's number and the phase, every reduce-scatter the unit's
-//    number: ranks that run units in different orders get a DesyncError naming the unit each
-//    rank ran, instead of mixing two units' data (or hanging). A rank that never arrives is
+//  * Every gather starts with the unit's number and the phase, every reduce-scatter with the
+//    unit's number: ranks that run units in different orders get a DesyncError naming the
+//    unit each rank ran, instead of mixing two units' data (or hanging). A rank that never arrives is
 //    named by the group's timeout, thrown from forward or backward with the unit named.
 //  * While a profiler records, every gather and reduce-scatter is an event of category
 //    "sharded" from launch to done, on a track of its own per unit and kind.
