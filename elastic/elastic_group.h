@@ -59,7 +59,7 @@
 namespace dt::elastic {
 
 struct ElasticOptions {
-  // Fewer members than this stop the job (recover() throws). 0: DT_ELASTIC_MIN_NPROC, else 1.
+  // Fewer members than this stop the job (recover() throws). 0: DT_MIN_NPROC, else 1.
   int minSize = 0;
   std::chrono::milliseconds heartbeatInterval{200};
   // How long recover() waits for the other survivors to report.
