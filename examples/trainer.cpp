@@ -95,6 +95,7 @@ struct Config {
   bool elastic = false;
   std::string failAt;          // "MEMBER:STEP:WHERE": SIGKILL self there (to test recovery)
   std::string recordSamples;   // PREFIX: each rank appends its committed steps' example ids to PREFIX.<member>
+  std::string stepLog;         // FILE: rank 0 appends a line per committed step (and --fail-at's member one before its kill)
   std::vector<int64_t> dumpAt;  // steps after which rank 0 writes the parameters to dumpDir
   std::string dumpDir;
 
@@ -145,6 +146,10 @@ elastic (docs/elastic.md)
   --fail-at M:STEP:WHERE  to test recovery: member M SIGKILLs itself during step STEP, WHERE = forward,
                           backward, commit (after its commit vote) or checkpoint (while writing one)
   --record-samples PREFIX each rank appends the example ids of each step it votes to commit to PREFIX.<member>
+  --step-log FILE         rank 0 (of the current membership) appends "STEP EPOCH WORLD NS" to FILE for each step
+                          it commits (STEP from 0; EPOCH: the membership epoch, or the restart count without
+                          --elastic; NS: CLOCK_REALTIME in ns), written at once; --fail-at's member appends
+                          "kill STEP MEMBER NS" just before it kills itself (for bench/run_recovery_bench.sh)
   --dump-at S1,S2,...     after these steps rank 0 writes the parameters to --dump-dir DIR
   --dump-dir DIR          (default trainer-dumps)
 )";
@@ -188,6 +193,7 @@ Config parseArgs(int argc, char** argv, bool& help) {
       c.failAt = value;
     }
     else if (flag == "--record-samples") c.recordSamples = value;
+    else if (flag == "--step-log") c.stepLog = value;
     else if (flag == "--dump-at") {
       for (const auto& part : dt::split(value, ',')) c.dumpAt.push_back(parsePositive(std::string(part), flag, 0));
     }
@@ -356,6 +362,10 @@ class Trainer {
   void armBackwardFailure();
   int64_t currentStep_ = 0;
   void recordSamples(int64_t step, const dt::data::LoadedBatch& batch) const;
+  // --step-log: appends `line` and the time (CLOCK_REALTIME ns), in one write (the file is
+  // opened for appending, so lines from several processes do not interleave).
+  void logStep(const std::string& line) const;
+  std::unique_ptr<FILE, int (*)(FILE*)> stepLog_{nullptr, &std::fclose};
   void dumpParameters(int64_t step) const;
   double lrAt(int64_t step) const {
     if (c_.schedule == "constant") return c_.learningRate();
@@ -425,6 +435,7 @@ void Trainer::failHereIf(int64_t step, const char* where) const {
   const auto parts = dt::split(c_.failAt, ':');
   const int member = elastic_ ? elastic_->memberId() : rank_;
   if (std::stoi(parts[0]) == member && std::stoll(parts[1]) == step && parts[2] == where) {
+    logStep(str("kill ", step, " ", member));
     std::fflush(nullptr);
     ::kill(::getpid(), SIGKILL);
   }
@@ -456,6 +467,13 @@ void Trainer::recordSamples(int64_t step, const dt::data::LoadedBatch& batch) co
   for (int64_t id : ids) std::fprintf(out, " %lld", static_cast<long long>(id));
   std::fprintf(out, "\n");
   std::fclose(out);
+}
+
+void Trainer::logStep(const std::string& line) const {
+  if (!stepLog_) return;
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::fprintf(stepLog_.get(), "%s %lld\n", line.c_str(), static_cast<long long>(ns));
+  std::fflush(stepLog_.get());
 }
 
 void Trainer::dumpParameters(int64_t step) const {
@@ -543,6 +561,10 @@ int Trainer::run() {
                               std::max<int64_t>(world_, c_.globalBatch / world_ * world_)));
   }
   const int64_t perRank = c_.globalBatch / world_;
+  if (!c_.stepLog.empty()) {
+    stepLog_.reset(std::fopen(c_.stepLog.c_str(), "a"));
+    if (!stepLog_) throw dt::Error(str("trainer: cannot append to ", c_.stepLog, ": ", std::strerror(errno)));
+  }
   if (!c_.quiet) std::printf("trainer: rank %d/%d pid %d attempt %lld\n", rank_, world_, static_cast<int>(getpid()), static_cast<long long>(restartCount_ + 1));
 
   train_ = dt::data::loadFashionMnist(c_.data, dt::data::Split::Train);
@@ -632,6 +654,7 @@ int Trainer::run() {
       continue;
     }
     runSeconds_ = std::chrono::duration<double>(Clock::now() - loopStart_).count();
+    if (stepLog_ && rank_ == 0) logStep(str(step - 1, " ", elastic_ ? elastic_->membership().epoch : static_cast<uint64_t>(restartCount_), " ", world_));
 
     if (step > startStep_ + 1) {  // the reduced loss is the previous step's
       windowLoss += control.data<double>()[1] / world_;
