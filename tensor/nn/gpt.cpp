@@ -56,7 +56,7 @@ Tensor Mlp::forward(const Tensor& x) {
 }
 
 TransformerBlock::TransformerBlock(const GptConfig& config, Generator& init, Generator& dropout)
-    : checkpointActivations(config.activationCheckpointing), dropoutGenerator_(&dropout) {
+    : checkpointActivations(config.activationCheckpointing), dropout_(config.dropout), dropoutGenerator_(&dropout) {
   ln_1 = registerModule("ln_1", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
   attn = registerModule("attn", std::make_shared<CausalSelfAttention>(config, init, dropout));
   ln_2 = registerModule("ln_2", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
@@ -65,8 +65,10 @@ TransformerBlock::TransformerBlock(const GptConfig& config, Generator& init, Gen
 
 Tensor TransformerBlock::forward(const Tensor& x) {
   if (!checkpointActivations) return body(x);
-  return autograd::checkpoint([this](const Tensor& in) { return body(in); }, x,
-                              {.preserveGenerators = {dropoutGenerator_}});
+  // Without dropout the recomputation draws nothing: no generator to rewind.
+  autograd::CheckpointOptions options;
+  if (dropout_ > 0 && isTraining()) options.preserveGenerators = {dropoutGenerator_};
+  return autograd::checkpoint([this](const Tensor& in) { return body(in); }, x, options);
 }
 
 Tensor TransformerBlock::body(const Tensor& x) {

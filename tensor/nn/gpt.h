@@ -99,6 +99,7 @@ class TransformerBlock : public Module {
 
  private:
   Tensor body(const Tensor& x);
+  double dropout_;
   Generator* dropoutGenerator_;
 };
 

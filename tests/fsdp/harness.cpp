@@ -40,8 +40,7 @@ Tensor globalBatch(const RunSpec& spec, int64_t step) {
 }  // namespace
 
 TrainingRank::TrainingRank(const RunSpec& spec, std::shared_ptr<ProcessGroup> group) : spec_(spec), group_(std::move(group)) {
-  Generator init(7);
-  model_ = std::make_shared<nn::Gpt>(spec_.model, init);
+  model_ = std::make_shared<nn::Gpt>(spec_.model, init_);
   const auto groups = optim::decayGroups(*model_, 0.1);
   const optim::AdamWOptions adamw{.lr = 3e-3, .beta2 = 0.95};
   if (spec_.wrapper == Wrapper::Sharded) {

@@ -57,6 +57,7 @@ class TrainingRank {
  private:
   RunSpec spec_;
   std::shared_ptr<ProcessGroup> group_;
+  Generator init_{7};  // the model keeps a pointer to it (its dropout generator): it lives as long
   std::shared_ptr<nn::Gpt> model_;
   std::shared_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ZeroRedundancy> zero_;
