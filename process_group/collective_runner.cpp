@@ -254,7 +254,10 @@ void CollectiveRunner::shutdown() {
     if (running_) abortTransport();
   }
   wake_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  {
+    std::lock_guard<std::mutex> join(joinMutex_);
+    if (worker_.joinable()) worker_.join();
+  }
   progress_->stop();
 }
 

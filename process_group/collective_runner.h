@@ -234,6 +234,9 @@ class CollectiveRunner {
   std::atomic<uint64_t> ranByCaller_{0};
   std::atomic<uint64_t> ranByWorker_{0};
   std::chrono::steady_clock::time_point tickUntil_{};
+  // shutdown() may run on several threads at once (a body's failure and an elastic watcher's
+  // abort both stop a sub-backend): one joins, the others wait for that join.
+  std::mutex joinMutex_;
   std::thread worker_;
 };
 

@@ -79,6 +79,7 @@ void ProgressTracker::stop() {
     stopping_ = true;
   }
   wake_.notify_all();
+  std::lock_guard<std::mutex> join(joinMutex_);
   if (thread_.joinable()) thread_.join();
 }
 

@@ -81,6 +81,7 @@ class ProgressTracker {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stopping_ = false;
+  std::mutex joinMutex_;  // stop() may run on several threads at once: one joins
   std::thread thread_;
 };
 

@@ -188,6 +188,7 @@ struct GlooBackend::Impl {
   std::condition_variable p2pWake;  // the p2p waiter
   std::deque<P2PTask> p2pQueue;
   bool p2pStopping = false;
+  std::mutex p2pJoinMutex;  // shutdown() may run on several threads at once: one joins
   std::thread p2pWorker;
 
   std::string whoText;  // "rank 1/4 pg=default gloo", made once: who() is on every op's path
@@ -425,6 +426,7 @@ void GlooBackend::shutdown() {
   }
   d.p2pWake.notify_all();
   d.runner->shutdown();
+  std::lock_guard<std::mutex> join(d.p2pJoinMutex);
   if (d.p2pWorker.joinable()) d.p2pWorker.join();
 }
 

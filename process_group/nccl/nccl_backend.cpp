@@ -149,6 +149,7 @@ struct NcclBackend::Impl {
   std::condition_variable p2pWake;
   std::list<WatchedP2P> p2p;
   bool p2pStopping = false;
+  std::mutex p2pJoinMutex;  // shutdown() may run on several threads at once: one joins
   std::thread p2pThread;
 
   const std::string& who() const { return runner->who(); }
@@ -757,6 +758,7 @@ struct NcclBackend::Impl {
       p2pStopping = true;
     }
     p2pWake.notify_all();
+    std::lock_guard<std::mutex> join(p2pJoinMutex);
     if (p2pThread.joinable()) p2pThread.join();
   }
 

@@ -108,6 +108,7 @@ struct ShmBackend::Impl {
   std::list<std::shared_ptr<Unexpected>> unexpected;
   std::vector<uint64_t> messagesSent;                 // per dst
   bool p2pStopping = false;
+  std::mutex p2pJoinMutex;  // shutdown() may run on several threads at once: one joins
   std::thread p2pThread;
   // Works to complete once p2pMutex is released (their callbacks may post more).
   std::vector<std::pair<WorkPtr, std::exception_ptr>> finished;
@@ -545,6 +546,7 @@ struct ShmBackend::Impl {
       p2pStopping = true;
     }
     if (seg) seg->ring(rank);
+    std::lock_guard<std::mutex> join(p2pJoinMutex);
     if (p2pThread.joinable()) p2pThread.join();
   }
 };

@@ -70,6 +70,29 @@ struct Recorder {
   }
 };
 
+// A body's failure (on the caller) and an elastic watcher's abort (on its own thread) can
+// shut the same sub-backend down at once: every caller returns, the worker is joined once.
+TEST(Scheduling, ShutdownFromSeveralThreadsAtOnceReturnsEverywhere) {
+  for (int round = 0; round < 20; ++round) {
+    Recorder r;
+    r.issue()->wait();
+    std::atomic<int> ready{0}, returned{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&] {
+        ++ready;
+        while (ready.load() < 4) std::this_thread::yield();
+        r.runner->shutdown();
+        ++returned;
+      });
+    }
+    ASSERT_TRUE(eventually([&] { return returned.load() == 4; }, 10s)) << "round " << round << ": "
+                                                                         << returned.load() << " of 4 returned";
+    for (auto& t : threads) t.join();
+    EXPECT_TRUE(r.runner->stopping());
+  }
+}
+
 TEST(Scheduling, ASmallOpItsCallerWaitsForRunsOnTheCallerWithNoWakeUp) {
   Recorder r;
   for (int i = 0; i < 50; ++i) r.issue()->wait();
