@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -144,7 +145,7 @@ struct Agent::Impl {
     if (node > 0 && !nodeExited(node)) {
       pendingEvents.push_back({CoordinatorEvent::Kind::NodeLost,
                                str("node ", node, "'s dtrun closed its watch connection without finishing: it died or was killed (SIGKILL, OOM killer, machine reboot)"),
-                               1});
+                               1, -1, node});
     }
   }
 
@@ -618,8 +619,10 @@ struct Agent::Impl {
     };
     // --elastic, node 0: a lost node's workers are dead, and the node is done
     // as far as the others' end-of-job wait is concerned.
+    // Its watch connection and its heartbeats may both report one loss: the first is told.
+    std::set<int> lostNodes;
     auto loseNode = [&](int node, const std::string& why) {
-      if (node < 0 || node >= static_cast<int>(rdv.nodeRanks.size())) return;
+      if (node < 0 || node >= static_cast<int>(rdv.nodeRanks.size()) || !lostNodes.insert(node).second) return;
       const auto [first, count] = rdv.nodeRanks[static_cast<size_t>(node)];
       for (int r = first; r < first + count; ++r) {
         try {

@@ -178,5 +178,39 @@ TEST(DtrunNetns, KilledHostDtrunIsReportedByTheOthers) {
   }
 }
 
+#ifdef ELASTIC_WORKER_PATH
+// dtrun --elastic across three hosts: rank 2 (host 1) SIGKILLs its own dtrun
+// and itself at step 15, so host 1 and both its ranks vanish at once. Host 0
+// sees the watch connection close, posts ranks 2-3 dead, and the four ranks of
+// hosts 0 and 2 finish in place with every step applied exactly once.
+TEST(DtrunNetns, ElasticJobLosesAWholeHostAndTheOtherHostsFinishInPlace) {
+  Hosts hosts;
+  if (const std::string why = hosts.build(); !why.empty()) GTEST_SKIP() << "network namespaces unavailable: " << why;
+  std::vector<std::unique_ptr<ChildProcess>> nodes;
+  for (int h = 0; h < 3; ++h) {
+    nodes.push_back(std::make_unique<ChildProcess>(
+        hosts.dtrunOn(h, "0", {"--elastic"}, 3, {ELASTIC_WORKER_PATH, "40", "5", "2", "15", "node"})));
+  }
+  const auto lost = nodes[1]->wait(60s);
+  EXPECT_EQ(lost.exitCode, 128 + SIGKILL) << lost.err;
+  for (int h : {0, 2}) {
+    const auto r = nodes[static_cast<size_t>(h)]->wait(90s);
+    EXPECT_EQ(r.exitCode, 0) << "host " << h << ": " << r.out << r.err;
+    for (int local = 0; local < 2; ++local) {
+      const int rank = 2 * h + local;
+      // The survivors are renumbered 0-3 in member order: 0, 1, 4, 5.
+      EXPECT_THAT(r.out, HasSubstr(str("member ", rank, " rank ", h == 0 ? local : 2 + local, "/4 epoch 1 state 1914")))
+          << "host " << h << ": " << r.out << r.err;
+      EXPECT_THAT(r.out, HasSubstr("expected 1914 lost ")) << r.out;
+    }
+    EXPECT_THAT(r.out, HasSubstr("was lost with node 1")) << "host " << h << ": " << r.out;
+  }
+  const auto head = nodes[0]->wait(1s);
+  EXPECT_THAT(head.err, HasSubstr("node 1 is lost (node 1's dtrun closed its watch connection without finishing"))
+      << head.err;
+  EXPECT_THAT(head.err, HasSubstr("the elastic job goes on without them")) << head.err;
+}
+#endif
+
 }  // namespace
 }  // namespace dt::testing

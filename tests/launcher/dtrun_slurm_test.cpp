@@ -128,5 +128,28 @@ TEST(DtrunSlurm, TwoNodesAllreduceHierarchicallyWithHostIdsFromTheNodeNames) {
 }
 #endif
 
+#ifdef ELASTIC_WORKER_PATH
+// dtrun --elastic on two SLURM nodes: rank 2 (node 1) SIGKILLs its node's dtrun
+// and itself at step 15, so node 1 and both its ranks are gone. Node 0 (which
+// hosts the store) sees the watch connection close, posts ranks 2-3 dead, and
+// its two ranks finish in place with every step applied exactly once.
+TEST(DtrunSlurm, ElasticJobLosesNodeOneAndNodeZeroFinishesInPlace) {
+  REQUIRE_CLUSTER();
+  const auto r = shell(str("srun -N2 --ntasks-per-node=1 --immediate=30 --kill-on-bad-exit=0 --wait=0 ", kDtrun,
+                           " --nproc 2 --elastic --min-nproc 2 ", ELASTIC_WORKER_PATH, " 40 5 2 15 node"));
+  // srun reports the task that was killed; node 0's own result is in its output.
+  EXPECT_NE(r.exitCode, 0) << r.out << r.err;
+  const std::string all = r.out + r.err;
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_THAT(r.out, HasSubstr(str("member ", rank, " rank ", rank, "/2 epoch 1 state 1914 expected 1914 lost ")))
+        << all;
+  }
+  EXPECT_THAT(r.out, HasSubstr("was lost with node 1")) << all;
+  EXPECT_THAT(all, HasSubstr("node 1 is lost (node 1's dtrun closed its watch connection without finishing")) << all;
+  EXPECT_THAT(all, HasSubstr("the elastic job goes on without them")) << all;
+  EXPECT_EQ(countOccurrences(all, "state 1914 expected 1914"), 2) << all;
+}
+#endif
+
 }  // namespace
 }  // namespace dt::testing
