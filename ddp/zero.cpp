@@ -40,6 +40,7 @@ struct Bucket {
   bool released = false;
   WorkPtr reduceWork;
   Tensor shardGrad;           // this rank's run of the averaged gradient
+  bool gatherPending = false;  // this round still has to gather the bucket
   WorkPtr gatherWork;
   Tensor gatherIn, gatherOut;
   int64_t gatherStartNs = 0;
@@ -274,43 +275,64 @@ struct ZeroRedundancy::Impl {
 
   // ---- the parameters ---------------------------------------------------------------------
 
-  void launchGathers() {
+  // At most this many bucket gathers are on the wire at once: each holds a bucket-sized result
+  // until its parameters are copied out, so all at once would be one more copy of the model.
+  static constexpr int kGathersInFlight = 2;
+
+  // A round of gathers starts when the optimizer (or a restore) changed this rank's parts since
+  // the parameters were last whole everywhere, and then gathers every bucket: deciding per
+  // bucket could differ between ranks (a rank whose pieces of a bucket are empty).
+  void startRound() {
+    for (const Bucket& bucket : buckets) {
+      if (bucket.gatherPending) return;  // one is under way
+    }
     if (!stepped()) return;
-    bool launched = false;
+    for (Bucket& bucket : buckets) bucket.gatherPending = !bucket.parts.empty();
+    ++stats.steps;
+  }
+
+  void launchGather(size_t b) {
+    Bucket& bucket = buckets[b];
+    if (bucket.gatherWork || !bucket.gatherPending) return;
     const int w = world(), r = rank();
     NoGradGuard noGrad;
-    // The forward uses the last bucket's parameters first.
-    for (size_t b = buckets.size(); b-- > 0;) {
-      Bucket& bucket = buckets[b];
-      if (bucket.gatherWork || bucket.parts.empty()) continue;
-      const Tensor& first = parts[bucket.parts.front()].param;
-      const int64_t block = bucket.chunk + bucket.tail;
-      bucket.gatherIn = zeros({block}, first.options());
-      for (size_t i : bucket.parts) {
-        const Part& p = parts[i];
-        if (p.count > 0) bucket.gatherIn.narrow(0, p.start + p.offset - bucket.lo(r), p.count).copy_(p.piece);
-      }
-      bucket.gatherOut = empty({block * w}, first.options());
-      bucket.gatherStartNs = profiler::recording() ? profiler::nowNs() : 0;
-      bucket.gatherWork = group().allgatherIntoTensor(bucket.gatherOut, bucket.gatherIn);
-      const bool profiling = profiler::recording();
-      const int64_t startNs = bucket.gatherStartNs;
-      const int me = r;
-      const std::string args = str("\"bucket\": ", b, ", \"bytes\": ", bucket.gatherOut.nbytes());
-      bucket.gatherWork->thenInline([profiling, startNs, me, b, args](Work& work) {
-        if (!profiling || !profiler::recording()) return;
-        profiler::recordEvent("zero gather", EventCategory::Ddp, startNs, profiler::nowNs(),
-                              work.isSuccess() ? args : args + ", \"failed\": true", me, kZeroTrackBase + b,
-                              str("zero gather ", b));
-      });
-      stats.gatherBytes += bucket.gatherOut.nbytes();
-      launched = true;
+    const Tensor& first = parts[bucket.parts.front()].param;
+    const int64_t block = bucket.chunk + bucket.tail;
+    bucket.gatherIn = zeros({block}, first.options());
+    for (size_t i : bucket.parts) {
+      const Part& p = parts[i];
+      if (p.count > 0) bucket.gatherIn.narrow(0, p.start + p.offset - bucket.lo(r), p.count).copy_(p.piece);
     }
-    if (launched) ++stats.steps;
+    bucket.gatherOut = empty({block * w}, first.options());
+    const int64_t startNs = profiler::recording() ? profiler::nowNs() : 0;
+    bucket.gatherWork = group().allgatherIntoTensor(bucket.gatherOut, bucket.gatherIn);
+    const bool profiling = profiler::recording();
+    const std::string args = str("\"bucket\": ", b, ", \"bytes\": ", bucket.gatherOut.nbytes());
+    bucket.gatherWork->thenInline([profiling, startNs, r, b, args](Work& work) {
+      if (!profiling || !profiler::recording()) return;
+      profiler::recordEvent("zero gather", EventCategory::Ddp, startNs, profiler::nowNs(),
+                            work.isSuccess() ? args : args + ", \"failed\": true", r, kZeroTrackBase + b,
+                            str("zero gather ", b));
+    });
+    stats.gatherBytes += bucket.gatherOut.nbytes();
+  }
+
+  // Keeps kGathersInFlight bucket gathers going, in the order the forward needs them (the last
+  // bucket holds the first parameters). The same on every rank: the same forward, the same calls.
+  void launchGathers() {
+    startRound();
+    int inFlight = 0;
+    for (const Bucket& bucket : buckets) inFlight += bucket.gatherWork ? 1 : 0;
+    for (size_t b = buckets.size(); b-- > 0 && inFlight < kGathersInFlight;) {
+      if (buckets[b].gatherWork || !buckets[b].gatherPending) continue;
+      launchGather(b);
+      ++inFlight;
+    }
   }
 
   void finishGather(size_t b) {
     Bucket& bucket = buckets[b];
+    if (!bucket.gatherWork) launchGather(b);  // needed before its turn (a forward of another order)
     if (!bucket.gatherWork) return;
     const auto start = Clock::now();
     try {
@@ -337,6 +359,8 @@ struct ZeroRedundancy::Impl {
     }
     bucket.gatherWork.reset();
     bucket.gatherIn = bucket.gatherOut = Tensor();
+    bucket.gatherPending = false;
+    launchGathers();
   }
 
   void finishAll() {
