@@ -55,7 +55,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -194,6 +193,29 @@ class CollectiveRunner {
     bool leftToCaller = false;  // small: its caller may run it (see the contract)
     bool seenByTick = false;    // the worker's last tick found it left to its caller
   };
+  // First in, first out, in one vector. The queue empties after almost every small op, and a
+  // std::deque frees a node and allocates another every other op at that rhythm.
+  class TaskQueue {
+   public:
+    bool empty() const { return head_ == tasks_.size(); }
+    Task& front() { return tasks_[head_]; }
+    void push_back(Task&& task) { tasks_.push_back(std::move(task)); }
+    void pop_front() {  // the front was moved out: only its husk is left
+      if (++head_ == tasks_.size()) {
+        tasks_.clear();
+        head_ = 0;
+      } else if (head_ >= 64 && 2 * head_ >= tasks_.size()) {  // never drains: drop the husks
+        tasks_.erase(tasks_.begin(), tasks_.begin() + static_cast<std::ptrdiff_t>(head_));
+        head_ = 0;
+      }
+    }
+    std::vector<Task>::iterator begin() { return tasks_.begin() + static_cast<std::ptrdiff_t>(head_); }
+    std::vector<Task>::iterator end() { return tasks_.end(); }
+
+   private:
+    std::vector<Task> tasks_;
+    size_t head_ = 0;
+  };
 
   void workerLoop();
   void runTask(Task& task);
@@ -224,7 +246,7 @@ class CollectiveRunner {
 
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable wake_;
-  std::deque<Task> queue_;
+  TaskQueue queue_;
   bool stopping_ = false;
   bool running_ = false;  // a body runs (on the worker or inline)
   std::exception_ptr broken_;

@@ -57,7 +57,7 @@ WorkPtr HierarchicalBackend::allreduce(const std::vector<Tensor>& tensors, const
       CpuCallSite{runner_->who(), "shm+gloo", rank_, size_, options.seq}, tensors, options);
   const ReduceOp op = options.reduceOp;
   return runner_->enqueue(options.seq, "allreduce", std::move(fp), options.timeout,
-                          [this, tensors, op](std::chrono::milliseconds limit, const CollectiveFingerprint&) {
+                          [this, tensors = tensors, op](std::chrono::milliseconds limit, const CollectiveFingerprint&) {
                             Staged staged = stage(tensors);
                             // Sums within and across hosts; the leaders divide once for Avg.
                             const ReduceOp sum = op == ReduceOp::Avg ? ReduceOp::Sum : op;

@@ -436,7 +436,7 @@ WorkPtr GlooBackend::allreduce(const std::vector<Tensor>& tensors, const Allredu
   auto& d = *impl_;
   CollectiveFingerprint fp = checkAllreduce(d.callSite(options.seq), tensors, options);
   const ReduceOp op = options.reduceOp;
-  return d.enqueue(options.seq, "allreduce", fp, options.timeout, [tensors, op](Impl& impl, Millis timeout) {
+  return d.enqueue(options.seq, "allreduce", fp, options.timeout, [tensors = tensors, op](Impl& impl, Millis timeout) {
     Staged staged = stage(tensors);
     const uint64_t tagBase = impl.runner->progress().lastStarted();
     for (size_t i = 0; i < staged.buffers.size(); ++i) {
@@ -452,7 +452,7 @@ WorkPtr GlooBackend::broadcast(const std::vector<Tensor>& tensors, const Broadca
   auto& d = *impl_;
   CollectiveFingerprint fp = checkBroadcast(d.callSite(options.seq), tensors, options);
   const int root = options.root;
-  return d.enqueue(options.seq, "broadcast", fp, options.timeout, [tensors, root](Impl& impl, Millis timeout) {
+  return d.enqueue(options.seq, "broadcast", fp, options.timeout, [tensors = tensors, root](Impl& impl, Millis timeout) {
     Staged staged = stage(tensors);
     const uint32_t tag = impl.tagFor(impl.runner->progress().lastStarted());
     for (size_t i = 0; i < staged.buffers.size(); ++i) {
@@ -532,7 +532,7 @@ WorkPtr GlooBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOpti
   CollectiveFingerprint fp = checkReduce(d.callSite(options.seq), tensors, options);
   const ReduceOp op = options.reduceOp;
   const int root = options.root;
-  return d.enqueue(options.seq, "reduce", fp, options.timeout, [tensors, op, root](Impl& impl, Millis timeout) {
+  return d.enqueue(options.seq, "reduce", fp, options.timeout, [tensors = tensors, op, root](Impl& impl, Millis timeout) {
     // Non-root ranks reduce from a copy so that their tensors stay unchanged.
     Staged staged = impl.rank == root ? stage(tensors) : stageCopy(tensors);
     const uint32_t tag = impl.tagFor(impl.runner->progress().lastStarted());

@@ -637,7 +637,9 @@ WorkPtr ShmBackend::allreduce(const std::vector<Tensor>& tensors, const Allreduc
   CollectiveFingerprint fp = checkAllreduce(d.callSite(options.seq), tensors, options);
   const ReduceOp op = options.reduceOp;
   return collective(d, options.seq, "allreduce", std::move(fp), options.timeout,
-                    [tensors, op](Impl& impl) mutable {  // runs once: it may give its list away
+                    // `tensors = tensors`: a member that is not const (a plain capture of the const&
+                    // parameter is), so the list moves into the queued body and from it.
+                    [tensors = tensors, op](Impl& impl) mutable {  // runs once: it may give its list away
                       Staged staged = stage(std::move(tensors));
                       for (auto& b : staged.buffers) {
                         impl.allreduceBuffer(static_cast<uint8_t*>(b.dataPtr()), static_cast<size_t>(b.numel()),
@@ -653,7 +655,7 @@ WorkPtr ShmBackend::reduce(const std::vector<Tensor>& tensors, const ReduceOptio
   const ReduceOp op = options.reduceOp;
   const int root = options.root;
   return collective(d, options.seq, "reduce", std::move(fp), options.timeout,
-                    [tensors, op, root](Impl& impl) {
+                    [tensors = tensors, op, root](Impl& impl) {
                       // Non-root ranks reduce from a copy so that their tensors stay unchanged.
                       Staged staged = impl.rank == root ? stage(tensors) : stageCopy(tensors);
                       for (auto& b : staged.buffers) {
@@ -669,7 +671,7 @@ WorkPtr ShmBackend::broadcast(const std::vector<Tensor>& tensors, const Broadcas
   CollectiveFingerprint fp = checkBroadcast(d.callSite(options.seq), tensors, options);
   const int root = options.root;
   return collective(d, options.seq, "broadcast", std::move(fp), options.timeout,
-                    [tensors, root](Impl& impl) mutable {  // runs once: it may give its list away
+                    [tensors = tensors, root](Impl& impl) mutable {  // runs once: it may give its list away
                       Staged staged = stage(std::move(tensors));
                       for (auto& b : staged.buffers) {
                         impl.broadcastBuffer(static_cast<uint8_t*>(b.dataPtr()), b.nbytes(), root);
