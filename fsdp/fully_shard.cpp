@@ -404,6 +404,15 @@ struct FullyShardedDataParallel::Impl {
       for (ShardParam& p : u->params) p.param.setGrad(Tensor());
     }
     iterationActive = false;
+    inRootForward = false;
+  }
+
+  // An iteration that threw in the root's forward or in its backward (e.g. its group was
+  // aborted when a member died): it never finishes by itself, since the end of backward
+  // (finalize) runs only when the whole pass succeeds. One whose backward has not begun is
+  // pending, not failed.
+  bool iterationFailed() const {
+    return !summoned && !inBackward() && (inRootForward || (iterationActive && backwardStarted));
   }
 
   Tensor onRootPreForward(const Tensor& input) {
@@ -1026,6 +1035,9 @@ FullyShardedDataParallel::FullParametersGuard::~FullParametersGuard() {
 
 void FullyShardedDataParallel::rebind(std::shared_ptr<ProcessGroup> group) {
   Impl& m = *impl_;
+  // After a failed iteration (the elastic recovery's case: a member died mid-step) its
+  // leftovers go first: the old group's collectives are waited for, every unit resharded.
+  if (m.iterationFailed()) m.abandonIteration();
   m.requireIdle("rebind");
   if (!group || !group->isMember()) throw InvalidArgument("FullyShardedDataParallel::rebind: not a member of the new group");
   requireSameOnAllRanks(*group, m.describeUnits(),

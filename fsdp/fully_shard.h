@@ -200,7 +200,9 @@ class FullyShardedDataParallel {
   // the model's parameters are whole (in paramDtype) and its forward gathers nothing.
   [[nodiscard]] FullParametersGuard gatherFullParameters();
 
-  // A collective over `group` (see the header comment). Between iterations only.
+  // A collective over `group` (see the header comment). Between iterations only, or after an
+  // iteration whose forward or backward threw (a member lost mid-step): that iteration is
+  // abandoned first (the old group's collectives waited for, gradients not reduced dropped).
   void rebind(std::shared_ptr<ProcessGroup> group);
 
   const ShardedIterationStats& lastIteration() const;

@@ -3,7 +3,7 @@
 // on without losing a step or an example; below the minimum the job stops
 // naming who is left. The test plays the launcher: it posts a rank's death
 // when the rank ends, and when a frozen rank's heartbeat goes stale (then it
-// kills it), as dtrun --elastic does.
+// kills it), as dtrun --elastic does (tests/elastic/supervise.h).
 //
 // The step: each rank sums the values of its share of the step's global
 // batch (12 examples, positions r, r+W, ... : the same examples at any world
@@ -22,9 +22,9 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "elastic/elastic_group.h"
-#include "store/membership.h"
 #include "tensor/tensor.h"
 #include "testing/spawn.h"
+#include "tests/elastic/supervise.h"
 #include "tests/testing/testing.h"
 
 namespace dt {
@@ -32,6 +32,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::RankContext;
+using testing::superviseUntilDone;  // the launcher's part (tests/elastic/supervise.h)
 
 constexpr int64_t kGlobalBatch = 12;
 constexpr int64_t kSteps = 30;
@@ -86,41 +87,6 @@ std::string train(RankContext&, int minSize) {
   }
   const auto& m = elastic->membership();
   return str("state=", state, " epoch=", m.epoch, " size=", m.size(), " lost=", lost);
-}
-
-// The launcher's part: a rank that ended is posted dead at once; a rank whose
-// heartbeat stopped for `liveness` is posted dead and killed.
-void superviseUntilDone(testing::SpawnedRanks& ranks, std::chrono::milliseconds liveness = 2s) {
-  const int world = ranks.worldSize();
-  std::vector<bool> posted(static_cast<size_t>(world), false);
-  std::vector<std::optional<uint64_t>> lastBeat(static_cast<size_t>(world));
-  std::vector<std::chrono::steady_clock::time_point> beatSeen(static_cast<size_t>(world), std::chrono::steady_clock::now());
-  while (true) {
-    bool running = false;
-    for (int r = 0; r < world; ++r) {
-      const auto s = ranks.state(r);
-      running |= s != testing::RankState::Ended;
-      if (posted[static_cast<size_t>(r)]) continue;
-      if (s == testing::RankState::Ended) {
-        membership::postDeath(ranks.store(), r, "exited: signal SIGKILL");
-        posted[static_cast<size_t>(r)] = true;
-        continue;
-      }
-      const auto beat = membership::heartbeatOf(ranks.store(), r);
-      const auto now = std::chrono::steady_clock::now();
-      if (beat != lastBeat[static_cast<size_t>(r)]) {
-        lastBeat[static_cast<size_t>(r)] = beat;
-        beatSeen[static_cast<size_t>(r)] = now;
-      } else if (beat && now - beatSeen[static_cast<size_t>(r)] > liveness) {
-        membership::postDeath(ranks.store(), r, str("stopped responding: no heartbeat for ",
-                                                    formatDuration(liveness), " (frozen or hung)"));
-        posted[static_cast<size_t>(r)] = true;
-        ranks.kill(r);
-      }
-    }
-    if (!running) return;
-    std::this_thread::sleep_for(20ms);
-  }
 }
 
 testing::SpawnResult runJob(int world, std::vector<testing::PlanStep> plan, int minSize = 1) {
