@@ -369,7 +369,9 @@ struct ZeroRedundancy::Impl {
 
   void beforeForward() {
     launchGathers();
-    eagerRelease = options.stage == 2;
+    // Not before DDP has settled its buckets (after its first iteration): that rebuild copies
+    // the gradients out of the old buffers, so they must still hold them.
+    eagerRelease = options.stage == 2 && ddp.bucketsRebuilt();
     for (const Part& p : parts) {
       if (p.param.grad().defined()) eagerRelease = false;  // noSync accumulation: DDP may restore some
     }

@@ -105,5 +105,26 @@ TEST(GptE2e, ResumingFromACheckpointIsExactAndTheMetricsFileContinues) {
   EXPECT_NE((refused.out + refused.err).find("lr = "), std::string::npos) << refused.out << refused.err;
 }
 
+// Every --sharding mode trains the job to DDP's validation loss. The model is wide enough for
+// several DDP buckets, so that DDP plans them again after its first (settling) iteration: ZeRO-2
+// used to free the gradient buckets in that iteration, and the new plan then copied the
+// gradients out of freed memory (SIGSEGV).
+TEST(GptE2e, EveryShardingModeReachesDdpsValidationLoss) {
+  const std::vector<std::string> wide{"--layers",  "4", "--width", "256", "--steps", "3", "--warmup", "1",
+                                      "--checkpoint-dir", "none", "--sample-tokens", "0"};
+  std::map<std::string, double> loss;
+  for (const char* mode : {"ddp", "zero1", "zero2", "fsdp", "fsdp-keep"}) {
+    std::vector<std::string> extra = wide;
+    extra.insert(extra.end(), {"--sharding", mode});
+    const ProcessResult r = runGpt(2, extra);
+    const auto l = validationLoss(r.out);
+    ASSERT_TRUE(l.has_value()) << mode << ":\n" << r.out << r.err;
+    loss[mode] = *l;
+  }
+  for (const auto& [mode, l] : loss) {
+    EXPECT_LT(std::fabs(l - loss["ddp"]) / loss["ddp"], 1e-3) << mode << ": " << l << " vs ddp's " << loss["ddp"];
+  }
+}
+
 }  // namespace
 }  // namespace dt::testing

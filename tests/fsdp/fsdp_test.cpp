@@ -300,8 +300,16 @@ TEST(Zero, StagesOneAndTwoMatchDdpAndShardTheOptimizerState) {
   // ZeRO's parts follow, with that iteration's gradients.
   RunSpec unsettled = spec(Wrapper::Zero1), unsettledDdp = spec(Wrapper::Ddp);
   unsettled.settle = unsettledDdp.settle = false;
-  EXPECT_LT(relativeDifference(trainedParameters(unsettledDdp, 3, 6), trainedParameters(unsettled, 3, 6)), kReassociation)
+  const auto unsettledReference = trainedParameters(unsettledDdp, 3, 6);
+  EXPECT_LT(relativeDifference(unsettledReference, trainedParameters(unsettled, 3, 6)), kReassociation)
       << "ZeRO across DDP's rebuild";
+  // ZeRO-2 across DDP's rebuild too, over many small buckets (GptE2e.EveryShardingMode... is
+  // the case whose rebuild moves parameters between buckets).
+  unsettled.wrapper = Wrapper::Zero2;
+  unsettled.ddp.bucketCapBytes = unsettled.ddp.firstBucketCapBytes = unsettledDdp.ddp.bucketCapBytes =
+      unsettledDdp.ddp.firstBucketCapBytes = 2048;
+  EXPECT_LT(relativeDifference(trainedParameters(unsettledDdp, 3, 6), trainedParameters(unsettled, 3, 6)), kReassociation)
+      << "ZeRO-2 across DDP's rebuild";
   RunSpec accumulate = spec(Wrapper::Zero2), reference = spec(Wrapper::Ddp);
   accumulate.microBatches = reference.microBatches = 2;
   EXPECT_LT(relativeDifference(trainedParameters(reference, 2, 6), trainedParameters(accumulate, 2, 6)), kReassociation)

@@ -51,7 +51,7 @@ TrainingRank::TrainingRank(const RunSpec& spec, std::shared_ptr<ProcessGroup> gr
     optimizer_ = std::make_unique<optim::AdamW>(fsdp_->paramGroups(groups), adamw);
     return;
   }
-  ddp_ = std::make_shared<DistributedDataParallel>(model_, group_);
+  ddp_ = std::make_shared<DistributedDataParallel>(model_, group_, spec_.ddp);
   if (spec_.wrapper != Wrapper::Ddp) {
     zero_ = std::make_unique<ZeroRedundancy>(*ddp_, ZeroOptions{.stage = spec_.wrapper == Wrapper::Zero1 ? 1 : 2});
     optimizer_ = std::make_unique<optim::AdamW>(zero_->paramGroups(groups), adamw);

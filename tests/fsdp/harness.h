@@ -30,6 +30,7 @@ struct RunSpec {
   Wrapper wrapper = Wrapper::Sharded;
   nn::GptConfig model = smallGpt();
   FullyShardOptions sharded;  // units are filled in: every block
+  DdpOptions ddp;             // DDP and ZeRO
   int microBatches = 1;       // noSync accumulation over the first micro-batches
   int64_t globalBatch = 12;
   // DDP and ZeRO: one thrown-away iteration first (DDP's bucket rebuild happens there).
