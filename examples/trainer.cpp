@@ -94,7 +94,7 @@ struct Config {
   // Elastic training (dtrun --elastic, docs/elastic.md): on by default under dtrun --elastic.
   bool elastic = false;
   std::string failAt;          // "MEMBER:STEP:WHERE": SIGKILL self there (to test recovery)
-  std::string recordSamples;   // PREFIX: each rank appends its committed steps' example ids to PREFIX.<member>
+  std::string recordSamples;   // PREFIX: each rank appends each attempt at a step (its example ids) to PREFIX.<member>
   std::string stepLog;         // FILE: rank 0 appends a line per committed step (and --fail-at's member one before its kill)
   std::vector<int64_t> dumpAt;  // steps after which rank 0 writes the parameters to dumpDir
   std::string dumpDir;
@@ -145,7 +145,8 @@ elastic (docs/elastic.md)
                           step, with the same global batch (default: on when dtrun --elastic started it)
   --fail-at M:STEP:WHERE  to test recovery: member M SIGKILLs itself during step STEP, WHERE = forward,
                           backward, commit (after its commit vote) or checkpoint (while writing one)
-  --record-samples PREFIX each rank appends the example ids of each step it votes to commit to PREFIX.<member>
+  --record-samples PREFIX each rank appends "EPOCH STEP DATA_EPOCH ids..." to PREFIX.<member> for each attempt at
+                          a step, before its commit vote (a redone step appears again with a later EPOCH)
   --step-log FILE         rank 0 (of the current membership) appends "STEP EPOCH WORLD NS" to FILE for each step
                           it commits (STEP from 0; EPOCH: the membership epoch, or the restart count without
                           --elastic; NS: CLOCK_REALTIME in ns), written at once; --fail-at's member appends
