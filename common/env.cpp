@@ -59,6 +59,8 @@ constexpr std::array kKnobs = {
     Knob{"DT_MASTER_PORT", "29500", "dtrun --master-port: port of node 0's store; 0 picks a free one (one node only).", "user"},
     Knob{"DT_WORKER_PORT", "0", "dtrun --worker-port: the MASTER_PORT given to workers (kept free for them); 0 picks a free one.", "user"},
     Knob{"DT_ELASTIC", "off", "dtrun --elastic: keep training when a worker dies (the others go on in place); set 1 for the workers of such a job.", "dtrun, user"},
+    Knob{"DT_ELASTIC_JOIN", "0", "Set 1 by dtrun --elastic for a replacement worker: its ElasticGroup joins the running job (admitted at a step boundary) instead of starting it.", "dtrun"},
+    Knob{"DT_ELASTIC_MEMBER", "-1", "With DT_ELASTIC_JOIN=1: the replacement's member id (a fresh one, at least the initial world size), set by dtrun.", "dtrun"},
     Knob{"DT_MIN_NPROC", "1", "dtrun --min-nproc: an elastic job stops when fewer workers are left; the workers' ElasticGroup reads it too.", "dtrun, user"},
     Knob{"DT_LIVENESS_TIMEOUT", "5s", "dtrun --liveness-timeout: an elastic worker whose heartbeat stopped this long is declared dead and killed.", "user"},
     Knob{"DT_MONITOR_INTERVAL", "500ms", "dtrun --monitor-interval: how often dtrun polls the store (other nodes, heartbeats, hang watchdog).", "user"},

@@ -28,6 +28,8 @@ std::exception_ptr withPrefix(const std::exception_ptr& cause, const std::string
     return std::make_exception_ptr(MemberLostError(prefix + e.what() + suffix));
   } catch (const MembershipError& e) {
     return std::make_exception_ptr(MembershipError(prefix + e.what() + suffix));
+  } catch (const JobFinishedError& e) {
+    return std::make_exception_ptr(JobFinishedError(prefix + e.what() + suffix));
   } catch (const BackendError& e) {
     return std::make_exception_ptr(BackendError(prefix + e.what() + suffix));
   } catch (const Error& e) {

@@ -51,6 +51,9 @@ DT_DECLARE_ERROR(MemberLostError);
 // An elastic job cannot go on as asked: fewer members than its minimum, or
 // this process is no longer a member. The message names who is left and why.
 DT_DECLARE_ERROR(MembershipError);
+// A process that came to join a running elastic job found it finished before it
+// was admitted: there is nothing left for it to do (a trainer exits 0).
+DT_DECLARE_ERROR(JobFinishedError);
 
 #undef DT_DECLARE_ERROR
 

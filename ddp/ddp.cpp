@@ -50,7 +50,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   }
   registerModule("module", module_);
   const NamedTensors params = module_->namedParameters();
-  verifySameModel(*group_, params, who());
+  if (options_.syncAtConstruction) verifySameModel(*group_, params, who());
   std::vector<Tensor> trained;
   std::vector<std::string> names;
   for (const auto& [name, t] : params) {
@@ -65,7 +65,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   // Every rank starts from rank 0's values.
   std::vector<Tensor> state = valuesOf(params);
   for (const auto& t : valuesOf(module_->namedBuffers())) state.push_back(t);
-  broadcastTensors(*group_, state, 0);
+  if (options_.syncAtConstruction) broadcastTensors(*group_, state, 0);
 
   ReducerOptions reducerOptions;
   reducerOptions.caps = {options_.firstBucketCapBytes, options_.bucketCapBytes};

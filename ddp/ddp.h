@@ -72,6 +72,11 @@ struct DdpOptions {
   // so a resumed job needs no first iteration to settle them. Parameter paths
   // as bucketOrder() gives them; the same on every rank.
   std::vector<std::string> bucketOrder;
+  // Construction verifies that every rank has the same model and broadcasts rank 0's
+  // parameters and buffers: collectives over the group. false skips both, for a process
+  // that joins a running elastic job: it received the state from the members
+  // (checkpoint/transfer.h) and they, already past their construction, run no such ops.
+  bool syncAtConstruction = true;
 };
 
 class DistributedDataParallel : public nn::Module {

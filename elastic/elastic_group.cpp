@@ -1,6 +1,7 @@
 #include "elastic/elastic_group.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -28,40 +29,12 @@ using Millis = std::chrono::milliseconds;
 constexpr Millis kFailureReportWindow{200};
 // How often a survivor looks at the agreement's keys while it waits.
 constexpr Millis kAgreementPoll{2};
+// How often a joiner waiting for its admission looks whether the job finished meanwhile.
+constexpr Millis kJoinPoll{200};
 
 std::string epochPrefix(uint64_t epoch) { return str("elastic/e", epoch, "/"); }
 std::string reportKey(uint64_t epoch, int member) { return str(epochPrefix(epoch), "report/", member); }
 std::string decisionKey(uint64_t epoch) { return str(epochPrefix(epoch), "decision"); }
-
-// "members=0,1,3;resume=120;lost=2"
-struct Decision {
-  std::vector<int> members;
-  int64_t resume = 0;
-  std::vector<int> lost;
-
-  std::string encode() const {
-    auto list = [](const std::vector<int>& v) {
-      std::vector<std::string> parts;
-      for (int m : v) parts.push_back(std::to_string(m));
-      return join(parts, ",");
-    };
-    return str("members=", list(members), ";resume=", resume, ";lost=", list(lost));
-  }
-  static Decision decode(const std::string& text) {
-    Decision d;
-    for (const auto& field : split(text, ';')) {
-      const auto eq = field.find('=');
-      if (eq == std::string::npos) continue;
-      const std::string key = field.substr(0, eq), value = field.substr(eq + 1);
-      if (key == "resume") d.resume = env::parseInt(value, "elastic decision");
-      if (key != "members" && key != "lost") continue;
-      for (const auto& m : split(value, ',')) {
-        if (!m.empty()) (key == "members" ? d.members : d.lost).push_back(static_cast<int>(env::parseInt(m, "elastic decision")));
-      }
-    }
-    return d;
-  }
-};
 
 int rankOf(const std::vector<int>& members, int member) {
   const auto it = std::find(members.begin(), members.end(), member);
@@ -73,7 +46,53 @@ std::string memberName(const std::vector<int>& members, int member) {
   return rank == member ? str("rank ", rank) : str("rank ", rank, " (member ", member, ")");
 }
 
+std::vector<int> parseIds(const std::string& value) {
+  std::vector<int> ids;
+  for (const auto& m : split(value, ',')) {
+    if (!m.empty()) ids.push_back(static_cast<int>(env::parseInt(m, "elastic decision")));
+  }
+  return ids;
+}
+
+std::string listIds(const std::vector<int>& ids) {
+  std::vector<std::string> parts;
+  for (int m : ids) parts.push_back(std::to_string(m));
+  return join(parts, ",");
+}
+
+bool contains(const std::vector<int>& ids, int id) { return std::find(ids.begin(), ids.end(), id) != ids.end(); }
+
 }  // namespace
+
+// "members=0,1,3,4;resume=120;lost=2;joined=4;joiners=1": the next epoch's members (in rank
+// order), the step they continue from, the members lost, the joiners admitted, and how many
+// joiner registrations the decisions have settled so far.
+struct ElasticGroup::Decision {
+  std::vector<int> members;
+  int64_t resume = 0;
+  std::vector<int> lost;
+  std::vector<int> joined;
+  int64_t joiners = 0;
+
+  std::string encode() const {
+    return str("members=", listIds(members), ";resume=", resume, ";lost=", listIds(lost), ";joined=", listIds(joined),
+               ";joiners=", joiners);
+  }
+  static Decision decode(const std::string& text) {
+    Decision d;
+    for (const auto& field : split(text, ';')) {
+      const auto eq = field.find('=');
+      if (eq == std::string::npos) continue;
+      const std::string key = field.substr(0, eq), value = field.substr(eq + 1);
+      if (key == "resume") d.resume = env::parseInt(value, "elastic decision");
+      if (key == "joiners") d.joiners = env::parseInt(value, "elastic decision");
+      if (key == "members") d.members = parseIds(value);
+      if (key == "lost") d.lost = parseIds(value);
+      if (key == "joined") d.joined = parseIds(value);
+    }
+    return d;
+  }
+};
 
 // Beats, and aborts the current group when one of its members dies.
 struct ElasticGroup::Watcher {
@@ -87,6 +106,7 @@ struct ElasticGroup::Watcher {
   std::shared_ptr<ProcessGroup> group;
   std::vector<int> members;
   int64_t seen = 0;  // deaths handled
+  std::atomic<int64_t> joinersRegistered{0};
   std::thread thread;
 
   Watcher(StorePtr s, int m, Millis i, Logger l) : store(std::move(s)), member(m), interval(i), log(std::move(l)) {
@@ -132,6 +152,7 @@ struct ElasticGroup::Watcher {
       std::optional<membership::Death> death;
       try {
         membership::beat(*store, member, ++beats);
+        joinersRegistered.store(membership::joinerCount(*store), std::memory_order_relaxed);
         death = membership::waitForDeath(*store, seen + 1, interval);
         logged = false;
       } catch (const std::exception& e) {
@@ -157,6 +178,12 @@ std::unique_ptr<ElasticGroup> ElasticGroup::fromEnvironment(ElasticOptions optio
   if (!options.group.backend.empty()) group.backend = options.group.backend;
   if (options.group.timeout) group.timeout = options.group.timeout;
   options.group = std::move(group);
+  if (env::getBool("DT_ELASTIC_JOIN")) {
+    const int64_t member = env::getInt("DT_ELASTIC_MEMBER");
+    DT_REQUIRE(member >= job.worldSize, "ElasticGroup: DT_ELASTIC_JOIN=1 needs DT_ELASTIC_MEMBER, a member id of at least "
+               "the initial world size ", job.worldSize, " (dtrun sets both for a replacement), got ", member);
+    return join(job.store, static_cast<int>(member), std::move(options));
+  }
   return std::make_unique<ElasticGroup>(job.store, job.rank, job.worldSize, std::move(options));
 }
 
@@ -166,15 +193,65 @@ ElasticGroup::ElasticGroup(StorePtr store, int memberId, int initialWorld, Elast
   DT_REQUIRE(initialWorld >= 1, "ElasticGroup: initial world size must be >= 1, got ", initialWorld);
   DT_REQUIRE(memberId_ >= 0 && memberId_ < initialWorld, "ElasticGroup: member id ", memberId_, " is outside [0, ",
              initialWorld, ")");
-  if (options_.minSize <= 0) options_.minSize = std::max<int>(1, static_cast<int>(env::getInt("DT_MIN_NPROC")));
-  options_.group.failureReportWindow = std::min(options_.group.failureReportWindow, kFailureReportWindow);
   membership_.epoch = 0;
   for (int m = 0; m < initialWorld; ++m) membership_.members.push_back(m);
   membership_.rank = memberId_;
-  watcher_ = std::make_unique<Watcher>(store_->clone(), memberId_, options_.heartbeatInterval,
-                                       makeLogger("elastic", str("member ", memberId_)));
+  startWatcher();
   group_ = makeGroup(0, membership_.rank, membership_.size());
   watcher_->watch(group_, membership_.members, *store_);
+}
+
+std::unique_ptr<ElasticGroup> ElasticGroup::join(StorePtr store, int memberId, ElasticOptions options) {
+  return std::unique_ptr<ElasticGroup>(new ElasticGroup(std::move(store), memberId, std::move(options), JoinTag{}));
+}
+
+ElasticGroup::ElasticGroup(StorePtr store, int memberId, ElasticOptions options, JoinTag)
+    : store_(std::move(store)), memberId_(memberId), options_(std::move(options)) {
+  DT_REQUIRE(store_ != nullptr, "ElasticGroup: store is null");
+  DT_REQUIRE(memberId_ >= 0, "ElasticGroup: member id must be >= 0, got ", memberId_);
+  startWatcher();  // it beats: the launcher counts a joiner alive while it waits
+  const int64_t registration = membership::registerJoiner(*store_, memberId_);
+  testing::point("elastic-joiner-registered");
+  // The decisions made before this registration cannot admit it: wait for the ones after the newest.
+  uint64_t epoch = 0;
+  while (store_->check({decisionKey(epoch + 1)})) ++epoch;
+  const auto deadline = Clock::now() + options_.joinTimeout;
+  while (true) {
+    // Short waits: the job may finish instead (dtrun marks it when a worker exits 0).
+    const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    try {
+      if (left.count() <= 0) throw TimeoutError("join deadline");
+      store_->wait({decisionKey(epoch + 1)}, std::min(left, kJoinPoll));
+    } catch (const TimeoutError&) {
+      if (membership::finished(*store_)) {
+        throw JobFinishedError(str("[member ", memberId_, ", joining] the job finished before this process was admitted"));
+      }
+      if (Clock::now() < deadline) continue;
+      throw TimeoutError(str("[member ", memberId_, ", joining] the members did not admit this process within ",
+                             formatDuration(options_.joinTimeout), " (it waited for the decision on epoch ", epoch + 1,
+                             "). They admit joiners at a step boundary once they see them: are they training, and does ",
+                             "their loop call admit() when joinersWaiting() (docs/elastic.md)?"));
+    }
+    ++epoch;
+    const Decision d = Decision::decode(store_->get(decisionKey(epoch)));
+    if (contains(d.joined, memberId_)) {
+      enter(epoch, d, {}, d.resume);
+      logger("elastic")->info("[{}] joined the job at step {}", who(), d.resume);
+      return;
+    }
+    if (d.joiners >= registration) {
+      throw MembershipError(str("[member ", memberId_, ", joining] the members decided on epoch ", epoch,
+                                " without admitting this process: it was posted dead before the decision (",
+                                membership::deathOf(*store_, memberId_).value_or("no reason recorded"), ")"));
+    }
+  }
+}
+
+void ElasticGroup::startWatcher() {
+  if (options_.minSize <= 0) options_.minSize = std::max<int>(1, static_cast<int>(env::getInt("DT_MIN_NPROC")));
+  options_.group.failureReportWindow = std::min(options_.group.failureReportWindow, kFailureReportWindow);
+  watcher_ = std::make_unique<Watcher>(store_->clone(), memberId_, options_.heartbeatInterval,
+                                       makeLogger("elastic", str("member ", memberId_)));
 }
 
 ElasticGroup::~ElasticGroup() {
@@ -192,16 +269,13 @@ std::shared_ptr<ProcessGroup> ElasticGroup::makeGroup(uint64_t epoch, int rank, 
   return ProcessGroup::create(std::make_shared<LossAwareStore>(scoped, store_, membership_.members), rank, size, options_.group);
 }
 
-const Membership& ElasticGroup::recover(std::exception_ptr cause, int64_t stepsApplied) {
-  if (!cause) cause = std::make_exception_ptr(Error("ElasticGroup::recover: called without a failure"));
-  const Membership before = membership_;
-  // Stop the epoch's group at once (its ops on other threads fail) and release it.
-  watcher_->watch(nullptr, {}, *store_);
-  if (group_) {
-    group_->abort(cause);
-    group_->destroy();
-    group_.reset();
-  }
+bool ElasticGroup::joinersWaiting() const {
+  return watcher_->joinersRegistered.load(std::memory_order_relaxed) > joinersDecided_;
+}
+
+bool ElasticGroup::joinedNow() const { return contains(membership_.joined, memberId_); }
+
+ElasticGroup::Decision ElasticGroup::agree(const Membership& before, int64_t stepsApplied, bool admitting) {
   store_->set(reportKey(before.epoch, memberId_), std::to_string(stepsApplied));
   testing::point("elastic-agreement");  // where tests kill a member mid-agreement (testing/point.h)
 
@@ -234,6 +308,25 @@ const Membership& ElasticGroup::recover(std::exception_ptr cause, int64_t stepsA
         }
       }
       if (waitingFor.empty()) {
+        d.joiners = joinersDecided_;
+        // Joiners admitted into `before` whose epoch committed no step may not have the
+        // state yet (its transfer may be what failed): they are sent it again.
+        if (d.resume == before.resumeStep) {
+          for (int m : before.joined) {
+            if (contains(d.members, m)) d.joined.push_back(m);
+          }
+        }
+        if (admitting) {
+          const int64_t registered = membership::joinerCount(*store_);
+          for (int64_t n = joinersDecided_ + 1; n <= registered; ++n) {
+            const int joiner = membership::joinerAt(*store_, n);
+            if (membership::deathOf(*store_, joiner) || contains(d.members, joiner)) continue;
+            d.members.push_back(joiner);
+            d.joined.push_back(joiner);
+          }
+          d.joiners = registered;
+          std::sort(d.members.begin(), d.members.end());
+        }
         store_->compareSet(key, "", d.encode());
         break;
       }
@@ -241,35 +334,37 @@ const Membership& ElasticGroup::recover(std::exception_ptr cause, int64_t stepsA
     if (Clock::now() >= deadline) {
       std::vector<std::string> names;
       for (int m : waitingFor) names.push_back(memberName(before.members, m));
-      throw TimeoutError(str("[", who(), "] elastic recovery: no decision on epoch ", before.epoch + 1, " within ",
-                             formatDuration(options_.agreementTimeout),
+      throw TimeoutError(str("[", who(), "] elastic ", admitting ? "admission" : "recovery", ": no decision on epoch ",
+                             before.epoch + 1, " within ", formatDuration(options_.agreementTimeout),
                              waitingFor.empty() ? str("; member ", leader, " decides and has not")
-                                                : str("; ", join(names, ", "), " neither reported nor died"),
+                                                : str("; ", dt::join(names, ", "), " neither reported nor died"),
                              ". Are they running? Is the launcher posting deaths (dtrun --elastic)?"));
     }
     std::this_thread::sleep_for(kAgreementPoll);
   }
-  const Decision d = Decision::decode(store_->get(key));
+  return Decision::decode(store_->get(key));
+}
 
-  std::vector<std::string> lost;
-  for (int m : d.lost) lost.push_back(str(memberName(before.members, m), " ", membership::deathOf(*store_, m).value_or("ended")));
-  if (d.lost.empty()) std::rethrow_exception(cause);  // nobody died: a failure of another kind
-  if (rankOf(d.members, memberId_) < 0) {
+const Membership& ElasticGroup::enter(uint64_t epoch, const Decision& d, std::vector<std::string> lost, int64_t stepsApplied) {
+  const Membership before = membership_;
+  if (!contains(d.members, memberId_)) {
     throw MembershipError(str("[", who(), "] this process is no longer a member of the job: the others went on to epoch ",
-                              before.epoch + 1, " without it (", join(lost, "; "), ")"));
+                              epoch, " without it (", dt::join(lost, "; "), ")"));
   }
   if (d.members.size() < static_cast<size_t>(options_.minSize)) {
     std::vector<std::string> left;
     for (int m : d.members) left.push_back(str("member ", m));
     throw MembershipError(str("[", who(), "] the elastic job stops: ", d.members.size(), " member(s) left (",
-                              join(left, ", "), "), fewer than the minimum of ", options_.minSize, " (--min-nproc); lost: ",
-                              join(lost, "; ")));
+                              dt::join(left, ", "), "), fewer than the minimum of ", options_.minSize, " (--min-nproc); lost: ",
+                              dt::join(lost, "; ")));
   }
-  membership_.epoch = before.epoch + 1;
+  membership_.epoch = epoch;
   membership_.members = d.members;
   membership_.rank = rankOf(d.members, memberId_);
   membership_.resumeStep = d.resume;
-  membership_.lost = lost;
+  membership_.lost = std::move(lost);
+  membership_.joined = d.joined;
+  joinersDecided_ = std::max(joinersDecided_, d.joiners);
   try {
     group_ = makeGroup(membership_.epoch, membership_.rank, membership_.size());
   } catch (const Error&) {
@@ -277,8 +372,46 @@ const Membership& ElasticGroup::recover(std::exception_ptr cause, int64_t stepsA
     return recover(std::current_exception(), stepsApplied);
   }
   watcher_->watch(group_, membership_.members, *store_);
-  logger("elastic")->info("[{}] continues from step {} without {}", who(), d.resume, join(lost, "; "));
   return membership_;
+}
+
+std::vector<std::string> ElasticGroup::describeLost(const std::vector<int>& members, const std::vector<int>& lost) {
+  std::vector<std::string> out;
+  for (int m : lost) out.push_back(str(memberName(members, m), " ", membership::deathOf(*store_, m).value_or("ended")));
+  return out;
+}
+
+void ElasticGroup::leaveGroup(std::exception_ptr cause) {
+  watcher_->watch(nullptr, {}, *store_);
+  if (!group_) return;
+  if (cause) group_->abort(cause);
+  group_->destroy();
+  group_.reset();
+}
+
+const Membership& ElasticGroup::recover(std::exception_ptr cause, int64_t stepsApplied) {
+  if (!cause) cause = std::make_exception_ptr(Error("ElasticGroup::recover: called without a failure"));
+  const Membership before = membership_;
+  // Stop the epoch's group at once (its ops on other threads fail) and release it.
+  leaveGroup(cause);
+  const Decision d = agree(before, stepsApplied, /*admitting=*/false);
+  if (d.lost.empty()) std::rethrow_exception(cause);  // nobody died: a failure of another kind
+  std::vector<std::string> lost = describeLost(before.members, d.lost);
+  const std::string said = dt::join(lost, "; ");
+  const Membership& now = enter(before.epoch + 1, d, std::move(lost), stepsApplied);
+  logger("elastic")->info("[{}] continues from step {} without {}", who(), d.resume, said);
+  return now;
+}
+
+const Membership& ElasticGroup::admit(int64_t stepsApplied) {
+  const Membership before = membership_;
+  // Every member is past its last op on this group (the commit vote that led here); the
+  // group goes once all have reported, so that none is still using it.
+  const Decision d = agree(before, stepsApplied, /*admitting=*/true);
+  leaveGroup(nullptr);
+  const Membership& now = enter(before.epoch + 1, d, describeLost(before.members, d.lost), stepsApplied);
+  logger("elastic")->info("[{}] admitted {} joiner(s) at step {}", who(), d.joined.size(), d.resume);
+  return now;
 }
 
 }  // namespace dt::elastic

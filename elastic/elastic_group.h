@@ -4,10 +4,17 @@
 //
 //   auto elastic = dt::elastic::ElasticGroup::fromEnvironment();   // under dtrun --elastic
 //   DistributedDataParallel ddp(model, elastic->group());
+//   if (elastic->joinedNow()) ... receive the training state (broadcastState, restoreHere) ...
 //   while (step < total) {
 //     try {
-//       ... forward, backward, the step's commit allreduce on elastic->group() ...
+//       ... forward, backward, the step's commit allreduce on elastic->group(), which also
+//           sums elastic->joinersWaiting() over the members ...
 //       optimizer.step(); ++step;
+//       if (joinersWaitingAnywhere) {
+//         const auto& m = elastic->admit(step);
+//         ... send the training state (broadcastState from rank 0) ...
+//         ddp.rebind(elastic->group());  // and re-split the data for m.size() ranks
+//       }
 //     } catch (const dt::Error&) {
 //       const auto& m = elastic->recover(std::current_exception(), step);
 //       if (m.resumeStep > step) { optimizer.step(); ++step; }    // the others committed it
@@ -41,6 +48,22 @@
 //    kind: a desync, a timeout without a death), throws MembershipError when
 //    fewer than minSize members are left (naming who is left and who died
 //    why), or when this process was left out (it was declared dead).
+//  * Growing: a process started to replace a dead one (dtrun --elastic --max-restarts)
+//    has a fresh member id (store/membership.h: newMemberId) and constructs its
+//    ElasticGroup as a joiner (fromEnvironment does when DT_ELASTIC_JOIN=1): it
+//    registers, beats, and blocks until the members admit it (up to joinTimeout;
+//    TimeoutError names the epoch it waited for; JobFinishedError when the job finished
+//    first: nothing is left to do). The members' watcher threads see the
+//    registration: joinersWaiting() turns true on the members within a heartbeat interval.
+//    The members agree on it in a step's commit vote and then all call admit(step) at the
+//    same step boundary: the same agreement as recover() (a member dying meanwhile is
+//    dropped in the same decision), whose decision adds every live joiner and makes a new
+//    epoch. membership().joined lists the members admitted by the last decision: they
+//    hold no training state yet, and the others send it (checkpoint/transfer.h,
+//    broadcastState from rank 0, which is always an old member: joiners have higher ids).
+//    A joiner that dies before or during that transfer fails the new group's collective,
+//    and recover() drops it like any member; the others' state is untouched.
+//    recover() never admits joiners: they wait for the next admit().
 //  * Not thread-safe: one training thread calls group() and recover(); the
 //    watcher thread only aborts. The destructor stops the watcher and
 //    destroys the group.
@@ -67,6 +90,9 @@ struct ElasticOptions {
   // The options of every epoch's group (name, backend, timeout; failureReportWindow is
   // kept short: the launcher says who died).
   ProcessGroupOptions group;
+  // A joiner: how long it waits for the members to admit it (they do at their next step
+  // boundary once they see it).
+  std::chrono::milliseconds joinTimeout = std::chrono::minutes(5);
 };
 
 struct Membership {
@@ -77,6 +103,9 @@ struct Membership {
   int64_t resumeStep = 0;
   // recover(): the members lost since the previous epoch, and how ("rank 2 (member 2) exited: signal SIGKILL").
   std::vector<std::string> lost;
+  // The members admitted into this epoch (admit(), or the joiner's own admission): they
+  // have no training state yet.
+  std::vector<int> joined;
   int size() const { return static_cast<int>(members.size()); }
 };
 
@@ -86,6 +115,9 @@ class ElasticGroup {
   static std::unique_ptr<ElasticGroup> fromEnvironment(ElasticOptions options = {});
   // Joins epoch 0 of `initialWorld` members over `store` (the job's store, shared by all).
   ElasticGroup(StorePtr store, int memberId, int initialWorld, ElasticOptions options = {});
+  // A process joining a running job as member `memberId` (a fresh id, not a member of
+  // epoch 0): registers, and returns once the members admitted it (blocking, joinTimeout).
+  static std::unique_ptr<ElasticGroup> join(StorePtr store, int memberId, ElasticOptions options = {});
   ~ElasticGroup();
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
@@ -96,8 +128,30 @@ class ElasticGroup {
 
   const Membership& recover(std::exception_ptr cause, int64_t stepsApplied);
 
+  // True once a joiner registered that the members have not decided on yet. Cheap (an
+  // atomic read of what the watcher thread saw), for the commit vote of every step.
+  bool joinersWaiting() const;
+  // Collective over the members, at a step boundary they agreed on: admits the live
+  // joiners into a new epoch (membership().joined; possibly none, when they died first).
+  const Membership& admit(int64_t stepsApplied);
+  // This process was admitted by the last decision and must receive the training state.
+  bool joinedNow() const;
+
  private:
   struct Watcher;
+  struct Decision;
+  struct JoinTag {};
+  ElasticGroup(StorePtr store, int memberId, ElasticOptions options, JoinTag);
+  void startWatcher();
+  // The agreement of recover() and admit(): every member of `before` reports or dies; the
+  // lowest-numbered live one decides (and with `admitting`, adds the live joiners).
+  Decision agree(const Membership& before, int64_t stepsApplied, bool admitting);
+  // Moves to the epoch `d` describes (makes its group; a death meanwhile: recover()).
+  const Membership& enter(uint64_t epoch, const Decision& d, std::vector<std::string> lost, int64_t stepsApplied);
+  // "rank 2 (member 2) exited: signal SIGKILL" for each of `lost`.
+  std::vector<std::string> describeLost(const std::vector<int>& members, const std::vector<int>& lost);
+  // Stops watching and destroys the current group (aborted with `cause` first, if any).
+  void leaveGroup(std::exception_ptr cause);
   std::shared_ptr<ProcessGroup> makeGroup(uint64_t epoch, int rank, int size);
   std::string who() const;
 
@@ -105,6 +159,7 @@ class ElasticGroup {
   int memberId_;
   ElasticOptions options_;
   Membership membership_;
+  int64_t joinersDecided_ = 0;  // joiner registrations the decisions so far have settled
   std::shared_ptr<ProcessGroup> group_;
   std::unique_ptr<Watcher> watcher_;
 };

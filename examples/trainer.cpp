@@ -38,6 +38,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -49,6 +50,7 @@
 #include "data/loader.h"
 #include "data/sampler.h"
 #include "ddp/ddp.h"
+#include "checkpoint/transfer.h"
 #include "elastic/elastic_group.h"
 #include "examples/run_support.h"
 #include "process_group/init.h"
@@ -82,6 +84,7 @@ struct Config {
   bool dropLast = false;
   int prefetch = 8;
   int64_t logEvery = 100;
+  int64_t stepPauseMs = 0;  // --step-pause: sleep at the start of every step (tests)
   bool quiet = false;
   std::string checkpointDir = "trainer-checkpoints";
   int64_t checkpointEvery = 500;
@@ -93,7 +96,7 @@ struct Config {
   int64_t benchWarmup = 20;
   // Elastic training (dtrun --elastic, docs/elastic.md): on by default under dtrun --elastic.
   bool elastic = false;
-  std::string failAt;          // "MEMBER:STEP:WHERE": SIGKILL self there (to test recovery)
+  std::vector<std::string> failAt;  // "MEMBER:STEP:WHERE" each: SIGKILL self there (to test recovery)
   std::string recordSamples;   // PREFIX: each rank appends each attempt at a step (its example ids) to PREFIX.<member>
   std::string stepLog;         // FILE: rank 0 appends a line per committed step (and --fail-at's member one before its kill)
   std::vector<int64_t> dumpAt;  // steps after which rank 0 writes the parameters to dumpDir
@@ -142,15 +145,20 @@ output
   --bench                 print a RESULT line with samples/s (after --bench-warmup steps, default 20)
 elastic (docs/elastic.md)
   --elastic               a rank that dies is left behind and the others go on in place from the same
-                          step, with the same global batch (default: on when dtrun --elastic started it)
-  --fail-at M:STEP:WHERE  to test recovery: member M SIGKILLs itself during step STEP, WHERE = forward,
-                          backward, commit (after its commit vote) or checkpoint (while writing one)
+                          step, with the same global batch (default: on when dtrun --elastic started it);
+                          a replacement (dtrun --max-restarts) is admitted at the next step boundary and
+                          receives the whole training state from the members, no checkpoint read
+  --fail-at M:STEP:WHERE[,...]  to test recovery: member M SIGKILLs itself during step STEP, WHERE =
+                          forward, backward, commit (after its commit vote) or checkpoint (while writing
+                          one); a replacement that joined after STEP does it during its first step
   --record-samples PREFIX each rank appends "EPOCH STEP DATA_EPOCH ids..." to PREFIX.<member> for each attempt at
                           a step, before its commit vote (a redone step appears again with a later EPOCH)
   --step-log FILE         rank 0 (of the current membership) appends "STEP EPOCH WORLD NS" to FILE for each step
                           it commits (STEP from 0; EPOCH: the membership epoch, or the restart count without
                           --elastic; NS: CLOCK_REALTIME in ns), written at once; --fail-at's member appends
                           "kill STEP MEMBER NS" just before it kills itself (for bench/run_recovery_bench.sh)
+  --step-pause MS         sleep MS ms at the start of every step, so that a test's kills and joins happen
+                          mid-run (the trajectory is the same)
   --dump-at S1,S2,...     after these steps rank 0 writes the parameters to --dump-dir DIR
   --dump-dir DIR          (default trainer-dumps)
 )";
@@ -185,13 +193,15 @@ Config parseArgs(int argc, char** argv, bool& help) {
     if (flag == "--quiet") c.quiet = true;
     else if (flag == "--elastic") c.elastic = true;
     else if (flag == "--fail-at") {
-      const auto parts = dt::split(value, ':');
-      if (parts.size() != 3 || (parts[2] != "forward" && parts[2] != "backward" && parts[2] != "commit" && parts[2] != "checkpoint")) {
-        throw InvalidArgument(str("trainer: --fail-at \"", value, "\" is not MEMBER:STEP:WHERE with WHERE one of forward, backward, commit, checkpoint"));
+      for (const auto& spec : dt::split(value, ',')) {
+        const auto parts = dt::split(spec, ':');
+        if (parts.size() != 3 || (parts[2] != "forward" && parts[2] != "backward" && parts[2] != "commit" && parts[2] != "checkpoint")) {
+          throw InvalidArgument(str("trainer: --fail-at \"", spec, "\" is not MEMBER:STEP:WHERE with WHERE one of forward, backward, commit, checkpoint"));
+        }
+        parsePositive(parts[0], flag, 0);
+        parsePositive(parts[1], flag, 0);
+        c.failAt.push_back(spec);
       }
-      parsePositive(parts[0], flag, 0);
-      parsePositive(parts[1], flag, 0);
-      c.failAt = value;
     }
     else if (flag == "--record-samples") c.recordSamples = value;
     else if (flag == "--step-log") c.stepLog = value;
@@ -219,6 +229,7 @@ Config parseArgs(int argc, char** argv, bool& help) {
     else if (flag == "--seed") c.seed = static_cast<uint64_t>(parsePositive(value, flag, 0));
     else if (flag == "--prefetch") c.prefetch = static_cast<int>(parsePositive(value, flag));
     else if (flag == "--log-every") c.logEvery = parsePositive(value, flag);
+    else if (flag == "--step-pause") c.stepPauseMs = parsePositive(value, flag, 0);
     else if (flag == "--checkpoint-dir") c.checkpointDir = value;
     else if (flag == "--checkpoint-every") c.checkpointEvery = parsePositive(value, flag, 0);
     else if (flag == "--keep") c.keep = static_cast<int>(parsePositive(value, flag));
@@ -327,14 +338,7 @@ EvalResult evaluate(dt::nn::Module& model, const dt::data::Dataset& test, dt::Pr
 
 class Trainer {
  public:
-  // elastic: the job's membership under --elastic (group is its current group), else null.
-  Trainer(Config config, std::shared_ptr<dt::ProcessGroup> group, dt::Device device, dt::elastic::ElasticGroup* elastic)
-      : c_(std::move(config)),
-        group_(std::move(group)),
-        rank_(group_->rank()),
-        world_(group_->size()),
-        device_(device),
-        elastic_(elastic) {}
+  Trainer(Config config, dt::Device device) : c_(std::move(config)), device_(device) {}
 
   int run();
 
@@ -342,6 +346,9 @@ class Trainer {
   void say(const std::string& line) const {
     if (rank_ == 0 && !c_.quiet) std::printf("%s\n", line.c_str());
   }
+  // Joins the job: the process group, or under --elastic the job's membership (a
+  // replacement blocks here until the members admit it).
+  void connect();
   void resumeOrStart();
   // The whole training state, as checkpoints hold it (checkpoint/state.h).
   dt::TrainingState trainingState();
@@ -357,11 +364,21 @@ class Trainer {
   // step the others committed if this rank's commit missed it (++step).
   void recover(std::exception_ptr cause, int64_t& step, dt::DistributedDataParallel& ddp,
                std::unique_ptr<dt::data::PrefetchLoader>& loader);
+  // --elastic: the members admit the joiners that wait (all at the same step boundary).
+  void admitJoiners(int64_t step, dt::DistributedDataParallel& ddp, std::unique_ptr<dt::data::PrefetchLoader>& loader);
+  // --elastic: after a new epoch, the members the last decision admitted receive the whole
+  // training state from rank 0 (an old member); everyone else takes part. A joiner takes
+  // the step and DDP's bucket layout from it.
+  void transferState(int64_t& step);
+  // After a membership change: the new group's rank and size, DDP on it, the data re-split
+  // and the loader restarted at `step`.
+  void regroup(int64_t step, dt::DistributedDataParallel& ddp, std::unique_ptr<dt::data::PrefetchLoader>& loader);
   void failHereIf(int64_t step, const char* where) const;
   // --fail-at M:S:backward: the kill happens inside backward, in the hook of the last
   // gradient to arrive, after DDP's own hook launched the last bucket (all on the wire).
   void armBackwardFailure();
   int64_t currentStep_ = 0;
+  int64_t joinedAtStep_ = -1;  // --elastic: the step a replacement joined at
   void recordSamples(int64_t step, const dt::data::LoadedBatch& batch) const;
   // --step-log: appends `line` and the time (CLOCK_REALTIME ns), in one write (the file is
   // opened for appending, so lines from several processes do not interleave).
@@ -375,8 +392,8 @@ class Trainer {
 
   Config c_;
   std::shared_ptr<dt::ProcessGroup> group_;
-  int rank_;
-  int world_;
+  int rank_ = 0;
+  int world_ = 1;
   dt::Device device_;
   int64_t restartCount_ = 0;
   std::shared_ptr<dt::data::ImageClassificationDataset> train_, test_;
@@ -393,7 +410,7 @@ class Trainer {
   double runSeconds_ = 0;
   double recentLoss_ = 0;  // mean training loss over the last log window
   Clock::time_point loopStart_;
-  dt::elastic::ElasticGroup* elastic_ = nullptr;
+  std::unique_ptr<dt::elastic::ElasticGroup> elastic_;
   double lossScale_ = 1.0;
 };
 
@@ -411,6 +428,17 @@ void Trainer::splitData() {
                                                 : static_cast<double>(share * world_) / static_cast<double>(c_.globalBatch);
 }
 
+void Trainer::connect() {
+  if (c_.elastic) {
+    elastic_ = dt::elastic::ElasticGroup::fromEnvironment();
+    group_ = elastic_->group();
+  } else {
+    group_ = dt::initProcessGroup();
+  }
+  rank_ = group_->rank();
+  world_ = group_->size();
+}
+
 void Trainer::recover(std::exception_ptr cause, int64_t& step, dt::DistributedDataParallel& ddp,
                       std::unique_ptr<dt::data::PrefetchLoader>& loader) {
   loader.reset();  // its thread prepares batches for the old split
@@ -421,33 +449,70 @@ void Trainer::recover(std::exception_ptr cause, int64_t& step, dt::DistributedDa
     optimizer_->step();
     ++step;
   }
+  regroup(step, ddp, loader);
+  if (!m.joined.empty()) transferState(step);  // an admission whose transfer failed: again
+  say(str("trainer: epoch ", m.epoch, " of the job: ", world_, " rank(s) go on from step ", step, " without ", dt::join(m.lost, ", ")));
+}
+
+void Trainer::admitJoiners(int64_t step, dt::DistributedDataParallel& ddp, std::unique_ptr<dt::data::PrefetchLoader>& loader) {
+  loader.reset();
+  const dt::elastic::Membership& m = elastic_->admit(step);
+  regroup(step, ddp, loader);
+  if (!m.joined.empty()) transferState(step);
+  std::vector<std::string> joined;
+  for (int member : m.joined) joined.push_back(str("member ", member));
+  say(str("trainer: epoch ", m.epoch, " of the job: ", world_, " rank(s) go on from step ", step,
+          m.joined.empty() ? std::string(" (the joiners that waited died first)") : str(" with ", dt::join(joined, ", ")),
+          m.lost.empty() ? std::string() : str(" without ", dt::join(m.lost, ", "))));
+}
+
+void Trainer::regroup(int64_t step, dt::DistributedDataParallel& ddp, std::unique_ptr<dt::data::PrefetchLoader>& loader) {
   group_ = elastic_->group();
-  rank_ = m.rank;
-  world_ = m.size();
+  rank_ = elastic_->membership().rank;
+  world_ = elastic_->membership().size();
   ddp.rebind(group_);
   splitData();
   loader = std::make_unique<dt::data::PrefetchLoader>(train_, *sampler_, dt::data::LoaderOptions{.prefetch = c_.prefetch});
   loader->start(sampler_->positionAfter(step));
-  say(str("trainer: epoch ", m.epoch, " of the job: ", world_, " rank(s) go on from step ", step, " without ", dt::join(m.lost, ", ")));
 }
 
-void Trainer::failHereIf(int64_t step, const char* where) const {
-  if (c_.failAt.empty()) return;
-  const auto parts = dt::split(c_.failAt, ':');
-  const int member = elastic_ ? elastic_->memberId() : rank_;
-  if (std::stoi(parts[0]) == member && std::stoll(parts[1]) == step && parts[2] == where) {
-    logStep(str("kill ", step, " ", member));
-    std::fflush(nullptr);
-    ::kill(::getpid(), SIGKILL);
+void Trainer::transferState(int64_t& step) {
+  dt::TrainingState state = trainingState();
+  state.step = step;
+  if (ddp_ != nullptr && ddp_->bucketsRebuilt()) state.metadata["ddp.bucket_order"] = dt::join(ddp_->bucketOrder(), ",");
+  state.metadata["train_loss"] = std::to_string(recentLoss_);
+  const auto start = Clock::now();
+  dt::broadcastState(state, *group_, 0, elastic_->joinedNow(), {.device = device_});
+  if (!elastic_->joinedNow()) return;
+  step = state.step;
+  const auto& m = state.metadata;
+  if (m.count("ddp.bucket_order")) savedBucketOrder_ = dt::split(m.at("ddp.bucket_order"), ',');
+  recentLoss_ = std::strtod(m.at("train_loss").c_str(), nullptr);
+  if (!c_.quiet) {
+    std::printf("trainer: member %d joined at step %lld as rank %d/%d; state received in %.1f ms\n", elastic_->memberId(),
+                static_cast<long long>(step), rank_, world_, std::chrono::duration<double, std::milli>(Clock::now() - start).count());
   }
 }
 
-// One line per attempt at a step, written before the step's commit vote (a rank that dies
-// after voting has still trained on its examples): "<membership epoch> <step> <data epoch> ids...".
-// A step redone after a loss appears again with a later membership epoch; the last is the one
-// that was committed.
+void Trainer::failHereIf(int64_t step, const char* where) const {
+  const int member = elastic_ ? elastic_->memberId() : rank_;
+  for (const std::string& spec : c_.failAt) {
+    const auto parts = dt::split(spec, ':');
+    const int64_t at = std::stoll(parts[1]);
+    // A member that joined after STEP cannot meet it: it fails in its first step instead.
+    const bool now = step == at || (joinedAtStep_ > at && step == joinedAtStep_);
+    if (std::stoi(parts[0]) == member && now && parts[2] == where) {
+      logStep(str("kill ", step, " ", member));
+      std::fflush(nullptr);
+      ::kill(::getpid(), SIGKILL);
+    }
+  }
+}
+
 void Trainer::armBackwardFailure() {
-  if (c_.failAt.empty() || dt::split(c_.failAt, ':')[2] != "backward") return;
+  bool wanted = false;
+  for (const std::string& spec : c_.failAt) wanted |= dt::split(spec, ':')[2] == "backward";
+  if (!wanted) return;
   const std::vector<dt::Tensor> params = model_->parameters();
   auto fired = std::make_shared<size_t>(0);
   for (auto p : params) {
@@ -457,6 +522,10 @@ void Trainer::armBackwardFailure() {
   }
 }
 
+// One line per attempt at a step, written before the step's commit vote (a rank that dies
+// after voting has still trained on its examples): "<membership epoch> <step> <data epoch> ids...".
+// A step redone after a loss appears again with a later membership epoch; the last is the one
+// that was committed.
 void Trainer::recordSamples(int64_t step, const dt::data::LoadedBatch& batch) const {
   if (c_.recordSamples.empty()) return;
   const std::vector<int64_t> ids = sampler_->batchIndices(batch.position.epoch, batch.position.batch);
@@ -556,6 +625,16 @@ void Trainer::saveCheckpoint(int64_t step, const std::string& reason) {
 
 int Trainer::run() {
   restartCount_ = dt::env::getInt("DT_RESTART_COUNT");
+  // The data first: a replacement that joins a running job has it ready when it is admitted.
+  train_ = dt::data::loadFashionMnist(c_.data, dt::data::Split::Train);
+  if (c_.eval) test_ = dt::data::loadFashionMnist(c_.data, dt::data::Split::Test);
+  try {
+    connect();
+  } catch (const dt::JobFinishedError& e) {
+    if (!c_.quiet) std::printf("trainer: %s; nothing to do\n", e.what());
+    return 0;
+  }
+  const bool joining = elastic_ && elastic_->joinedNow();
   if (c_.globalBatch % world_ != 0 && !elastic_) {
     throw InvalidArgument(str("trainer: --global-batch ", c_.globalBatch, " is not divisible by the world size ", world_,
                               " (each rank takes global batch / world); use a multiple of ", world_, ", e.g. ",
@@ -568,8 +647,6 @@ int Trainer::run() {
   }
   if (!c_.quiet) std::printf("trainer: rank %d/%d pid %d attempt %lld\n", rank_, world_, static_cast<int>(getpid()), static_cast<long long>(restartCount_ + 1));
 
-  train_ = dt::data::loadFashionMnist(c_.data, dt::data::Split::Train);
-  if (c_.eval) test_ = dt::data::loadFashionMnist(c_.data, dt::data::Split::Test);
   splitData();
   totalSteps_ = c_.steps > 0 ? c_.steps : c_.epochs * sampler_->batchesPerEpoch();
   const int64_t epochs = (totalSteps_ + sampler_->batchesPerEpoch() - 1) / sampler_->batchesPerEpoch();
@@ -588,10 +665,15 @@ int Trainer::run() {
         model_->parameters(), dt::optim::SGDOptions{.lr = c_.learningRate(), .momentum = c_.momentum, .weightDecay = c_.decay()});
   }
   if (c_.checkpoints()) checkpoints_.emplace(c_.checkpointDir, c_.keep);
-  resumeOrStart();
-  if (checkpoints_ && rank_ == 0) checkpoints_->removeTemporaries();  // only once the checkpoint read is good
+  if (joining) {
+    transferState(startStep_);  // the members send it right after admitting this process
+    joinedAtStep_ = startStep_;
+  } else {
+    resumeOrStart();
+    if (checkpoints_ && rank_ == 0) checkpoints_->removeTemporaries();  // only once the checkpoint read is good
+  }
 
-  dt::DistributedDataParallel ddp(model_, group_, {.bucketOrder = savedBucketOrder_});
+  dt::DistributedDataParallel ddp(model_, group_, {.bucketOrder = savedBucketOrder_, .syncAtConstruction = !joining});
   ddp_ = &ddp;
   const std::vector<dt::Tensor> params = model_->parameters();
   armBackwardFailure();
@@ -608,8 +690,9 @@ int Trainer::run() {
   auto loader = std::make_unique<dt::data::PrefetchLoader>(train_, *sampler_, dt::data::LoaderOptions{.prefetch = c_.prefetch});
   loader->start(sampler_->positionAfter(std::min(startStep_, totalSteps_)));
 
-  // The per-step control allreduce: {stop requested, previous step's loss}, summed over ranks.
-  dt::Tensor control = dt::zeros({2}, dt::DType::Float64);
+  // The per-step control allreduce: {stop requested, previous step's loss, joiners waiting
+  // (--elastic)}, summed over ranks.
+  dt::Tensor control = dt::zeros({3}, dt::DType::Float64);
   double lastLoss = 0;
   double windowLoss = 0;  // mean over ranks of each step's loss since the last log line
   int64_t windowLosses = 0;
@@ -623,9 +706,11 @@ int Trainer::run() {
 
   while (step < totalSteps_) {
     if (c_.bench && step == benchFromStep) benchStart = Clock::now();
+    if (c_.stepPauseMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c_.stepPauseMs));
     double* ctl = control.data<double>();
     ctl[0] = examples::stopSignal().load() != 0 ? 1.0 : 0.0;
     ctl[1] = lastLoss;
+    ctl[2] = elastic_ && elastic_->joinersWaiting() ? 1.0 : 0.0;
     try {
       // Elastic: the control allreduce is the step's commit vote, after backward: a rank joins
       // it only with its gradients reduced, and no rank applies the step unless every rank of
@@ -649,6 +734,10 @@ int Trainer::run() {
       if (controlWork) controlWork->wait();
       ++step;
       dumpParameters(step);
+      // Every member voted the same sum: they all admit at this boundary.
+      if (elastic_ && control.data<double>()[2] > 0 && control.data<double>()[0] == 0 && step < totalSteps_) {
+        admitJoiners(step, ddp, loader);
+      }
     } catch (const dt::Error&) {
       if (!elastic_) throw;
       recover(std::current_exception(), step, ddp, loader);
@@ -778,15 +867,7 @@ int main(int argc, char** argv) {
     const dt::Device device = deviceFor(config.device);
     dt::setCurrentDevice(device);  // before any CUDA call, so no rank opens a context on cuda:0 too
     examples::installStopHandlers("trainer");
-    std::unique_ptr<dt::elastic::ElasticGroup> elastic;
-    std::shared_ptr<dt::ProcessGroup> group;
-    if (config.elastic) {
-      elastic = dt::elastic::ElasticGroup::fromEnvironment();
-      group = elastic->group();
-    } else {
-      group = dt::initProcessGroup();
-    }
-    Trainer trainer(config, group, device, elastic.get());
+    Trainer trainer(config, device);
     return trainer.run();
   });
 }

@@ -37,6 +37,8 @@ bool isTermination(int sig) { return sig == SIGINT || sig == SIGTERM || sig == S
 
 struct Worker {
   int rank = 0;
+  int member = 0;  // --elastic: its member id (the rank, or a replacement's fresh id)
+  int replacements = 0;  // --elastic: how many times this local rank was started again
   int localRank = 0;
   pid_t pid = -1;
   bool reaped = false;
@@ -447,7 +449,7 @@ struct Agent::Impl {
 
   // ---- one attempt -----------------------------------------------------------
 
-  int openLog(int attempt, int rank, const char* stream) {
+  int openLog(int attempt, const std::string& rank, const char* stream) {
     if (o.logDir.empty()) return -1;
     const std::filesystem::path dir = std::filesystem::path(o.logDir) / runId / str("attempt", attempt);
     std::error_code ec;
@@ -491,7 +493,7 @@ struct Agent::Impl {
       stopping = true;
       killAt = wallMs() + o.killGrace.count();
       if (sig != 0) signalAll(sig, true);
-      if (multiNode && (attempt >= o.maxRestarts || terminationSignal != 0)) coord->publishExit();
+      if (multiNode && (attempt >= o.maxRestarts || o.elastic || terminationSignal != 0)) coord->publishExit();
     };
     auto publish = [&](int code, int64_t timeMs, const std::string& description) {
       if (!multiNode || published) return;
@@ -506,13 +508,12 @@ struct Agent::Impl {
       beginStop(SIGTERM);
     };
 
-    // Spawn.
+    // Spawn. `joiningMember` >= 0: a replacement under --elastic (a fresh member id).
     const int64_t startMs = wallMs();
     if (coord) coord->beginAttempt(attempt, rdv.worldSize, startMs);
-    for (int i = 0; i < cfg.nproc; ++i) {
-      Worker& w = workers[static_cast<size_t>(i)];
-      w.localRank = i;
-      w.rank = rdv.rankOffset + i;
+    // Returns why the worker could not be started ("" when it was).
+    auto spawn = [&](Worker& w, int joiningMember) -> std::string {
+      const int i = w.localRank;
       WorkerIdentity id;
       id.rank = w.rank;
       id.worldSize = rdv.worldSize;
@@ -543,6 +544,7 @@ struct Agent::Impl {
       id.maxRestarts = o.maxRestarts;
       id.elastic = o.elastic;
       id.minNproc = o.minNproc;
+      id.joiningMember = joiningMember;
       const WorkerEnv env = buildWorkerEnv(cfg.baseEnv, id);
       if (env.threadsDefaulted && !threadsNoticePrinted) {
         threadsNoticePrinted = true;
@@ -551,8 +553,9 @@ struct Agent::Impl {
       const bool console = (o.logDir.empty() || o.tee) &&
                            (!o.localRanksFilter || std::binary_search(o.localRanksFilter->begin(), o.localRanksFilter->end(), i));
       const std::string prefix = expandPrefix(o.prefix, w.rank, i, o.nodeRank, cfg.hostname);
-      w.streams[0] = std::make_unique<OutputStream>(StreamTarget{console ? 1 : -1, openLog(attempt, w.rank, "stdout"), prefix, false}, 20);
-      w.streams[1] = std::make_unique<OutputStream>(StreamTarget{console ? 2 : -1, openLog(attempt, w.rank, "stderr"), prefix, true}, 20);
+      const std::string logName = joiningMember >= 0 ? str(w.rank, ".member", joiningMember) : std::to_string(w.rank);
+      w.streams[0] = std::make_unique<OutputStream>(StreamTarget{console ? 1 : -1, openLog(attempt, logName, "stdout"), prefix, false}, 20);
+      w.streams[1] = std::make_unique<OutputStream>(StreamTarget{console ? 2 : -1, openLog(attempt, logName, "stderr"), prefix, true}, 20);
       try {
         const SpawnedWorker sw = spawnWorker(cfg.programPath, o.program, env.entries, signals.originalMask());
         w.pid = sw.pid;
@@ -563,10 +566,17 @@ struct Agent::Impl {
         say(str("cannot start rank ", w.rank, ": ", e.what()));
         w.reaped = true;
         w.outcome = WorkerOutcome{w.rank, i, cfg.hostname, -1, false, 127, wallMs(), false, false, {}};
-        external(str("rank ", w.rank, " could not be started: ", e.what()), 127);
-        break;
+        return e.what();
       }
       w.outcome.pid = w.pid;
+      return {};
+    };
+    for (auto& w : workers) {
+      w.member = w.rank;
+      if (const std::string why = spawn(w, -1); !why.empty()) {
+        external(str("rank ", w.rank, " could not be started: ", why), 127);
+        break;
+      }
     }
     for (auto& w : workers) {
       if (w.pid < 0 && !w.reaped) {  // never started (the spawn loop broke off)
@@ -578,19 +588,64 @@ struct Agent::Impl {
 
     // --elastic: a worker that died is posted dead (store/membership.h) and
     // the others go on without it; its death is no reason to stop them.
+    auto nameOf = [](const Worker& w) { return w.member == w.rank ? str("rank ", w.rank) : str("rank ", w.rank, " (member ", w.member, ")"); };
     auto loseWorker = [&](Worker& w, const std::string& reason) {
       if (w.lost) return;
       w.lost = true;
       try {
-        membership::postDeath(*store, w.rank, reason);
+        membership::postDeath(*store, w.member, reason);
       } catch (const std::exception& e) {
-        say(str("cannot post the death of rank ", w.rank, " to the store: ", e.what()));
+        say(str("cannot post the death of ", nameOf(w), " to the store: ", e.what()));
       }
       int left = 0;
       for (const auto& other : workers) left += other.lost ? 0 : 1;
-      say(str("rank ", w.rank, " (pid ", w.pid, ") ", reason,
+      say(str(nameOf(w), " (pid ", w.pid, ") ", reason,
               left > 0 ? str("; the elastic job goes on without it (", left, " worker(s) left on this node)")
                        : std::string("; no worker is left on this node")));
+    };
+    // --elastic --max-restarts: a dead worker's place gets a new process with a fresh member
+    // id, which joins the running job; the old one's outcome is kept for the summary.
+    bool jobFinishing = false;  // a worker finished: nothing is replaced any more
+    std::vector<std::string> replaced;
+    auto replaceWorker = [&](Worker& w) {
+      if (!o.elastic || stopping || jobFinishing || w.replacements >= o.maxRestarts) return;
+      for (int s = 0; s < 2; ++s) {  // what the dead process wrote and was not read yet
+        if (w.fds[s] < 0) continue;
+        char chunk[4096];
+        ssize_t n;
+        while ((n = ::read(w.fds[s], chunk, sizeof(chunk))) > 0) w.streams[s]->write(std::string_view(chunk, static_cast<size_t>(n)));
+        ::close(w.fds[s]);
+        w.fds[s] = -1;
+        w.streams[s]->finish();
+      }
+      int member = -1;
+      try {
+        member = membership::newMemberId(*store, rdv.worldSize);
+        membership::recordSlot(*store, w.rank, member);
+      } catch (const std::exception& e) {
+        say(str("cannot replace ", nameOf(w), ": the store did not answer: ", e.what()));
+        return;
+      }
+      replaced.push_back(str(nameOf(w), " (", describeOutcome(w.outcome), ")"));
+      if (guardian && w.pid > 0) guardian->release(w.pid);
+      ++w.replacements;
+      const std::string before = nameOf(w);
+      w.member = member;
+      w.reaped = w.lost = false;
+      w.beat.reset();
+      w.beatSeenMs = 0;
+      w.pid = -1;
+      w.outcome = WorkerOutcome{};
+      w.outcome.rank = w.rank;
+      w.outcome.localRank = w.localRank;
+      w.outcome.host = cfg.hostname;
+      if (const std::string why = spawn(w, member); !why.empty()) {
+        say(str("cannot start a replacement for ", before, ": ", why));
+        w.lost = true;
+        return;
+      }
+      say(str(before, " is replaced by member ", member, " (pid ", w.pid, "; replacement ", w.replacements, " of ",
+              o.maxRestarts, " for local rank ", w.localRank, "): it joins the running job at a step boundary"));
     };
     const int64_t livenessEvery = std::clamp<int64_t>(o.livenessTimeout.count() / 5, 10, 200);
     int64_t nextLivenessCheck = 0;
@@ -603,7 +658,7 @@ struct Agent::Impl {
         if (w.reaped || w.lost || w.pid <= 0) continue;
         std::optional<uint64_t> beat;
         try {
-          beat = membership::heartbeatOf(*store, w.rank);
+          beat = membership::heartbeatOf(*store, w.member);
         } catch (const std::exception&) {
           return;  // the store's loss is handled elsewhere
         }
@@ -626,7 +681,7 @@ struct Agent::Impl {
       const auto [first, count] = rdv.nodeRanks[static_cast<size_t>(node)];
       for (int r = first; r < first + count; ++r) {
         try {
-          membership::postDeath(*store, r, str("was lost with node ", node, " (", why, ")"));
+          membership::postDeath(*store, membership::memberOfSlot(*store, r), str("was lost with node ", node, " (", why, ")"));
         } catch (const std::exception& e) {
           say(str("cannot post the death of rank ", r, " to the store: ", e.what()));
         }
@@ -660,10 +715,22 @@ struct Agent::Impl {
           if (out.failed() && !stopping) failedNow.push_back(&w);
         }
       }
+      if (o.elastic && !stopping && !jobFinishing) {
+        for (const auto& w : workers) {
+          if (w.reaped && !w.outcome.failed() && w.pid > 0) jobFinishing = true;
+        }
+        if (jobFinishing) {
+          try {  // a replacement still waiting to be admitted gives up (ElasticGroup)
+            membership::markFinished(*store);
+          } catch (const std::exception&) {
+          }
+        }
+      }
       if (!failedNow.empty() && !stopping && o.elastic) {
         for (Worker* w : failedNow) {
           const WorkerOutcome& out = w->outcome;
           loseWorker(*w, str("exited: ", out.signaled ? str("signal ", signalName(out.code)) : str("exit code ", out.code)));
+          replaceWorker(*w);
         }
         return;
       }
@@ -880,6 +947,7 @@ struct Agent::Impl {
         if (w.lost && w.outcome.failed()) lost.push_back(str("rank ", w.rank, " (", describeOutcome(w.outcome), ")"));
       }
       if (finished) {
+        if (!replaced.empty()) say(str("replaced during the job: ", join(replaced, ", ")));
         if (!lost.empty()) say(str("the elastic job finished without ", join(lost, ", ")));
         return AttemptResult{true, 0};
       }
@@ -988,9 +1056,10 @@ struct Agent::Impl {
         finishJob();
         return 0;
       }
-      if (terminationSignal != 0 || attempt >= o.maxRestarts) {
+      // Under --elastic, --max-restarts counts replacements of single workers, not group restarts.
+      if (terminationSignal != 0 || attempt >= o.maxRestarts || o.elastic) {
         say(str("exit code ", result.exitCode,
-                terminationSignal != 0 ? "" : (o.maxRestarts > 0 ? str(" (no restarts left of ", o.maxRestarts, ")") : std::string())));
+                terminationSignal != 0 ? "" : (o.maxRestarts > 0 && !o.elastic ? str(" (no restarts left of ", o.maxRestarts, ")") : std::string())));
         finishJob();
         return result.exitCode;
       }

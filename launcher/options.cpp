@@ -107,7 +107,7 @@ const std::vector<OptionSpec>& optionSpecs() {
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.workerPort = parseCount(v, what, 0, 65535, "a port number from 0 to 65535 (0: any free port)");
        }},
-      {"max-restarts", "DT_MAX_RESTARTS", true, "0", "restarts of the whole worker group after a failure",
+      {"max-restarts", "DT_MAX_RESTARTS", true, "0", "restarts of the whole worker group after a failure; with --elastic: replacements per local rank (a worker that died is started again and joins the running job while the others train)",
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.maxRestarts = parseCount(v, what, 0, 1 << 20, "a non-negative integer");
        }},
@@ -330,10 +330,6 @@ ParseResult parseCommandLine(const std::vector<std::string>& args, const EnvLook
   }
   if (o.program.empty()) {
     throw InvalidArgument("no program given; usage: dtrun [options] program [args...] (see dtrun --help)");
-  }
-  if (o.elastic && o.maxRestarts > 0) {
-    throw InvalidArgument(str("--max-restarts=", o.maxRestarts, " with --elastic is not supported yet: an elastic job does not "
-                              "restart its workers, it goes on without the ones that died; drop one of the two"));
   }
   if (o.elastic && o.etcd()) {
     throw InvalidArgument("--elastic with --rdzv-backend etcd is not supported yet; accepted: --elastic with the static backend");

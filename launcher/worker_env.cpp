@@ -57,6 +57,8 @@ WorkerEnv buildWorkerEnv(const std::vector<std::string>& base, const WorkerIdent
   put("DT_MAX_RESTARTS", str(id.maxRestarts));
   put("DT_ELASTIC", id.elastic ? "1" : "0");
   put("DT_MIN_NPROC", str(id.minNproc));
+  put("DT_ELASTIC_JOIN", id.joiningMember >= 0 ? "1" : "0");
+  put("DT_ELASTIC_MEMBER", str(id.joiningMember));
   // Always set: a DT_ETCD_ENDPOINTS inherited from dtrun's environment must not
   // send the workers of a static job to etcd.
   put("DT_ETCD_ENDPOINTS", id.etcdEndpoints);

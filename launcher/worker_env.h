@@ -30,6 +30,9 @@ struct WorkerIdentity {
   int maxRestarts = 0;
   bool elastic = false;  // DT_ELASTIC=1 and DT_MIN_NPROC for the workers' ElasticGroup
   int minNproc = 1;
+  // --elastic: a replacement's fresh member id (DT_ELASTIC_JOIN=1, DT_ELASTIC_MEMBER); -1: a
+  // worker of the attempt's start, whose member id is its rank.
+  int joiningMember = -1;
   // --rdzv-backend etcd: the workers' store is etcd (DT_ETCD_*); storeAddr is empty then.
   std::string etcdEndpoints, etcdPrefix, etcdCa, etcdCert, etcdKey, etcdUser, etcdPassword;
 };

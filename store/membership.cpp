@@ -10,7 +10,9 @@ namespace {
 std::string deadKey(int member) { return str("elastic/dead/", member); }
 std::string deathKey(int64_t n) { return str("elastic/death/", n); }
 std::string aliveKey(int member) { return str("elastic/alive/", member); }
+std::string joinerKey(int64_t n) { return str("elastic/joiner/", n); }
 const char* const kDeaths = "elastic/deaths";
+const char* const kJoiners = "elastic/joiners";
 
 }  // namespace
 
@@ -41,6 +43,37 @@ std::optional<Death> waitForDeath(Store& store, int64_t n, std::chrono::millisec
   d.member = static_cast<int>(env::parseInt(store.get(deathKey(n)), "membership death record"));
   d.reason = deathOf(store, d.member).value_or("ended");
   return d;
+}
+
+int newMemberId(Store& store, int initialWorld) {
+  return initialWorld + static_cast<int>(store.add("elastic/new_members", 1)) - 1;
+}
+
+int64_t registerJoiner(Store& store, int member) {
+  // The counter orders racing joiners; the record follows it (joinerAt waits for it).
+  const int64_t n = store.add(kJoiners, 1);
+  store.set(joinerKey(n), std::to_string(member));
+  return n;
+}
+
+void recordSlot(Store& store, int rank, int member) { store.set(str("elastic/slot/", rank), std::to_string(member)); }
+
+int memberOfSlot(Store& store, int rank) {
+  const std::string key = str("elastic/slot/", rank);
+  if (!store.check({key})) return rank;
+  return static_cast<int>(env::parseInt(store.get(key), "membership slot record"));
+}
+
+void markFinished(Store& store) { store.set("elastic/finished", "1"); }
+
+bool finished(Store& store) { return store.check({"elastic/finished"}); }
+
+int64_t joinerCount(Store& store) { return store.add(kJoiners, 0); }
+
+int joinerAt(Store& store, int64_t n) {
+  // The count moves before the record is written: wait briefly for it.
+  store.wait({joinerKey(n)}, std::chrono::seconds(10));
+  return static_cast<int>(env::parseInt(store.get(joinerKey(n)), "membership joiner record"));
 }
 
 void beat(Store& store, int member, uint64_t counter) { store.set(aliveKey(member), std::to_string(counter)); }

@@ -8,6 +8,16 @@
 //   elastic/deaths          how many deaths were posted (a counter)
 //   elastic/death/<n>       the member of the n-th death (1, 2, ...)
 //   elastic/alive/<member>  its heartbeat counter
+//   elastic/new_members     member ids handed out beyond the initial world (a counter)
+//   elastic/joiners         how many joiners registered (a counter)
+//   elastic/joiner/<n>      the member id of the n-th joiner (1, 2, ...)
+//   elastic/slot/<rank>     the member id now running in launch rank <rank>'s place
+//   elastic/finished        a worker finished the job (a joiner not admitted yet gives up)
+//
+// A replacement process (dtrun --elastic --max-restarts) gets a fresh member
+// id from newMemberId(), so that the death of the process it replaces stays
+// recorded, and registers as a joiner; the members admit it at a step
+// boundary (elastic/elastic_group.h).
 //
 // Contract:
 //  * postDeath() records a member's death once: the first reason wins, a
@@ -39,6 +49,19 @@ std::optional<std::string> deathOf(Store& store, int member);
 int64_t deathCount(Store& store);
 // The n-th death (n >= 1), waiting up to `timeout` for it; nullopt on timeout.
 std::optional<Death> waitForDeath(Store& store, int64_t n, std::chrono::milliseconds timeout);
+
+// A member id no process has had: initialWorld, initialWorld + 1, ... (each call a new one).
+int newMemberId(Store& store, int initialWorld);
+// Registers `member` as a joiner; returns its registration number n (1, 2, ...).
+int64_t registerJoiner(Store& store, int member);
+// Which member runs in launch rank `rank`'s place (its replacement's id, or `rank` itself).
+void recordSlot(Store& store, int rank, int member);
+int memberOfSlot(Store& store, int rank);
+void markFinished(Store& store);
+bool finished(Store& store);
+int64_t joinerCount(Store& store);
+// The member id of the n-th joiner (n <= joinerCount()).
+int joinerAt(Store& store, int64_t n);
 
 void beat(Store& store, int member, uint64_t counter);
 // The member's last heartbeat counter; nullopt if it never beat.

@@ -156,5 +156,44 @@ TEST_F(TrainerElastic, KilledWhileACheckpointIsWritten) {
   EXPECT_NEAR(finalValue(r.out, "test accuracy").value_or(-10), referenceAccuracy_, 0.003);
 }
 
+TEST_F(TrainerElastic, KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize) {
+  // 200 steps (20 epochs of the slice), paced at 40 ms a step so that a replacement (about
+  // half a second from its start to its admission here) joins mid-run. Member 2 dies in step
+  // 10; its replacement (member 4) in step 40, or in its first step if it joined later; and so
+  // on: five replacements, the last (member 8) trains to the end with the other three.
+  const std::vector<std::string> longer = {"--steps", "200", "--dump-at", "200"};
+  TempDir reference, out;
+  const auto undisturbed = runProcess(dtrunTrainer(4, job(data_->path(), reference.path(), longer), {"--elastic"}), 180s);
+  ASSERT_EQ(undisturbed.exitCode, 0) << undisturbed.out << undisturbed.err;
+  std::vector<std::string> args = longer;
+  for (const char* extra : {"--step-pause", "40", "--fail-at", "2:10:forward,4:40:forward,5:70:backward,6:100:commit,7:130:forward"}) {
+    args.push_back(extra);
+  }
+  const auto r = runProcess(dtrunTrainer(4, job(data_->path(), out.path(), args), {"--elastic", "--max-restarts", "5"}), 240s);
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_EQ(countOccurrences(r.err, "is replaced by member"), 5) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("is replaced by member 8 "));
+  EXPECT_EQ(countOccurrences(r.out, "joined at step"), 5) << r.out;
+  EXPECT_THAT(r.err, HasSubstr("replaced during the job: rank 2"));
+  // Back at four ranks with identical parameters, and the undisturbed run's up to reassociation.
+  EXPECT_FALSE(commonFingerprint(r.out, 4).empty()) << r.out;
+  bool bitwise = false;
+  const double rel = relativeDifference(reference.path() / "dump" / "step-200.safetensors",
+                                        out.path() / "dump" / "step-200.safetensors", &bitwise);
+  std::printf("after 200 steps, 5 kills and 5 joins: max relative difference to the undisturbed run %.3g\n", rel);
+  for (const auto& line : split(r.out, '\n')) {
+    if (line.find("joined at step") != std::string::npos) std::printf("%s\n", line.c_str());
+  }
+  EXPECT_LE(rel, 1e-5);
+  EXPECT_NEAR(finalValue(r.out, "test accuracy").value_or(-10), finalValue(undisturbed.out, "test accuracy").value_or(-1), 0.003);
+  // No step lost, no example skipped or repeated, over every member that ever trained.
+  const auto seen = examplesByEpoch(out.path() / "samples", 9);
+  ASSERT_EQ(seen.size(), 20u);
+  for (const auto& [epoch, ids] : seen) {
+    EXPECT_EQ(ids.size(), 1280u) << "epoch " << epoch;
+    EXPECT_EQ(std::set<int64_t>(ids.begin(), ids.end()).size(), ids.size()) << "epoch " << epoch;
+  }
+}
+
 }  // namespace
 }  // namespace dt::testing

@@ -1,8 +1,9 @@
 // dtrun --elastic on one node: a worker that dies (SIGKILL, a non-zero exit)
 // or freezes (SIGSTOP, found by its stopped heartbeat) is left behind, the
 // others rebuild their group in place and finish every step; below
-// --min-nproc the job stops naming who is left; bad flag combinations are
-// named.
+// --min-nproc the job stops naming who is left; with --max-restarts a dead
+// worker is replaced and the replacement joins the running job; bad flag
+// combinations are named.
 #include <regex>
 
 #include <gmock/gmock.h>
@@ -70,10 +71,23 @@ TEST(DtrunElastic, BelowTheMinimumTheJobStopsNamingWhoIsLeft) {
   EXPECT_THAT(r.err, HasSubstr("rank 1 exited: signal SIGKILL"));
 }
 
+TEST(DtrunElastic, AKilledWorkerIsReplacedAndTheReplacementJoinsTheRunningJob) {
+  // Member 1 dies in step 15; member 3 takes its place, is admitted at a step boundary,
+  // receives the state and finishes with the others: three ranks at the end, in epoch 2
+  // (the shrink, then the admission), every state exact.
+  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "3", "--elastic", "--max-restarts", "1", kWorker, "100",
+                             "20", "1", "15", "kill"},
+                            120s);
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 1 is replaced by member 3 (pid"));
+  EXPECT_THAT(r.err, HasSubstr("replacement 1 of 1 for local rank 1"));
+  EXPECT_THAT(r.out, HasSubstr("member 3: joined at step"));
+  EXPECT_THAT(r.err, HasSubstr("replaced during the job: rank 1 (signal SIGKILL"));
+  EXPECT_THAT(r.err, Not(HasSubstr("finished without")));
+  expectFinished(r, {0, 2, 3}, 3);
+}
+
 TEST(DtrunElastic, BadCombinationsAreNamed) {
-  const auto r = runProcess({kDtrun, "--standalone", "--elastic", "--max-restarts", "2", kWorker, "1"}, 30s);
-  EXPECT_EQ(r.exitCode, 2) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("--max-restarts=2 with --elastic is not supported yet"));
   const auto bad = runProcess({kDtrun, "--standalone", "--elastic", "--liveness-timeout", "5ms", kWorker, "1"}, 30s);
   EXPECT_THAT(bad.err, HasSubstr("--liveness-timeout=\"5ms\" is too small"));
 }

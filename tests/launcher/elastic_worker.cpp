@@ -12,7 +12,9 @@
 // (exit), or SIGKILLs its parent dtrun and itself (node: a node's loss).
 // At the end each survivor prints
 //   "member M rank R/N epoch E state S expected S' lost <who>"
-// and exits 0 when S == S'; the job's exit code tells the rest.
+// and exits 0 when S == S'; the job's exit code tells the rest. A replacement
+// (dtrun --max-restarts) joins: the members admit it when their commit vote
+// says it waits, and rank 0 sends it {state, steps applied}.
 #include <signal.h>
 #include <unistd.h>
 
@@ -57,6 +59,19 @@ int main(int argc, char** argv) {
     dt::Tensor grad = dt::zeros({1}, dt::DType::Float64);
     int64_t applied = 0;
     std::string lost;
+    auto transfer = [&] {  // after a new epoch: rank 0 to the members just admitted
+      if (elastic->membership().joined.empty()) return;
+      dt::Tensor t = dt::fromVector<double>({state, static_cast<double>(applied)});
+      elastic->group()->broadcast(t, {.root = 0})->wait();
+      state = t.data<double>()[0];
+      applied = static_cast<int64_t>(t.data<double>()[1]);
+      if (elastic->joinedNow()) {
+        std::printf("member %d: joined at step %lld as rank %d/%d\n", member, static_cast<long long>(applied),
+                    elastic->membership().rank, elastic->membership().size());
+        std::fflush(stdout);
+      }
+    };
+    transfer();
     while (applied < steps) {
       const auto& m = elastic->membership();
       try {
@@ -72,10 +87,14 @@ int main(int argc, char** argv) {
             ::kill(::getpid(), SIGKILL);
           }
         }
-        dt::Tensor commit = dt::ones({1}, dt::DType::Float64);
+        dt::Tensor commit = dt::fromVector<double>({1.0, elastic->joinersWaiting() ? 1.0 : 0.0});
         elastic->group()->allreduce(commit)->wait();
         state += grad.data<double>()[0];
         ++applied;
+        if (commit.data<double>()[1] > 0 && applied < steps) {
+          elastic->admit(applied);
+          transfer();
+        }
       } catch (const dt::MembershipError&) {
         throw;
       } catch (const dt::Error&) {
@@ -84,6 +103,7 @@ int main(int argc, char** argv) {
           state += grad.data<double>()[0];
           ++applied;
         }
+        transfer();
         for (const auto& l : next.lost) lost += l + "; ";
         std::printf("member %d: epoch %llu: %d member(s) go on from step %lld without: %s\n", member,
                     static_cast<unsigned long long>(next.epoch), next.size(), static_cast<long long>(next.resumeStep),
@@ -96,6 +116,9 @@ int main(int argc, char** argv) {
     std::printf("member %d rank %d/%d epoch %llu state %.0f expected %.0f lost %s\n", member, m.rank, m.size(),
                 static_cast<unsigned long long>(m.epoch), state, expected, lost.empty() ? "none" : lost.c_str());
     return state == expected ? 0 : 1;
+  } catch (const dt::JobFinishedError& e) {
+    std::printf("%s\n", e.what());
+    return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "elastic_worker: %s\n", dt::describe(e).c_str());
     return 1;
