@@ -331,9 +331,6 @@ ParseResult parseCommandLine(const std::vector<std::string>& args, const EnvLook
   if (o.program.empty()) {
     throw InvalidArgument("no program given; usage: dtrun [options] program [args...] (see dtrun --help)");
   }
-  if (o.elastic && o.etcd()) {
-    throw InvalidArgument("--elastic with --rdzv-backend etcd is not supported yet; accepted: --elastic with the static backend");
-  }
   if (o.nodeRank >= o.nnodes && o.slurm != "on") {
     throw InvalidArgument(str("--node-rank=", o.nodeRank, " is out of range for --nnodes=", o.nnodes,
                               "; accepted: 0 to ", o.nnodes - 1));

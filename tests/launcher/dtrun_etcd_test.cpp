@@ -3,8 +3,12 @@
 // etcd, the workers' store is etcd itself and they allreduce; losing one etcd
 // member of three in the middle changes nothing; TLS with a client
 // certificate plus user/password reach the workers; bad endpoints, a lonely node and a
-// node rank claimed twice are one clear error each.
+// node rank claimed twice are one clear error each. Elastic through etcd: no
+// node is special, so losing node 0 (its dtrun and its workers) leaves the
+// others training.
 #include <csignal>
+#include <memory>
+#include <regex>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -22,6 +26,7 @@ using ::testing::HasSubstr;
 
 const std::string kDtrun = DTRUN_PATH;
 const std::string kWorker = DTRAIN_WORKER_PATH;
+const std::string kElasticWorker = ELASTIC_WORKER_PATH;
 
 std::vector<std::string> dtrun(const EtcdCluster& cluster, const std::string& id, std::vector<std::string> extra,
                                std::vector<std::string> program) {
@@ -77,6 +82,35 @@ TEST(DtrunEtcd, TlsAndCredentialsReachTheWorkers) {
   EXPECT_EQ(bad.exitCode, 1);
   EXPECT_THAT(bad.err, HasSubstr("authentication failed"));
   EXPECT_THAT(bad.err, HasSubstr(cluster.endpoint(0)));
+}
+
+TEST(DtrunEtcd, ElasticJobLosesNode0AndGoesOnWithTheOthers) {
+  EtcdCluster cluster({.members = 3});
+  // Three nodes of two workers; rank 0 (on node 0) kills its own dtrun and itself in step 20:
+  // node 0's other worker dies with its dtrun, its lease expires, and the other nodes post
+  // its ranks dead. Rank 2's node kills one etcd member as well, mid-run: nothing shows.
+  const std::vector<std::string> worker = {kElasticWorker, "80", "30", "0", "20", "node"};
+  std::vector<std::unique_ptr<ChildProcess>> nodes;
+  for (int node = 0; node < 3; ++node) {
+    nodes.push_back(std::make_unique<ChildProcess>(
+        dtrun(cluster, "elastic-etcd", {"--nnodes", "3", "--node-rank", std::to_string(node), "--nproc", "2", "--elastic"}, worker)));
+  }
+  ASSERT_TRUE(nodes[1]->waitForOutput("go on from step", 60s)) << nodes[0]->output() << nodes[1]->output();
+  cluster.kill(1);
+  const auto lost = nodes[0]->wait(60s);
+  EXPECT_NE(lost.exitCode, 0) << "node 0's dtrun was killed";
+  for (int node = 1; node < 3; ++node) {
+    const auto r = nodes[static_cast<size_t>(node)]->wait(120s);
+    ASSERT_EQ(r.exitCode, 0) << "node " << node << ":\n" << r.out << r.err;
+    EXPECT_THAT(r.err, HasSubstr("node 0 is lost"));
+    EXPECT_THAT(r.err, ::testing::Not(HasSubstr("finished without")));
+    for (int rank : {2 * node, 2 * node + 1}) {
+      const std::regex line(str("member ", rank, " rank [0-9]/4 epoch [0-9]+ state ([0-9]+) expected ([0-9]+)"));
+      std::smatch match;
+      ASSERT_TRUE(std::regex_search(r.out, match, line)) << "member " << rank << ":\n" << r.out << r.err;
+      EXPECT_EQ(match[1].str(), match[2].str()) << "member " << rank;
+    }
+  }
 }
 
 TEST(DtrunEtcd, BadInputIsOneClearErrorEach) {
