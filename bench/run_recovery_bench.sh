@@ -9,7 +9,9 @@
 #
 # Each repetition runs, interleaved so that machine load hits all alike:
 #   dtrain  elastic world 4 undisturbed, plain world 4 (no --elastic), elastic world 4 with the
-#           kill, elastic world 3 undisturbed (the global batch split over 3, as after the kill)
+#           kill, elastic world 3 undisturbed (the global batch split over 3, as after the kill),
+#           elastic world 4 with the kill and --max-restarts 1 (the regrow: dtrun starts a
+#           replacement, which the others admit and send the training state; --measure-transfer)
 #   torch   world 4 undisturbed, world 4 with the kill (both checkpoint every CHECKPOINT_EVERY)
 # Every number comes from the runs' step logs (trainer/peer --step-log: one line per committed
 # step with its CLOCK_REALTIME time, "kill" written by the killed rank just before SIGKILL):
@@ -28,6 +30,12 @@
 #                 runs, from their commit times (step 0 left out everywhere, as in job_s);
 #                 torch: kill job_s - undisturbed job_s
 #   elastic cost  median step_ms of dtrain elastic world 4 / plain world 4 - 1
+#   regrow: join_ms       the replacement's start -> the first step committed at world 4 after it
+#                         joined (its start: when its main() began, from its "join" log line)
+#           admitted_ms   its start -> its admission (the state received)
+#           transfer_mb_s the state's bytes / the transfer's time (broadcastState, all of it)
+#           bcast_mb_s    the same bytes in one plain broadcast on the same group, timed right after
+#                         (busbw = algbw for a broadcast); transfer_vs_bcast = their ratio
 # Prints the RESULT lines, their medians, RATIO lines (dtrain / torch), a table and the goals:
 # recovery < 1 s and >= 10x faster than torch's, zero steps lost, cost < 1 s, elastic < 1 %.
 #
@@ -92,12 +100,13 @@ run() {
   [ $rc = 0 ] || echo "# $name exited with $rc (timeout $limit s: 124); see $out.log" >&2
 }
 
-dtrain_job() {  # NAME WORLD elastic|plain [FAIL]
-  local name=$1 world=$2 mode=$3 fail=${4:-} elastic=()
-  [ "$mode" = elastic ] && elastic=(--elastic --min-nproc 2)
+dtrain_job() {  # NAME WORLD elastic|plain|regrow [FAIL]
+  local name=$1 world=$2 mode=$3 fail=${4:-} elastic=() extra=()
+  [ "$mode" != plain ] && elastic=(--elastic --min-nproc 2)
+  [ "$mode" = regrow ] && elastic+=(--max-restarts 1) && extra=(--measure-transfer)
   run "$name" "$dtrun" --standalone --nproc "$world" "${elastic[@]}" --prefix none \
     "$trainer" --quiet --no-eval --checkpoint-dir none --data "$data" --global-batch "$batch" --steps "$steps" \
-    --step-log "$work/$name.steps" ${fail:+--fail-at "$fail"}
+    --step-log "$work/$name.steps" ${fail:+--fail-at "$fail"} "${extra[@]}"
 }
 
 torch_job() {  # NAME [FAIL]
@@ -116,6 +125,7 @@ for ((rep = 1; rep <= reps; rep++)); do
   dtrain_job "r$rep-dtrain-plain-w4" 4 plain
   dtrain_job "r$rep-dtrain-kill-w4" 4 elastic "$kill_member:$kill_step:forward"
   dtrain_job "r$rep-dtrain-elastic-w3" 3 elastic
+  dtrain_job "r$rep-dtrain-regrow-w4" 4 regrow "$kill_member:$kill_step:forward"
   [ $have_torch = 1 ] || continue
   torch_job "r$rep-torch-w4"
   torch_job "r$rep-torch-kill-w4" "$kill_member:$kill_step"
@@ -134,7 +144,7 @@ for line in open(os.path.join(work, "runs.txt")):
 
 def read_log(name):
     """{'steps': [(step, epoch, world, ns), ...] in commit order, 'kill': ns or None, 'starts': {attempt: ns}}"""
-    log = {"steps": [], "kill": None, "starts": {}}
+    log = {"steps": [], "kill": None, "starts": {}, "join": None}
     path = os.path.join(work, name + ".steps")
     if not os.path.exists(path):
         return log
@@ -142,6 +152,8 @@ def read_log(name):
         f = line.split()
         if f[0] == "kill":
             log["kill"] = int(f[-1])
+        elif f[0] == "join":  # join MEMBER START_NS STEP BYTES TRANSFER_NS BROADCAST_NS NS
+            log["join"] = tuple(int(v) for v in f[1:])
         elif f[0] == "start":
             log["starts"][int(f[1])] = int(f[-1])
         else:
@@ -197,20 +209,20 @@ def recovery(log):
     return ((resumed[3] - log["kill"]) / 1e6, (back[3] - log["kill"]) / 1e6, kill - resumed[0], redone, resumed[1])
 
 
-KINDS = ("dtrain-elastic-w4", "dtrain-plain-w4", "dtrain-kill-w4", "dtrain-elastic-w3", "torch-w4", "torch-kill-w4")
+KINDS = ("dtrain-elastic-w4", "dtrain-plain-w4", "dtrain-kill-w4", "dtrain-elastic-w3", "dtrain-regrow-w4", "torch-w4", "torch-kill-w4")
 for rep in range(1, reps + 1):
     logs, ok = {}, {}
     for kind in KINDS:
         name = f"r{rep}-{kind}"
         if name in runs:
             logs[kind] = read_log(name)
-            ok[kind] = complete(name, logs[kind], "kill" in kind)
+            ok[kind] = complete(name, logs[kind], "kill" in kind or "regrow" in kind)
     for kind in KINDS:
         if not ok.get(kind):
             continue
         log, wall = logs[kind], runs[f"r{rep}-{kind}"][1]
         impl = kind.split("-")[0]
-        if "kill" not in kind:
+        if "kill" not in kind and "regrow" not in kind:
             run = "undisturbed-plain" if "plain" in kind else "undisturbed"
             c = last_commits(log)
             p50 = statistics.median(c[s] - c[s - 1] for s in range(1, steps)) / 1e6
@@ -218,6 +230,20 @@ for rep in range(1, reps + 1):
             continue
         rec, back, lost, redone, epoch = recovery(log)
         m = {"recovery_ms": rec, "back_ms": back}
+        if "regrow" in kind:
+            if log["join"] is None:
+                print(f"# r{rep}-{kind}: left out (no join logged: the replacement was not admitted before the end)")
+                continue
+            member, start, at, nbytes, transfer_ns, bcast_ns, done = log["join"]
+            first = next((s for s in log["steps"] if s[0] >= at and s[2] == 4), None)
+            m = {"recovery_ms": rec, "join_ms": (first[3] - start) / 1e6 if first else float("nan"),
+                 "admitted_ms": (done - start) / 1e6, "state_mb": nbytes / 1e6,
+                 "transfer_mb_s": nbytes / (transfer_ns / 1e9) / 1e6,
+                 "bcast_mb_s": nbytes / (bcast_ns / 1e9) / 1e6 if bcast_ns else float("nan"),
+                 "transfer_vs_bcast": bcast_ns / transfer_ns if bcast_ns else float("nan"),
+                 "steps_lost": lost, "steps_redone": redone, "job_s": job(log), "wall_s": wall}
+            emit(impl, "regrow", 4, m)
+            continue
         if impl == "torch" and epoch in log["starts"]:
             m["restart_ms"] = (log["starts"][epoch] - log["kill"]) / 1e6
         m.update(steps_lost=lost, steps_redone=redone, job_s=job(log), wall_s=wall)
@@ -257,6 +283,7 @@ labels = [(("dtrain", "undisturbed-plain", 4), "dtrain world 4, plain"),
           (("dtrain", "undisturbed", 4), "dtrain world 4, --elastic"),
           (("dtrain", "undisturbed", 3), "dtrain world 3, --elastic"),
           (("dtrain", "kill", 4), f"dtrain world 4 -> 3, member killed in step {kill}"),
+          (("dtrain", "regrow", 4), f"dtrain world 4 -> 3 -> 4, killed in step {kill}, replaced (--max-restarts 1)"),
           (("torch", "undisturbed", 4), "torch world 4, torchrun"),
           (("torch", "kill", 4), f"torch world 4, rank killed in step {kill}, torchrun restart")]
 cell = lambda m, k, f: (f % m[k]) if k in m else "-"
@@ -269,6 +296,19 @@ for key, label in labels:
         rec += f" ({m['restart_ms']:.0f} until the restarted process began)"
     print(f"| {label} | {m['job_s']:.2f} | {m.get('step_ms', m['job_s'] * 1e3 / (steps - 1)):.2f} | {rec} | {cell(m, 'back_ms', '%.0f')} | "
           f"{cell(m, 'steps_lost', '%d')} | {cell(m, 'steps_redone', '%d')} | {cell(m, 'cost_s', '%.3f')} | {m['wall_s']:.1f} |")
+
+# The regrow.
+g = med.get(("dtrain", "regrow", 4))
+if g:
+    print()
+    print("| regrow (medians) | value |")
+    print("|---|---|")
+    print(f"| replacement start -> admitted (state received) | {g['admitted_ms']:.0f} ms |")
+    print(f"| replacement start -> first committed step at world 4 | {g['join_ms']:.0f} ms |")
+    print(f"| training state sent | {g['state_mb']:.2f} MB |")
+    print(f"| state transfer (broadcastState) | {g['transfer_mb_s']:.0f} MB/s |")
+    print(f"| one plain broadcast of the same bytes, same group | {g['bcast_mb_s']:.0f} MB/s |")
+    print(f"| transfer / broadcast throughput | {g['transfer_vs_bcast']:.2f} |")
 
 # The goals.
 print()

@@ -99,6 +99,7 @@ struct Config {
   std::vector<std::string> failAt;  // "MEMBER:STEP:WHERE" each: SIGKILL self there (to test recovery)
   std::string recordSamples;   // PREFIX: each rank appends each attempt at a step (its example ids) to PREFIX.<member>
   std::string stepLog;         // FILE: rank 0 appends a line per committed step (and --fail-at's member one before its kill)
+  bool measureTransfer = false;  // --measure-transfer: time a plain broadcast of the state's bytes after each transfer
   std::vector<int64_t> dumpAt;  // steps after which rank 0 writes the parameters to dumpDir
   std::string dumpDir;
 
@@ -156,7 +157,11 @@ elastic (docs/elastic.md)
   --step-log FILE         rank 0 (of the current membership) appends "STEP EPOCH WORLD NS" to FILE for each step
                           it commits (STEP from 0; EPOCH: the membership epoch, or the restart count without
                           --elastic; NS: CLOCK_REALTIME in ns), written at once; --fail-at's member appends
-                          "kill STEP MEMBER NS" just before it kills itself (for bench/run_recovery_bench.sh)
+                          "kill STEP MEMBER NS" just before it kills itself (for bench/run_recovery_bench.sh); a
+                          replacement appends "join MEMBER START_NS STEP BYTES TRANSFER_NS BROADCAST_NS NS" once
+                          it has the state (START_NS: its start; BROADCAST_NS: with --measure-transfer)
+  --measure-transfer      after each state transfer every rank also broadcasts as many bytes in one plain
+                          broadcast, timed, to compare the transfer with the group's bandwidth
   --step-pause MS         sleep MS ms at the start of every step, so that a test's kills and joins happen
                           mid-run (the trajectory is the same)
   --dump-at S1,S2,...     after these steps rank 0 writes the parameters to --dump-dir DIR
@@ -188,7 +193,7 @@ Config parseArgs(int argc, char** argv, bool& help) {
   Config c;
   c.elastic = dt::env::getBool("DT_ELASTIC");
   c.dumpDir = "trainer-dumps";
-  help = !examples::forEachFlag("trainer", argc, argv, {"--quiet", "--drop-last", "--no-eval", "--bench", "--elastic"},
+  help = !examples::forEachFlag("trainer", argc, argv, {"--quiet", "--drop-last", "--no-eval", "--bench", "--elastic", "--measure-transfer"},
                                 [&](const std::string& flag, const std::string& value) {
     if (flag == "--quiet") c.quiet = true;
     else if (flag == "--elastic") c.elastic = true;
@@ -205,6 +210,7 @@ Config parseArgs(int argc, char** argv, bool& help) {
     }
     else if (flag == "--record-samples") c.recordSamples = value;
     else if (flag == "--step-log") c.stepLog = value;
+    else if (flag == "--measure-transfer") c.measureTransfer = true;
     else if (flag == "--dump-at") {
       for (const auto& part : dt::split(value, ',')) c.dumpAt.push_back(parsePositive(std::string(part), flag, 0));
     }
@@ -379,6 +385,9 @@ class Trainer {
   void armBackwardFailure();
   int64_t currentStep_ = 0;
   int64_t joinedAtStep_ = -1;  // --elastic: the step a replacement joined at
+  // When this process started (CLOCK_REALTIME ns), for --step-log's join line.
+  const int64_t startNs_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::system_clock::now().time_since_epoch()).count();
   void recordSamples(int64_t step, const dt::data::LoadedBatch& batch) const;
   // --step-log: appends `line` and the time (CLOCK_REALTIME ns), in one write (the file is
   // opened for appending, so lines from several processes do not interleave).
@@ -483,14 +492,28 @@ void Trainer::transferState(int64_t& step) {
   state.metadata["train_loss"] = std::to_string(recentLoss_);
   const auto start = Clock::now();
   dt::broadcastState(state, *group_, 0, elastic_->joinedNow(), {.device = device_});
+  const auto transferNs = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+  // Counted once every rank holds the whole state (a joiner's optimizer had none before).
+  int64_t bytes = 0;
+  for (const auto& t : state.collect()) bytes += t.local.numel() * static_cast<int64_t>(dt::itemSize(t.local.dtype()));
+  int64_t broadcastNs = 0;
+  if (c_.measureTransfer) {  // the same bytes in one plain broadcast, on the same group
+    dt::Tensor buffer = dt::zeros({std::max<int64_t>(bytes / 4, 1)}, dt::DType::Float32, device_);
+    group_->barrier()->wait();
+    const auto from = Clock::now();
+    group_->broadcast(buffer, {.root = 0})->wait();
+    broadcastNs = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count();
+  }
   if (!elastic_->joinedNow()) return;
   step = state.step;
   const auto& m = state.metadata;
   if (m.count("ddp.bucket_order")) savedBucketOrder_ = dt::split(m.at("ddp.bucket_order"), ',');
   recentLoss_ = std::strtod(m.at("train_loss").c_str(), nullptr);
+  logStep(str("join ", elastic_->memberId(), " ", startNs_, " ", step, " ", bytes, " ", transferNs, " ", broadcastNs));
   if (!c_.quiet) {
-    std::printf("trainer: member %d joined at step %lld as rank %d/%d; state received in %.1f ms\n", elastic_->memberId(),
-                static_cast<long long>(step), rank_, world_, std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    std::printf("trainer: member %d joined at step %lld as rank %d/%d; state received in %.1f ms (%.2f MB)\n",
+                elastic_->memberId(), static_cast<long long>(step), rank_, world_, static_cast<double>(transferNs) / 1e6,
+                static_cast<double>(bytes) / 1e6);
   }
 }
 
