@@ -171,17 +171,23 @@ struct ElasticGroup::Watcher {
 };
 
 std::unique_ptr<ElasticGroup> ElasticGroup::fromEnvironment(ElasticOptions options) {
-  JobConnection job = connectJob();
+  // A joiner's RANK is no rank of the job yet (a node that joined gives its workers their
+  // member ids): it connects as a client like any rank, and gets its rank when admitted.
+  const bool joining = env::getBool("DT_ELASTIC_JOIN");
+  InitOptions init;
+  if (joining) init.rank = 0;
+  JobConnection job = connectJob(init);
   ProcessGroupOptions group = std::move(job.group);
   // The caller's name and backend win over the environment's defaults.
   if (options.group.name != "default") group.name = options.group.name;
   if (!options.group.backend.empty()) group.backend = options.group.backend;
   if (options.group.timeout) group.timeout = options.group.timeout;
   options.group = std::move(group);
-  if (env::getBool("DT_ELASTIC_JOIN")) {
+  if (joining) {
     const int64_t member = env::getInt("DT_ELASTIC_MEMBER");
     DT_REQUIRE(member >= job.worldSize, "ElasticGroup: DT_ELASTIC_JOIN=1 needs DT_ELASTIC_MEMBER, a member id of at least "
                "the initial world size ", job.worldSize, " (dtrun sets both for a replacement), got ", member);
+    options.group.watchdogKey = str("dt/progress/", member);  // not rank 0's
     return join(job.store, static_cast<int>(member), std::move(options));
   }
   return std::make_unique<ElasticGroup>(job.store, job.rank, job.worldSize, std::move(options));

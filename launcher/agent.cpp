@@ -54,8 +54,15 @@ struct Worker {
 struct Rendezvous {
   int worldSize = 1;
   int rankOffset = 0;
-  std::vector<std::pair<int, int>> nodeRanks;  // per node: first rank, count (static multi-node)
+  std::map<int, std::pair<int, int>> nodeRanks;  // per node of the attempt's start: first rank, count
+  std::vector<int> nodes;  // the nodes the attempt started with (empty: 0..nnodes-1)
+  // --elastic --nnodes MIN:MAX: this node joined the attempt while it ran; its workers join
+  // the job's membership (fresh member ids) instead of being ranks of its start.
+  bool late = false;
 };
+
+// How long a job of --nnodes MIN:MAX waits for more nodes once MIN are there (all MAX start it at once).
+constexpr int64_t kLastCallMs = 2000;
 
 struct AttemptResult {
   bool success = false;
@@ -201,7 +208,7 @@ struct Agent::Impl {
     try {
       etcdJob = std::make_shared<EtcdStore>(eo);
       etcdRdzv = std::make_unique<EtcdRendezvous>(etcdJob, etcdJob->grantLease(o.nodeTimeout));
-      store = etcdRdzv->enterRound();
+      store = etcdRdzv->enterRound(/*joinRunning=*/o.elastic && o.minNodes < o.nnodes);
     } catch (const InvalidArgument&) {
       throw;
     } catch (const std::exception& e) {
@@ -293,7 +300,9 @@ struct Agent::Impl {
       }
       storeAddr = str(o.masterAddr, ":", o.masterPort);
     }
-    startCoordinator(false);
+    // A node of --nnodes MIN:MAX may get another node id when it joins a running job: its
+    // coordinator starts once the id is known (rendezvous).
+    if (o.minNodes == o.nnodes || o.nodeRank == 0) startCoordinator(false);
   }
 
   // Waits on the signal channel and the coordinator for up to `ms`; handles
@@ -324,6 +333,12 @@ struct Agent::Impl {
   // the attempt full when ours was the last claim, and wait (in slices, so
   // signals and lost nodes are noticed) for it to be full.
   std::optional<Rendezvous> rendezvousInEtcd(int attempt) {
+    if (o.minNodes < o.nnodes && store->check({nodesKey(attempt)})) {
+      const auto meta = split(store->get("dtrun/meta", o.rdzvTimeout), '\t');
+      workerPort = std::stoi(meta.at(1));
+      workerMasterAddr = meta.at(2);
+      return joinRunning(attempt, -1);
+    }
     const std::string mine = str(cfg.nproc, "\t", cfg.hostname, "\t", nonce);
     const int wanted = attempt == 0 && !o.nodeRankSet ? -1 : o.nodeRank;
     std::string holder;
@@ -345,6 +360,7 @@ struct Agent::Impl {
       store->set("dtrun/meta", str(runId, "\t", workerPort, "\t", workerMasterAddr));
     }
     startCoordinator(true);
+    if (o.minNodes < o.nnodes) return decideParticipants(attempt);
     const std::string full = EtcdRendezvous::fullKey(attempt);
     std::vector<std::string> keys;
     for (int node = 0; node < o.nnodes; ++node) keys.push_back(EtcdRendezvous::nodeKey(attempt, node));
@@ -391,18 +407,112 @@ struct Agent::Impl {
     for (int node = 0; node < o.nnodes; ++node) {
       const int n = std::stoi(values[static_cast<size_t>(node)]);
       if (node < o.nodeRank) out.rankOffset += n;
-      out.nodeRanks.emplace_back(out.worldSize, n);
+      out.nodeRanks[node] = {out.worldSize, n};
       out.worldSize += n;
     }
     return out;
   }
 #endif
 
+  // ---- --elastic --nnodes MIN:MAX ----------------------------------------------
+  // dtrun/a<k>/nodes   the nodes the attempt starts with ("0,1,3"): decided once (compareSet)
+  //                    when all MAX claimed a slot, or MIN did and kLastCallMs passed after that
+  // dtrun/a<k>/world   its world size (for nodes that join later)
+  // dtrun/late_nodes   node ids handed to nodes that came after the start (MAX, MAX+1, ...)
+
+  static std::string nodesKey(int attempt) { return str("dtrun/a", attempt, "/nodes"); }
+
+  // Every node once its slot is claimed: waits for the decision (or makes it), then starts
+  // with it, or joins the running attempt when it was left out.
+  std::optional<Rendezvous> decideParticipants(int attempt) {
+    const int64_t deadline = wallMs() + o.rdzvTimeout.count();
+    int64_t minReachedMs = 0;
+    while (!store->check({nodesKey(attempt)})) {
+      std::vector<int> claimed;
+      for (int node = 0; node < o.nnodes; ++node) {
+        if (store->check({str("dtrun/a", attempt, "/node/", node)})) claimed.push_back(node);
+      }
+      const int64_t now = wallMs();
+      if (static_cast<int>(claimed.size()) >= o.minNodes && minReachedMs == 0) minReachedMs = now;
+      if (static_cast<int>(claimed.size()) < o.minNodes) minReachedMs = 0;
+      // With the static backend node 0 decides (it hosts the store); with etcd any node may.
+      const bool decider = o.etcd() || o.nodeRank == 0;
+      const bool ready = static_cast<int>(claimed.size()) == o.nnodes || (minReachedMs != 0 && now - minReachedMs >= kLastCallMs);
+      if (decider && ready) {
+        int world = 0;
+        std::vector<std::string> ids;
+        for (int node : claimed) {
+          world += std::stoi(split(store->get(str("dtrun/a", attempt, "/node/", node)), '\t').at(0));
+          ids.push_back(std::to_string(node));
+        }
+        store->set(str("dtrun/a", attempt, "/world"), std::to_string(world));
+        store->compareSet(nodesKey(attempt), "", join(ids, ","));
+        break;
+      }
+      if (!idleWait(50)) return std::nullopt;
+      for (const auto& event : pendingEvents) {
+        if (event.kind == CoordinatorEvent::Kind::StoreLost) throw Error(str("dtrun: while waiting for the other nodes: ", event.text));
+      }
+      pendingEvents.clear();  // a claimant lost before the start: it is not counted any more
+      if (now > deadline) {
+        throw TimeoutError(str("dtrun: ", claimed.size(), " of at least ", o.minNodes, " node(s) (--nnodes ", o.minNodes, ":",
+                               o.nnodes, ") joined attempt ", attempt + 1, " within ", formatDuration(o.rdzvTimeout),
+                               " (--rdzv-timeout; store ", storeAddr, ", run id ", runId, ")", claimed.empty() ? "" : ": nodes ",
+                               formatRanges(claimed), ". Are the other nodes' dtruns running with the same --nnodes?"));
+      }
+    }
+    Rendezvous out;
+    for (const auto& id : split(store->get(nodesKey(attempt)), ',')) out.nodes.push_back(std::stoi(id));
+    if (std::find(out.nodes.begin(), out.nodes.end(), o.nodeRank) == out.nodes.end()) {
+      return joinRunning(attempt, o.nodeRank);  // claimed too late for the start: join it as it runs
+    }
+    out.worldSize = 0;
+    for (int node : out.nodes) {
+      const int n = std::stoi(split(store->get(str("dtrun/a", attempt, "/node/", node)), '\t').at(0));
+      if (node < o.nodeRank) out.rankOffset += n;
+      out.nodeRanks[node] = {out.worldSize, n};
+      out.worldSize += n;
+    }
+    if (attempt == 0) store->set("dtrun/started", "1");
+    startCoordinator(o.etcd());
+    return out;
+  }
+
+  // A node that came after the attempt started: it takes node id `id` (-1: a fresh one),
+  // registers as a late node (watched like the others) and its workers join the job.
+  std::optional<Rendezvous> joinRunning(int attempt, int id) {
+    if (id < 0) id = o.nnodes + static_cast<int>(store->add("dtrun/late_nodes", 1)) - 1;
+    o.nodeRank = id;
+    tag = str("dtrun (node ", id, ", joined): ");
+    const std::string mine = str(cfg.nproc, "\t", cfg.hostname, "\t", nonce);
+#if DT_HAVE_ETCD
+    if (o.etcd()) {
+      std::string holder;
+      if (!etcdRdzv->claim(attempt, id, id + 1, mine, holder)) throw Error(str("dtrun: node id ", id, " is taken (", holder, ")"));
+    } else
+#endif
+    {
+      store->set(str("dtrun/a", attempt, "/node/", id), mine);
+      store->add(str("dtrun/hb/", id), 1);
+    }
+    Rendezvous out;
+    out.late = true;
+    out.worldSize = std::stoi(store->get(str("dtrun/a", attempt, "/world")));
+    for (const auto& node : split(store->get(nodesKey(attempt)), ',')) out.nodes.push_back(std::stoi(node));
+    out.nodes.push_back(id);
+    startCoordinator(o.etcd());
+    if (!o.etcd()) setupWatch();
+    store->append(str("dtrun/a", attempt, "/late"), str(id, ","));
+    say(str("the job is running: this node joins it as node ", id, " (its workers are admitted at a step boundary)"));
+    return out;
+  }
+
   std::optional<Rendezvous> rendezvous(int attempt) {
 #if DT_HAVE_ETCD
     if (o.etcd()) return rendezvousInEtcd(attempt);
 #endif
     if (o.nnodes == 1) return Rendezvous{cfg.nproc, 0};
+    if (o.minNodes < o.nnodes && o.nodeRank != 0 && store->check({nodesKey(attempt)})) return joinRunning(attempt, -1);
     store->add(str("dtrun/hb/", o.nodeRank), 1);  // beating before anyone can count on us
     // compareSet: a second dtrun claiming the same --node-rank is caught here
     // instead of silently duplicating ranks.
@@ -414,6 +524,7 @@ struct Agent::Impl {
                                 parts.size() > 1 ? parts[1] : "?", "); give each node its own --node-rank"));
     }
     setupWatch();
+    if (o.minNodes < o.nnodes) return decideParticipants(attempt);
     std::vector<std::string> keys;
     for (int node = 0; node < o.nnodes; ++node) keys.push_back(str("dtrun/a", attempt, "/node/", node));
     const int64_t deadline = wallMs() + o.rdzvTimeout.count();
@@ -441,7 +552,7 @@ struct Agent::Impl {
     for (int node = 0; node < o.nnodes; ++node) {
       const int n = std::stoi(values[static_cast<size_t>(node)]);
       if (node < o.nodeRank) out.rankOffset += n;
-      out.nodeRanks.emplace_back(out.worldSize, n);
+      out.nodeRanks[node] = {out.worldSize, n};
       out.worldSize += n;
     }
     return out;
@@ -510,7 +621,7 @@ struct Agent::Impl {
 
     // Spawn. `joiningMember` >= 0: a replacement under --elastic (a fresh member id).
     const int64_t startMs = wallMs();
-    if (coord) coord->beginAttempt(attempt, rdv.worldSize, startMs);
+    if (coord) coord->beginAttempt(attempt, rdv.worldSize, startMs, rdv.nodes);
     // Returns why the worker could not be started ("" when it was).
     auto spawn = [&](Worker& w, int joiningMember) -> std::string {
       const int i = w.localRank;
@@ -571,13 +682,30 @@ struct Agent::Impl {
       w.outcome.pid = w.pid;
       return {};
     };
+    // --elastic: which members run on this node, so that its loss posts them dead (loseNode).
+    auto recordNodeMembers = [&] {
+      if (!o.elastic || o.nnodes == 1) return;
+      std::vector<std::string> ids;
+      for (const auto& w : workers) ids.push_back(std::to_string(w.member));
+      try {
+        store->set(str("elastic/node_members/", o.nodeRank), join(ids, ","));
+      } catch (const std::exception& e) {
+        say(str("warning: cannot record this node's members in the store: ", e.what()));
+      }
+    };
     for (auto& w : workers) {
       w.member = w.rank;
-      if (const std::string why = spawn(w, -1); !why.empty()) {
+      int joining = -1;
+      if (rdv.late) {  // a node that joined the running job: its workers join its membership
+        joining = membership::newMemberId(*store, rdv.worldSize);
+        w.rank = w.member = w.outcome.rank = joining;
+      }
+      if (const std::string why = spawn(w, joining); !why.empty()) {
         external(str("rank ", w.rank, " could not be started: ", why), 127);
         break;
       }
     }
+    recordNodeMembers();
     for (auto& w : workers) {
       if (w.pid < 0 && !w.reaped) {  // never started (the spawn loop broke off)
         w.reaped = true;
@@ -621,7 +749,6 @@ struct Agent::Impl {
       int member = -1;
       try {
         member = membership::newMemberId(*store, rdv.worldSize);
-        membership::recordSlot(*store, w.rank, member);
       } catch (const std::exception& e) {
         say(str("cannot replace ", nameOf(w), ": the store did not answer: ", e.what()));
         return;
@@ -646,6 +773,7 @@ struct Agent::Impl {
       }
       say(str(before, " is replaced by member ", member, " (pid ", w.pid, "; replacement ", w.replacements, " of ",
               o.maxRestarts, " for local rank ", w.localRank, "): it joins the running job at a step boundary"));
+      recordNodeMembers();
     };
     const int64_t livenessEvery = std::clamp<int64_t>(o.livenessTimeout.count() / 5, 10, 200);
     int64_t nextLivenessCheck = 0;
@@ -677,20 +805,35 @@ struct Agent::Impl {
     // Its watch connection and its heartbeats may both report one loss: the first is told.
     std::set<int> lostNodes;
     auto loseNode = [&](int node, const std::string& why) {
-      if (node < 0 || node >= static_cast<int>(rdv.nodeRanks.size()) || !lostNodes.insert(node).second) return;
-      const auto [first, count] = rdv.nodeRanks[static_cast<size_t>(node)];
-      for (int r = first; r < first + count; ++r) {
+      if (node < 0 || !lostNodes.insert(node).second) return;
+      // Its members: as it recorded them (replacements and a joined node's workers included),
+      // else the ranks it started with.
+      std::vector<int> members;
+      try {
+        const std::string key = str("elastic/node_members/", node);
+        if (store->check({key})) {
+          for (const auto& id : split(store->get(key), ',')) members.push_back(std::stoi(id));
+        }
+      } catch (const std::exception&) {
+      }
+      if (members.empty() && rdv.nodeRanks.count(node)) {
+        const auto [first, count] = rdv.nodeRanks.at(node);
+        for (int r = first; r < first + count; ++r) members.push_back(r);
+      }
+      for (int m : members) {
         try {
-          membership::postDeath(*store, membership::memberOfSlot(*store, r), str("was lost with node ", node, " (", why, ")"));
+          membership::postDeath(*store, m, str("was lost with node ", node, " (", why, ")"));
         } catch (const std::exception& e) {
-          say(str("cannot post the death of rank ", r, " to the store: ", e.what()));
+          say(str("cannot post the death of member ", m, " to the store: ", e.what()));
         }
       }
       try {
         store->set(str("dtrun/a", attempt, "/done/", node), "lost");
       } catch (const std::exception&) {
       }
-      say(str("node ", node, " is lost (", why, "): its ranks ", first, "-", first + count - 1,
+      std::vector<std::string> names;
+      for (int m : members) names.push_back(std::to_string(m));
+      say(str("node ", node, " is lost (", why, "): its members ", join(names, ","),
               " are dead; the elastic job goes on without them"));
     };
 

@@ -1,6 +1,7 @@
 #include "launcher/coordinator.h"
 
 #include <algorithm>
+#include <set>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -91,6 +92,9 @@ struct Coordinator::Shared {
   // Attempt being watched.
   int attempt = -1;
   int worldSize = 0;
+  // The nodes of the attempt: its participants, then the nodes that joined it
+  // (dtrun/a<k>/late; read every tick). Before the first attempt: 0..nnodes-1.
+  std::set<int> nodes;
   int64_t attemptStartMs = 0;
   uint64_t epoch = 0;  // bumped by beginAttempt (under the mutex)
   // Owned by the coordinator thread; reset when it sees a new epoch.
@@ -125,8 +129,10 @@ struct Coordinator::Shared {
     bool publishExit = false, exits = false, done = false;
     int k = -1, world = 0;
     int64_t startMs = 0;
+    std::set<int> active;
     {
       std::lock_guard<std::mutex> lock(mutex);
+      active = nodes;
       sets.swap(outboxSets);
       failure.swap(failureToPublish);
       publishExit = exitToPublish;
@@ -160,14 +166,24 @@ struct Coordinator::Shared {
       post({CoordinatorEvent::Kind::ExitPublished, "", 0});
     }
     if (config.nnodes > 1) {
+      if (k >= 0 && store->check({key(str("a", k, "/late"))})) {  // nodes that joined the running attempt
+        for (const auto& id : split(store->get(key(str("a", k, "/late"))), ',')) {
+          if (id.empty()) continue;
+          const int node = std::stoi(id);
+          if (active.insert(node).second) {
+            std::lock_guard<std::mutex> lock(mutex);
+            nodes.insert(node);
+          }
+        }
+      }
       if (config.leaseLiveness) {
-        watchRegistrations(k, exits);
+        watchRegistrations(k, exits, active);
       } else {
         store->add(key(str("hb/", config.nodeRank)), 1);
         // Node 0 watches everyone's heartbeats (one multiGet per tick) and
         // records a lost node as the attempt's failure; the other nodes learn
         // it from there, and notice node 0's own death as a store failure.
-        if (config.nodeRank == 0) watchHeartbeats(k, exits, now);
+        if (config.nodeRank == 0) watchHeartbeats(k, exits, now, active);
       }
       if (k >= 0 && !failureSeen) {
         const std::string failedKey = key(str("a", k, "/failed"));
@@ -179,7 +195,7 @@ struct Coordinator::Shared {
       }
       if (done && k >= 0) {
         std::vector<std::string> keys;
-        for (int node = 0; node < config.nnodes; ++node) keys.push_back(key(str("a", k, "/done/", node)));
+        for (int node : active) keys.push_back(key(str("a", k, "/done/", node)));
         if (store->check(keys)) {
           {
             std::lock_guard<std::mutex> lock(mutex);
@@ -190,7 +206,7 @@ struct Coordinator::Shared {
       }
       if (exits) {
         std::vector<std::string> keys;
-        for (int node = 0; node < config.nnodes; ++node) {
+        for (int node : active) {
           if (node != config.nodeRank && !lost[node]) keys.push_back(key(str("exit/", node)));
         }
         if (keys.empty() || store->check(keys)) {
@@ -232,18 +248,18 @@ struct Coordinator::Shared {
 
   // leaseLiveness: the other nodes' lease-bound claims on attempt k (one
   // check per tick while all are there).
-  void watchRegistrations(int k, bool exits) {
+  void watchRegistrations(int k, bool exits, const std::set<int>& active) {
     if (k < 0 || exits) return;
     std::vector<std::string> keys;
-    std::vector<int> nodes;
-    for (int node = 0; node < config.nnodes; ++node) {
+    std::vector<int> watched;
+    for (int node : active) {
       if (node == config.nodeRank || lost[node]) continue;
       keys.push_back(key(str("a", k, "/node/", node)));
-      nodes.push_back(node);
+      watched.push_back(node);
     }
     if (keys.empty() || store->check(keys)) return;
     for (size_t i = 0; i < keys.size(); ++i) {
-      const int node = nodes[i];
+      const int node = watched[i];
       if (store->check({keys[i]}) || store->check({key(str("exit/", node))})) continue;
       lost[node] = true;
       post({CoordinatorEvent::Kind::NodeLost,
@@ -254,13 +270,13 @@ struct Coordinator::Shared {
     }
   }
 
-  void watchHeartbeats(int k, bool exits, int64_t now) {
+  void watchHeartbeats(int k, bool exits, int64_t now, const std::set<int>& active) {
     std::vector<std::string> keys;
-    std::vector<int> nodes;
-    for (int node = 1; node < config.nnodes; ++node) {
-      if (lost[node]) continue;
+    std::vector<int> watched;
+    for (int node : active) {
+      if (node == 0 || lost[node]) continue;
       keys.push_back(key(str("hb/", node)));
-      nodes.push_back(node);
+      watched.push_back(node);
     }
     if (keys.empty()) return;
     std::vector<int64_t> values(keys.size(), -1);
@@ -276,7 +292,7 @@ struct Coordinator::Shared {
       }
     }
     for (size_t i = 0; i < keys.size(); ++i) {
-      const int node = nodes[i];
+      const int node = watched[i];
       auto it = heartbeats.find(node);
       if (it == heartbeats.end() || it->second.first != values[i]) {
         heartbeats[node] = {values[i], now};
@@ -325,6 +341,7 @@ struct Coordinator::Shared {
 Coordinator::Coordinator(StorePtr store, Config config, int wakeFd) : shared_(std::make_shared<Shared>()) {
   shared_->store = std::move(store);
   shared_->config = config;
+  for (int node = 0; node < config.nnodes; ++node) shared_->nodes.insert(node);
   shared_->wakeFd = wakeFd;
   shared_->lastContact.store(wallMs());
   auto shared = shared_;
@@ -349,8 +366,9 @@ Coordinator::~Coordinator() {
   }
 }
 
-void Coordinator::beginAttempt(int attempt, int worldSize, int64_t startMs) {
+void Coordinator::beginAttempt(int attempt, int worldSize, int64_t startMs, const std::vector<int>& nodes) {
   std::lock_guard<std::mutex> lock(shared_->mutex);
+  if (!nodes.empty()) shared_->nodes = std::set<int>(nodes.begin(), nodes.end());
   shared_->attempt = attempt;
   shared_->worldSize = worldSize;
   shared_->attemptStartMs = startMs;

@@ -7,6 +7,8 @@
 //   dtrun/a<k>/failed          first failure of attempt k (compareSet: first one wins):
 //                              "<exit code>\t<epoch ms>\t<node>\t<description>"
 //   dtrun/a<k>/done/<node>     the node's workers all succeeded
+//   dtrun/a<k>/late            "<node>,<node>,...": nodes that joined attempt k while it ran
+//                              (dtrun --elastic --nnodes MIN:MAX); watched like the others
 //   dtrun/exit/<node>          node <node> saw the final outcome and is leaving
 //   dt/progress/<rank>         "<seq> <op>": written by each rank's process group
 //                              after a collective (read by the hang watchdog)
@@ -82,8 +84,9 @@ class Coordinator {
   Coordinator(StorePtr store, Config config, int wakeFd);
   ~Coordinator();
 
-  // Starts watching attempt k with `worldSize` ranks (startMs: when its workers began).
-  void beginAttempt(int attempt, int worldSize, int64_t startMs);
+  // Starts watching attempt k with `worldSize` ranks (startMs: when its workers began) on
+  // `nodes` (empty: 0..nnodes-1; and any node that joins it later).
+  void beginAttempt(int attempt, int worldSize, int64_t startMs, const std::vector<int>& nodes = {});
   // Stops failure/hang watching (between attempts).
   void endAttempt();
   void publishFailure(const std::string& encoded);

@@ -11,7 +11,7 @@ EtcdRendezvous::EtcdRendezvous(std::shared_ptr<EtcdStore> job, std::shared_ptr<E
 std::string EtcdRendezvous::nodeKey(int attempt, int node) { return str("dtrun/a", attempt, "/node/", node); }
 std::string EtcdRendezvous::fullKey(int attempt) { return str("dtrun/a", attempt, "/full"); }
 
-std::shared_ptr<EtcdStore> EtcdRendezvous::enterRound() {
+std::shared_ptr<EtcdStore> EtcdRendezvous::enterRound(bool joinRunning) {
   std::string current = job_->compareSet("round", "", "0");
   while (true) {
     const int n = std::stoi(current);
@@ -27,6 +27,11 @@ std::shared_ptr<EtcdStore> EtcdRendezvous::enterRound() {
           alive = true;
           nodes.push_back(split(entry.value, '\t').size() > 1 ? split(entry.value, '\t')[1] : entry.key);
         }
+      }
+      if (alive && joinRunning) {
+        round_ = n;
+        roundStore_ = store;
+        return store;
       }
       if (alive) {
         throw InvalidArgument(str("dtrun: rendezvous id ", quoteBytes(job_->prefix()), " on ", job_->endpoints(),

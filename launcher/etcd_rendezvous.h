@@ -38,8 +38,9 @@ class EtcdRendezvous {
   EtcdRendezvous(std::shared_ptr<EtcdStore> job, std::shared_ptr<EtcdLease> lease);
 
   // Picks the round to join (see above) and returns its store (<P>/r<n>).
-  // Throws InvalidArgument when a live job already runs under this id.
-  std::shared_ptr<EtcdStore> enterRound();
+  // Throws InvalidArgument when a live job already runs under this id, unless
+  // `joinRunning` (dtrun --elastic --nnodes MIN:MAX: this node joins it).
+  std::shared_ptr<EtcdStore> enterRound(bool joinRunning = false);
   int round() const { return round_; }
   const std::shared_ptr<EtcdStore>& roundStore() const { return roundStore_; }
   const std::shared_ptr<EtcdLease>& lease() const { return lease_; }

@@ -82,9 +82,17 @@ const std::vector<OptionSpec>& optionSpecs() {
          }
          o.nprocSpec = lower;
        }},
-      {"nnodes", "DT_NNODES", true, "1", "number of nodes (one dtrun per node)",
+      {"nnodes", "DT_NNODES", true, "1", "number of nodes (one dtrun per node), or MIN:MAX with --elastic: the job starts once MIN nodes are there (waiting up to --rdzv-timeout; all MAX start it at once) and later nodes join it while it runs",
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
-         o.nnodes = parseCount(v, what, 1, 1 << 20, "a positive integer");
+         const auto colon = v.find(':');
+         const char* accepted = "a positive integer, or MIN:MAX with 1 <= MIN <= MAX";
+         if (colon == std::string::npos) {
+           o.nnodes = o.minNodes = parseCount(v, what, 1, 1 << 20, accepted);
+         } else {
+           o.minNodes = parseCount(v.substr(0, colon), what, 1, 1 << 20, accepted);
+           o.nnodes = parseCount(v.substr(colon + 1), what, 1, 1 << 20, accepted);
+           if (o.minNodes > o.nnodes) throw InvalidArgument(str(what, "=", quoteBytes(v), " has MIN above MAX; accepted: ", accepted));
+         }
          o.nnodesSet = true;
        }},
       {"node-rank", "DT_NODE_RANK", true, "0", "this node's rank, 0..nnodes-1; node 0 hosts the store (with --rdzv-backend etcd: optional, nodes get ranks in the order they join)",
@@ -322,7 +330,7 @@ ParseResult parseCommandLine(const std::vector<std::string>& args, const EnvLook
   o.program.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
 
   if (o.standalone) {
-    o.nnodes = 1;
+    o.nnodes = o.minNodes = 1;
     o.nodeRank = 0;
     o.masterAddr = "127.0.0.1";
     o.masterPort = 0;
@@ -330,6 +338,10 @@ ParseResult parseCommandLine(const std::vector<std::string>& args, const EnvLook
   }
   if (o.program.empty()) {
     throw InvalidArgument("no program given; usage: dtrun [options] program [args...] (see dtrun --help)");
+  }
+  if (o.minNodes < o.nnodes && !o.elastic) {
+    throw InvalidArgument(str("--nnodes=", o.minNodes, ":", o.nnodes, " needs --elastic: nodes join a running job only in an "
+                              "elastic job; accepted: --nnodes N, or --elastic --nnodes MIN:MAX"));
   }
   if (o.nodeRank >= o.nnodes && o.slurm != "on") {
     throw InvalidArgument(str("--node-rank=", o.nodeRank, " is out of range for --nnodes=", o.nnodes,

@@ -32,7 +32,8 @@ enum class Source { Default, Environment, CommandLine };
 struct LaunchOptions {
   // --nproc: a number, or "cpu", "gpu", "auto" (resolved by resolveNproc).
   std::string nprocSpec = "1";
-  int nnodes = 1;
+  int nnodes = 1;    // --nnodes N or MIN:MAX: the most nodes
+  int minNodes = 1;  // --nnodes MIN:MAX: the job starts with MIN (others may join it later); else N
   int nodeRank = 0;
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;       // the store's port; 0 = pick a free one

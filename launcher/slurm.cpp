@@ -36,7 +36,7 @@ bool applySlurm(LaunchOptions& o, const EnvLookup& lookup) {
   std::string stepNodes = get("SLURM_STEP_NUM_NODES");
   if (stepNodes.empty()) stepNodes = nnodes;
 
-  if (!o.nnodesSet) o.nnodes = static_cast<int>(env::parseInt(stepNodes, "SLURM_STEP_NUM_NODES"));
+  if (!o.nnodesSet) o.nnodes = o.minNodes = static_cast<int>(env::parseInt(stepNodes, "SLURM_STEP_NUM_NODES"));
   if (!o.nodeRankSet) o.nodeRank = static_cast<int>(env::parseInt(nodeId, "SLURM_NODEID"));
   if (!o.masterAddrSet) {
     std::string steplist = get("SLURM_STEP_NODELIST");

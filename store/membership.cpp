@@ -56,14 +56,6 @@ int64_t registerJoiner(Store& store, int member) {
   return n;
 }
 
-void recordSlot(Store& store, int rank, int member) { store.set(str("elastic/slot/", rank), std::to_string(member)); }
-
-int memberOfSlot(Store& store, int rank) {
-  const std::string key = str("elastic/slot/", rank);
-  if (!store.check({key})) return rank;
-  return static_cast<int>(env::parseInt(store.get(key), "membership slot record"));
-}
-
 void markFinished(Store& store) { store.set("elastic/finished", "1"); }
 
 bool finished(Store& store) { return store.check({"elastic/finished"}); }

@@ -11,7 +11,8 @@
 //   elastic/new_members     member ids handed out beyond the initial world (a counter)
 //   elastic/joiners         how many joiners registered (a counter)
 //   elastic/joiner/<n>      the member id of the n-th joiner (1, 2, ...)
-//   elastic/slot/<rank>     the member id now running in launch rank <rank>'s place
+//   elastic/node_members/<node>  the member ids running on node <node> ("4,1"; dtrun, so that
+//                           a lost node's members are posted dead)
 //   elastic/finished        a worker finished the job (a joiner not admitted yet gives up)
 //
 // A replacement process (dtrun --elastic --max-restarts) gets a fresh member
@@ -54,9 +55,6 @@ std::optional<Death> waitForDeath(Store& store, int64_t n, std::chrono::millisec
 int newMemberId(Store& store, int initialWorld);
 // Registers `member` as a joiner; returns its registration number n (1, 2, ...).
 int64_t registerJoiner(Store& store, int member);
-// Which member runs in launch rank `rank`'s place (its replacement's id, or `rank` itself).
-void recordSlot(Store& store, int rank, int member);
-int memberOfSlot(Store& store, int rank);
 void markFinished(Store& store);
 bool finished(Store& store);
 int64_t joinerCount(Store& store);

@@ -64,18 +64,6 @@ bool processGone(pid_t pid) {
   return close != std::string::npos && content.size() > close + 2 && content[close + 2] == 'Z';
 }
 
-int freePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 TEST(DtrunE2E, WorkerEnvironmentContract) {
   const auto r = runProcess(dtrun({"--standalone", "--nproc", "3", kWorker, "env"}), 60s, {"OMP_NUM_THREADS=", "DT_NUM_THREADS="});
   ASSERT_EQ(r.exitCode, 0) << r.err;

@@ -2,9 +2,12 @@
 // or freezes (SIGSTOP, found by its stopped heartbeat) is left behind, the
 // others rebuild their group in place and finish every step; below
 // --min-nproc the job stops naming who is left; with --max-restarts a dead
-// worker is replaced and the replacement joins the running job; bad flag
-// combinations are named.
+// worker is replaced and the replacement joins the running job; with
+// --nnodes MIN:MAX a node started later joins the running job and can be lost
+// again; bad flag combinations are named.
+#include <memory>
 #include <regex>
+#include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -87,7 +90,39 @@ TEST(DtrunElastic, AKilledWorkerIsReplacedAndTheReplacementJoinsTheRunningJob) {
   expectFinished(r, {0, 2, 3}, 3);
 }
 
+TEST(DtrunElastic, ANodeJoinsARunningJobAndIsLostAgain) {
+  // Two emulated nodes on loopback start a --nnodes 2:3 job (after the last call for a third);
+  // a third dtrun started a moment later joins it as node 3 (a fresh id) and its worker,
+  // member 2, is admitted at a step boundary. In step 120 member 2 kills its dtrun and itself:
+  // node 0 sees the watch connection close, posts member 2 dead, and the first two finish.
+  const std::string port = std::to_string(freePort());
+  auto node = [&](int rank) {
+    return std::make_unique<ChildProcess>(std::vector<std::string>{
+        kDtrun, "--nnodes", "2:3", "--node-rank", std::to_string(rank), "--elastic", "--master-addr", "127.0.0.1",
+        "--master-port", port, "--monitor-interval", "200ms", "--node-timeout", "2s", kWorker, "200", "20", "2", "120", "node"});
+  };
+  auto n0 = node(0), n1 = node(1);
+  std::this_thread::sleep_for(4s);  // the job starts at two after its last call (2 s)
+  auto late = node(2);
+  const auto r0 = n0->wait(120s), r1 = n1->wait(120s), r2 = late->wait(120s);
+  ASSERT_EQ(r0.exitCode, 0) << r0.out << r0.err << r2.out << r2.err;
+  ASSERT_EQ(r1.exitCode, 0) << r1.out << r1.err;
+  EXPECT_NE(r2.exitCode, 0) << "the late node's dtrun was killed";
+  EXPECT_THAT(r2.err, HasSubstr("this node joins it as node 3"));
+  EXPECT_THAT(r2.out, HasSubstr("member 2: joined at step"));
+  EXPECT_THAT(r0.err, HasSubstr("node 3 is lost"));
+  EXPECT_THAT(r0.out, HasSubstr("member 0: epoch 2: 2 member(s) go on from step 120"));
+  expectFinished(r0, {0}, 2);
+  expectFinished(r1, {1}, 2);
+}
+
 TEST(DtrunElastic, BadCombinationsAreNamed) {
+  const auto range = runProcess({kDtrun, "--nnodes", "2:3", kWorker, "1"}, 30s);
+  EXPECT_EQ(range.exitCode, 2) << range.err;
+  EXPECT_THAT(range.err, HasSubstr("--nnodes=2:3 needs --elastic"));
+  const auto inverted = runProcess({kDtrun, "--elastic", "--nnodes", "3:2", kWorker, "1"}, 30s);
+  EXPECT_EQ(inverted.exitCode, 2) << inverted.err;
+  EXPECT_THAT(inverted.err, HasSubstr("--nnodes=\"3:2\" has MIN above MAX"));
   const auto bad = runProcess({kDtrun, "--standalone", "--elastic", "--liveness-timeout", "5ms", kWorker, "1"}, 30s);
   EXPECT_THAT(bad.err, HasSubstr("--liveness-timeout=\"5ms\" is too small"));
 }

@@ -5,7 +5,7 @@
 // certificate plus user/password reach the workers; bad endpoints, a lonely node and a
 // node rank claimed twice are one clear error each. Elastic through etcd: no
 // node is special, so losing node 0 (its dtrun and its workers) leaves the
-// others training.
+// others training, and a dtrun started again on its machine rejoins.
 #include <csignal>
 #include <memory>
 #include <regex>
@@ -84,31 +84,41 @@ TEST(DtrunEtcd, TlsAndCredentialsReachTheWorkers) {
   EXPECT_THAT(bad.err, HasSubstr(cluster.endpoint(0)));
 }
 
-TEST(DtrunEtcd, ElasticJobLosesNode0AndGoesOnWithTheOthers) {
+TEST(DtrunEtcd, ElasticJobLosesNode0GoesOnAndTheNodeRejoins) {
   EtcdCluster cluster({.members = 3});
-  // Three nodes of two workers; rank 0 (on node 0) kills its own dtrun and itself in step 20:
-  // node 0's other worker dies with its dtrun, its lease expires, and the other nodes post
-  // its ranks dead. Rank 2's node kills one etcd member as well, mid-run: nothing shows.
-  const std::vector<std::string> worker = {kElasticWorker, "80", "30", "0", "20", "node"};
+  // Three nodes of two workers (--nnodes 2:3, all three there at the start); rank 0 (on node
+  // 0) kills its own dtrun and itself in step 20: node 0's other worker dies with its dtrun,
+  // its lease expires, and the other nodes post its members dead. Then one etcd member is
+  // killed (nothing shows), and node 0's machine starts a dtrun again: it joins the running
+  // job as node 3 and its two workers are admitted; six ranks finish.
+  const std::vector<std::string> worker = {kElasticWorker, "300", "30", "0", "20", "node"};
+  auto node = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"--nnodes", "2:3", "--nproc", "2", "--elastic"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<ChildProcess>(dtrun(cluster, "elastic-etcd", args, worker));
+  };
   std::vector<std::unique_ptr<ChildProcess>> nodes;
-  for (int node = 0; node < 3; ++node) {
-    nodes.push_back(std::make_unique<ChildProcess>(
-        dtrun(cluster, "elastic-etcd", {"--nnodes", "3", "--node-rank", std::to_string(node), "--nproc", "2", "--elastic"}, worker)));
-  }
+  for (int rank = 0; rank < 3; ++rank) nodes.push_back(node({"--node-rank", std::to_string(rank)}));
   ASSERT_TRUE(nodes[1]->waitForOutput("go on from step", 60s)) << nodes[0]->output() << nodes[1]->output();
   cluster.kill(1);
   const auto lost = nodes[0]->wait(60s);
   EXPECT_NE(lost.exitCode, 0) << "node 0's dtrun was killed";
-  for (int node = 1; node < 3; ++node) {
-    const auto r = nodes[static_cast<size_t>(node)]->wait(120s);
-    ASSERT_EQ(r.exitCode, 0) << "node " << node << ":\n" << r.out << r.err;
-    EXPECT_THAT(r.err, HasSubstr("node 0 is lost"));
+  nodes.push_back(node({}));  // node 0 again, without a node rank: a fresh one
+  for (size_t i = 1; i < nodes.size(); ++i) {
+    const auto r = nodes[i]->wait(120s);
+    ASSERT_EQ(r.exitCode, 0) << "dtrun " << i << ":\n" << r.out << r.err;
     EXPECT_THAT(r.err, ::testing::Not(HasSubstr("finished without")));
-    for (int rank : {2 * node, 2 * node + 1}) {
-      const std::regex line(str("member ", rank, " rank [0-9]/4 epoch [0-9]+ state ([0-9]+) expected ([0-9]+)"));
+    if (i < 3) {
+      EXPECT_THAT(r.err, HasSubstr("node 0 is lost"));
+    } else {
+      EXPECT_THAT(r.err, HasSubstr("this node joins it as node 3"));
+    }
+    // Members 2-5 on nodes 1 and 2; the rejoined node's workers are members 6 and 7.
+    for (int member : i == 1 ? std::vector<int>{2, 3} : i == 2 ? std::vector<int>{4, 5} : std::vector<int>{6, 7}) {
+      const std::regex line(str("member ", member, " rank [0-9]/6 epoch [0-9]+ state ([0-9]+) expected ([0-9]+)"));
       std::smatch match;
-      ASSERT_TRUE(std::regex_search(r.out, match, line)) << "member " << rank << ":\n" << r.out << r.err;
-      EXPECT_EQ(match[1].str(), match[2].str()) << "member " << rank;
+      ASSERT_TRUE(std::regex_search(r.out, match, line)) << "member " << member << ":\n" << r.out << r.err;
+      EXPECT_EQ(match[1].str(), match[2].str()) << "member " << member;
     }
   }
 }
