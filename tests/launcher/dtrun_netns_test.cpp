@@ -5,6 +5,7 @@
 // other host must report it and exit non-zero within the node timeout.
 // Skipped (with the reason) where namespaces cannot be created.
 #include <csignal>
+#include <regex>
 #include <thread>
 #include <unistd.h>
 
@@ -209,6 +210,40 @@ TEST(DtrunNetns, ElasticJobLosesAWholeHostAndTheOtherHostsFinishInPlace) {
   EXPECT_THAT(head.err, HasSubstr("node 1 is lost (node 1's dtrun closed its watch connection without finishing"))
       << head.err;
   EXPECT_THAT(head.err, HasSubstr("the elastic job goes on without them")) << head.err;
+}
+
+// dtrun --elastic --nnodes 2:3 across three hosts: hosts 0 and 1 start the job
+// (after its last call for a third); host 2's dtrun, started later, joins it
+// as node 3 and its two workers (members 4 and 5) are admitted at a step
+// boundary. In step 150 member 4 kills its dtrun and itself: host 2 is gone
+// again, and the four ranks of hosts 0 and 1 finish exactly.
+TEST(DtrunNetns, ElasticJobGainsAHostWhileItRunsAndLosesItAgain) {
+  Hosts hosts;
+  if (const std::string why = hosts.build(); !why.empty()) GTEST_SKIP() << "network namespaces unavailable: " << why;
+  const std::vector<std::string> worker = {ELASTIC_WORKER_PATH, "250", "20", "4", "150", "node"};
+  auto node = [&](int h) {
+    return std::make_unique<ChildProcess>(hosts.dtrunOn(h, "0", {"--elastic", "--nnodes", "2:3"}, 3, worker));
+  };
+  auto first = node(0), second = node(1);
+  std::this_thread::sleep_for(4s);  // the job starts at two hosts 2 s after the second came
+  auto late = node(2);
+  const auto r2 = late->wait(90s);
+  EXPECT_EQ(r2.exitCode, 128 + SIGKILL) << r2.out << r2.err;
+  EXPECT_THAT(r2.err, HasSubstr("this node joins it as node 3")) << r2.err;
+  EXPECT_THAT(r2.out, HasSubstr("member 4: joined at step")) << r2.out;
+  const auto r0 = first->wait(90s), r1 = second->wait(90s);
+  for (const auto* r : {&r0, &r1}) {
+    EXPECT_EQ(r->exitCode, 0) << r->out << r->err;
+    EXPECT_THAT(r->out, ::testing::ContainsRegex("epoch 2 state ([0-9]+) expected ")) << r->out;
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::string& out = rank < 2 ? r0.out : r1.out;
+    const std::regex line(str("member ", rank, " rank ", rank, "/4 epoch 2 state ([0-9]+) expected ([0-9]+)"));
+    std::smatch match;
+    ASSERT_TRUE(std::regex_search(out, match, line)) << "member " << rank << ": " << out;
+    EXPECT_EQ(match[1].str(), match[2].str()) << "member " << rank;
+  }
+  EXPECT_THAT(r0.err, HasSubstr("node 3 is lost")) << r0.err;
 }
 #endif
 
