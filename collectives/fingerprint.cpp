@@ -7,8 +7,8 @@
 namespace dt {
 namespace {
 
-std::string shapeText(const std::vector<int64_t>& sizes) {
-  return str("[", join(sizes, ","), "]");
+std::string shapeText(const Dims& sizes) {
+  return str("[", join(std::vector<int64_t>(sizes.begin(), sizes.end()), ","), "]");
 }
 
 DType parseDType(const std::string& name, const std::string& text) {

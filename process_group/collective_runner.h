@@ -68,6 +68,7 @@
 #include "collectives/fingerprint.h"
 #include "collectives/options.h"
 #include "common/logging.h"
+#include "common/small_function.h"
 #include "process_group/progress.h"
 #include "process_group/work.h"
 #include "store/store.h"
@@ -132,7 +133,8 @@ class CollectiveRunner {
  public:
   using Millis = std::chrono::milliseconds;
   // timeout: the op's; fingerprint: the op as numbered (seq filled in).
-  using Body = std::function<void(Millis timeout, const CollectiveFingerprint& fingerprint)>;
+  // Kept in place up to 64 bytes (a backend's body and its captures): no allocation per op.
+  using Body = SmallFunction<void(Millis timeout, const CollectiveFingerprint& fingerprint)>;
 
   // `store` is the group's scope; abortTransport ends transfers in flight.
   CollectiveRunner(StorePtr store, int rank, int size, CollectiveRunnerOptions options,

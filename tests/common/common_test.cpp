@@ -1,9 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <array>
+#include <memory>
+
 #include "common/check.h"
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/logging.h"
+#include "common/small_function.h"
 #include "common/strings.h"
 #include "tests/testing/testing.h"
 
@@ -50,6 +54,39 @@ TEST(Check, InternalCheckIsPlainError) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("internal error"), std::string::npos);
   }
+}
+
+// A callable that counts its live copies (moves included).
+struct Counted {
+  std::shared_ptr<int> live;
+  int add = 0;
+  explicit Counted(std::shared_ptr<int> l, int a) : live(std::move(l)), add(a) { ++*live; }
+  Counted(Counted&& o) noexcept : live(o.live), add(o.add) { ++*live; }
+  ~Counted() { --*live; }
+  int operator()(int x) const { return x + add; }
+};
+
+TEST(SmallFunction, KeepsSmallAndLargeCallablesAndDestroysEachOnce) {
+  auto live = std::make_shared<int>(0);
+  {
+    SmallFunction<int(int)> small(Counted(live, 1));
+    EXPECT_EQ(small(41), 42);
+    EXPECT_EQ(*live, 1);
+    std::array<int64_t, 32> big{};  // 256 bytes: kept on the heap
+    big[31] = 5;
+    SmallFunction<int(int)> large([big, c = Counted(live, 0)](int x) { return x + static_cast<int>(big[31]); });
+    EXPECT_EQ(large(1), 6);
+    EXPECT_EQ(*live, 2);
+    SmallFunction<int(int)> moved(std::move(small));
+    EXPECT_FALSE(small);  // NOLINT: a moved-from one is empty
+    EXPECT_EQ(moved(1), 2);
+    moved = std::move(large);
+    EXPECT_EQ(*live, 1) << "the callable moved over was destroyed";
+    EXPECT_EQ(moved(2), 7);
+  }
+  EXPECT_EQ(*live, 0);
+  SmallFunction<void()> empty;
+  EXPECT_THROW(empty(), std::bad_function_call);
 }
 
 TEST(Strings, Ranges) {
