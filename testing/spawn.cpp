@@ -868,7 +868,14 @@ SpawnedRanks::SpawnedRanks(int worldSize, RankFunction fn, SpawnOptions options)
                           "ranks and their endings would be lost; restore its default action before spawning");
   }
   if (!options.allowThreads) {
-    const auto threads = threadsStartedSinceLoad();
+    auto threads = threadsStartedSinceLoad();
+    // A thread joined a moment ago can still be listed while the kernel finishes its exit
+    // (seen under load, right after an earlier spawn's store thread was joined): give the
+    // exiting ones a moment; a live thread stays and is refused.
+    for (int tries = 0; !threads.empty() && tries < 50; ++tries) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      threads = threadsStartedSinceLoad();
+    }
     if (!threads.empty()) {
       throw InvalidArgument(str("spawn(", worldSize, " ranks): this process has started ", threads.size(),
                                 " other thread(s) (", join(threads, ", "),

@@ -215,8 +215,9 @@ TEST(DtrunNetns, ElasticJobLosesAWholeHostAndTheOtherHostsFinishInPlace) {
 // dtrun --elastic --nnodes 2:3 across three hosts: hosts 0 and 1 start the job
 // (after its last call for a third); host 2's dtrun, started later, joins it
 // as node 3 and its two workers (members 4 and 5) are admitted at a step
-// boundary. In step 150 member 4 kills its dtrun and itself: host 2 is gone
-// again, and the four ranks of hosts 0 and 1 finish exactly.
+// boundary. In step 150 (or its first, if it came later) member 4 kills its
+// dtrun and itself: host 2 is gone again, and the four ranks of hosts 0 and 1
+// finish exactly.
 TEST(DtrunNetns, ElasticJobGainsAHostWhileItRunsAndLosesItAgain) {
   Hosts hosts;
   if (const std::string why = hosts.build(); !why.empty()) GTEST_SKIP() << "network namespaces unavailable: " << why;
@@ -234,11 +235,11 @@ TEST(DtrunNetns, ElasticJobGainsAHostWhileItRunsAndLosesItAgain) {
   const auto r0 = first->wait(90s), r1 = second->wait(90s);
   for (const auto* r : {&r0, &r1}) {
     EXPECT_EQ(r->exitCode, 0) << r->out << r->err;
-    EXPECT_THAT(r->out, ::testing::ContainsRegex("epoch 2 state ([0-9]+) expected ")) << r->out;
+    EXPECT_THAT(r->out, HasSubstr("was lost with node 3")) << r->out;
   }
   for (int rank = 0; rank < 4; ++rank) {
     const std::string& out = rank < 2 ? r0.out : r1.out;
-    const std::regex line(str("member ", rank, " rank ", rank, "/4 epoch 2 state ([0-9]+) expected ([0-9]+)"));
+    const std::regex line(str("member ", rank, " rank ", rank, "/4 epoch [0-9]+ state ([0-9]+) expected ([0-9]+)"));
     std::smatch match;
     ASSERT_TRUE(std::regex_search(out, match, line)) << "member " << rank << ": " << out;
     EXPECT_EQ(match[1].str(), match[2].str()) << "member " << rank;

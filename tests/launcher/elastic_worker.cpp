@@ -6,10 +6,11 @@
 //
 // Every step each rank sums its share of a global batch of 12 examples
 // (positions r, r+W, ...), allreduces it ("the gradient"), allreduces a
-// commit, then applies the sum, MS ms apart. Rank DIE_RANK, on reaching step
-// DIE_STEP before its commit, SIGKILLs itself (kill), SIGSTOPs itself
-// (stop: the launcher's liveness check must find it), exits with code 3
-// (exit), or SIGKILLs its parent dtrun and itself (node: a node's loss).
+// commit, then applies the sum, MS ms apart. Member DIE_RANK, on reaching step
+// DIE_STEP (or its first step, when it joined later) before its commit,
+// SIGKILLs itself (kill), SIGSTOPs itself (stop: the launcher's liveness check
+// must find it), exits with code 3 (exit), or SIGKILLs its parent dtrun and
+// itself (node: a node's loss).
 // At the end each survivor prints
 //   "member M rank R/N epoch E state S expected S' lost <who>"
 // and exits 0 when S == S'; the job's exit code tells the rest. A replacement
@@ -77,7 +78,7 @@ int main(int argc, char** argv) {
       try {
         grad.data<double>()[0] = shareOf(applied, m.rank, m.size());
         elastic->group()->allreduce(grad)->wait();
-        if (member == dieRank && applied == dieStep) {
+        if (member == dieRank && applied >= dieStep) {  // >=: a member that joined later dies at its first step
           std::fflush(nullptr);
           if (how == "kill") ::kill(::getpid(), SIGKILL);
           if (how == "stop") ::kill(::getpid(), SIGSTOP);
