@@ -157,16 +157,17 @@ TEST_F(TrainerElastic, KilledWhileACheckpointIsWritten) {
 }
 
 TEST_F(TrainerElastic, KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize) {
-  // 200 steps (20 epochs of the slice), paced at 40 ms a step so that a replacement (about
-  // half a second from its start to its admission here) joins mid-run. Member 2 dies in step
-  // 10; its replacement (member 4) in step 40, or in its first step if it joined later; and so
-  // on: five replacements, the last (member 8) trains to the end with the other three.
+  // 200 steps (20 epochs of the slice), paced at 40 ms a step so that each replacement (about
+  // half a second from its start to its admission here, more on a loaded machine) joins
+  // mid-run. Member 2 dies in step 10; its replacement (member 4) in step 35, or in its first
+  // step if it joined later; and so on: five replacements, the last (member 8) trains to the
+  // end with the other three.
   const std::vector<std::string> longer = {"--steps", "200", "--dump-at", "200"};
   TempDir reference, out;
   const auto undisturbed = runProcess(dtrunTrainer(4, job(data_->path(), reference.path(), longer), {"--elastic"}), 180s);
   ASSERT_EQ(undisturbed.exitCode, 0) << undisturbed.out << undisturbed.err;
   std::vector<std::string> args = longer;
-  for (const char* extra : {"--step-pause", "40", "--fail-at", "2:10:forward,4:40:forward,5:70:backward,6:100:commit,7:130:forward"}) {
+  for (const char* extra : {"--step-pause", "40", "--fail-at", "2:10:forward,4:35:forward,5:60:backward,6:85:commit,7:110:forward"}) {
     args.push_back(extra);
   }
   const auto r = runProcess(dtrunTrainer(4, job(data_->path(), out.path(), args), {"--elastic", "--max-restarts", "5"}), 240s);
@@ -184,7 +185,11 @@ TEST_F(TrainerElastic, KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize) {
   for (const auto& line : split(r.out, '\n')) {
     if (line.find("joined at step") != std::string::npos) std::printf("%s\n", line.c_str());
   }
-  EXPECT_LE(rel, 1e-5);
+  // Reassociation only (other world sizes sum in other orders); the cosine schedule's learning
+  // rate ends near zero, which keeps the final difference small (4e-7 measured). A longer
+  // schedule still running at a high rate amplifies it (a 300-step run ended 9e-2 apart, its
+  // accuracy within 0.3 points all the same), so this bound is for this schedule only.
+  EXPECT_LE(rel, 1e-4);
   EXPECT_NEAR(finalValue(r.out, "test accuracy").value_or(-10), finalValue(undisturbed.out, "test accuracy").value_or(-1), 0.003);
   // No step lost, no example skipped or repeated, over every member that ever trained.
   const auto seen = examplesByEpoch(out.path() / "samples", 9);
