@@ -25,6 +25,7 @@
 #include "tensor/tensor.h"
 #include "testing/spawn.h"
 #include "tests/elastic/supervise.h"
+#include "tests/elastic/toy_step.h"
 #include "tests/testing/testing.h"
 
 namespace dt {
@@ -34,25 +35,7 @@ using namespace std::chrono_literals;
 using testing::RankContext;
 using testing::superviseUntilDone;  // the launcher's part (tests/elastic/supervise.h)
 
-constexpr int64_t kGlobalBatch = 12;
 constexpr int64_t kSteps = 30;
-
-double valueOf(int64_t example) { return static_cast<double>(example % 7 + 1); }
-
-// What every rank's state must end as: each step's whole global batch, once.
-double expectedState() {
-  double x = 0;
-  for (int64_t step = 0; step < kSteps; ++step) {
-    for (int64_t i = 0; i < kGlobalBatch; ++i) x += valueOf(step * kGlobalBatch + i);
-  }
-  return x;
-}
-
-double shareOf(int64_t step, int rank, int world) {
-  double sum = 0;
-  for (int64_t i = rank; i < kGlobalBatch; i += world) sum += valueOf(step * kGlobalBatch + i);
-  return sum;
-}
 
 // One member's training loop; returns "state=<x> epoch=<e> size=<n> lost=<...>".
 std::string train(RankContext&, int minSize) {
@@ -68,7 +51,7 @@ std::string train(RankContext&, int minSize) {
     const auto& m = elastic->membership();
     try {
       testing::point("before-grad");
-      grad.data<double>()[0] = shareOf(applied, m.rank, m.size());
+      grad.data<double>()[0] = testing::toyShare(applied, m.rank, m.size());
       elastic->group()->allreduce(grad)->wait();
       testing::point("before-commit");
       Tensor commit = ones({1}, DType::Float64);
@@ -100,7 +83,7 @@ testing::SpawnResult runJob(int world, std::vector<testing::PlanStep> plan, int 
 }
 
 void expectSurvivorsFinished(const testing::SpawnResult& result, const std::vector<int>& dead, int epochs) {
-  const std::string expected = str("state=", expectedState(), " epoch=", epochs, " size=",
+  const std::string expected = str("state=", testing::toyState(kSteps), " epoch=", epochs, " size=",
                                    static_cast<int>(result.ranks.size() - dead.size()));
   for (int r = 0; r < static_cast<int>(result.ranks.size()); ++r) {
     if (std::find(dead.begin(), dead.end(), r) != dead.end()) {
@@ -131,7 +114,7 @@ TEST(ElasticGroup, RepeatedAndSimultaneousLossesDownToTheMinimum) {
   // One loss, then two at once (one or two epochs, as the deaths arrive).
   for (int r : {0, 2}) {
     ASSERT_TRUE(result[r].returned()) << result.summary();
-    EXPECT_EQ(result[r].value.rfind(str("state=", expectedState()), 0), 0u) << result[r].value;
+    EXPECT_EQ(result[r].value.rfind(str("state=", testing::toyState(kSteps)), 0), 0u) << result[r].value;
     EXPECT_NE(result[r].value.find("size=2 "), std::string::npos) << result[r].value;
   }
 }
@@ -140,7 +123,7 @@ TEST(ElasticGroup, AMemberDyingDuringTheAgreementIsLeftOutToo) {
   const auto result = runJob(4, {testing::killAt(3, "before-grad", 10), testing::killAt(1, "elastic-agreement", 1)});
   for (int r : {0, 2}) {
     ASSERT_TRUE(result[r].returned()) << result.summary();
-    EXPECT_EQ(result[r].value.rfind(str("state=", expectedState()), 0), 0u) << result[r].value;
+    EXPECT_EQ(result[r].value.rfind(str("state=", testing::toyState(kSteps)), 0), 0u) << result[r].value;
     EXPECT_NE(result[r].value.find("size=2 "), std::string::npos) << result[r].value;
   }
 }

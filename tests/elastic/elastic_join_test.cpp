@@ -24,6 +24,7 @@
 #include "testing/point.h"
 #include "testing/spawn.h"
 #include "tests/elastic/supervise.h"
+#include "tests/elastic/toy_step.h"
 #include "tests/testing/testing.h"
 
 namespace dt {
@@ -33,24 +34,7 @@ using namespace std::chrono_literals;
 using testing::RankContext;
 
 constexpr int kInitialWorld = 2;
-constexpr int64_t kGlobalBatch = 12;
 constexpr int64_t kSteps = 100;
-
-double valueOf(int64_t example) { return static_cast<double>(example % 7 + 1); }
-
-double expectedState() {
-  double x = 0;
-  for (int64_t step = 0; step < kSteps; ++step) {
-    for (int64_t i = 0; i < kGlobalBatch; ++i) x += valueOf(step * kGlobalBatch + i);
-  }
-  return x;
-}
-
-double shareOf(int64_t step, int rank, int world) {
-  double sum = 0;
-  for (int64_t i = rank; i < kGlobalBatch; i += world) sum += valueOf(step * kGlobalBatch + i);
-  return sum;
-}
 
 elastic::ElasticOptions optionsForTest() {
   elastic::ElasticOptions options;
@@ -81,7 +65,7 @@ std::string trainLoop(elastic::ElasticGroup& elastic, double state, int64_t appl
     const auto& m = elastic.membership();
     try {
       std::this_thread::sleep_for(stepPause);
-      grad.data<double>()[0] = shareOf(applied, m.rank, m.size());
+      grad.data<double>()[0] = testing::toyShare(applied, m.rank, m.size());
       elastic.group()->allreduce(grad)->wait();
       Tensor commit = fromVector<double>({1.0, elastic.joinersWaiting() ? 1.0 : 0.0});
       elastic.group()->allreduce(commit)->wait();
@@ -147,7 +131,7 @@ int64_t joinedStep(const std::string& value) {
 
 TEST(ElasticJoin, AJoinerIsAdmittedAtAStepBoundaryAndTrainsFromThereWithTheSameExamples) {
   const auto result = runJob(300ms, 10ms);
-  const std::string expected = str("state=", expectedState(), " epoch=1 size=3");
+  const std::string expected = str("state=", testing::toyState(kSteps), " epoch=1 size=3");
   for (int r = 0; r < 3; ++r) {
     ASSERT_TRUE(result[r].returned()) << result.summary();
     EXPECT_EQ(result[r].value.rfind(expected, 0), 0u) << "rank " << r << ": " << result[r].value;
@@ -166,8 +150,8 @@ TEST(ElasticJoin, AJoinerThatDiesBeforeItsAdmissionIsNotAdmitted) {
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(result[r].returned()) << result.summary();
     const std::string& v = result[r].value;
-    EXPECT_TRUE(v.rfind(str("state=", expectedState(), " epoch=1 size=2"), 0) == 0 ||
-                v.rfind(str("state=", expectedState(), " epoch=2 size=2"), 0) == 0) << v;
+    EXPECT_TRUE(v.rfind(str("state=", testing::toyState(kSteps), " epoch=1 size=2"), 0) == 0 ||
+                v.rfind(str("state=", testing::toyState(kSteps), " epoch=2 size=2"), 0) == 0) << v;
   }
 }
 
@@ -178,7 +162,7 @@ TEST(ElasticJoin, AJoinerThatDiesDuringTheStateTransferIsDroppedAndTheMembersLos
   EXPECT_FALSE(result[2].returned()) << result[2].describe();
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(result[r].returned()) << result.summary();
-    EXPECT_EQ(result[r].value.rfind(str("state=", expectedState(), " epoch=2 size=2"), 0), 0u) << result[r].value;
+    EXPECT_EQ(result[r].value.rfind(str("state=", testing::toyState(kSteps), " epoch=2 size=2"), 0), 0u) << result[r].value;
   }
 }
 
@@ -187,7 +171,7 @@ TEST(ElasticJoin, AJoinerArrivingAfterTheEndGivesUpWithJobFinished) {
   const auto result = runJob(1500ms, 0ms);
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(result[r].returned()) << result.summary();
-    EXPECT_EQ(result[r].value.rfind(str("state=", expectedState(), " epoch=0 size=2"), 0), 0u) << result[r].value;
+    EXPECT_EQ(result[r].value.rfind(str("state=", testing::toyState(kSteps), " epoch=0 size=2"), 0), 0u) << result[r].value;
   }
   ASSERT_TRUE(result[2].returned()) << result.summary();
   EXPECT_NE(result[2].value.find("finished: "), std::string::npos) << result[2].value;

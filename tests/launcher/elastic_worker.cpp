@@ -28,20 +28,7 @@
 #include "common/errors.h"
 #include "elastic/elastic_group.h"
 #include "tensor/tensor.h"
-
-namespace {
-
-constexpr int64_t kGlobalBatch = 12;
-
-double valueOf(int64_t example) { return static_cast<double>(example % 7 + 1); }
-
-double shareOf(int64_t step, int rank, int world) {
-  double sum = 0;
-  for (int64_t i = rank; i < kGlobalBatch; i += world) sum += valueOf(step * kGlobalBatch + i);
-  return sum;
-}
-
-}  // namespace
+#include "tests/elastic/toy_step.h"
 
 int main(int argc, char** argv) {
   if (argc < 2) return 64;
@@ -53,10 +40,8 @@ int main(int argc, char** argv) {
   try {
     auto elastic = dt::elastic::ElasticGroup::fromEnvironment();
     const int member = elastic->memberId();
-    double state = 0, expected = 0;
-    for (int64_t s = 0; s < steps; ++s) {
-      for (int64_t i = 0; i < kGlobalBatch; ++i) expected += valueOf(s * kGlobalBatch + i);
-    }
+    double state = 0;
+    const double expected = dt::testing::toyState(steps);
     dt::Tensor grad = dt::zeros({1}, dt::DType::Float64);
     int64_t applied = 0;
     std::string lost;
@@ -76,7 +61,7 @@ int main(int argc, char** argv) {
     while (applied < steps) {
       const auto& m = elastic->membership();
       try {
-        grad.data<double>()[0] = shareOf(applied, m.rank, m.size());
+        grad.data<double>()[0] = dt::testing::toyShare(applied, m.rank, m.size());
         elastic->group()->allreduce(grad)->wait();
         if (member == dieRank && applied >= dieStep) {  // >=: a member that joined later dies at its first step
           std::fflush(nullptr);
