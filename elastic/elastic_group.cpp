@@ -352,7 +352,6 @@ ElasticGroup::Decision ElasticGroup::agree(const Membership& before, int64_t ste
 }
 
 const Membership& ElasticGroup::enter(uint64_t epoch, const Decision& d, std::vector<std::string> lost, int64_t stepsApplied) {
-  const Membership before = membership_;
   if (!contains(d.members, memberId_)) {
     throw MembershipError(str("[", who(), "] this process is no longer a member of the job: the others went on to epoch ",
                               epoch, " without it (", dt::join(lost, "; "), ")"));
