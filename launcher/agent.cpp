@@ -232,6 +232,7 @@ struct Agent::Impl {
     cc.nodeTimeout = o.nodeTimeout;
     cc.hangTimeout = o.hangTimeout;
     cc.leaseLiveness = leaseLiveness;
+    cc.nodesMayJoin = o.elastic && o.minNodes < o.nnodes;
     coord = std::make_unique<Coordinator>(store->clone(), cc, wakeFd);
   }
 

@@ -166,7 +166,7 @@ struct Coordinator::Shared {
       post({CoordinatorEvent::Kind::ExitPublished, "", 0});
     }
     if (config.nnodes > 1) {
-      if (k >= 0 && store->check({key(str("a", k, "/late"))})) {  // nodes that joined the running attempt
+      if (config.nodesMayJoin && k >= 0 && store->check({key(str("a", k, "/late"))})) {  // nodes that joined the running attempt
         for (const auto& id : split(store->get(key(str("a", k, "/late"))), ',')) {
           if (id.empty()) continue;
           const int node = std::stoi(id);

@@ -80,6 +80,8 @@ class Coordinator {
     // reports NodeLost when one vanishes without an exit record. No
     // dtrun/hb counters then.
     bool leaseLiveness = false;
+    // --elastic --nnodes MIN:MAX: nodes may join the attempt (dtrun/a<k>/late is read every tick).
+    bool nodesMayJoin = false;
   };
   Coordinator(StorePtr store, Config config, int wakeFd);
   ~Coordinator();
