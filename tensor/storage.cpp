@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdint>
+#include <deque>
 #include <cstdlib>
 #include <mutex>
 #include <pthread.h>
@@ -45,10 +47,16 @@ void DataPtr::reset() {
 namespace {
 
 constexpr size_t kCpuAlignment = 64;
-// Blocks at least this big are cached on free and reused for the next request of
-// the same rounded size. Training loops allocate the same shapes every step
-// (activations, gradients); handing those pages back to the OS and faulting
-// them in again costs more than the arithmetic on them.
+constexpr size_t kPageBytes = 4096;
+// Blocks at least this big are mapped from the OS directly (not through
+// malloc), cached on free and reused for the next request of the same rounded
+// size. Training loops allocate the same shapes every step (activations,
+// gradients); handing those pages back to the OS and faulting them in again
+// costs more than the arithmetic on them. Mapping them ourselves means that a
+// block the cache lets go is returned to the OS at once: malloc would keep it
+// (its heap only shrinks from the top, and each large free raises its mmap
+// threshold so the next ones land in that heap too), and the process's
+// resident set would stay above what it uses.
 constexpr size_t kHugePageBytes = size_t{2} << 20;
 constexpr size_t kCacheMinBytes = 64 * 1024;
 constexpr size_t kCacheMaxBytes = size_t{512} << 20;  // idle bytes kept at most
@@ -125,40 +133,15 @@ class CpuAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t bytes) override {
     const size_t rounded = roundSize(bytes);
-    const bool listSmall = profiler::profilingMemory();
-    if (rounded >= kCacheMinBytes) {
-      std::lock_guard lock(mu_);
-      auto it = cache_.find(rounded);
-      if (it != cache_.end() && !it->second.empty()) {
-        void* p = it->second.back();
-        it->second.pop_back();
-        cachedBytes_ -= rounded;
-        counters_.onAllocate(rounded);
-        liveOps_[p] = profiler::currentOp();
-        return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
-      }
-    }
-    const size_t alignment = rounded >= kHugePageBytes ? kHugePageBytes : kCpuAlignment;
-    void* p = std::aligned_alloc(alignment, rounded);
+    if (rounded >= kCacheMinBytes) return allocateLarge(rounded, bytes);
+    void* p = std::aligned_alloc(kCpuAlignment, rounded);
     if (p == nullptr) {
       emptyCache();
-      p = std::aligned_alloc(alignment, rounded);
+      p = std::aligned_alloc(kCpuAlignment, rounded);
     }
-    if (p == nullptr) {
-      throw Error(str("cpu allocator: out of memory allocating ", bytes, " bytes"));
-    }
-    // Large tensors on transparent huge pages: fewer page faults on first
-    // touch and fewer TLB misses in every sweep over them (memcpy, reductions,
-    // the kernel's socket copies). Advisory: ignored where THP is off.
-    if (alignment == kHugePageBytes) ::madvise(p, rounded, MADV_HUGEPAGE);
+    if (p == nullptr) throw Error(str("cpu allocator: out of memory allocating ", bytes, " bytes"));
     counters_.onAllocate(rounded);
-    if (rounded >= kCacheMinBytes) {
-      std::lock_guard lock(mu_);
-      sizes_[p] = rounded;
-      liveOps_[p] = profiler::currentOp();
-      return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
-    }
-    if (listSmall) [[unlikely]] {
+    if (profiler::profilingMemory()) [[unlikely]] {
       std::lock_guard lock(mu_);
       listedSmall_[p] = {rounded, profiler::currentOp()};
       return DataPtr(p, this, &CpuAllocator::freeListedSmall, Device::cpu());
@@ -214,14 +197,9 @@ class CpuAllocator final : public Allocator {
 
   void emptyCache() {
     std::lock_guard lock(mu_);
-    for (auto& [size, blocks] : cache_) {
-      for (void* p : blocks) {
-        sizes_.erase(p);
-        std::free(p);
-      }
-    }
+    while (cachedBytes_ > 0) evictOldestIdle();
     cache_.clear();
-    cachedBytes_ = 0;
+    highWater_ = liveLarge_;
   }
   void lockForFork() {
     mu_.lock();
@@ -244,9 +222,73 @@ class CpuAllocator final : public Allocator {
 
   static size_t roundSize(size_t bytes) {
     // Never hand out null, even for 0 bytes; big blocks round to pages so sizes repeat.
-    const size_t unit = bytes >= kHugePageBytes ? kHugePageBytes : bytes >= (size_t{1} << 20) ? 4096 : kCpuAlignment;
+    const size_t unit = bytes >= kHugePageBytes ? kHugePageBytes : bytes >= kCacheMinBytes ? kPageBytes : kCpuAlignment;
     const size_t r = (bytes + unit - 1) / unit * unit;
     return r == 0 ? kCpuAlignment : r;
+  }
+  // A block of kCacheMinBytes and more: an idle cached one of the same size, else a new mapping.
+  DataPtr allocateLarge(size_t rounded, size_t requested) {
+    std::lock_guard lock(mu_);
+    void* p = nullptr;
+    auto it = cache_.find(rounded);
+    if (it != cache_.end() && !it->second.empty()) {
+      p = it->second.back().block;  // the most recently used: its pages are the likeliest in cache
+      it->second.pop_back();
+      cachedBytes_ -= rounded;
+    } else {
+      // New memory. Idle blocks are kept only while live and idle together stay within the
+      // most this process has had live at once (since start or emptyCpuCache()): the oldest
+      // idle ones go back to the OS first, so that the cache never raises the resident set
+      // above the live high-water mark.
+      highWater_ = std::max(highWater_, liveLarge_ + rounded);
+      while (cachedBytes_ > 0 && liveLarge_ + cachedBytes_ + rounded > highWater_) evictOldestIdle();
+      p = mapBlock(rounded);
+      if (p == nullptr) {
+        while (cachedBytes_ > 0) evictOldestIdle();
+        p = mapBlock(rounded);
+      }
+      if (p == nullptr) throw Error(str("cpu allocator: out of memory allocating ", requested, " bytes"));
+      sizes_[p] = rounded;
+    }
+    liveLarge_ += rounded;
+    liveOps_[p] = profiler::currentOp();
+    counters_.onAllocate(rounded);
+    return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
+  }
+  static void* mapBlock(size_t bytes) {
+    if (bytes < kHugePageBytes) {
+      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      return p == MAP_FAILED ? nullptr : p;
+    }
+    // Large tensors on transparent huge pages: fewer page faults on first touch and fewer TLB
+    // misses in every sweep over them (memcpy, reductions, the kernel's socket copies). The
+    // mapping is over-sized by one huge page and trimmed to an aligned start. Advisory:
+    // ignored where THP is off.
+    const size_t span = bytes + kHugePageBytes;
+    void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const auto start = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (start + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+    if (aligned > start) ::munmap(raw, aligned - start);
+    const uintptr_t end = start + span;
+    if (end > aligned + bytes) ::munmap(reinterpret_cast<void*>(aligned + bytes), end - (aligned + bytes));
+    void* p = reinterpret_cast<void*>(aligned);
+    ::madvise(p, bytes, MADV_HUGEPAGE);
+    return p;
+  }
+  // Returns the block idle the longest to the OS (mu_ held, cache not empty).
+  void evictOldestIdle() {
+    auto oldest = cache_.end();
+    for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+      if (!it->second.empty() && (oldest == cache_.end() || it->second.front().since < oldest->second.front().since)) {
+        oldest = it;
+      }
+    }
+    void* p = oldest->second.front().block;
+    oldest->second.pop_front();
+    cachedBytes_ -= oldest->first;
+    sizes_.erase(p);
+    ::munmap(p, oldest->first);
   }
   static CpuAllocator& instance();
   static void freeSmall(void* size, void* ptr) {
@@ -271,24 +313,33 @@ class CpuAllocator final : public Allocator {
     const size_t size = sizes_.at(p);
     counters_.onFree(size);
     liveOps_.erase(p);
+    liveLarge_ -= size;
     if (cachedBytes_ + size > kCacheMaxBytes) {
       sizes_.erase(p);
-      std::free(p);
+      ::munmap(p, size);
       return;
     }
-    cache_[size].push_back(p);
+    cache_[size].push_back({p, ++idleClock_});
     cachedBytes_ += size;
   }
 
   Counters counters_;
   std::mutex mu_;
-  std::unordered_map<size_t, std::vector<void*>> cache_;
+  struct IdleBlock {
+    void* block = nullptr;
+    uint64_t since = 0;  // idleClock_ when it was cached
+  };
+  // Idle blocks by size, oldest first.
+  std::unordered_map<size_t, std::deque<IdleBlock>> cache_;
+  uint64_t idleClock_ = 0;
   std::unordered_map<void*, size_t> sizes_;  // every block of kCacheMinBytes and more, live or cached
   // Live blocks of kCacheMinBytes and more -> the op that made them (nullptr when none was profiled).
   std::unordered_map<void*, const char*> liveOps_;
   // Small blocks made while a profiler recorded.
   std::unordered_map<void*, SmallBlock> listedSmall_;
   size_t cachedBytes_ = 0;
+  size_t liveLarge_ = 0;  // live blocks of kCacheMinBytes and more
+  size_t highWater_ = 0;  // the most liveLarge_ has been since start or emptyCache()
 };
 
 CpuAllocator& cpuAllocator() {

@@ -4,6 +4,7 @@
 // counters that follow tensors being made and freed.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +13,7 @@
 #include <map>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include <unistd.h>
 
@@ -22,6 +24,7 @@
 #include "tensor/nn/module.h"
 #include "tensor/ops.h"
 #include "tensor/profiler.h"
+#include "tensor/storage.h"
 #include "tests/testing/testing.h"
 
 namespace dt {
@@ -454,6 +457,65 @@ TEST(MemoryStats, BigBlocksAreListedEvenWithoutProfilingAndCountsStayConsistent)
   size_t listed = 0;
   for (const auto& block : snap.blocks) listed += block.bytes;
   EXPECT_EQ(listed + snap.unlistedBytes, memoryStats().allocatedBytes);
+}
+
+// /proc/self/statm's resident pages, in bytes.
+size_t residentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  size_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+TEST(MemoryStats, IdleCachedBlocksNeverHoldMoreThanTheLivePeak) {
+  constexpr size_t MiB = size_t{1} << 20;
+  emptyCpuCache();
+  const size_t base = memoryStats().allocatedBytes;
+  {
+    std::vector<Tensor> first;
+    for (int i = 0; i < 8; ++i) first.push_back(empty({static_cast<int64_t>(MiB / sizeof(float))}));  // 8 x 1 MiB
+  }
+  // Freed, the 8 MiB stay cached for the next requests of their size.
+  EXPECT_EQ(cpuCachedBytes(), 8 * MiB);
+  EXPECT_EQ(memoryStats().reservedBytes, base + 8 * MiB);
+  {
+    // A request of that size reuses one (the same address comes back, no new memory).
+    Tensor again = empty({static_cast<int64_t>(MiB / sizeof(float))});
+    EXPECT_EQ(cpuCachedBytes(), 7 * MiB);
+  }
+  {
+    // Other sizes need new memory: the idle 1 MiB blocks go back to the OS as they come,
+    // so that live and idle blocks together never exceed the most live at once (12 MiB here).
+    std::vector<Tensor> second;
+    for (int i = 0; i < 8; ++i) {
+      second.push_back(empty({static_cast<int64_t>(3 * MiB / 2 / sizeof(float))}));
+      const MemoryStats now = memoryStats();
+      EXPECT_LE(now.reservedBytes - base, std::max<size_t>(8 * MiB, now.allocatedBytes - base)) << "after block " << i;
+    }
+    EXPECT_EQ(cpuCachedBytes(), 0u);
+  }
+  EXPECT_EQ(cpuCachedBytes(), 12 * MiB);
+  emptyCpuCache();
+  EXPECT_EQ(cpuCachedBytes(), 0u);
+  EXPECT_EQ(memoryStats().reservedBytes, memoryStats().allocatedBytes);
+}
+
+TEST(MemoryStats, EmptyingTheCacheGivesTheMemoryBackToTheSystem) {
+  constexpr size_t MiB = size_t{1} << 20;
+  emptyCpuCache();
+  const size_t before = residentBytes();
+  {
+    std::vector<Tensor> blocks;
+    for (int i = 0; i < 16; ++i) blocks.push_back(ones({static_cast<int64_t>(4 * MiB / sizeof(float))}));  // touched
+    // Big blocks start on a huge-page boundary (transparent huge pages where the system has them).
+    for (const Tensor& t : blocks) EXPECT_EQ(reinterpret_cast<uintptr_t>(t.storage().data()) % (2 * MiB), 0u);
+  }
+  const size_t cached = residentBytes();
+  EXPECT_GE(cached, before + 48 * MiB) << "the 64 MiB of freed blocks stay resident while cached";
+  emptyCpuCache();
+  const size_t after = residentBytes();
+  EXPECT_LE(after, cached - 48 * MiB) << "resident " << cached / MiB << " MiB before emptyCpuCache(), " << after / MiB
+                                      << " MiB after";
 }
 
 TEST(MemoryStats, DevicesWhoseAllocatorDoesNotReportSaySo) {
