@@ -4,10 +4,10 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <cstdlib>
 #include <mutex>
 #include <pthread.h>
+#include <unistd.h>
 #include <sys/mman.h>
 #include <new>
 #include <unordered_map>
@@ -17,6 +17,7 @@
 #include "common/strings.h"
 #include "common/config.h"
 #include "tensor/profiler.h"
+#include "tensor/cuda/caching_allocator.h"
 #if DT_HAVE_CUDA
 #include "tensor/cuda/cuda.h"
 #endif
@@ -48,18 +49,16 @@ namespace {
 
 constexpr size_t kCpuAlignment = 64;
 constexpr size_t kPageBytes = 4096;
-// Blocks at least this big are mapped from the OS directly (not through
-// malloc), cached on free and reused for the next request of the same rounded
-// size. Training loops allocate the same shapes every step (activations,
-// gradients); handing those pages back to the OS and faulting them in again
-// costs more than the arithmetic on them. Mapping them ourselves means that a
-// block the cache lets go is returned to the OS at once: malloc would keep it
-// (its heap only shrinks from the top, and each large free raises its mmap
-// threshold so the next ones land in that heap too), and the process's
-// resident set would stay above what it uses.
-constexpr size_t kHugePageBytes = size_t{2} << 20;
+// Blocks at least this big come from a block cache (tensor/cuda/caching_allocator.h, the
+// CUDA allocator's core) over memory mapped from the OS directly, not from malloc. Training
+// loops allocate the same shapes every step (activations, gradients); handing those pages
+// back to the OS and faulting them in again costs more than the arithmetic on them, so freed
+// blocks stay cached, and a cached block serves any request it fits (split, and merged with
+// its free neighbours again), not only one of its own size. The cache gives idle segments
+// back before it would grow past the most the process ever had live at once, so the resident
+// set follows the live peak; malloc would keep freed blocks in its heap instead.
 constexpr size_t kCacheMinBytes = 64 * 1024;
-constexpr size_t kCacheMaxBytes = size_t{512} << 20;  // idle bytes kept at most
+constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 // Always-on counters. The live total is one shared atomic (the peak needs it);
 // the cumulative counts are per thread, each written by its thread alone with
@@ -129,11 +128,41 @@ class Counters {
   std::vector<ThreadCounters*> threads_;
 };
 
+// A segment for the block cache (a multiple of 2 MiB), on transparent huge pages: fewer page
+// faults on first touch and fewer TLB misses in every sweep over it (memcpy, reductions, the
+// kernel's socket copies). The mapping is over-sized by one huge page and trimmed to an
+// aligned start. Advisory: ignored where THP is off. nullptr when the system has no memory.
+void* mapSegment(size_t bytes) {
+  const size_t span = bytes + kHugePageBytes;
+  void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  const auto start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  if (aligned > start) ::munmap(raw, aligned - start);
+  const uintptr_t end = start + span;
+  if (end > aligned + bytes) ::munmap(reinterpret_cast<void*>(aligned + bytes), end - (aligned + bytes));
+  void* p = reinterpret_cast<void*>(aligned);
+  ::madvise(p, bytes, MADV_HUGEPAGE);
+  return p;
+}
+
+// The CPU block cache's raw memory: one "stream", so no use markers are ever asked for.
+class MappedMemory final : public cuda::RawMemory {
+ public:
+  void* allocateSegment(size_t bytes) override { return mapSegment(bytes); }
+  void freeSegment(void* ptr, size_t bytes) override { ::munmap(ptr, bytes); }
+  DeviceMemory deviceMemory() override {
+    const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    return {static_cast<size_t>(::sysconf(_SC_AVPHYS_PAGES)) * page, static_cast<size_t>(::sysconf(_SC_PHYS_PAGES)) * page};
+  }
+  std::unique_ptr<cuda::UseMarker> recordUse(cuda::StreamId) override { return nullptr; }
+};
+
 class CpuAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t bytes) override {
     const size_t rounded = roundSize(bytes);
-    if (rounded >= kCacheMinBytes) return allocateLarge(rounded, bytes);
+    if (rounded >= kCacheMinBytes) return allocateLarge(rounded);
     void* p = std::aligned_alloc(kCpuAlignment, rounded);
     if (p == nullptr) {
       emptyCache();
@@ -197,9 +226,7 @@ class CpuAllocator final : public Allocator {
 
   void emptyCache() {
     std::lock_guard lock(mu_);
-    while (cachedBytes_ > 0) evictOldestIdle();
-    cache_.clear();
-    highWater_ = liveLarge_;
+    blocks_.emptyCache();
   }
   void lockForFork() {
     mu_.lock();
@@ -211,7 +238,8 @@ class CpuAllocator final : public Allocator {
   }
   size_t cachedBytes() {
     std::lock_guard lock(mu_);
-    return cachedBytes_;
+    // Idle blocks, and the rounding of live ones up to the cache's block sizes.
+    return blocks_.stats().reservedBytes - liveLargeBytes_;
   }
 
  private:
@@ -221,74 +249,20 @@ class CpuAllocator final : public Allocator {
   };
 
   static size_t roundSize(size_t bytes) {
-    // Never hand out null, even for 0 bytes; big blocks round to pages so sizes repeat.
-    const size_t unit = bytes >= kHugePageBytes ? kHugePageBytes : bytes >= kCacheMinBytes ? kPageBytes : kCpuAlignment;
+    // Never hand out null, even for 0 bytes; big blocks round to pages.
+    const size_t unit = bytes >= kCacheMinBytes ? kPageBytes : kCpuAlignment;
     const size_t r = (bytes + unit - 1) / unit * unit;
     return r == 0 ? kCpuAlignment : r;
   }
-  // A block of kCacheMinBytes and more: an idle cached one of the same size, else a new mapping.
-  DataPtr allocateLarge(size_t rounded, size_t requested) {
+  // A block of kCacheMinBytes and more, from the block cache (which throws when out of memory).
+  DataPtr allocateLarge(size_t rounded) {
     std::lock_guard lock(mu_);
-    void* p = nullptr;
-    auto it = cache_.find(rounded);
-    if (it != cache_.end() && !it->second.empty()) {
-      p = it->second.back().block;  // the most recently used: its pages are the likeliest in cache
-      it->second.pop_back();
-      cachedBytes_ -= rounded;
-    } else {
-      // New memory. Idle blocks are kept only while live and idle together stay within the
-      // most this process has had live at once (since start or emptyCpuCache()): the oldest
-      // idle ones go back to the OS first, so that the cache never raises the resident set
-      // above the live high-water mark.
-      highWater_ = std::max(highWater_, liveLarge_ + rounded);
-      while (cachedBytes_ > 0 && liveLarge_ + cachedBytes_ + rounded > highWater_) evictOldestIdle();
-      p = mapBlock(rounded);
-      if (p == nullptr) {
-        while (cachedBytes_ > 0) evictOldestIdle();
-        p = mapBlock(rounded);
-      }
-      if (p == nullptr) throw Error(str("cpu allocator: out of memory allocating ", requested, " bytes"));
-      sizes_[p] = rounded;
-    }
-    liveLarge_ += rounded;
+    void* p = blocks_.allocate(rounded, 0);
+    sizes_[p] = rounded;
+    liveLargeBytes_ += rounded;
     liveOps_[p] = profiler::currentOp();
     counters_.onAllocate(rounded);
     return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
-  }
-  static void* mapBlock(size_t bytes) {
-    if (bytes < kHugePageBytes) {
-      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      return p == MAP_FAILED ? nullptr : p;
-    }
-    // Large tensors on transparent huge pages: fewer page faults on first touch and fewer TLB
-    // misses in every sweep over them (memcpy, reductions, the kernel's socket copies). The
-    // mapping is over-sized by one huge page and trimmed to an aligned start. Advisory:
-    // ignored where THP is off.
-    const size_t span = bytes + kHugePageBytes;
-    void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) return nullptr;
-    const auto start = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (start + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
-    if (aligned > start) ::munmap(raw, aligned - start);
-    const uintptr_t end = start + span;
-    if (end > aligned + bytes) ::munmap(reinterpret_cast<void*>(aligned + bytes), end - (aligned + bytes));
-    void* p = reinterpret_cast<void*>(aligned);
-    ::madvise(p, bytes, MADV_HUGEPAGE);
-    return p;
-  }
-  // Returns the block idle the longest to the OS (mu_ held, cache not empty).
-  void evictOldestIdle() {
-    auto oldest = cache_.end();
-    for (auto it = cache_.begin(); it != cache_.end(); ++it) {
-      if (!it->second.empty() && (oldest == cache_.end() || it->second.front().since < oldest->second.front().since)) {
-        oldest = it;
-      }
-    }
-    void* p = oldest->second.front().block;
-    oldest->second.pop_front();
-    cachedBytes_ -= oldest->first;
-    sizes_.erase(p);
-    ::munmap(p, oldest->first);
   }
   static CpuAllocator& instance();
   static void freeSmall(void* size, void* ptr) {
@@ -313,33 +287,22 @@ class CpuAllocator final : public Allocator {
     const size_t size = sizes_.at(p);
     counters_.onFree(size);
     liveOps_.erase(p);
-    liveLarge_ -= size;
-    if (cachedBytes_ + size > kCacheMaxBytes) {
-      sizes_.erase(p);
-      ::munmap(p, size);
-      return;
-    }
-    cache_[size].push_back({p, ++idleClock_});
-    cachedBytes_ += size;
+    sizes_.erase(p);
+    liveLargeBytes_ -= size;
+    blocks_.free(p);
   }
 
   Counters counters_;
   std::mutex mu_;
-  struct IdleBlock {
-    void* block = nullptr;
-    uint64_t since = 0;  // idleClock_ when it was cached
-  };
-  // Idle blocks by size, oldest first.
-  std::unordered_map<size_t, std::deque<IdleBlock>> cache_;
-  uint64_t idleClock_ = 0;
-  std::unordered_map<void*, size_t> sizes_;  // every block of kCacheMinBytes and more, live or cached
+  MappedMemory mapped_;
+  // mmap is cheap: a segment per medium request wastes nothing on rounding to a shared one.
+  cuda::BlockCache blocks_{"cpu", mapped_, {.shareMediumSegments = false, .boundReservedByLivePeak = true}};
+  std::unordered_map<void*, size_t> sizes_;  // live blocks of kCacheMinBytes and more
+  size_t liveLargeBytes_ = 0;                 // their sizes' sum
   // Live blocks of kCacheMinBytes and more -> the op that made them (nullptr when none was profiled).
   std::unordered_map<void*, const char*> liveOps_;
   // Small blocks made while a profiler recorded.
   std::unordered_map<void*, SmallBlock> listedSmall_;
-  size_t cachedBytes_ = 0;
-  size_t liveLarge_ = 0;  // live blocks of kCacheMinBytes and more
-  size_t highWater_ = 0;  // the most liveLarge_ has been since start or emptyCache()
 };
 
 CpuAllocator& cpuAllocator() {

@@ -4,18 +4,18 @@
 //  * An Allocator hands out DataPtrs that own their bytes and free them through
 //    the allocator's deleter when destroyed. Allocators are process-wide,
 //    thread-safe, and live until exit.
-//  * The CPU allocator maps blocks of 64 KiB and more from the OS itself (2 MiB
-//    and more on huge-page boundaries), caches them when freed and reuses them
-//    for requests of the same rounded size: training steps allocate the same
-//    shapes every step, and re-faulting fresh pages from the OS each time
-//    costs more than the math. The cache is bounded so that it never raises
-//    the process's footprint: idle blocks are kept only while live and idle
-//    blocks together stay within the most ever live at once (since start or
-//    the last emptyCpuCache()), and at most 512 MiB; a request that needs new
-//    memory first returns the blocks idle longest to the OS. So the resident
-//    set of a training loop follows its live peak, not what it freed.
-//    emptyCpuCache() returns every idle block to the system and starts the
-//    bound again from what is live then. Smaller blocks come from malloc.
+//  * The CPU allocator serves blocks of 64 KiB and more from a block cache
+//    (tensor/cuda/caching_allocator.h, the CUDA allocator's core) over
+//    segments it maps from the OS itself, on huge-page boundaries; smaller
+//    blocks come from malloc. Training steps allocate the same shapes every
+//    step, and re-faulting fresh pages from the OS each time costs more than
+//    the math, so freed blocks stay cached and serve any later request they
+//    fit (split, and merged again with free neighbours). The cache never holds
+//    the footprint above what it needs: before it maps a new segment that
+//    would take its reserved bytes past the most ever live at once (since
+//    start or the last emptyCpuCache()), it unmaps idle segments. So the
+//    resident set of a training loop follows its live peak. emptyCpuCache()
+//    unmaps every idle segment.
 //  * allocatorFor(device) returns the allocator registered for that device
 //    type. The CPU allocator is built in (64-byte aligned, so BLAS and SIMD get
 //    aligned rows). In a build with CUDA (DT_HAVE_CUDA) the CUDA allocator of
@@ -88,7 +88,8 @@ Allocator& allocatorFor(Device device);
 // The allocator must outlive every allocation made from it.
 void registerAllocator(DeviceType type, Allocator* allocator);
 
-// Frees the CPU allocator's idle cached blocks; cpuCachedBytes() reports them.
+// Unmaps the CPU allocator's idle cached segments. cpuCachedBytes(): what it holds beyond
+// the live blocks of 64 KiB and more (idle blocks, and live ones' rounding to its block sizes).
 void emptyCpuCache();
 size_t cpuCachedBytes();
 

@@ -24,7 +24,8 @@ bool BlockCache::BySize::operator()(const Block* a, const Block* b) const {
   return std::tie(a->stream, a->size, a->address) < std::tie(b->stream, b->size, b->address);
 }
 
-BlockCache::BlockCache(std::string name, RawMemory& raw) : name_(std::move(name)), raw_(raw) {}
+BlockCache::BlockCache(std::string name, RawMemory& raw, Options options)
+    : name_(std::move(name)), raw_(raw), options_(options) {}
 
 BlockCache::~BlockCache() {
   for (auto& [address, segment] : segments_) {
@@ -61,7 +62,12 @@ void* BlockCache::allocate(size_t bytes, StreamId stream) {
   const bool small = size <= kSmallSize;
   Block* block = takeCached(size, stream);
   if (block == nullptr) {
-    const size_t segment = segmentSize(size);
+    const size_t segment = options_.shareMediumSegments || small ? segmentSize(size)
+                                                                 : (size + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
+    if (options_.boundReservedByLivePeak) {
+      const size_t bound = std::max(livePeak_, stats_.allocatedBytes + segment);
+      if (stats_.reservedBytes + segment > bound) releaseIdleSegments(bound - segment);
+    }
     void* raw = raw_.allocateSegment(segment);
     if (raw == nullptr) {
       // Memory this cache holds idle may be what the device lacks: blocks
@@ -107,6 +113,7 @@ void* BlockCache::allocate(size_t bytes, StreamId stream) {
   stats_.totalAllocatedBytes += block->size;
   stats_.requestedBytes += bytes;
   stats_.peakAllocatedBytes = std::max(stats_.peakAllocatedBytes, stats_.allocatedBytes);
+  livePeak_ = std::max(livePeak_, stats_.allocatedBytes);
   return reinterpret_cast<void*>(block->address);
 }
 
@@ -223,8 +230,8 @@ void BlockCache::processPending(bool wait) {
   pending_ = std::move(still);
 }
 
-void BlockCache::releaseIdleSegments() {
-  for (auto it = segments_.begin(); it != segments_.end();) {
+void BlockCache::releaseIdleSegments(size_t downTo) {
+  for (auto it = segments_.begin(); it != segments_.end() && stats_.reservedBytes > downTo;) {
     Block* head = it->second->head;
     if (head->state != BlockState::Cached || head->next != nullptr) {
       ++it;
@@ -290,6 +297,7 @@ void BlockCache::emptyCache() {
   std::lock_guard lock(mu_);
   processPending(/*wait=*/true);
   releaseIdleSegments();
+  livePeak_ = stats_.allocatedBytes;
 }
 
 CacheStats BlockCache::stats() const {

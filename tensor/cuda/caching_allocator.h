@@ -1,8 +1,9 @@
 // The caching allocator's device-independent core: a cache of memory
 // segments carved into blocks, per stream, over a raw memory interface.
 // tensor/cuda wraps it around cudaMalloc (one cache per GPU) and around
-// cudaHostAlloc (pinned host memory); tests wrap it around malloc. It is
-// compiled in every build (no CUDA header) so its logic is tested everywhere.
+// cudaHostAlloc (pinned host memory), the CPU allocator (tensor/storage.cpp)
+// around mmap; tests wrap it around malloc. It is compiled in every build (no
+// CUDA header) so its logic is tested everywhere.
 //
 // Contract:
 //  * Why cache: cudaMalloc and cudaFree are slow and cudaFree synchronises
@@ -13,9 +14,14 @@
 //    from the small pool, carved out of 2 MiB segments; larger ones from the
 //    large pool: a request under 10 MiB gets a 20 MiB segment (so that medium
 //    tensors share one raw allocation), a bigger one a segment rounded up to
-//    2 MiB. A cached block larger than the request is split when the rest is
-//    worth keeping (512 bytes in the small pool, more than 1 MiB in the large
-//    one); freed neighbours in a segment merge again.
+//    2 MiB (Options::shareMediumSegments off: every large request gets a
+//    segment of its own size rounded up to 2 MiB). A cached block larger than
+//    the request is split when the rest is worth keeping (512 bytes in the
+//    small pool, more than 1 MiB in the large one); freed neighbours in a
+//    segment merge again.
+//  * Options::boundReservedByLivePeak: before a new segment would take the
+//    reserved bytes past the most ever allocated at once (since construction
+//    or emptyCache()), segments with no live block are freed first.
 //  * Streams: each block belongs to the stream it was allocated on and is
 //    reused only for requests on that stream, so work queued on one stream
 //    never races a new owner on another without an explicit wait. The best
@@ -141,8 +147,13 @@ class BlockCache {
   static constexpr size_t kLargeSegment = size_t{20} << 20;
   static constexpr size_t kRoundLarge = size_t{2} << 20;
 
+  struct Options {
+    bool shareMediumSegments = true;      // see "Sizes" above
+    bool boundReservedByLivePeak = false;  // see above
+  };
   // `name` appears in messages ("cuda:0", "pinned host memory").
-  BlockCache(std::string name, RawMemory& raw);
+  BlockCache(std::string name, RawMemory& raw, Options options);
+  BlockCache(std::string name, RawMemory& raw) : BlockCache(std::move(name), raw, Options{}) {}
   ~BlockCache();
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
@@ -166,7 +177,7 @@ class BlockCache {
   // The block size a request gets (512-byte multiple); throws InvalidArgument
   // when rounding would overflow.
   static size_t roundSize(size_t bytes);
-  // The segment a request of `rounded` bytes is carved from.
+  // The segment a request of `rounded` bytes is carved from (with the default options).
   static size_t segmentSize(size_t rounded);
 
  private:
@@ -201,12 +212,15 @@ class BlockCache {
   void splitIfWorth(Block* block, size_t size);
   void cache(Block* block);
   void processPending(bool wait);
-  void releaseIdleSegments();
+  // Frees segments with no block in use until the reserved bytes are at most `downTo`.
+  void releaseIdleSegments(size_t downTo = 0);
   [[noreturn]] void throwOutOfMemory(size_t asked);
   Block* liveBlockAt(const void* ptr) const;
 
   const std::string name_;
   RawMemory& raw_;
+  const Options options_;
+  size_t livePeak_ = 0;  // the most allocated since construction or emptyCache()
   mutable std::mutex mu_;
   Pool smallPool_;
   Pool largePool_;

@@ -549,5 +549,51 @@ TEST(CachingAllocator, ThreadsAllocateAndFreeWithoutOverlap) {
   EXPECT_EQ(raw.used(), 0u);
 }
 
+TEST(CachingAllocator, WithoutSharedMediumSegmentsEachLargeRequestGetsItsOwnSize) {
+  FakeRaw raw(256 * MiB);
+  BlockCache cache("fake:0", raw, {.shareMediumSegments = false});
+  void* a = cache.allocate(3 * MiB, kStreamA);
+  EXPECT_EQ(segmentOf(cache, a).bytes, 4 * MiB);  // rounded to 2 MiB, not a 20 MiB segment
+  void* small = cache.allocate(KiB, kStreamA);
+  EXPECT_EQ(segmentOf(cache, small).bytes, 2 * MiB);  // the small pool is unchanged
+  cache.free(a);
+  cache.free(small);
+}
+
+TEST(CachingAllocator, BoundedByTheLivePeakIdleSegmentsGoBeforeANewOneIsMade) {
+  FakeRaw raw(256 * MiB);
+  BlockCache cache("fake:0", raw, {.shareMediumSegments = false, .boundReservedByLivePeak = true});
+  std::vector<void*> first;
+  for (int i = 0; i < 4; ++i) first.push_back(cache.allocate(4 * MiB, kStreamA));  // peak: 16 MiB live
+  for (void* p : first) cache.free(p);
+  EXPECT_EQ(cache.stats().reservedBytes, 16 * MiB);  // kept for reuse
+  // A bigger request fits no cached block: idle segments go first, so reserved stays at the peak.
+  void* big = cache.allocate(12 * MiB, kStreamA);
+  EXPECT_EQ(cache.stats().reservedBytes, 16 * MiB);
+  EXPECT_EQ(cache.stats().allocatedBytes, 12 * MiB);
+  // Beyond the peak the cache grows (nothing idle is left to give back).
+  void* more = cache.allocate(8 * MiB, kStreamA);
+  EXPECT_EQ(cache.stats().reservedBytes, 20 * MiB);
+  EXPECT_EQ(raw.used(), 20 * MiB);
+  cache.free(big);
+  cache.free(more);
+  // emptyCache() starts the bound again from what is live: nothing, so nothing is kept idle.
+  cache.emptyCache();
+  void* again = cache.allocate(2 * MiB, kStreamA);
+  cache.free(again);
+  void* other = cache.allocate(6 * MiB, kStreamA);
+  EXPECT_EQ(cache.stats().reservedBytes, 6 * MiB);
+  cache.free(other);
+
+  // Without the bound the same sequence keeps every idle segment.
+  FakeRaw unboundedRaw(256 * MiB);
+  BlockCache unbounded("fake:1", unboundedRaw, {.shareMediumSegments = false});
+  void* x = unbounded.allocate(2 * MiB, kStreamA);
+  unbounded.free(x);
+  void* y = unbounded.allocate(6 * MiB, kStreamA);
+  EXPECT_EQ(unbounded.stats().reservedBytes, 8 * MiB);
+  unbounded.free(y);
+}
+
 }  // namespace
 }  // namespace dt::cuda
