@@ -7,6 +7,7 @@
 #include <list>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "collectives/coalesce.h"
 #include "collectives/reduce_kernels.h"
@@ -88,6 +89,7 @@ struct ShmBackend::Impl {
   ShmBackendOptions options;
   Millis timeout{0};
   std::unique_ptr<shm::ShmSegment> seg;
+  bool waitsLogged = false;  // shutdown() logs the wait counts once
   std::unique_ptr<CollectiveRunner> runner;
 
   // Collective state: touched only by the thread running a body (the
@@ -595,6 +597,12 @@ void ShmBackend::shutdown() {
   if (!d.runner) return;
   d.stopP2P();
   d.runner->shutdown();
+  if (d.seg && !std::exchange(d.waitsLogged, true) && d.runner->log()->should_log(spdlog::level::debug)) {
+    // How this rank's waits ended: what to read when small collectives are slower than they should be.
+    const shm::ShmSegment::WaitStats w = d.seg->waitStats();
+    d.runner->log()->debug("shm waits: {} spun ({} for a peer it had woken), {} slept, {} for a core mate, {} stepped aside",
+                           w.spun, w.spunForWaking, w.slept, w.forCoreMate, w.steppedAside);
+  }
 }
 
 // ---- collectives ----------------------------------------------------------------------------

@@ -82,6 +82,14 @@ constexpr auto kSpinBeforeSleeping = std::chrono::microseconds(10);
 // round's copy (512 KiB, well under 1 ms), and sleeping would add a wake-up
 // to every round. Past this it is probably descheduled: sleep.
 constexpr auto kSpinForWorkingPeer = std::chrono::milliseconds(1);
+// A peer this rank has just woken is on its way: a sleeping thread takes a
+// while to run again (25-30 us on the development machine's idle cores, more
+// than kSpinBeforeSleeping). Sleeping for it as well would make its next wait
+// a wake-up too, and so on: a run where every exchange costs two wake-ups
+// (about 60 us instead of 2 for a 4 KiB allreduce), the "slow mode" that
+// stayed for the whole run once a stall started it. So a rank spins this
+// long after waking a peer before it sleeps for that peer.
+constexpr auto kSpinForWakingPeer = std::chrono::microseconds(200);
 // A rank that shares its core with a rank of its group hands the core over
 // with sched_yield (a switch of ~1 us, no futex wake-up for either side),
 // polling for this long before it sleeps. Yielding is only safe among our
@@ -279,7 +287,10 @@ void ShmSegment::arrive() {
   ++mySteps_;
   me.cpu.store(::sched_getcpu(), std::memory_order_relaxed);
   me.step.store(mySteps_, std::memory_order_seq_cst);
-  if (me.sleepers.load(std::memory_order_seq_cst) != 0) futexWake(&me.step);
+  if (me.sleepers.load(std::memory_order_seq_cst) != 0) {
+    futexWake(&me.step);
+    wokeSleepersAt_ = Clock::now();
+  }
 }
 
 void ShmSegment::enterCollective() { control(rank_).state.fetch_or(kInCollective, std::memory_order_relaxed); }
@@ -312,7 +323,8 @@ void ShmSegment::waitFor(int r, Clock::time_point deadline) {
 
 ShmSegment::WaitStats ShmSegment::waitStats() const {
   return WaitStats{spun_.load(std::memory_order_relaxed), slept_.load(std::memory_order_relaxed),
-                   forCoreMate_.load(std::memory_order_relaxed), steppedAside_.load(std::memory_order_relaxed)};
+                   forCoreMate_.load(std::memory_order_relaxed), steppedAside_.load(std::memory_order_relaxed),
+                   spunForWaking_.load(std::memory_order_relaxed)};
 }
 
 void ShmSegment::stepAside(int here) {
@@ -392,21 +404,26 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
     if (yieldToMate(r, target, here)) return;
   } else {
     const auto spinStart = Clock::now();
+    const bool peerWasAsleep = (peer.state.load(std::memory_order_relaxed) & kAsleep) != 0;
     while (true) {
       for (int i = 0; i < kSpinsPerCheck; ++i) {
         DT_CPU_RELAX();
         if (reached(peer.step.load(std::memory_order_acquire), target)) {
           spun_.fetch_add(1, std::memory_order_relaxed);
+          if (peerWasAsleep) spunForWaking_.fetch_add(1, std::memory_order_relaxed);
           matesInARow_ = 0;
           return;
         }
       }
       if (peer.cpu.load(std::memory_order_relaxed) == here || awakeRankOnCore(here) >= 0) break;
-      const auto spinning = Clock::now() - spinStart;
+      const auto now = Clock::now();
+      const auto spinning = now - spinStart;
       if (spinning < kSpinBeforeSleeping) continue;
       const uint32_t state = peer.state.load(std::memory_order_relaxed);
       const bool peerWorks = (state & kInCollective) != 0 && (state & kAsleep) == 0;
-      if (!peerWorks || spinning >= kSpinForWorkingPeer) break;
+      if (peerWorks && spinning < kSpinForWorkingPeer) continue;
+      const bool peerWaking = (state & kAsleep) != 0 && now - wokeSleepersAt_ < kSpinForWakingPeer;
+      if (!peerWaking) break;
     }
     slept_.fetch_add(1, std::memory_order_relaxed);
   }

@@ -138,6 +138,7 @@ class ShmSegment {
     uint64_t slept = 0;             // slept after spinning for 10 us
     uint64_t forCoreMate = 0;  // yielded or slept at once: a rank of the group needed this core
     uint64_t steppedAside = 0;      // moved to an idle core, away from a core mate (core_placement.h)
+    uint64_t spunForWaking = 0;     // of `spun`: the peer was asleep when the wait began (woken, on its way)
   };
   WaitStats waitStats() const;
 
@@ -181,12 +182,14 @@ class ShmSegment {
   uint32_t mySteps_ = 0;
   std::atomic<uint64_t> spun_{0};
   std::atomic<uint64_t> slept_{0};
+  std::atomic<uint64_t> spunForWaking_{0};
   std::atomic<uint64_t> forCoreMate_{0};
   std::atomic<uint64_t> steppedAside_{0};
   uint32_t matesInARow_ = 0;  // collective thread only
   Clock::time_point nextStepAside_{};
   std::chrono::microseconds stepAsideRetry_{1000};
   Clock::time_point foreignUntil_{};  // a busy process shares this core: sleep, do not yield
+  Clock::time_point wokeSleepersAt_{};  // collective thread only: arrive() last woke a sleeping peer
   // Each core's idle share over the last heartbeat interval (heartbeat thread writes).
   uint64_t myPidNamespace_ = 0;
   std::vector<std::atomic<uint8_t>> coreIdle_;
