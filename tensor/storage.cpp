@@ -21,6 +21,17 @@
 #if DT_HAVE_CUDA
 #include "tensor/cuda/cuda.h"
 #endif
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+// AddressSanitizer does not see into the segments this allocator maps itself: they are
+// poisoned when mapped and each block is unpoisoned while live, so that reading past a tensor
+// or into a freed (cached) block is still reported.
+#define DT_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define DT_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define DT_POISON(p, n) ((void)(p), (void)(n))
+#define DT_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
 
 namespace dt {
 
@@ -149,8 +160,15 @@ void* mapSegment(size_t bytes) {
 // The CPU block cache's raw memory: one "stream", so no use markers are ever asked for.
 class MappedMemory final : public cuda::RawMemory {
  public:
-  void* allocateSegment(size_t bytes) override { return mapSegment(bytes); }
-  void freeSegment(void* ptr, size_t bytes) override { ::munmap(ptr, bytes); }
+  void* allocateSegment(size_t bytes) override {
+    void* p = mapSegment(bytes);
+    if (p != nullptr) DT_POISON(p, bytes);
+    return p;
+  }
+  void freeSegment(void* ptr, size_t bytes) override {
+    DT_UNPOISON(ptr, bytes);
+    ::munmap(ptr, bytes);
+  }
   DeviceMemory deviceMemory() override {
     const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
     return {static_cast<size_t>(::sysconf(_SC_AVPHYS_PAGES)) * page, static_cast<size_t>(::sysconf(_SC_PHYS_PAGES)) * page};
@@ -258,6 +276,7 @@ class CpuAllocator final : public Allocator {
   DataPtr allocateLarge(size_t rounded) {
     std::lock_guard lock(mu_);
     void* p = blocks_.allocate(rounded, 0);
+    DT_UNPOISON(p, rounded);  // as malloc would: kernels may touch the rounding
     sizes_[p] = rounded;
     liveLargeBytes_ += rounded;
     liveOps_[p] = profiler::currentOp();
@@ -289,6 +308,7 @@ class CpuAllocator final : public Allocator {
     liveOps_.erase(p);
     sizes_.erase(p);
     liveLargeBytes_ -= size;
+    DT_POISON(p, size);
     blocks_.free(p);
   }
 
