@@ -128,9 +128,12 @@ std::shared_ptr<Work> Work::failed(std::string description, std::exception_ptr e
 }
 
 // completed_ is read without the lock where that saves one on the op's path:
-// error_ is written before completed_ is set (release) and never after, and
-// the start and device helpers are set before the Work is handed out.
-bool Work::done() const { return completed_.load(std::memory_order_acquire); }
+// error_ is written before completed_ is set and never after, and the start
+// and device helpers are set before the Work is handed out. Sequentially
+// consistent: it pairs with listening_ (see finish()).
+bool Work::done() const { return completed_.load(std::memory_order_seq_cst); }
+
+void Work::listen() { listening_.store(true, std::memory_order_seq_cst); }
 
 void Work::hintStartSoon() const {
   if (!startHelper_ || done() || startHinted_.exchange(true)) return;
@@ -143,15 +146,11 @@ bool Work::isCompleted() const {
   return false;
 }
 
-bool Work::isSuccess() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return completed_ && !error_;
-}
+bool Work::isSuccess() const { return done() && !error_; }
 
 std::exception_ptr Work::exception() const {
   hintStartSoon();
-  std::lock_guard<std::mutex> lock(mutex_);
-  return error_;
+  return done() ? error_ : nullptr;
 }
 
 void Work::setDeviceWait(std::function<void()> deviceWait) {
@@ -186,6 +185,7 @@ void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
     }
   }
   std::unique_lock<std::mutex> lock(mutex_);
+  listen();
   if (timeout) {
     if (!done_.wait_for(lock, *timeout, [&] { return done(); })) {
       lock.unlock();
@@ -203,9 +203,10 @@ void Work::then(std::function<void(Work&)> callback) {
   hintStartSoon();
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    listen();
     // While earlier callbacks still run on the pool, a late one joins them
     // there, so that callbacks keep their registration order.
-    if (!completed_ || callbacksDraining_) {
+    if (!done() || callbacksDraining_) {
       callbacks_.push_back(std::move(callback));
       return;
     }
@@ -218,7 +219,8 @@ void Work::thenInline(std::function<void(Work&)> callback) {
   hintStartSoon();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!completed_) {
+    listen();
+    if (!done()) {
       inlineCallbacks_.push_back(std::move(callback));
       return;
     }
@@ -254,10 +256,11 @@ std::vector<Tensor> Work::result() const {
 std::shared_future<std::vector<Tensor>> Work::future() {
   hintStartSoon();
   std::lock_guard<std::mutex> lock(mutex_);
+  listen();
   if (!promise_) {
     promise_.emplace();
     future_ = promise_->get_future().share();
-    if (completed_) {
+    if (done()) {
       if (error_) {
         promise_->set_exception(error_);
       } else {
@@ -276,15 +279,23 @@ void Work::markFailed(std::exception_ptr error) {
 }
 
 void Work::finish(std::exception_ptr error) {
+  // Completing twice is a backend's bug: caught when the completions follow each other (two
+  // racing ones are not told apart).
+  if (done()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    throw Error(str("Work ", describeLocked(), " completed twice (internal error, please report)"));
+  }
+  error_ = std::move(error);
+  completed_.store(true, std::memory_order_seq_cst);
+  // Without the lock when nobody registered a callback, a future or a blocking wait (an op its
+  // caller ran inline, then waited for): whoever registers later sets listening_ first and then
+  // sees completed_ (both sequentially consistent), so either it finds the Work complete or
+  // this thread finds it listening and takes the slow path below.
+  if (!listening_.load(std::memory_order_seq_cst)) return;
   std::vector<std::function<void(Work&)>> inlineCallbacks;
   std::vector<std::function<void(Work&)>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (completed_) {
-      throw Error(str("Work ", describeLocked(), " completed twice (internal error, please report)"));
-    }
-    error_ = std::move(error);
-    completed_.store(true, std::memory_order_release);
     if (promise_) {
       if (error_) {
         promise_->set_exception(error_);

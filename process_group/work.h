@@ -117,7 +117,11 @@ class Work : public std::enable_shared_from_this<Work> {
   std::shared_ptr<const std::string> who_;
   mutable std::mutex mutex_;
   std::condition_variable done_;
-  std::atomic<bool> completed_{false};  // set under mutex_, also read without it (done())
+  std::atomic<bool> completed_{false};  // read without mutex_ (done()); see finish()
+  // Set (under mutex_) before anyone registers a callback, a future or a blocking wait:
+  // finish() takes the lock only then.
+  std::atomic<bool> listening_{false};
+  void listen();
   std::exception_ptr error_;
   std::vector<std::function<void(Work&)>> inlineCallbacks_;
   std::vector<std::function<void(Work&)>> callbacks_;
