@@ -316,7 +316,8 @@ class CpuAllocator final : public Allocator {
   std::mutex mu_;
   MappedMemory mapped_;
   // mmap is cheap: a segment per medium request wastes nothing on rounding to a shared one.
-  cuda::BlockCache blocks_{"cpu", mapped_, {.shareMediumSegments = false, .boundReservedByLivePeak = true}};
+  cuda::BlockCache blocks_{"cpu", mapped_,
+                          {.shareMediumSegments = false, .boundReservedByLivePeak = true, .emptyCacheCall = "dt::emptyCpuCache()"}};
   std::unordered_map<void*, size_t> sizes_;  // live blocks of kCacheMinBytes and more
   size_t liveLargeBytes_ = 0;                 // their sizes' sum
   // Live blocks of kCacheMinBytes and more -> the op that made them (nullptr when none was profiled).

@@ -263,8 +263,8 @@ void BlockCache::throwOutOfMemory(size_t asked) {
                          formatBytes(stats_.reservedBytes - stats_.allocatedBytes - stats_.pendingBytes),
                          " of it cached idle, ", formatBytes(stats_.pendingBytes),
                          " awaiting other streams); ", device,
-                         ". Free tensors you no longer need, call dt::cuda::emptyCache() to give cached memory "
-                         "back to other processes, or use a smaller batch"));
+                         ". Free tensors you no longer need, call ", options_.emptyCacheCall,
+                         " to give cached memory back to other processes, or use a smaller batch"));
 }
 
 BlockCache::Block* BlockCache::liveBlockAt(const void* ptr) const {

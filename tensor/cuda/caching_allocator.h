@@ -150,6 +150,8 @@ class BlockCache {
   struct Options {
     bool shareMediumSegments = true;      // see "Sizes" above
     bool boundReservedByLivePeak = false;  // see above
+    // What the out-of-memory message tells the user to call to give cached memory back.
+    const char* emptyCacheCall = "dt::cuda::emptyCache()";
   };
   // `name` appears in messages ("cuda:0", "pinned host memory").
   BlockCache(std::string name, RawMemory& raw, Options options);

@@ -429,7 +429,7 @@ TEST(CachingAllocator, RetriesAfterFreeingCachedSegmentsThenReportsOutOfMemory) 
   const std::string message = testing::expectThrowsWith<BackendError>(
       [&] { cache.allocate(30 * MiB, kStreamA); },
       {"out of memory on fake:0", "tried to allocate 30.00 MiB (31457280 bytes)", "16.00 MiB allocated",
-       "18.00 MiB reserved", "6.00 MiB free of 24.00 MiB total", "emptyCache()", "smaller batch"});
+       "18.00 MiB reserved", "6.00 MiB free of 24.00 MiB total", "dt::cuda::emptyCache()", "smaller batch"});
   EXPECT_EQ(message.find('\n'), std::string::npos) << "one line: " << message;
   s = cache.stats();
   EXPECT_EQ(s.outOfMemoryErrors, 1u);
@@ -551,11 +551,13 @@ TEST(CachingAllocator, ThreadsAllocateAndFreeWithoutOverlap) {
 
 TEST(CachingAllocator, WithoutSharedMediumSegmentsEachLargeRequestGetsItsOwnSize) {
   FakeRaw raw(256 * MiB);
-  BlockCache cache("fake:0", raw, {.shareMediumSegments = false});
+  BlockCache cache("fake:0", raw, {.shareMediumSegments = false, .emptyCacheCall = "dt::emptyCpuCache()"});
   void* a = cache.allocate(3 * MiB, kStreamA);
   EXPECT_EQ(segmentOf(cache, a).bytes, 4 * MiB);  // rounded to 2 MiB, not a 20 MiB segment
   void* small = cache.allocate(KiB, kStreamA);
   EXPECT_EQ(segmentOf(cache, small).bytes, 2 * MiB);  // the small pool is unchanged
+  // The out-of-memory message names the call this cache's users have.
+  testing::expectThrowsWith<BackendError>([&] { cache.allocate(300 * MiB, kStreamA); }, {"dt::emptyCpuCache()"});
   cache.free(a);
   cache.free(small);
 }
