@@ -204,9 +204,10 @@ void Work::then(std::function<void(Work&)> callback) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     listen();
-    // While earlier callbacks still run on the pool, a late one joins them
-    // there, so that callbacks keep their registration order.
-    if (!done() || callbacksDraining_) {
+    // While earlier callbacks still run on the pool, or wait for the completing thread to hand
+    // them over (see finish()), a late one joins them, so that callbacks keep their
+    // registration order.
+    if (!done() || callbacksDraining_ || !callbacks_.empty()) {
       callbacks_.push_back(std::move(callback));
       return;
     }
@@ -220,7 +221,7 @@ void Work::thenInline(std::function<void(Work&)> callback) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     listen();
-    if (!done()) {
+    if (!done() || !inlineCallbacks_.empty()) {
       inlineCallbacks_.push_back(std::move(callback));
       return;
     }
@@ -260,13 +261,7 @@ std::shared_future<std::vector<Tensor>> Work::future() {
   if (!promise_) {
     promise_.emplace();
     future_ = promise_->get_future().share();
-    if (done()) {
-      if (error_) {
-        promise_->set_exception(error_);
-      } else {
-        promise_->set_value(result_);
-      }
-    }
+    if (done()) settlePromiseLocked();
   }
   return future_;
 }
@@ -278,6 +273,16 @@ void Work::markFailed(std::exception_ptr error) {
   finish(std::move(error));
 }
 
+void Work::settlePromiseLocked() {
+  if (!promise_ || promiseSettled_) return;
+  promiseSettled_ = true;
+  if (error_) {
+    promise_->set_exception(error_);
+  } else {
+    promise_->set_value(result_);
+  }
+}
+
 void Work::finish(std::exception_ptr error) {
   // Completing twice is a backend's bug: caught when the completions follow each other (two
   // racing ones are not told apart).
@@ -285,24 +290,28 @@ void Work::finish(std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(mutex_);
     throw Error(str("Work ", describeLocked(), " completed twice (internal error, please report)"));
   }
-  error_ = std::move(error);
-  completed_.store(true, std::memory_order_seq_cst);
-  // Without the lock when nobody registered a callback, a future or a blocking wait (an op its
-  // caller ran inline, then waited for): whoever registers later sets listening_ first and then
-  // sees completed_ (both sequentially consistent), so either it finds the Work complete or
-  // this thread finds it listening and takes the slow path below.
-  if (!listening_.load(std::memory_order_seq_cst)) return;
+  // Without the lock while nobody has registered a callback, a future or a blocking wait (an op
+  // its caller ran inline and then waited for). Registrants set listening_ before they look at
+  // completed_, and this thread sets completed_ before it looks at listening_ again (all
+  // sequentially consistent): a registrant this thread does not see finds the Work complete; one
+  // that found it running is seen here, and what it registered is handed over below (later
+  // registrants queue behind what is waiting, so the order holds).
+  bool published = false;
+  if (!listening_.load(std::memory_order_seq_cst)) {
+    error_ = std::move(error);
+    completed_.store(true, std::memory_order_seq_cst);
+    if (!listening_.load(std::memory_order_seq_cst)) return;
+    published = true;
+  }
   std::vector<std::function<void(Work&)>> inlineCallbacks;
   std::vector<std::function<void(Work&)>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (promise_) {
-      if (error_) {
-        promise_->set_exception(error_);
-      } else {
-        promise_->set_value(result_);
-      }
+    if (!published) {
+      error_ = std::move(error);
+      completed_.store(true, std::memory_order_seq_cst);
     }
+    settlePromiseLocked();
     inlineCallbacks.swap(inlineCallbacks_);
     callbacks.swap(callbacks_);
     callbacksDraining_ = !callbacks.empty();

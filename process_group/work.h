@@ -136,6 +136,8 @@ class Work : public std::enable_shared_from_this<Work> {
   std::function<void()> deviceWait_;
   std::vector<Tensor> result_;
   std::optional<std::promise<std::vector<Tensor>>> promise_;  // made by the first future()
+  bool promiseSettled_ = false;                                // under mutex_
+  void settlePromiseLocked();
   std::shared_future<std::vector<Tensor>> future_;
 };
 

@@ -7,6 +7,7 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "common/errors.h"
 #include "process_group/backend.h"
@@ -132,6 +133,45 @@ TEST(Work, ALateCallbackWaitsForTheEarlierOnesStillRunning) {
   EXPECT_TRUE(eventually([&] { return lateAt.load() >= 0; }));
   EXPECT_EQ(slowAt.load(), 0);
   EXPECT_EQ(lateAt.load(), 1);
+}
+
+// A Work nobody listens to completes without its lock (finish()); registrations that race
+// with that completion must neither be lost nor run out of order. Many rounds of: a thread
+// completes the Work while another registers callbacks, an inline callback, a future and a
+// wait, in that order.
+TEST(Work, RegistrationsRacingTheCompletionRunOnceAndInOrder) {
+  for (int round = 0; round < 500; ++round) {
+    auto work = std::make_shared<Work>("allreduce #9 (test)");
+    std::mutex mu;
+    std::vector<int> ran;
+    std::atomic<int> inlineRan{0};
+    std::atomic<bool> go{false};
+    std::thread completer([&] {
+      while (!go.load()) {
+      }
+      work->markCompleted();
+    });
+    go = true;
+    for (int i = 0; i < 3; ++i) {
+      work->then([&, i](Work& w) {
+        EXPECT_TRUE(w.isSuccess());
+        std::lock_guard lock(mu);
+        ran.push_back(i);
+      });
+    }
+    work->thenInline([&](Work&) { inlineRan++; });
+    std::shared_future<std::vector<Tensor>> future = work->future();
+    work->wait();
+    completer.join();
+    EXPECT_NO_THROW(future.get()) << "round " << round;
+    ASSERT_TRUE(eventually([&] {
+      std::lock_guard lock(mu);
+      return ran.size() == 3;
+    })) << "round " << round;
+    std::lock_guard lock(mu);
+    ASSERT_EQ(ran, (std::vector<int>{0, 1, 2})) << "round " << round;
+    ASSERT_EQ(inlineRan.load(), 1) << "round " << round;
+  }
 }
 
 TEST(Work, CallbacksThatWaitForEachOtherDoNotDeadlock) {
