@@ -223,8 +223,8 @@ class CpuAllocator final : public Allocator {
     size_t listedBytes = 0;
     {
       std::lock_guard lock(mu_);
-      for (const auto& [p, op] : liveOps_) {
-        snap.blocks.push_back({p, sizes_.at(p), op != nullptr ? op : ""});
+      for (const auto& [p, block] : liveLarge_) {
+        snap.blocks.push_back({p, block.bytes, block.op != nullptr ? block.op : ""});
       }
       for (const auto& [p, block] : listedSmall_) {
         snap.blocks.push_back({p, block.bytes, block.op != nullptr ? block.op : ""});
@@ -261,7 +261,7 @@ class CpuAllocator final : public Allocator {
   }
 
  private:
-  struct SmallBlock {
+  struct ListedBlock {
     size_t bytes = 0;
     const char* op = nullptr;
   };
@@ -277,9 +277,8 @@ class CpuAllocator final : public Allocator {
     std::lock_guard lock(mu_);
     void* p = blocks_.allocate(rounded, 0);
     DT_UNPOISON(p, rounded);  // as malloc would: kernels may touch the rounding
-    sizes_[p] = rounded;
+    liveLarge_[p] = {rounded, profiler::currentOp()};
     liveLargeBytes_ += rounded;
-    liveOps_[p] = profiler::currentOp();
     counters_.onAllocate(rounded);
     return DataPtr(p, this, &CpuAllocator::release, Device::cpu());
   }
@@ -303,10 +302,10 @@ class CpuAllocator final : public Allocator {
   }
   void cacheBlock(void* p) {
     std::lock_guard lock(mu_);
-    const size_t size = sizes_.at(p);
+    const auto it = liveLarge_.find(p);
+    const size_t size = it->second.bytes;
+    liveLarge_.erase(it);
     counters_.onFree(size);
-    liveOps_.erase(p);
-    sizes_.erase(p);
     liveLargeBytes_ -= size;
     DT_POISON(p, size);
     blocks_.free(p);
@@ -318,12 +317,12 @@ class CpuAllocator final : public Allocator {
   // mmap is cheap: a segment per medium request wastes nothing on rounding to a shared one.
   cuda::BlockCache blocks_{"cpu", mapped_,
                           {.shareMediumSegments = false, .boundReservedByLivePeak = true, .emptyCacheCall = "dt::emptyCpuCache()"}};
-  std::unordered_map<void*, size_t> sizes_;  // live blocks of kCacheMinBytes and more
-  size_t liveLargeBytes_ = 0;                 // their sizes' sum
-  // Live blocks of kCacheMinBytes and more -> the op that made them (nullptr when none was profiled).
-  std::unordered_map<void*, const char*> liveOps_;
+  // Live blocks of kCacheMinBytes and more, with the op that made them (nullptr when none was
+  // profiled), and their sizes' sum.
+  std::unordered_map<void*, ListedBlock> liveLarge_;
+  size_t liveLargeBytes_ = 0;
   // Small blocks made while a profiler recorded.
-  std::unordered_map<void*, SmallBlock> listedSmall_;
+  std::unordered_map<void*, ListedBlock> listedSmall_;
 };
 
 CpuAllocator& cpuAllocator() {

@@ -46,9 +46,9 @@ size_t BlockCache::roundSize(size_t bytes) {
   return (bytes + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
 }
 
-size_t BlockCache::segmentSize(size_t rounded) {
+size_t BlockCache::segmentSize(size_t rounded, bool shareMediumSegments) {
   if (rounded <= kSmallSize) return kSmallSegment;
-  if (rounded < kMinLargeAlloc) return kLargeSegment;
+  if (rounded < kMinLargeAlloc && shareMediumSegments) return kLargeSegment;
   return (rounded + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
 }
 
@@ -62,8 +62,7 @@ void* BlockCache::allocate(size_t bytes, StreamId stream) {
   const bool small = size <= kSmallSize;
   Block* block = takeCached(size, stream);
   if (block == nullptr) {
-    const size_t segment = options_.shareMediumSegments || small ? segmentSize(size)
-                                                                 : (size + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
+    const size_t segment = segmentSize(size, options_.shareMediumSegments);
     if (options_.boundReservedByLivePeak) {
       const size_t bound = std::max(livePeak_, stats_.allocatedBytes + segment);
       if (stats_.reservedBytes + segment > bound) releaseIdleSegments(bound - segment);

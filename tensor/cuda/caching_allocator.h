@@ -179,8 +179,8 @@ class BlockCache {
   // The block size a request gets (512-byte multiple); throws InvalidArgument
   // when rounding would overflow.
   static size_t roundSize(size_t bytes);
-  // The segment a request of `rounded` bytes is carved from (with the default options).
-  static size_t segmentSize(size_t rounded);
+  // The segment a request of `rounded` bytes is carved from.
+  static size_t segmentSize(size_t rounded, bool shareMediumSegments = true);
 
  private:
   struct Segment;
