@@ -212,9 +212,15 @@ struct GlooBackend::Impl {
     }
     context = std::make_shared<AbortableContext>(rank, size);
     context->setTimeout(timeout);
-    GlooStoreAdapter adapter(std::make_shared<PrefixStore>("gloo", store), timeout);
+    auto glooScope = std::make_shared<PrefixStore>("gloo", store);
+    GlooStoreAdapter adapter(glooScope, timeout);
     try {
       context->connectFullMesh(adapter, device);
+      // A rank's side of a pair is connected before its peer's side knows it:
+      // a rank that returned and closed the group at once (create, then
+      // destroy) would fail the peer's connect with "closed by peer". Nobody
+      // leaves until every rank holds all its pairs.
+      storeBarrier(*glooScope, "connected", rank, size, timeout);
     } catch (const dt::Error&) {
       std::rethrow_exception(withPrefix(std::current_exception(), str("[", who(), "] connecting the group failed: ")));
     } catch (const std::exception& e) {

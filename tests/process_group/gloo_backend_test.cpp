@@ -3,7 +3,9 @@
 //    computed here and are bitwise identical on every rank (also for values
 //    whose float sum depends on the order), at every world size 1-8 and at
 //    sizes that do not split evenly; the per-size choice and its knob;
-//  * Gloo's event-loop thread runs under SCHED_BATCH, the caller's policy is kept.
+//  * Gloo's event-loop thread runs under SCHED_BATCH, the caller's policy is kept;
+//  * a rank may close the group right after building it without failing a
+//    peer's connect.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -185,6 +187,26 @@ TEST(GlooBackendScheduling, EventLoopRunsUnderBatchPolicyAndTheCallerKeepsItsOwn
   Tensor t = ones({3});
   backend.allreduce({t})->wait();  // and the backend works as usual
   EXPECT_EQ(t.toVector<float>(), (std::vector<float>{1, 1, 1}));
+}
+
+// A group that one rank closes the moment it is built (create, then destroy)
+// must not fail a peer that is still finishing its side of the same pair: CI
+// once saw "Connection closed by peer" from exactly this.
+TEST(GlooBackendConnect, ARankThatClosesTheGroupAtOnceDoesNotFailItsPeersConnect) {
+  constexpr int kWorld = 4;
+  constexpr int kRounds = 25;
+  auto root = std::make_shared<HashStore>();
+  std::atomic<int> connected{0};
+  runRanks(kWorld, [&](int rank) {
+    for (int round = 0; round < kRounds; ++round) {
+      GlooBackendOptions options;
+      options.timeout = 30s;
+      GlooBackend backend(std::make_shared<PrefixStore>(str("close-at-once/", round), root), rank, kWorld, options);
+      connected.fetch_add(1);
+      backend.shutdown();  // and the destructor closes every pair
+    }
+  }, 120s);
+  EXPECT_EQ(connected.load(), kWorld * kRounds);
 }
 
 INSTANTIATE_TEST_SUITE_P(Forced, GlooAllreduceAlgorithmTest,
