@@ -49,6 +49,7 @@
 #include "tensor/nn/gpt.h"
 #include "tensor/optim/optim.h"
 #include "tensor/optim/schedule.h"
+#include "tensor/parallel.h"
 #include "tensor/storage.h"
 
 namespace {
@@ -621,11 +622,11 @@ int GptJob::run() {
       const int64_t measured = step - benchFrom;
       std::printf("RESULT gpt impl=dtrain world=%d global_batch=%lld model=%s steps=%lld step_ms=%.3f tokens_per_s=%.1f "
                   "peak_rss_mb=%.1f val_loss_nats=%.5f sharding=%s parameters=%lld fixed_rss_mb=%.1f activation_mb=%.1f "
-                  "peak_alloc_mb=%.1f\n",
+                  "peak_alloc_mb=%.1f blas=%s\n",
                   world_, static_cast<long long>(c_.globalBatch), modelName(c_.model).c_str(), static_cast<long long>(c_.steps),
                   1e3 * seconds / static_cast<double>(measured), static_cast<double>(measured * tokensPerStep) / seconds,
                   mem[0], *lastValLoss_, c_.sharding.c_str(), static_cast<long long>(c_.model.parameterCount()), mem[1],
-                  mem[2], mem[3]);
+                  mem[2], mem[3], dt::blasKernelName().c_str());
     }
   }
   if (!c_.quiet) {

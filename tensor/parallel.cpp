@@ -1,6 +1,7 @@
 #include "tensor/parallel.h"
 
 #include <cblas.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,12 +9,15 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <iterator>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "common/env.h"
 #include "common/errors.h"
+#include "common/logging.h"
+#include "common/strings.h"
 #include "common/thread_name.h"
 
 namespace dt {
@@ -91,7 +95,38 @@ Pool& pool(int wanted) {
   return *instance;
 }
 
+void warnOnceIfBlasKernelsDoNotFit() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (!env::getString("OPENBLAS_CORETYPE").empty()) return;  // the user chose
+    const std::string warning =
+        blasKernelWarning(blasKernelName(), __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx2"));
+    if (!warning.empty()) logger("tensor")->warn("{}", warning);
+  });
+}
+
 }  // namespace
+
+std::string blasKernelName() {
+  const char* core = openblas_get_corename();
+  return core != nullptr ? core : "";
+}
+
+std::string blasKernelWarning(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2) {
+  // OpenBLAS's names for cores without AVX2: what it falls back to for a CPU it does not know.
+  static const char* const kOldCores[] = {"Prescott", "Core2",  "Penryn",  "Dunnington", "Nehalem",
+                                          "Atom",     "Katmai", "Coppermine", "Northwood", "Banias",
+                                          "Sandybridge"};
+  if (!cpuHasAvx2) return "";
+  const bool old = std::any_of(std::begin(kOldCores), std::end(kOldCores),
+                               [&](const char* name) { return strcasecmp(core.c_str(), name) == 0; });
+  if (!old) return "";
+  const char* fit = cpuHasAvx512 ? "SkylakeX" : "Haswell";
+  return str("OpenBLAS runs its \"", core, "\" kernels on a CPU with ", cpuHasAvx512 ? "AVX-512" : "AVX2",
+             " (it does not know this CPU model), so matrix products run several times slower than they could; "
+             "set OPENBLAS_CORETYPE=", fit, " in the environment before the program starts (dtrun passes it on to "
+             "every rank)");
+}
 
 int defaultNumThreads() {
   const std::string v = env::getString("DT_NUM_THREADS");
@@ -111,11 +146,13 @@ int numThreads() {
     n = defaultNumThreads();
     gThreads.store(n, std::memory_order_relaxed);
     openblas_set_num_threads(n);
+    warnOnceIfBlasKernelsDoNotFit();
   }
   return n;
 }
 
 void setNumThreads(int n) {
+  warnOnceIfBlasKernelsDoNotFit();
   n = std::max(1, n);
   gThreads.store(n, std::memory_order_relaxed);
   openblas_set_num_threads(n);

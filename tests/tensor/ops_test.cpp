@@ -379,6 +379,23 @@ TEST(Ops, UnsupportedDeviceNamesOpAndDevice) {
   expectThrowsWith<NotSupportedError>([] { empty({1}, DType::Float32, Device::cuda(0)); }, {"cuda:0"});
 }
 
+// A CPU newer than OpenBLAS gets its SSE3 fallback kernels: the warning names
+// the kernels, the CPU's vector width and the OPENBLAS_CORETYPE that fits.
+TEST(Threads, OpenBlasFallbackKernelsOnAModernCpuAreNamedWithTheFix) {
+  EXPECT_EQ(blasKernelWarning("SkylakeX", true, true), "");
+  EXPECT_EQ(blasKernelWarning("Haswell", false, true), "");
+  EXPECT_EQ(blasKernelWarning("Zen", false, true), "");
+  EXPECT_EQ(blasKernelWarning("Prescott", false, false), "") << "an old CPU gets the kernels it can run";
+  const std::string avx512 = blasKernelWarning("Prescott", true, true);
+  for (const char* part : {"\"Prescott\" kernels", "AVX-512", "OPENBLAS_CORETYPE=SkylakeX"}) {
+    EXPECT_NE(avx512.find(part), std::string::npos) << part << " missing from: " << avx512;
+  }
+  const std::string avx2 = blasKernelWarning("Nehalem", false, true);
+  for (const char* part : {"\"Nehalem\" kernels", "AVX2", "OPENBLAS_CORETYPE=Haswell"}) {
+    EXPECT_NE(avx2.find(part), std::string::npos) << part << " missing from: " << avx2;
+  }
+}
+
 TEST(Threads, KnobAndParallelForCoverage) {
   {
     testing::ScopedEnv env("DT_NUM_THREADS", "3");
