@@ -127,4 +127,8 @@ print()
 print("\n".join(ratios))
 print()
 print("Goals: fsdp state / goal <= 1.15; fsdp step ms <= 1.25 x ddp; zero1 step ms and peak RSS below torch-zero's.")
+# dtrain's GEMMs are OpenBLAS's: say which kernels these step times measured (docs/tensor.md).
+kernels = sorted({r["blas"] for rows in runs.values() for r in rows if "blas" in r})
+if kernels:
+    print(f"dtrain's OpenBLAS kernels: {', '.join(kernels)}")
 PYEOF
