@@ -22,15 +22,15 @@ int defaultNumThreads();
 // Overrides DT_NUM_THREADS for this process (also sets OpenBLAS threads).
 void setNumThreads(int n);
 
+// The kernels OpenBLAS chose for this process ("SkylakeX", "Prescott", ...), for benchmark reports.
+std::string blasKernelName();
 // OpenBLAS picks its kernels from the CPU model when it loads; a model newer
 // than the library (Debian 12's OpenBLAS 0.3.21 on Emerald Rapids, model 207)
 // gets its generic SSE3 "Prescott" kernels, about 5x slower GEMM on a CPU with
-// AVX-512. This returns the warning for `core` (openblas_get_corename()) on a CPU
-// with the given features, naming the OPENBLAS_CORETYPE value that fixes it, or
-// "" when the kernels fit the CPU. numThreads() and setNumThreads() log it once
+// AVX-512. This returns the warning for `core` (blasKernelName()) on a CPU with
+// the given features, naming the OPENBLAS_CORETYPE value that fixes it, or ""
+// when the kernels fit the CPU. numThreads() and setNumThreads() log it once
 // (module "tensor", level warn) unless OPENBLAS_CORETYPE is already set.
-// The kernels OpenBLAS chose for this process ("SkylakeX", "Prescott", ...), for benchmark reports.
-std::string blasKernelName();
 std::string blasKernelWarning(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2);
 
 void parallelForImpl(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
