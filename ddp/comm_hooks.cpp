@@ -71,14 +71,14 @@ WorkPtr detail::compressedAllreduce(const Tensor& buffer, DType wireType,
     done->setDeviceWait([castBack] { castBack->blockCurrentStream(); });
     reduce->then([done, castBack](Work& work) {
       if (std::exception_ptr error = work.exception()) {
-        done->markFailed(error);
+        Work::markFailed(done, error);
         return;
       }
       try {
         castBack->synchronize();  // queued right behind the collective: a short wait
-        done->markCompleted();
+        Work::markCompleted(done);
       } catch (...) {
-        done->markFailed(std::current_exception());
+        Work::markFailed(done, std::current_exception());
       }
     });
     return done;
@@ -86,14 +86,14 @@ WorkPtr detail::compressedAllreduce(const Tensor& buffer, DType wireType,
   // On the host the copy is synchronous: it runs on a callback thread once the collective completed.
   reduce->then([done, target, compressed](Work& work) mutable {
     if (std::exception_ptr error = work.exception()) {
-      done->markFailed(error);
+      Work::markFailed(done, error);
       return;
     }
     try {
       target.copy_(compressed);
-      done->markCompleted();
+      Work::markCompleted(done);
     } catch (...) {
-      done->markFailed(std::current_exception());
+      Work::markFailed(done, std::current_exception());
     }
   });
   return done;

@@ -109,7 +109,7 @@ CollectiveRunner::CollectiveRunner(StorePtr store, int rank, int size, Collectiv
       log_(makeLogger("process_group", str("rank ", rank, "/", size, " pg=", options_.groupName))),
       abort_(std::move(abortTransport)) {
   who_ = str("rank ", rank_, "/", size_, " pg=", options_.groupName, " ", options_.backendName);
-  sharedWho_ = std::make_shared<const std::string>(who_);
+  internedWho_ = Work::internName(who_);
   DT_CHECK(store_ != nullptr, "CollectiveRunner: store is null");
   if (!options_.globalRanks.empty()) {
     DT_CHECK_EQ(static_cast<int>(options_.globalRanks.size()), size_, "CollectiveRunner: globalRanks must list every rank");
@@ -143,37 +143,45 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   fingerprint.seq = seq;
   fingerprint.op = op;
   if (broken_ || stopping_) {
-    auto work = std::make_shared<Work>(op, seq, sharedWho_);
-    work->markFailed(notStarted(op, seq));
+    auto work = std::make_shared<Work>(op, seq, internedWho_);
+    Work::markFailed(work, notStarted(op, seq));
     return work;
   }
-  Task task;
-  task.seq = seq;
-  task.op = op;
-  task.fingerprint = std::move(fingerprint);
-  task.timeout = timeout.value_or(timeout_);
-  task.body = std::move(body);
-  task.work = std::make_shared<Work>(op, seq, sharedWho_);
-  // The tick window needs no precision; the profiler's queued time does.
-  const auto now = coarseNow();
-  task.enqueuedAt = profiler::recording() ? Clock::now() : now;
-  task.leftToCaller = bytesOf(task.fingerprint) <= kCallerRunBytes;
-  const Work* raw = task.work.get();
-  task.work->setStartHelper([this, raw](Work::Start how) { return start(raw, how); });
-  WorkPtr work = task.work;
   // Ops still queued ahead of this one were not waited for by their caller,
   // who has moved on to issue this one: they are the worker's now.
-  bool wakeWorker = !task.leftToCaller || !workerTicking_;
+  bool wakeWorker = false;
   for (Task& earlier : queue_) {
     if (earlier.leftToCaller) {
       earlier.leftToCaller = false;
       wakeWorker = true;
     }
   }
-  queue_.push_back(std::move(task));
+  WorkPtr work = std::make_shared<Work>(op, seq, internedWho_);
+  const Work* raw = work.get();
+  work->setStartHelper([this, raw](Work::Start how) { return start(raw, how); });
+  // Built in place (nothing below throws): a Task is a few hundred bytes, and each move of it
+  // shows in a small op's time.
+  Task& task = queue_.emplace_back();
+  task.seq = seq;
+  task.op = op;
+  task.fingerprint = std::move(fingerprint);
+  task.timeout = timeout.value_or(timeout_);
+  task.body = std::move(body);
+  task.work = work;
+  // The tick window needs no precision; the profiler's queued time does.
+  const auto now = coarseNow();
+  task.enqueuedAt = profiler::recording() ? Clock::now() : now;
+  task.leftToCaller = bytesOf(task.fingerprint) <= kCallerRunBytes;
+  wakeWorker = wakeWorker || !task.leftToCaller || !workerTicking_;
   tickUntil_ = now + kTickWindow;
   if (wakeWorker) wake_.notify_one();
   return work;
+}
+
+// One op runs at a time (running_), so its runner is the only writer of the
+// counts then: a plain store after a load, not a locked read-modify-write.
+void CollectiveRunner::countRun(std::atomic<uint64_t>& count) {
+  count.store(count.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
 }
 
 bool CollectiveRunner::start(const Work* work, Work::Start how) {
@@ -194,15 +202,18 @@ bool CollectiveRunner::start(const Work* work, Work::Start how) {
   queue_.pop_front();
   running_ = true;
   lock.unlock();
-  ++ranByCaller_;
+  countRun(ranByCaller_);
   if (broken_) {
-    task.work->markFailed(notStarted(task.op, task.seq));
+    Work::markFailed(task.work, notStarted(task.op, task.seq));
   } else {
     runTask(task);
   }
-  lock.lock();
-  running_ = false;
-  if (!queue_.empty() || stopping_) wake_.notify_all();
+  // Without the lock (a small op's time is a few lock round trips): see workerLoop().
+  running_.store(false);
+  if (workerWaitsForCaller_.load()) {
+    lock.lock();
+    wake_.notify_all();
+  }
   return true;
 }
 
@@ -266,21 +277,31 @@ void CollectiveRunner::shutdown() {
 void CollectiveRunner::workerLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    if (stopping_ && queue_.empty() && !running_) return;
-    if (!running_ && !queue_.empty() && (stopping_ || broken_ || !queue_.front().leftToCaller)) {
+    const bool hasWork = stopping_ || (!queue_.empty() && (broken_ || !queue_.front().leftToCaller));
+    if (hasWork && running_.load()) {
+      // Only a caller running an op inline stands in the way. It clears running_ without the
+      // lock and then looks at this flag (Dekker, both sequentially consistent): it wakes this
+      // thread, or this thread sees running_ cleared.
+      workerWaitsForCaller_.store(true);
+      if (running_.load()) wake_.wait(lock);
+      workerWaitsForCaller_.store(false);
+      continue;
+    }
+    if (stopping_ && queue_.empty()) return;
+    if (hasWork) {
       workerTicking_ = false;
       Task task = std::move(queue_.front());
       queue_.pop_front();
       if (broken_ || stopping_) {
         auto cause = notStarted(task.op, task.seq);
         lock.unlock();
-        task.work->markFailed(cause);
+        Work::markFailed(task.work, cause);
         lock.lock();
         continue;
       }
       running_ = true;
       lock.unlock();
-      ++ranByWorker_;
+      countRun(ranByWorker_);
       runTask(task);
       lock.lock();
       running_ = false;
@@ -331,9 +352,9 @@ void CollectiveRunner::runTask(Task& task) {
       failure = withPrefix(failure, "", " [the group is broken now: later ops fail at once; ProcessGroup::isBroken()]");
     }
     fail(failure);
-    task.work->markFailed(failure);
+    Work::markFailed(task.work, failure);
   } else {
-    task.work->markCompleted();
+    Work::markCompleted(task.work);
   }
 }
 

@@ -201,7 +201,7 @@ class CollectiveRunner {
    public:
     bool empty() const { return head_ == tasks_.size(); }
     Task& front() { return tasks_[head_]; }
-    void push_back(Task&& task) { tasks_.push_back(std::move(task)); }
+    Task& emplace_back() { return tasks_.emplace_back(); }
     void pop_front() {  // the front was moved out: only its husk is left
       if (++head_ == tasks_.size()) {
         tasks_.clear();
@@ -226,6 +226,7 @@ class CollectiveRunner {
   // (OnThisThread), or hands it to the worker (Soon).
   bool start(const Work* work, Work::Start how);
   std::exception_ptr notStarted(const char* op, uint64_t seq) const;
+  static void countRun(std::atomic<uint64_t>& count);
 
   std::string stuckSummary(uint64_t seq);
   struct PeerReport;
@@ -242,7 +243,7 @@ class CollectiveRunner {
   const Millis timeout_;
   Logger log_;
   std::string who_;
-  std::shared_ptr<const std::string> sharedWho_;  // the same, for Works that outlive the runner
+  const std::string* internedWho_;  // the same, for Works that outlive the runner
   std::function<void()> abort_;
   std::unique_ptr<ProgressTracker> progress_;
 
@@ -250,7 +251,10 @@ class CollectiveRunner {
   std::condition_variable wake_;
   TaskQueue queue_;
   bool stopping_ = false;
-  bool running_ = false;  // a body runs (on the worker or inline)
+  // A body runs (on the worker or inline). Set under mutex_; a caller that ran an op inline
+  // clears it without (see workerLoop()).
+  std::atomic<bool> running_{false};
+  std::atomic<bool> workerWaitsForCaller_{false};  // the worker waits only for running_ to clear
   std::exception_ptr broken_;
   uint64_t localSeq_ = 0;
   uint64_t lastMonitoredBarrier_ = 0;  // touched only by the thread running a body

@@ -268,9 +268,11 @@ WorkPtr ProcessGroup::allreduce(const std::vector<Tensor>& tensors, AllreduceOpt
 }
 
 // The one-tensor forms build the list once and hand it to the Work as its
-// result after the call (the list forms copy theirs).
+// result after the call (the list forms copy theirs). Built with (1, tensor),
+// not {tensor}: an initializer list copies the tensor twice, and each copy is
+// an atomic reference count update on a small op's path.
 WorkPtr ProcessGroup::allreduce(const Tensor& tensor, AllreduceOptions options) {
-  std::vector<Tensor> tensors{tensor};
+  std::vector<Tensor> tensors(1, tensor);
   WorkPtr work = numbered("allreduce", deviceOf(tensor), options.seq, {},
                           [&](Backend& b) { return b.allreduce(tensors, options); });
   work->setResult(std::move(tensors));
@@ -278,7 +280,7 @@ WorkPtr ProcessGroup::allreduce(const Tensor& tensor, AllreduceOptions options) 
 }
 
 WorkPtr ProcessGroup::broadcast(const Tensor& tensor, BroadcastOptions options) {
-  std::vector<Tensor> tensors{tensor};
+  std::vector<Tensor> tensors(1, tensor);
   WorkPtr work = numbered("broadcast", deviceOf(tensor), options.seq, {},
                           [&](Backend& b) { return b.broadcast(tensors, options); });
   work->setResult(std::move(tensors));
@@ -286,7 +288,7 @@ WorkPtr ProcessGroup::broadcast(const Tensor& tensor, BroadcastOptions options) 
 }
 
 WorkPtr ProcessGroup::reduce(const Tensor& tensor, ReduceOptions options) {
-  std::vector<Tensor> tensors{tensor};
+  std::vector<Tensor> tensors(1, tensor);
   WorkPtr work = numbered("reduce", deviceOf(tensor), options.seq, {}, [&](Backend& b) { return b.reduce(tensors, options); });
   work->setResult(std::move(tensors));
   return work;

@@ -1,9 +1,15 @@
 #include "process_group/work.h"
 
-#include <atomic>
-#include <deque>
-#include <thread>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#include <ctime>
+#include <deque>
+#include <set>
+#include <thread>
 
 #include "common/errors.h"
 #include "common/logging.h"
@@ -95,8 +101,16 @@ void runCallbacks(Work& work, std::vector<std::function<void(Work&)>>& callbacks
 
 Work::Work(std::string description) : description_(std::move(description)) {}
 
-Work::Work(const char* op, uint64_t seq, std::shared_ptr<const std::string> who)
-    : op_(op), seq_(seq), who_(std::move(who)) {}
+Work::Work(const char* op, uint64_t seq, const std::string* who) : op_(op), seq_(seq), who_(who) {}
+
+const std::string* Work::internName(const std::string& name) {
+  // Never freed: Works may be described after their group is gone, and a
+  // process creates few groups (a few dozen bytes each).
+  static std::mutex mutex;
+  static auto* names = new std::set<std::string>();
+  std::lock_guard<std::mutex> lock(mutex);
+  return &*names->insert(name).first;
+}
 
 const std::string& Work::description() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -117,13 +131,13 @@ const std::string& Work::describeLocked() const {
 
 std::shared_ptr<Work> Work::completed(std::string description) {
   auto work = std::make_shared<Work>(std::move(description));
-  work->markCompleted();
+  markCompleted(work);
   return work;
 }
 
 std::shared_ptr<Work> Work::failed(std::string description, std::exception_ptr error) {
   auto work = std::make_shared<Work>(std::move(description));
-  work->markFailed(std::move(error));
+  markFailed(work, std::move(error));
   return work;
 }
 
@@ -131,7 +145,39 @@ std::shared_ptr<Work> Work::failed(std::string description, std::exception_ptr e
 // error_ is written before completed_ is set and never after, and the start
 // and device helpers are set before the Work is handed out. Sequentially
 // consistent: it pairs with listening_ (see finish()).
-bool Work::done() const { return completed_.load(std::memory_order_seq_cst); }
+bool Work::done() const { return completed_.load(std::memory_order_seq_cst) != 0; }
+
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "completed_ is a futex word");
+
+bool Work::sleepUntilDone(std::optional<std::chrono::steady_clock::time_point> deadline) {
+  // Dekker with finish(): this thread counts itself a sleeper before it looks at completed_, and
+  // finish() sets completed_ before it counts the sleepers; the futex wait itself returns at
+  // once if completed_ is no longer 0.
+  sleepers_.fetch_add(1, std::memory_order_seq_cst);
+  bool finished = true;
+  while (!done()) {
+    timespec relative{};
+    if (deadline) {
+      const auto left = *deadline - std::chrono::steady_clock::now();
+      if (left <= std::chrono::steady_clock::duration::zero()) {
+        finished = false;
+        break;
+      }
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      relative.tv_sec = static_cast<time_t>(ns / 1000000000);
+      relative.tv_nsec = static_cast<long>(ns % 1000000000);
+    }
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&completed_), FUTEX_WAIT_PRIVATE, 0u,
+              deadline ? &relative : nullptr, nullptr, 0);
+  }
+  sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+  return finished;
+}
+
+void Work::wakeSleepers() {
+  if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&completed_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
 
 void Work::listen() { listening_.store(true, std::memory_order_seq_cst); }
 
@@ -184,17 +230,12 @@ void Work::wait(std::optional<std::chrono::milliseconds> timeout) {
       return;
     }
   }
-  std::unique_lock<std::mutex> lock(mutex_);
-  listen();
-  if (timeout) {
-    if (!done_.wait_for(lock, *timeout, [&] { return done(); })) {
-      lock.unlock();
-      throw TimeoutError(str("Work::wait: ", description(), " still running after ", formatDuration(*timeout),
-                             "; only this wait timed out: the op continues, the group is not broken by it, and "
-                             "the op's own timeout ends it; wait again, or check ProcessGroup::isBroken()"));
-    }
-  } else {
-    done_.wait(lock, [&] { return done(); });
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  if (timeout) deadline = std::chrono::steady_clock::now() + *timeout;
+  if (!sleepUntilDone(deadline)) {
+    throw TimeoutError(str("Work::wait: ", description(), " still running after ", formatDuration(*timeout),
+                           "; only this wait timed out: the op continues, the group is not broken by it, and "
+                           "the op's own timeout ends it; wait again, or check ProcessGroup::isBroken()"));
   }
   if (error_) std::rethrow_exception(error_);
 }
@@ -266,11 +307,11 @@ std::shared_future<std::vector<Tensor>> Work::future() {
   return future_;
 }
 
-void Work::markCompleted() { finish(nullptr); }
+void Work::markCompleted(const std::shared_ptr<Work>& work) { work->finish(nullptr, work); }
 
-void Work::markFailed(std::exception_ptr error) {
-  if (!error) error = std::make_exception_ptr(Error(str(description(), " failed without an error (internal error)")));
-  finish(std::move(error));
+void Work::markFailed(const std::shared_ptr<Work>& work, std::exception_ptr error) {
+  if (!error) error = std::make_exception_ptr(Error(str(work->description(), " failed without an error (internal error)")));
+  work->finish(std::move(error), work);
 }
 
 void Work::settlePromiseLocked() {
@@ -283,23 +324,25 @@ void Work::settlePromiseLocked() {
   }
 }
 
-void Work::finish(std::exception_ptr error) {
+void Work::finish(std::exception_ptr error, const std::shared_ptr<Work>& self) {
   // Completing twice is a backend's bug: caught when the completions follow each other (two
   // racing ones are not told apart).
   if (done()) {
     std::lock_guard<std::mutex> lock(mutex_);
     throw Error(str("Work ", describeLocked(), " completed twice (internal error, please report)"));
   }
-  // Without the lock while nobody has registered a callback, a future or a blocking wait (an op
-  // its caller ran inline and then waited for). Registrants set listening_ before they look at
-  // completed_, and this thread sets completed_ before it looks at listening_ again (all
-  // sequentially consistent): a registrant this thread does not see finds the Work complete; one
-  // that found it running is seen here, and what it registered is handed over below (later
-  // registrants queue behind what is waiting, so the order holds).
+  // Without the lock while nobody has registered a callback or a future (an op its caller ran
+  // inline and then waited for). Registrants set listening_ before they look at completed_, and
+  // this thread sets completed_ before it looks at listening_ again (all sequentially
+  // consistent): a registrant this thread does not see finds the Work complete; one that found it
+  // running is seen here, and what it registered is handed over below (later registrants queue
+  // behind what is waiting, so the order holds). Blocked waits are woken the same way
+  // (sleepUntilDone()).
   bool published = false;
   if (!listening_.load(std::memory_order_seq_cst)) {
     error_ = std::move(error);
-    completed_.store(true, std::memory_order_seq_cst);
+    completed_.store(1, std::memory_order_seq_cst);
+    wakeSleepers();
     if (!listening_.load(std::memory_order_seq_cst)) return;
     published = true;
   }
@@ -309,22 +352,17 @@ void Work::finish(std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!published) {
       error_ = std::move(error);
-      completed_.store(true, std::memory_order_seq_cst);
+      completed_.store(1, std::memory_order_seq_cst);
     }
     settlePromiseLocked();
     inlineCallbacks.swap(inlineCallbacks_);
     callbacks.swap(callbacks_);
     callbacksDraining_ = !callbacks.empty();
   }
-  done_.notify_all();
+  if (!published) wakeSleepers();
   runCallbacks(*this, inlineCallbacks);
   if (callbacks.empty()) return;
-  std::shared_ptr<Work> self = weak_from_this().lock();
-  if (!self) {  // not held by a shared_ptr: nothing could keep it alive on another thread
-    drainCallbacks(std::move(callbacks));
-    return;
-  }
-  CallbackPool::instance().post([self = std::move(self), callbacks = std::move(callbacks)]() mutable {
+  CallbackPool::instance().post([self, callbacks = std::move(callbacks)]() mutable {
     self->drainCallbacks(std::move(callbacks));
   });
 }
@@ -332,7 +370,7 @@ void Work::finish(std::exception_ptr error) {
 WorkPtr allOf(std::string description, std::vector<WorkPtr> works) {
   auto all = std::make_shared<Work>(std::move(description));
   if (works.empty()) {
-    all->markCompleted();
+    Work::markCompleted(all);
     return all;
   }
   // The last to complete completes `all`, with the first failure in list order.
@@ -342,11 +380,11 @@ WorkPtr allOf(std::string description, std::vector<WorkPtr> works) {
       if (remaining->fetch_sub(1) != 1) return;
       for (const auto& part : works) {
         if (std::exception_ptr error = part->exception()) {
-          all->markFailed(error);
+          Work::markFailed(all, error);
           return;
         }
       }
-      all->markCompleted();
+      Work::markCompleted(all);
     });
   }
   return all;

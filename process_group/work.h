@@ -53,7 +53,7 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <future>
@@ -67,13 +67,18 @@
 
 namespace dt {
 
-class Work : public std::enable_shared_from_this<Work> {
+class Work {
  public:
   // description names the op for messages, e.g. "allreduce #3 (rank 0/2 pg=default gloo)".
   explicit Work(std::string description);
   // The same text, made only when something asks for it (errors, logs): a
-  // collective's Work is on every op's path. `op` must be a string literal.
-  Work(const char* op, uint64_t seq, std::shared_ptr<const std::string> who);
+  // collective's Work is on every op's path. `op` must be a string literal;
+  // `who` must live as long as the process (see internName()).
+  Work(const char* op, uint64_t seq, const std::string* who);
+  // A copy of `name` that lives as long as the process, one per distinct text:
+  // what a backend hands its Works as `who`. Works outlive their group, and
+  // sharing the name through a shared_ptr would cost two atomic operations per op.
+  static const std::string* internName(const std::string& name);
   virtual ~Work() = default;
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
@@ -93,9 +98,13 @@ class Work : public std::enable_shared_from_this<Work> {
   std::shared_future<std::vector<Tensor>> future();
   const std::string& description() const;
 
-  // Backend side. Throws dt::Error when already completed.
-  void markCompleted();
-  void markFailed(std::exception_ptr error);
+  // Backend side: completes `work`. Throws dt::Error when already completed.
+  // The caller hands over its WorkPtr because then() callbacks run on another
+  // thread and keep the Work alive through it (a Work that found its own
+  // owner, enable_shared_from_this, would pay four atomic operations on every
+  // op).
+  static void markCompleted(const std::shared_ptr<Work>& work);
+  static void markFailed(const std::shared_ptr<Work>& work, std::exception_ptr error);
   // Backend side, before the Work is handed out: see "start helper" above.
   enum class Start { OnThisThread, Soon };
   void setStartHelper(std::function<bool(Start)> helper) { startHelper_ = std::move(helper); }
@@ -107,19 +116,25 @@ class Work : public std::enable_shared_from_this<Work> {
   void setResult(std::vector<Tensor> tensors);  // before the Work is handed out, like the helpers
 
  private:
-  void finish(std::exception_ptr error);
+  void finish(std::exception_ptr error, const std::shared_ptr<Work>& self);
   // Runs `batch`, then whatever then() queued meanwhile, until none is left.
   void drainCallbacks(std::vector<std::function<void(Work&)>> batch);
 
   mutable std::string description_;  // made once from the parts below if empty (under mutex_)
   const char* op_ = nullptr;
   uint64_t seq_ = 0;
-  std::shared_ptr<const std::string> who_;
+  const std::string* who_ = nullptr;
   mutable std::mutex mutex_;
-  std::condition_variable done_;
-  std::atomic<bool> completed_{false};  // read without mutex_ (done()); see finish()
-  // Set (under mutex_) before anyone registers a callback, a future or a blocking wait:
-  // finish() takes the lock only then.
+  // 0 running, 1 completed; read without mutex_ (done()), see finish(). A blocking wait()
+  // sleeps on it as a futex: a condition variable costs its construction and destruction on
+  // every op, and most ops (run by their caller) never block on it.
+  std::atomic<uint32_t> completed_{0};
+  std::atomic<uint32_t> sleepers_{0};  // threads in (or entering) a futex wait on completed_
+  // Blocks until done() or `deadline`; false at the deadline.
+  bool sleepUntilDone(std::optional<std::chrono::steady_clock::time_point> deadline);
+  void wakeSleepers();
+  // Set (under mutex_) before anyone registers a callback or a future: finish() takes the
+  // lock only then.
   std::atomic<bool> listening_{false};
   void listen();
   std::exception_ptr error_;

@@ -271,9 +271,9 @@ struct GlooBackend::Impl {
         // The first failure breaks the group and closes the connections, so
         // that a timed-out posted buffer can no longer be written.
         runner->fail(failure);
-        task.work->markFailed(failure);
+        Work::markFailed(task.work, failure);
       } else {
-        task.work->markCompleted();
+        Work::markCompleted(task.work);
       }
       lock.lock();
     }
@@ -713,7 +713,7 @@ WorkPtr postP2P(GlooBackend::Impl& d, bool isSend, const std::vector<Tensor>& te
   }
   task.work = std::make_shared<Work>(description);
   if (task.staging.nbytes() == 0) {
-    task.work->markCompleted();
+    Work::markCompleted(task.work);
     return task.work;
   }
   // Posting happens here, on the caller's thread and in issue order, so

@@ -737,10 +737,10 @@ struct NcclBackend::Impl {
         p2p.clear();
       }
       lock.unlock();
-      for (auto& w : completed) w->markCompleted();
+      for (auto& w : completed) Work::markCompleted(w);
       if (failure) {
         runner->fail(failure);  // aborts the communicators (no-op when already aborted)
-        for (auto& [w, e] : failed) w->markFailed(e);
+        for (auto& [w, e] : failed) Work::markFailed(w, e);
       }
       if (completed.empty()) {
         std::this_thread::sleep_for(pause);

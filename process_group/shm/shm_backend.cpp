@@ -290,9 +290,9 @@ struct ShmBackend::Impl {
     for (auto& [work, error] : done) {
       if (work->isCompleted()) continue;
       if (error) {
-        work->markFailed(error);
+        Work::markFailed(work, error);
       } else {
-        work->markCompleted();
+        Work::markCompleted(work);
       }
     }
   }
@@ -509,7 +509,7 @@ struct ShmBackend::Impl {
     }
     p->work = std::make_shared<Work>(description);
     if (p->staging.nbytes() == 0) {
-      p->work->markCompleted();
+      Work::markCompleted(p->work);
       return p->work;
     }
     WorkPtr work = p->work;

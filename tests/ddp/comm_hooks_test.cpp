@@ -75,7 +75,7 @@ TEST(CompressHook, OnADeviceTheCastBackIsQueuedAtTheCallOnTheCallersStream) {
   EXPECT_FALSE(done->isCompleted());
   done->wait();  // does not block the host: the waiting stream waits for the mark
   EXPECT_EQ(dev.log.back(), "block on mark");
-  dev.reduce->markCompleted();
+  Work::markCompleted(dev.reduce);
   done->wait(10s);  // the host: done once the cast back has run
   EXPECT_TRUE(done->isSuccess());
   EXPECT_NE(std::find(dev.log.begin(), dev.log.end(), "host waits for mark"), dev.log.end());
@@ -86,11 +86,11 @@ TEST(CompressHook, OnADeviceAFailureOfTheCollectiveFailsTheHooksWork) {
   FakeDevice later;
   Tensor buffer = fromVector<float>({1.0f, 2.0f});
   WorkPtr done = detail::compressedAllreduce(buffer, DType::Float16, later.allreduce(true), later.mark());
-  later.reduce->markFailed(std::make_exception_ptr(BackendError("allreduce #1 failed: ncclRemoteError")));
+  Work::markFailed(later.reduce, std::make_exception_ptr(BackendError("allreduce #1 failed: ncclRemoteError")));
   testing::expectThrowsWith<BackendError>([&] { done->wait(10s); }, {"ncclRemoteError"});
 
   FakeDevice already;
-  already.reduce->markFailed(std::make_exception_ptr(BackendError("allreduce #1: the group is broken")));
+  Work::markFailed(already.reduce, std::make_exception_ptr(BackendError("allreduce #1: the group is broken")));
   WorkPtr failed = detail::compressedAllreduce(buffer, DType::Float16, already.allreduce(true), already.mark());
   testing::expectThrowsWith<BackendError>([&] { failed->wait(); }, {"the group is broken"});
   EXPECT_EQ(std::find(already.log.begin(), already.log.end(), "mark"), already.log.end());
@@ -102,7 +102,7 @@ TEST(CompressHook, OnTheHostTheCastBackRunsAfterTheCollectiveCompleted) {
   WorkPtr done = detail::compressedAllreduce(buffer, DType::Float16, host.allreduce(false), host.mark());
   EXPECT_FALSE(done->hasDeviceWait());
   EXPECT_EQ(buffer.toVector<float>(), (std::vector<float>{1.0f, 2.0f})) << "cast back before the op completed";
-  host.reduce->markCompleted();
+  Work::markCompleted(host.reduce);
   done->wait(10s);
   EXPECT_EQ(buffer.toVector<float>(), (std::vector<float>{2.0f, 4.0f}));
   EXPECT_EQ(host.log, (std::vector<std::string>{"allreduce float16"}));  // no stream marks on the host

@@ -54,7 +54,7 @@ TEST(NcclWork, WaitWithoutTimeoutCallsTheDeviceWaitAndDoesNotBlock) {
   std::atomic<bool> calledBack{false};
   work->then([&](Work& w) { calledBack = w.isSuccess(); });
   auto future = work->future();
-  work->markCompleted();
+  Work::markCompleted(work);
   EXPECT_TRUE(work->isCompleted());
   work->wait();  // complete: nothing left to wait for on the device either
   EXPECT_EQ(deviceWaits.load(), 1);
@@ -68,7 +68,7 @@ TEST(NcclWork, WaitRethrowsAFailureInsteadOfWaitingOnTheDevice) {
   auto work = std::make_shared<Work>("broadcast #4 (test)");
   std::atomic<int> deviceWaits{0};
   work->setDeviceWait([&] { deviceWaits.fetch_add(1); });
-  work->markFailed(std::make_exception_ptr(BackendError("broadcast #4 failed: ncclRemoteError")));
+  Work::markFailed(work, std::make_exception_ptr(BackendError("broadcast #4 failed: ncclRemoteError")));
   expectThrowsWith<BackendError>([&] { work->wait(); }, {"broadcast #4", "ncclRemoteError"});
   expectThrowsWith<BackendError>([&] { work->wait(1s); }, {"ncclRemoteError"});
   EXPECT_EQ(deviceWaits.load(), 0);

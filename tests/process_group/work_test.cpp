@@ -35,7 +35,7 @@ TEST(Work, CompletesOnceAndRunsCallbacksOnce) {
   });
   std::thread completer([&] {
     std::this_thread::sleep_for(50ms);
-    work->markCompleted();
+    Work::markCompleted(work);
   });
   work->wait();
   completer.join();
@@ -44,7 +44,7 @@ TEST(Work, CompletesOnceAndRunsCallbacksOnce) {
   EXPECT_TRUE(eventually([&] { return before.load() == 1; }));
   work->then([&](Work&) { after++; });  // already complete: runs at once
   EXPECT_EQ(after.load(), 1);
-  testing::expectThrowsWith<Error>([&] { work->markCompleted(); }, {"completed twice", "allreduce #1"});
+  testing::expectThrowsWith<Error>([&] { Work::markCompleted(work); }, {"completed twice", "allreduce #1"});
   std::this_thread::sleep_for(50ms);
   EXPECT_EQ(before.load(), 1);
 }
@@ -69,7 +69,7 @@ TEST(Work, WaitWithTimeoutThrowsTimeoutButTheWorkContinues) {
   testing::expectThrowsWith<TimeoutError>([&] { work->wait(50ms); },
                                           {"barrier #2", "still running", "50 ms", "only this wait timed out",
                                            "not broken"});
-  work->markCompleted();
+  Work::markCompleted(work);
   work->wait(50ms);
 }
 
@@ -79,7 +79,7 @@ TEST(Work, CallbackExceptionsDoNotEscape) {
   work->then([](Work&) { throw std::runtime_error("boom"); });
   work->then([&](Work&) { second++; });
   work->thenInline([](Work&) { throw std::runtime_error("inline boom"); });
-  work->markCompleted();
+  Work::markCompleted(work);
   EXPECT_TRUE(eventually([&] { return second.load() == 1; }));
 }
 
@@ -103,7 +103,7 @@ TEST(Work, ThenRunsOffTheCompletingThreadInOrderAndThenInlineOnIt) {
   work->thenInline([&](Work&) { inlineRan = std::this_thread::get_id(); });
   std::thread completer([&] {
     completing = std::this_thread::get_id();
-    work->markCompleted();
+    Work::markCompleted(work);
     completerReturned = true;
   });
   completer.join();
@@ -125,7 +125,7 @@ TEST(Work, ALateCallbackWaitsForTheEarlierOnesStillRunning) {
     EXPECT_TRUE(eventually([&] { return lateRegistered.load(); }));
     slowAt = order++;
   });
-  work->markCompleted();
+  Work::markCompleted(work);
   // The Work is complete but its first callback still runs on the pool: the
   // late one queues behind it instead of running now on this thread.
   work->then([&](Work&) { lateAt = order++; });
@@ -149,7 +149,7 @@ TEST(Work, RegistrationsRacingTheCompletionRunOnceAndInOrder) {
     std::thread completer([&] {
       while (!go.load()) {
       }
-      work->markCompleted();
+      Work::markCompleted(work);
     });
     go = true;
     for (int i = 0; i < 3; ++i) {
@@ -180,9 +180,9 @@ TEST(Work, CallbacksThatWaitForEachOtherDoNotDeadlock) {
   auto a = std::make_shared<Work>("a"), b = std::make_shared<Work>("b");
   std::atomic<bool> aRan{false}, bSawA{false};
   b->then([&](Work&) { bSawA = eventually([&] { return aRan.load(); }); });
-  b->markCompleted();
+  Work::markCompleted(b);
   a->then([&](Work&) { aRan = true; });
-  a->markCompleted();
+  Work::markCompleted(a);
   EXPECT_TRUE(eventually([&] { return bSawA.load(); }));
 }
 
@@ -192,7 +192,7 @@ TEST(Work, FutureCarriesTheResultTensorsOrTheError) {
   work->setResult({t});
   auto early = work->future();
   EXPECT_EQ(early.wait_for(0s), std::future_status::timeout);
-  work->markCompleted();
+  Work::markCompleted(work);
   ASSERT_EQ(early.get().size(), 1u);
   EXPECT_TRUE(early.get()[0].isSameAs(t));
   EXPECT_TRUE(work->future().get()[0].isSameAs(t));  // made after completion
@@ -204,9 +204,9 @@ TEST(Work, FutureCarriesTheResultTensorsOrTheError) {
 TEST(Work, AllOfCompletesWithTheLastAndReportsTheFirstFailure) {
   auto a = std::make_shared<Work>("a"), b = std::make_shared<Work>("b");
   auto all = allOf("batch", {a, b});
-  b->markCompleted();
+  Work::markCompleted(b);
   EXPECT_FALSE(all->isCompleted());
-  a->markFailed(std::make_exception_ptr(BackendError("a broke")));
+  Work::markFailed(a, std::make_exception_ptr(BackendError("a broke")));
   EXPECT_TRUE(all->isCompleted());
   testing::expectThrowsWith<BackendError>([&] { all->wait(); }, {"a broke"});
   EXPECT_TRUE(allOf("none", {})->isSuccess());
@@ -232,7 +232,7 @@ TEST(Work, TheStartHelperHearsWaitsAndEveryOtherUseOnce) {
     std::vector<Start> calls;
   };
   auto make = [](Heard& heard) {
-    auto work = std::make_shared<Work>("allreduce", 7, std::make_shared<const std::string>("rank 0/2 pg=default test"));
+    auto work = std::make_shared<Work>("allreduce", 7, Work::internName("rank 0/2 pg=default test"));
     work->setStartHelper([&heard](Start how) {
       std::lock_guard<std::mutex> lock(heard.mutex);
       heard.calls.push_back(how);
@@ -248,7 +248,7 @@ TEST(Work, TheStartHelperHearsWaitsAndEveryOtherUseOnce) {
         std::lock_guard<std::mutex> lock(heard.mutex);
         if (!heard.calls.empty()) break;
       }
-      work->markCompleted();
+      Work::markCompleted(work);
     });
     work->wait();
     completer.join();
@@ -265,7 +265,7 @@ TEST(Work, TheStartHelperHearsWaitsAndEveryOtherUseOnce) {
     uses[use](*work);
     uses[use](*work);  // a second use says nothing new
     EXPECT_EQ(heard.calls, std::vector<Start>{Start::Soon}) << "use " << use;
-    work->markCompleted();
+    Work::markCompleted(work);
     (void)work->isCompleted();  // completed: nothing to start
     EXPECT_EQ(heard.calls.size(), 1u) << "use " << use;
   }
