@@ -12,6 +12,14 @@
 //     (broadcast); GB = 1e9 bytes; the allreduce buffer is reset to ones every
 //     8 reps outside the timed region; p99_us is the 99th percentile of the
 //     reps (the slow tail a median hides).
+//   * --batch-ms B: the timing of bench/peers/mpi_bench.cpp instead, for a
+//     like-for-like comparison with it: a pilot (barrier, one op, the slowest
+//     rank's time) sets k = clamp(floor(B / pilot), 1, 10000); each of `reps`
+//     samples (default 50) is a barrier, then k ops back to back, timed as
+//     elapsed / k (the slowest rank's). Ops between two barriers overlap as
+//     they do in training: with one op per barrier, ranks stacked on one core
+//     pay two hand-overs of the core per op (the barrier's and the op's), with
+//     k in a row about one.
 //   * op "empty" (the cost of the API itself): allreduce of a zero-element
 //     tensor, issued and waited through ProcessGroup and Work; best run with
 //     --nproc 1, where no peer adds an exchange. Ops are timed in batches of
@@ -19,7 +27,7 @@
 //     median batch's time per op. --sizes does not apply.
 //
 // Usage:
-//   collectives_bench --nproc 4 [--backend gloo|shm|nccl] [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R]
+//   collectives_bench --nproc 4 [--backend gloo|shm|nccl] [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R] [--batch-ms B]
 //     forks 4 ranks on this machine (rank 0 hosts the store on a free port);
 //   collectives_bench (with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT or dtrun's
 //     variables set) runs as one rank of an externally launched job.
@@ -28,6 +36,7 @@
 //   RESULT empty impl=dtrain-shm world=1 bytes=0 reps=200 threads=1 time_us=... min_us=... p99_us=...
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -52,6 +61,7 @@ struct Args {
   std::vector<std::string> ops = {"allreduce", "broadcast"};
   int reps = 0;
   int warmup = 0;
+  double batchMs = 0;  // 0: one op per barrier
   std::string backend = "gloo";
   std::string impl;  // default: dtrain-<backend>
 };
@@ -81,11 +91,12 @@ Args parseArgs(int argc, char** argv) {
     } else if (arg == "--ops") a.ops = dt::split(next(), ',');
     else if (arg == "--reps") a.reps = std::stoi(next());
     else if (arg == "--warmup") a.warmup = std::stoi(next());
+    else if (arg == "--batch-ms") a.batchMs = std::stod(next());
     else if (arg == "--impl") a.impl = next();
     else if (arg == "--backend") a.backend = next();
     else {
       std::fprintf(stderr, "unknown argument %s\nusage: collectives_bench [--nproc N] [--sizes 4K,1M] "
-                           "[--ops allreduce,broadcast] [--reps R] [--warmup W] [--backend gloo|shm|nccl] [--impl NAME]\n", arg.c_str());
+                           "[--ops allreduce,broadcast] [--reps R] [--warmup W] [--batch-ms B] [--backend gloo|shm|nccl] [--impl NAME]\n", arg.c_str());
       std::exit(2);
     }
   }
@@ -183,7 +194,7 @@ int runRank(const Args& args) {
     for (size_t bytes : args.sizes) {
       const int64_t count = static_cast<int64_t>(bytes / 4);
       dt::Tensor buf = dt::ones({count}, dt::DType::Float32, device);
-      const int reps = args.reps > 0 ? args.reps : defaultReps(bytes);
+      const int reps = args.reps > 0 ? args.reps : args.batchMs > 0 ? 50 : defaultReps(bytes);
       const int warmup = args.warmup > 0 ? args.warmup : std::max(2, reps / 10);
       const bool isAllreduce = op == "allreduce";
       if (!isAllreduce && op != "broadcast") {  // "empty" was handled above
@@ -201,14 +212,28 @@ int runRank(const Args& args) {
       for (int i = 0; i < warmup; ++i) run();
       buf.fill_(1.0);
       finish();
+      // k ops per timed sample: 1, or (--batch-ms) as many as fill the batch, agreed by all ranks.
+      int k = 1;
+      if (args.batchMs > 0) {
+        dt::Tensor pilot = dt::zeros({1}, dt::DType::Float64);
+        pg->barrier()->wait();
+        const auto t0 = Clock::now();
+        run();
+        pilot.data<double>()[0] = std::max(std::chrono::duration<double>(Clock::now() - t0).count(), 1e-7);
+        dt::AllreduceOptions slowest;
+        slowest.reduceOp = dt::ReduceOp::Max;
+        pg->allreduce(pilot, slowest)->wait();
+        k = static_cast<int>(std::clamp(std::floor(args.batchMs / 1e3 / pilot.data<double>()[0]), 1.0, 10000.0));
+        buf.fill_(1.0);
+      }
       dt::Tensor durations = dt::zeros({reps}, dt::DType::Float64);
       double* d = durations.data<double>();
       for (int i = 0; i < reps; ++i) {
         pg->barrier()->wait();
         const auto t0 = Clock::now();
-        run();
-        d[i] = std::chrono::duration<double>(Clock::now() - t0).count();
-        if (isAllreduce && (i & 7) == 7) {  // outside the timed region
+        for (int j = 0; j < k; ++j) run();
+        d[i] = std::chrono::duration<double>(Clock::now() - t0).count() / k;
+        if (isAllreduce && (k > 1 || (i & 7) == 7)) {  // outside the timed region
           buf.fill_(1.0);
           finish();
         }

@@ -3,9 +3,13 @@
 # (a fresh rendezvous, fresh scheduler placement) and gives one median; a runtime whose waits
 # depend on where the kernel happened to put its ranks shows up as launches far from the best.
 #
-#   dtrain-shm   bench/collectives_bench --backend shm   (200 ops, barrier before each)
-#   dtrain-gloo  bench/collectives_bench --backend gloo
-#   mpi-sm       OpenMPI over shared memory (bench/peers/mpi_bench.cpp, batches of back-to-back calls)
+#   dtrain-shm        bench/collectives_bench --backend shm   (200 ops, barrier before each)
+#   dtrain-shm-batch  the same, timed as mpi_bench times MPI: samples of back-to-back ops that
+#                     last ~20 ms each (--batch-ms 20), barrier before each sample
+#   dtrain-gloo       bench/collectives_bench --backend gloo
+#   mpi-sm            OpenMPI over shared memory (bench/peers/mpi_bench.cpp, batches of back-to-back calls)
+# One op per barrier is the stricter measure where ranks share a core: each timed op then includes
+# two hand-overs of the core (the barrier's and the op's); back to back, ops overlap as in training.
 #
 # Conditions, each impl interleaved launch by launch: "idle" (IDLE launches), and "busy"
 # (BUSY launches) with one competing process spinning on a core, which this script starts and
@@ -15,7 +19,7 @@
 # and within 1.5x of MPI's median launch in the same condition.
 #
 # usage: bench/run_small_ops_bench.sh [build-dir]
-#   Env: IDLE=50 BUSY=20 WORLD=2 SIZE=4K OP=allreduce IMPLS="dtrain-shm dtrain-gloo mpi-sm"
+#   Env: IDLE=50 BUSY=20 WORLD=2 SIZE=4K OP=allreduce IMPLS="dtrain-shm dtrain-shm-batch dtrain-gloo mpi-sm"
 #   OUT=file, PEERS (bench/peers), PEERS_BUILD (build-peers).
 #   BEFORE=path/to/an/older/collectives_bench adds dtrain-shm-before and dtrain-gloo-before,
 #   launched by the same loop (a before/after comparison in one run).
@@ -27,7 +31,7 @@ busy=${BUSY:-20}
 world=${WORLD:-2}
 size=${SIZE:-4K}
 op=${OP:-allreduce}
-impls=${IMPLS:-"dtrain-shm dtrain-gloo mpi-sm"}
+impls=${IMPLS:-"dtrain-shm dtrain-shm-batch dtrain-gloo mpi-sm"}
 before=${BEFORE:-}
 if [ -n "$before" ]; then
   [ -x "$before" ] || { echo "BEFORE=$before is not an executable collectives_bench" >&2; exit 2; }
@@ -51,6 +55,8 @@ launch() {  # impl condition index
   case $impl in
     dtrain-*-before) line=$("$before" --nproc "$world" --backend "$(echo "$impl" | cut -d- -f2)" --sizes "$size" --ops "$op" \
                        --impl "$impl" 2>/dev/null | grep '^RESULT') ;;
+    dtrain-*-batch) line=$("$bench" --nproc "$world" --backend "$(echo "$impl" | cut -d- -f2)" --sizes "$size" --ops "$op" \
+                      --batch-ms 20 --impl "$impl" 2>/dev/null | grep '^RESULT') ;;
     dtrain-*) line=$("$bench" --nproc "$world" --backend "${impl#dtrain-}" --sizes "$size" --ops "$op" 2>/dev/null | grep '^RESULT') ;;
     mpi-sm) [ "$have_mpi" = 1 ] || return 0
             line=$(mpi_results "$world" "$op" "$size") ;;
