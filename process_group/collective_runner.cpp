@@ -178,8 +178,9 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   return work;
 }
 
-// One op runs at a time (running_), so its runner is the only writer of the
-// counts then: a plain store after a load, not a locked read-modify-write.
+// One op runs at a time (running_, under mutex_), so its runner is the only
+// writer of the counts then: a plain store after a load, not a locked
+// read-modify-write.
 void CollectiveRunner::countRun(std::atomic<uint64_t>& count) {
   count.store(count.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
 }
@@ -208,12 +209,9 @@ bool CollectiveRunner::start(const Work* work, Work::Start how) {
   } else {
     runTask(task);
   }
-  // Without the lock (a small op's time is a few lock round trips): see workerLoop().
-  running_.store(false);
-  if (workerWaitsForCaller_.load()) {
-    lock.lock();
-    wake_.notify_all();
-  }
+  lock.lock();
+  running_ = false;
+  if (!queue_.empty() || stopping_) wake_.notify_all();
   return true;
 }
 
@@ -277,18 +275,8 @@ void CollectiveRunner::shutdown() {
 void CollectiveRunner::workerLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    const bool hasWork = stopping_ || (!queue_.empty() && (broken_ || !queue_.front().leftToCaller));
-    if (hasWork && running_.load()) {
-      // Only a caller running an op inline stands in the way. It clears running_ without the
-      // lock and then looks at this flag (Dekker, both sequentially consistent): it wakes this
-      // thread, or this thread sees running_ cleared.
-      workerWaitsForCaller_.store(true);
-      if (running_.load()) wake_.wait(lock);
-      workerWaitsForCaller_.store(false);
-      continue;
-    }
-    if (stopping_ && queue_.empty()) return;
-    if (hasWork) {
+    if (stopping_ && queue_.empty() && !running_) return;
+    if (!running_ && !queue_.empty() && (stopping_ || broken_ || !queue_.front().leftToCaller)) {
       workerTicking_ = false;
       Task task = std::move(queue_.front());
       queue_.pop_front();

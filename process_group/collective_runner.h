@@ -251,10 +251,7 @@ class CollectiveRunner {
   std::condition_variable wake_;
   TaskQueue queue_;
   bool stopping_ = false;
-  // A body runs (on the worker or inline). Set under mutex_; a caller that ran an op inline
-  // clears it without (see workerLoop()).
-  std::atomic<bool> running_{false};
-  std::atomic<bool> workerWaitsForCaller_{false};  // the worker waits only for running_ to clear
+  bool running_ = false;  // a body runs (on the worker or inline)
   std::exception_ptr broken_;
   uint64_t localSeq_ = 0;
   uint64_t lastMonitoredBarrier_ = 0;  // touched only by the thread running a body
