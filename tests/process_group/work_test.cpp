@@ -271,6 +271,56 @@ TEST(Work, TheStartHelperHearsWaitsAndEveryOtherUseOnce) {
   }
 }
 
+// Blocked waits sleep on the completion word; a completion that nobody registered a callback
+// or a future for takes the lock-free path and must still wake every one of them, whether it
+// lands before, while or after they go to sleep.
+TEST(Work, BlockedWaitsWakeOnACompletionNobodyElseListensTo) {
+  for (int round = 0; round < 200; ++round) {
+    const bool fails = round % 2 == 1;
+    auto work = std::make_shared<Work>("allreduce", static_cast<uint64_t>(round + 1),
+                                       Work::internName("rank 0/2 pg=default test"));
+    std::atomic<int> woken{0};
+    std::vector<std::thread> waiters;
+    for (int w = 0; w < 3; ++w) {
+      waiters.emplace_back([&, w] {
+        try {
+          if (w == 2) {
+            work->wait(30s);  // with a deadline: a timed futex wait
+          } else {
+            work->wait();
+          }
+          EXPECT_FALSE(fails) << "round " << round;
+        } catch (const BackendError& e) {
+          EXPECT_TRUE(fails) << "round " << round << ": " << e.what();
+        }
+        ++woken;
+      });
+    }
+    if (round % 4 < 2) std::this_thread::sleep_for(std::chrono::microseconds(200));  // most are asleep by now
+    if (fails) {
+      Work::markFailed(work, std::make_exception_ptr(BackendError("peer 1 went away")));
+    } else {
+      Work::markCompleted(work);
+    }
+    for (auto& t : waiters) t.join();
+    EXPECT_EQ(woken.load(), 3) << "round " << round;
+  }
+}
+
+TEST(Work, InternedNamesAreOnePerTextAndOutliveTheirCaller) {
+  const std::string* first = nullptr;
+  {
+    std::string name = "rank 1/4 pg=interned shm";
+    first = Work::internName(name);
+    name = "changed";
+    EXPECT_EQ(Work::internName("rank 1/4 pg=interned shm"), first);
+  }
+  EXPECT_EQ(*first, "rank 1/4 pg=interned shm");
+  EXPECT_NE(Work::internName("rank 2/4 pg=interned shm"), first);
+  auto work = std::make_shared<Work>("broadcast", 3, first);
+  EXPECT_EQ(work->description(), "broadcast #3 (rank 1/4 pg=interned shm)");
+}
+
 TEST(Backend, MissingOpsThrowNotSupportedNamingBackendAndOp) {
   EmptyBackend b;
   Tensor t = zeros({1});
