@@ -12,6 +12,7 @@ then, for every dtrain impl, the goals (the MPI one for dtrain-shm, which shares
     GOAL vs_idle_best impl=... cond=busy worst_over_idle_best=... (<= 2) MET|MISSED
     GOAL vs_mpi impl=... cond=... worst_over_mpi_median=... (<= 1.5) MET|MISSED
     RATIO launch_distribution a=IMPL b=mpi-sm cond=... ratio_median_us=... ratio_worst_us=...
+and last the same distribution as a markdown table (idle rows first).
 """
 import statistics
 import sys
@@ -69,6 +70,12 @@ def main():
                   f"{'MET' if r <= 1.5 else 'MISSED'}")
             print(f"RATIO launch_distribution a={impl} b=mpi-sm cond={cond} "
                   f"ratio_median_us={s['median'] / mpi['median']:.3f} ratio_worst_us={s['worst'] / mpi['worst']:.3f}")
+    print()
+    print("| impl | condition | launches | best µs | p10 | median | p90 | worst | worst/best | beyond 2x best |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (impl, cond), s in sorted(stats.items(), key=lambda item: (item[0][1] != "idle", item[0][1], item[0][0])):
+        print(f"| {impl} | {cond} | {s['n']} | {s['best']:.2f} | {s['p10']:.2f} | {s['median']:.2f} | {s['p90']:.2f} "
+              f"| {s['worst']:.2f} | {s['worst'] / s['best']:.2f} | {s['beyond2x']} |")
     return 0
 
 
