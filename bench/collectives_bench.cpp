@@ -18,8 +18,8 @@
 //     samples (default 50) is a barrier, then k ops back to back, timed as
 //     elapsed / k (the slowest rank's). Ops between two barriers overlap as
 //     they do in training: with one op per barrier, ranks stacked on one core
-//     pay two hand-overs of the core per op (the barrier's and the op's), with
-//     k in a row about one.
+//     pay two hand-overs of the core per op (the barrier's and the op's);
+//     back to back, about one.
 //   * op "empty" (the cost of the API itself): allreduce of a zero-element
 //     tensor, issued and waited through ProcessGroup and Work; best run with
 //     --nproc 1, where no peer adds an exchange. Ops are timed in batches of
@@ -36,8 +36,8 @@
 //   RESULT empty impl=dtrain-shm world=1 bytes=0 reps=200 threads=1 time_us=... min_us=... p99_us=...
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
