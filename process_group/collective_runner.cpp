@@ -202,10 +202,12 @@ bool CollectiveRunner::start(const Work* work, Work::Start how) {
   Task task = std::move(queue_.front());
   queue_.pop_front();
   running_ = true;
+  // Under the lock: an abort on another thread (fail()) may set broken_ at any time.
+  const std::exception_ptr refused = broken_ ? notStarted(task.op, task.seq) : nullptr;
   lock.unlock();
   countRun(ranByCaller_);
-  if (broken_) {
-    Work::markFailed(task.work, notStarted(task.op, task.seq));
+  if (refused) {
+    Work::markFailed(task.work, refused);
   } else {
     runTask(task);
   }
