@@ -72,6 +72,16 @@ int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& t
   return best;
 }
 
+void StepAsideBackoff::refused(Clock::time_point now) {
+  next_ = now + pause_;
+  pause_ = std::min(pause_ * 2, kLongestPause);
+}
+
+void StepAsideBackoff::moved(Clock::time_point now) {
+  pause_ = kFirstPause;
+  next_ = now + pause_;
+}
+
 bool moveCallingThreadTo(int core) {
   if (core < 0 || core >= CPU_SETSIZE) return false;
   cpu_set_t previous;

@@ -108,14 +108,9 @@ constexpr int kSpinsPerCheck = 64;
 // with it for good (see core_placement.h) and steps aside to an idle core,
 // never to a core busy for more than
 // 100 - kMinIdlePercent % of the last heartbeat interval (a core a busy
-// process holds is worse than sharing one with the peer).
-// After a move the kernel may stack the two again (another wake-up that
-// finds the core busy): the next attempt may come 1 ms later. Each attempt
-// that finds no idle core doubles the pause, up to 128 ms (an attempt costs
-// a /proc/stat read; a busy process on the other core may stay for good).
+// process holds is worse than sharing one with the peer). When it may try
+// again: StepAsideBackoff (core_placement.h).
 constexpr uint32_t kStackedWaits = 16;
-constexpr auto kFirstRetry = std::chrono::milliseconds(1);
-constexpr auto kLongestRetry = std::chrono::milliseconds(128);
 constexpr int kMinIdlePercent = 80;
 // Sleeping waiters check the peer's pid and heartbeat this often (the first
 // check only after this long: a /proc read on every short sleep would cost
@@ -330,11 +325,12 @@ ShmSegment::WaitStats ShmSegment::waitStats() const {
 void ShmSegment::stepAside(int here) {
   matesInARow_ = 0;
   const auto now = Clock::now();
-  if (now < nextStepAside_) return;
-  nextStepAside_ = now + stepAsideRetry_;
-  stepAsideRetry_ = std::min<std::chrono::microseconds>(stepAsideRetry_ * 2, kLongestRetry);
+  if (!stepAsideBackoff_.due(now)) return;
   cpu_set_t allowed;
-  if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0) {
+    stepAsideBackoff_.refused(now);
+    return;
+  }
   std::vector<int> taken;
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) taken.push_back(control(r).cpu.load(std::memory_order_relaxed));
@@ -345,8 +341,9 @@ void ShmSegment::stepAside(int here) {
   if (core >= 0 && moveCallingThreadTo(core)) {
     control(rank_).cpu.store(core, std::memory_order_relaxed);
     steppedAside_.fetch_add(1, std::memory_order_relaxed);
-    nextStepAside_ = now + kFirstRetry;
-    stepAsideRetry_ = kFirstRetry;
+    stepAsideBackoff_.moved(now);
+  } else {
+    stepAsideBackoff_.refused(now);
   }
 }
 

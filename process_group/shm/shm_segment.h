@@ -54,6 +54,7 @@
 #include <thread>
 #include <vector>
 
+#include "process_group/shm/core_placement.h"
 #include "store/store.h"
 
 namespace dt::shm {
@@ -186,8 +187,7 @@ class ShmSegment {
   std::atomic<uint64_t> forCoreMate_{0};
   std::atomic<uint64_t> steppedAside_{0};
   uint32_t matesInARow_ = 0;  // collective thread only
-  Clock::time_point nextStepAside_{};
-  std::chrono::microseconds stepAsideRetry_{1000};
+  StepAsideBackoff stepAsideBackoff_;  // collective thread only
   Clock::time_point foreignUntil_{};  // a busy process shares this core: sleep, do not yield
   Clock::time_point wokeSleepersAt_{};  // collective thread only: arrive() last woke a sleeping peer
   // Each core's idle share over the last heartbeat interval (heartbeat thread writes).

@@ -338,6 +338,37 @@ TEST(CorePlacement, AStackedRankGoesOnlyToAnIdleCoreNoRankHolds) {
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, -1, {0, 100}, 80), -1);
 }
 
+TEST(CorePlacement, ARefusedStepAsideIsTriedAgainSoonThenLessAndLessOften) {
+  using Backoff = shm::StepAsideBackoff;
+  Backoff backoff;
+  const auto t0 = Backoff::Clock::now();
+  EXPECT_TRUE(backoff.due(t0)) << "the first attempt waits for nothing";
+  // Refused (no idle core at that instant, e.g. set-up threads running): 100 us, 200 us, ...
+  backoff.refused(t0);
+  EXPECT_FALSE(backoff.due(t0 + 99us));
+  EXPECT_TRUE(backoff.due(t0 + 100us));
+  const auto t1 = t0 + 100us;
+  backoff.refused(t1);
+  EXPECT_FALSE(backoff.due(t1 + 199us));
+  EXPECT_TRUE(backoff.due(t1 + 200us));
+  // ... up to 128 ms while a busy process holds the other core.
+  auto t = t1 + 200us;
+  for (int i = 0; i < 20; ++i) {
+    backoff.refused(t);
+    t += Backoff::kLongestPause;
+  }
+  backoff.refused(t);
+  EXPECT_FALSE(backoff.due(t + Backoff::kLongestPause - 1us));
+  EXPECT_TRUE(backoff.due(t + Backoff::kLongestPause));
+  // A move starts over: the kernel may stack the pair again at once.
+  t += Backoff::kLongestPause;
+  backoff.moved(t);
+  EXPECT_FALSE(backoff.due(t + 99us));
+  EXPECT_TRUE(backoff.due(t + 100us));
+  backoff.refused(t + 100us);
+  EXPECT_TRUE(backoff.due(t + 200us)) << "after a move, the first refusal pauses 100 us again";
+}
+
 TEST(CorePlacement, MovingAThreadLeavesItsAffinityMaskAsItWas) {
   if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
   std::thread([] {
