@@ -12,7 +12,16 @@ then, for every dtrain impl, the goals (the MPI one for dtrain-shm, which shares
     GOAL vs_idle_best impl=... cond=busy worst_over_idle_best=... (<= 2) MET|MISSED
     GOAL vs_mpi impl=... cond=... worst_over_mpi_median=... (<= 1.5) MET|MISSED
     RATIO launch_distribution a=IMPL b=mpi-sm cond=... ratio_median_us=... ratio_worst_us=...
-and last the same distribution as a markdown table (idle rows first).
+and the same distribution as a markdown table (idle rows first).
+
+Lines with rtt_ns= (bench/core_roundtrip after the launch: a cache line's round trip between two
+CPUs) are also split by the host's mode: "close" where the round trip was under half the run's
+median round trip (a VM's host running the two vCPUs close together), else "usual". When both
+modes occur, the distribution follows per mode, as
+    RESULT launch_distribution_by_host impl=... cond=... host=close|usual launches=N best_us= median_us= worst_us= worst_over_best=
+    GOAL slow_mode_within_host_mode impl=... cond=... worst_over_best=... (<= 2, the worse mode) MET|MISSED
+and a second table. The GOAL lines above stay as they are: this split explains them, it does
+not replace them.
 """
 import statistics
 import sys
@@ -29,6 +38,7 @@ def main():
         print(__doc__, file=sys.stderr)
         return 2
     launches = {}  # (impl, cond) -> [time_us]
+    probed = []  # (impl, cond, time_us, rtt_ns)
     for line in open(sys.argv[1]):
         fields = line.split()
         if len(fields) < 2 or fields[0] != "RESULT" or not fields[1].endswith("_launch"):
@@ -38,6 +48,10 @@ def main():
             launches.setdefault((kv["impl"], kv["cond"]), []).append(float(kv["time_us"]))
         except (KeyError, ValueError):
             continue
+        try:
+            probed.append((kv["impl"], kv["cond"], float(kv["time_us"]), float(kv["rtt_ns"])))
+        except (KeyError, ValueError):
+            pass
     if not launches:
         print("launch_distribution: no launch results", file=sys.stderr)
         return 1
@@ -76,7 +90,46 @@ def main():
     for (impl, cond), s in sorted(stats.items(), key=lambda item: (item[0][1] != "idle", item[0][1], item[0][0])):
         print(f"| {impl} | {cond} | {s['n']} | {s['best']:.2f} | {s['p10']:.2f} | {s['median']:.2f} | {s['p90']:.2f} "
               f"| {s['worst']:.2f} | {s['worst'] / s['best']:.2f} | {s['beyond2x']} |")
+    by_host_mode(probed)
     return 0
+
+
+def by_host_mode(probed):
+    """The launches split by the host's mode (see the module's text); nothing when only one occurs."""
+    if not probed:
+        return
+    typical = statistics.median(rtt for _, _, _, rtt in probed)
+    modes = {}  # (impl, cond, mode) -> [time_us]
+    rtts = {}  # mode -> [rtt_ns]
+    for impl, cond, time_us, rtt in probed:
+        mode = "close" if rtt < typical / 2 else "usual"
+        modes.setdefault((impl, cond, mode), []).append(time_us)
+        rtts.setdefault(mode, []).append(rtt)
+    if len(rtts) < 2:
+        print(f"\nhost mode: one only (core round trip median {typical:.0f} ns over {len(probed)} launches)")
+        return
+    print(f"\nhost mode by core round trip: close {len(rtts['close'])} launches "
+          f"(median {statistics.median(rtts['close']):.0f} ns), usual {len(rtts['usual'])} launches "
+          f"(median {statistics.median(rtts['usual']):.0f} ns)")
+    rows = []
+    worst_ratio = {}  # (impl, cond) -> worst/best of its worse mode
+    for (impl, cond, mode), values in sorted(modes.items()):
+        best, worst = min(values), max(values)
+        rows.append((impl, cond, mode, len(values), best, statistics.median(values), worst))
+        print(f"RESULT launch_distribution_by_host impl={impl} cond={cond} host={mode} launches={len(values)} "
+              f"best_us={best:.2f} median_us={statistics.median(values):.2f} worst_us={worst:.2f} "
+              f"worst_over_best={worst / best:.2f}")
+        worst_ratio[(impl, cond)] = max(worst_ratio.get((impl, cond), 0), worst / best)
+    print()
+    for (impl, cond), ratio in sorted(worst_ratio.items()):
+        if impl.startswith("dtrain"):
+            print(f"GOAL slow_mode_within_host_mode impl={impl} cond={cond} worst_over_best={ratio:.2f} (<= 2) "
+                  f"{'MET' if ratio <= 2 else 'MISSED'}")
+    print()
+    print("| impl | condition | host mode | launches | best µs | median | worst | worst/best |")
+    print("|---|---|---|---|---|---|---|---|")
+    for impl, cond, mode, n, best, median, worst in sorted(rows, key=lambda r: (r[1] != "idle", r[1], r[0], r[2])):
+        print(f"| {impl} | {cond} | {mode} | {n} | {best:.2f} | {median:.2f} | {worst:.2f} | {worst / best:.2f} |")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@
 # One op per barrier is the stricter measure where ranks share a core: each timed op then includes
 # two hand-overs of the core (the barrier's and the op's); back to back, ops overlap as in training.
 #
+# After each launch bench/core_roundtrip measures a cache line's round trip between the first two
+# CPUs (rtt_ns= on the launch's line): on a VM the host may run the two vCPUs close together for a
+# while (the development VM: 91 ns against 250-460 ns), and every implementation's small ops are
+# about twice as fast then. launch_distribution.py shows the launches of each host mode apart.
+#
 # Conditions, each impl interleaved launch by launch: "idle" (IDLE launches), and "busy"
 # (BUSY launches) with one competing process spinning on a core, which this script starts and
 # stops itself. Prints one RESULT line per launch, then per impl and condition the
@@ -42,6 +47,8 @@ peers_build=${PEERS_BUILD:-build-peers}
 out=${OUT:-$(mktemp /tmp/small-ops-bench.XXXXXX.txt)}
 # shellcheck source=bench/collectives_setup.sh
 . bench/collectives_setup.sh
+roundtrip="$build/bench/core_roundtrip"
+cmake --build "$build" -j "${DT_JOBS:-2}" --target core_roundtrip >/dev/null || exit 2
 
 spinner=""
 stop_spinner() {
@@ -62,7 +69,11 @@ launch() {  # impl condition index
             line=$(mpi_results "$world" "$op" "$size") ;;
   esac
   [ -n "$line" ] || { echo "# $impl launch $i ($cond) gave no result" >&2; return 0; }
-  echo "$line cond=$cond launch=$i" | sed "s/^RESULT $op /RESULT ${op}_launch /" | tee -a "$out"
+  # Right after the launch: its timed ops are its last ~10 ms (the host's mode can change between
+  # a probe before the launch and its ops, which come after ~0.1 s of start-up).
+  local rtt
+  rtt=$("$roundtrip" 2>/dev/null | sed -n 's/.*median_ns=\([0-9]*\).*/\1/p')
+  echo "$line cond=$cond launch=$i rtt_ns=${rtt:-nan}" | sed "s/^RESULT $op /RESULT ${op}_launch /" | tee -a "$out"
 }
 
 echo "# run_small_ops_bench: $op $size world $world, $idle idle + $busy busy launches of [$impls] $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
