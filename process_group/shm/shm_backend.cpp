@@ -600,8 +600,10 @@ void ShmBackend::shutdown() {
   if (d.seg && !std::exchange(d.waitsLogged, true) && d.runner->log()->should_log(spdlog::level::debug)) {
     // How this rank's waits ended: what to read when small collectives are slower than they should be.
     const shm::ShmSegment::WaitStats w = d.seg->waitStats();
-    d.runner->log()->debug("shm waits: {} spun ({} for a peer it had woken), {} slept, {} for a core mate, {} stepped aside",
-                           w.spun, w.spunForWaking, w.slept, w.forCoreMate, w.steppedAside);
+    d.runner->log()->debug(
+        "shm waits: {} spun ({} for a peer it had woken), {} slept ({} for a peer it had woken), {} for a core mate, "
+        "{} stepped aside",
+        w.spun, w.spunForWaking, w.slept, w.sleptForWoken, w.forCoreMate, w.steppedAside);
   }
 }
 

@@ -285,6 +285,7 @@ void ShmSegment::arrive() {
   if (me.sleepers.load(std::memory_order_seq_cst) != 0) {
     futexWake(&me.step);
     wokeSleepersAt_ = Clock::now();
+    wokeSleepersAtStep_ = mySteps_;
   }
 }
 
@@ -319,7 +320,7 @@ void ShmSegment::waitFor(int r, Clock::time_point deadline) {
 ShmSegment::WaitStats ShmSegment::waitStats() const {
   return WaitStats{spun_.load(std::memory_order_relaxed), slept_.load(std::memory_order_relaxed),
                    forCoreMate_.load(std::memory_order_relaxed), steppedAside_.load(std::memory_order_relaxed),
-                   spunForWaking_.load(std::memory_order_relaxed)};
+                   spunForWaking_.load(std::memory_order_relaxed), sleptForWoken_.load(std::memory_order_relaxed)};
 }
 
 void ShmSegment::stepAside(int here) {
@@ -402,6 +403,7 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
   } else {
     const auto spinStart = Clock::now();
     const bool peerWasAsleep = (peer.state.load(std::memory_order_relaxed) & kAsleep) != 0;
+    const bool wokePeer = peerWasAsleep && wokeSleepersAtStep_ == target;  // on arriving at this phase
     while (true) {
       for (int i = 0; i < kSpinsPerCheck; ++i) {
         DT_CPU_RELAX();
@@ -423,6 +425,7 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
       if (!peerWaking) break;
     }
     slept_.fetch_add(1, std::memory_order_relaxed);
+    if (wokePeer) sleptForWoken_.fetch_add(1, std::memory_order_relaxed);
   }
   // Sleep on the peer's word, checking the deadline, the abort word and
   // the peer's health between slices.

@@ -140,6 +140,7 @@ class ShmSegment {
     uint64_t forCoreMate = 0;  // yielded or slept at once: a rank of the group needed this core
     uint64_t steppedAside = 0;      // moved to an idle core, away from a core mate (core_placement.h)
     uint64_t spunForWaking = 0;     // of `spun`: the peer was asleep when the wait began (woken, on its way)
+    uint64_t sleptForWoken = 0;     // of `slept`: for a peer its arrival at this phase had woken
   };
   WaitStats waitStats() const;
 
@@ -184,12 +185,14 @@ class ShmSegment {
   std::atomic<uint64_t> spun_{0};
   std::atomic<uint64_t> slept_{0};
   std::atomic<uint64_t> spunForWaking_{0};
+  std::atomic<uint64_t> sleptForWoken_{0};
   std::atomic<uint64_t> forCoreMate_{0};
   std::atomic<uint64_t> steppedAside_{0};
   uint32_t matesInARow_ = 0;  // collective thread only
   StepAsideBackoff stepAsideBackoff_;  // collective thread only
   Clock::time_point foreignUntil_{};  // a busy process shares this core: sleep, do not yield
   Clock::time_point wokeSleepersAt_{};  // collective thread only: arrive() last woke a sleeping peer
+  uint32_t wokeSleepersAtStep_ = 0;     // ... on arriving at this phase
   // Each core's idle share over the last heartbeat interval (heartbeat thread writes).
   uint64_t myPidNamespace_ = 0;
   std::vector<std::atomic<uint8_t>> coreIdle_;

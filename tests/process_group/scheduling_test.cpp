@@ -190,8 +190,10 @@ void pinThisThreadTo(int core) {
 }
 
 // Two threads as ranks of one segment, each pinned to `coreOf(rank)`, run
-// `rounds` exchanges (calling beforeRound(rank, round) first, when given) and
-// return each rank's wait statistics.
+// `rounds` exchanges (calling beforeRound(rank, round) first, when given,
+// outside the collective) and return each rank's wait statistics. Each round
+// is a collective as the backend runs one: between enterCollective() and
+// leaveCollective(), which tells a waiting peer that this rank is working.
 std::vector<shm::ShmSegment::WaitStats> exchange(int rounds, const std::function<int(int)>& coreOf,
                                                  const std::function<void(int, int)>& beforeRound = {}) {
   auto store = std::make_shared<HashStore>();
@@ -207,6 +209,7 @@ std::vector<shm::ShmSegment::WaitStats> exchange(int rounds, const std::function
     const auto deadline = std::chrono::steady_clock::now() + 60s;
     for (int i = 0; i < rounds; ++i) {
       if (beforeRound) beforeRound(rank, i);
+      segment.enterCollective();
       *reinterpret_cast<int*>(segment.slot(rank, i & 1)) = i * 10 + rank;
       segment.arrive();
       segment.waitForAll(deadline);
@@ -214,13 +217,15 @@ std::vector<shm::ShmSegment::WaitStats> exchange(int rounds, const std::function
       // Nobody rewrites a slot before every rank has read it (the backend's rule).
       segment.arrive();
       segment.waitForAll(deadline);
+      segment.leaveCollective();
     }
     stats[rank] = segment.waitStats();
   });
   for (int r = 0; r < 2; ++r) {
-    std::printf("rank %d: spun %llu (%llu for a peer it had woken), slept %llu, for a core mate %llu, stepped aside %llu\n",
+    std::printf("rank %d: spun %llu (%llu for a peer it had woken), slept %llu (%llu for a peer it had woken), "
+                "for a core mate %llu, stepped aside %llu\n",
                 r, static_cast<unsigned long long>(stats[r].spun), static_cast<unsigned long long>(stats[r].spunForWaking),
-                static_cast<unsigned long long>(stats[r].slept),
+                static_cast<unsigned long long>(stats[r].slept), static_cast<unsigned long long>(stats[r].sleptForWoken),
                 static_cast<unsigned long long>(stats[r].forCoreMate),
                 static_cast<unsigned long long>(stats[r].steppedAside));
   }
@@ -248,9 +253,10 @@ TEST(Scheduling, RanksOnTwoCoresSpinForEachOther) {
 
 // A rank that wakes a sleeping peer spins for that peer's next arrival instead
 // of sleeping as well: otherwise, where waking a thread takes longer than the
-// 10 us spin (25-30 us in the development VM), every later exchange would cost
-// two wake-ups. Rank 1 stalls outside any collective before 20 of the rounds,
-// so rank 0 sleeps for it; rank 1 then wakes rank 0 and waits for it at once.
+// 10 us spin (25-30 us in the development VM, 50-170 us on a busier day),
+// every later exchange would cost two wake-ups. Rank 1 stalls outside any
+// collective before 20 of the rounds, so rank 0 sleeps for it; rank 1 then
+// wakes rank 0 and waits for it at once.
 TEST(Scheduling, ARankThatWokeItsPeerSpinsForItInsteadOfSleepingToo) {
   if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
   constexpr int kStalls = 20;
@@ -258,10 +264,12 @@ TEST(Scheduling, ARankThatWokeItsPeerSpinsForItInsteadOfSleepingToo) {
     if (rank == 1 && round % 50 == 25) std::this_thread::sleep_for(5ms);  // rank 0 falls asleep waiting
   });
   EXPECT_GE(stats[0].slept, static_cast<uint64_t>(kStalls)) << "rank 0 slept through each stall";
-  // Without the spin each stall started a run of wake-ups on both sides (measured on the idle
-  // development machine: 87-114 sleeps per rank); with it a stall costs rank 0's one sleep
-  // (rank 1: 1-9 sleeps idle, about one per stall while a build kept both cores busy, when
-  // the woken rank 0 may need longer than the spin to get a core back).
+  // Without the spin rank 1 slept for the rank 0 it had just woken after every stall, and the
+  // two then woke each other in runs (measured with the spin set to 0: rank 1 slept 20-75
+  // times for a peer it had woken, 21-76 in all, rank 0 20-79). With it a stall costs rank 0's
+  // one sleep: rank 1 slept 0-1 times for a woken peer idle, up to 10 while other tests' ranks
+  // kept both cores busy (the woken rank 0 may then need longer than the spin to get a core).
+  EXPECT_LT(stats[1].sleptForWoken, static_cast<uint64_t>(kStalls)) << "rank 1 slept for the peer it had just woken";
   EXPECT_LT(stats[1].slept, static_cast<uint64_t>(2 * kStalls)) << "a stall made both ranks sleep again and again";
   EXPECT_LT(stats[0].slept, static_cast<uint64_t>(3 * kStalls)) << "a stall made both ranks sleep again and again";
 }
