@@ -24,6 +24,13 @@ using Ms = std::chrono::milliseconds;
 // 10 s, so that a request that is merely slow still completes.
 constexpr Ms kFirstAttemptTimeout{2'000};
 constexpr Ms kMaxAttemptTimeout{10'000};
+// Within one pass over the members, an attempt takes at most an equal share of
+// what is left of the deadline (and at least this): a request with a short
+// deadline - a lease keep-alive has the rest of the lease's TTL, 1.3 s for a
+// 2 s TTL - must not spend all of it on a member that holds it, while another
+// member would answer. (It did: an elastic job whose etcd lost a member
+// declared healthy nodes lost.)
+constexpr Ms kMinAttemptShare{100};
 // How long connecting to one member may take before the next one is tried.
 constexpr Ms kConnectAttemptTimeout{2'000};
 constexpr Ms kMaxBackoff{500};
@@ -374,7 +381,9 @@ Json EtcdClient::call(const char* path, const Json& body, EtcdClock::time_point 
     if (!authenticating) std::tie(token, generation) = this->token(deadline, op);
     const std::string& url = config.urls[impl_->current];
     const Ms left = remaining(deadline);
-    const Attempt a = impl_->perform(config, url + path, payload, token, std::min(left, attemptTimeout),
+    const auto notYetAsked = static_cast<Ms::rep>(members - static_cast<size_t>(failures) % members);
+    const Ms share = std::max(kMinAttemptShare, left / notYetAsked);
+    const Attempt a = impl_->perform(config, url + path, payload, token, std::min({left, attemptTimeout, share}),
                                      std::min(left, kConnectAttemptTimeout), true);
     if (a.code == CURLE_OPERATION_TIMEDOUT) attemptTimeout = std::min(attemptTimeout * 2, kMaxAttemptTimeout);
     std::string failure;

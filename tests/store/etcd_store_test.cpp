@@ -8,7 +8,9 @@
 // never a hang; and bad endpoints.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +22,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "store/etcd_store.h"
+#include "store/internal/etcd_client.h"
 #include "store/tcp_store.h"
 #include "tests/store/etcd_test_support.h"
 #include "tests/testing/testing.h"
@@ -334,6 +337,36 @@ TEST(EtcdStoreEndpoints, AnUnreachableEndpointFailsWithinTheConnectTimeout) {
                                  {str("http://127.0.0.1:", deadPort), "no etcd member answered", "Is etcd running",
                                   "DT_STORE_CONNECT_TIMEOUT"});
   EXPECT_LT(secondsSince(start), 10);
+}
+
+// A member that takes requests and never answers (as a follower whose leader
+// just died holds them) gets its share of a short deadline, not all of it: a
+// lease keep-alive, whose deadline is the rest of the lease's TTL, must reach
+// a member that answers. The silent member is first in line.
+TEST(EtcdStoreEndpoints, AMemberThatHoldsRequestsDoesNotUseUpAShortDeadline) {
+  EtcdCluster cluster;
+  // Listening without accepting: the kernel completes each connection and the request goes
+  // unanswered.
+  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(silent, 16), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string silentEndpoint = str("127.0.0.1:", ntohs(addr.sin_port));
+
+  detail::EtcdConfig config;
+  config.urls = detail::parseEtcdEndpoints(str(silentEndpoint, ",", cluster.endpoint(0)), false, "endpoints");
+  detail::EtcdClient client(std::make_shared<detail::EtcdSession>(config));
+  const detail::Json put = {{"key", detail::base64Encode("held")}, {"value", detail::base64Encode("answered")}};
+  // 1.3 s: what a keep-alive of a 2 s lease has. Before the shares, the silent member held the
+  // whole of it.
+  EXPECT_NO_THROW(client.call("/v3/kv/put", put, detail::EtcdClock::now() + 1300ms, "put(\"held\")"));
+  EXPECT_EQ(client.currentEndpoint(), cluster.endpoint(0));
+  ::close(silent);
 }
 
 TEST(EtcdStoreEndpoints, SomethingThatIsNotEtcdIsOneClearError) {
