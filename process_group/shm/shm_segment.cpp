@@ -87,9 +87,13 @@ constexpr auto kSpinForWorkingPeer = std::chrono::milliseconds(1);
 // than kSpinBeforeSleeping). Sleeping for it as well would make its next wait
 // a wake-up too, and so on: a run where every exchange costs two wake-ups
 // (about 60 us instead of 2 for a 4 KiB allreduce), the "slow mode" that
-// stayed for the whole run once a stall started it. So a rank spins this
-// long after waking a peer before it sleeps for that peer.
-constexpr auto kSpinForWakingPeer = std::chrono::microseconds(200);
+// stayed for the whole run once a stall started it. So a rank that woke its
+// peer spins for it as for a working peer, which it is about to be. The
+// bound used to be 200 us: on a day when the same VM took 50-170 us to run a
+// woken thread, and in stretches over 200 us every time, launches fell into
+// that mode for good (1091 and 1145 us per 4 KiB allreduce; 107 of 192 waits
+// slept for a peer the rank had just woken).
+constexpr auto kSpinForWakingPeer = kSpinForWorkingPeer;
 // A rank that shares its core with a rank of its group hands the core over
 // with sched_yield (a switch of ~1 us, no futex wake-up for either side),
 // polling for this long before it sleeps. Yielding is only safe among our
