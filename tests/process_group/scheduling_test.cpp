@@ -255,12 +255,6 @@ TEST(Scheduling, RanksOnTwoCoresSpinForEachOther) {
   }
 }
 
-// A rank that wakes a sleeping peer spins for that peer's next arrival instead
-// of sleeping as well (up to 1 ms): otherwise, where waking a thread takes longer
-// than the 10 us spin (25-30 us in the development VM, 50-170 us on a busier day),
-// every later exchange would cost two wake-ups. Rank 1 stalls outside any
-// collective before 20 of the rounds, so rank 0 sleeps for it; rank 1 then
-// wakes rank 0 and waits for it at once.
 // How long a thread asleep on a futex on core 1 (idle otherwise) takes to run
 // after core 0 wakes it: `count` wake-ups 1 ms apart, in microseconds, sorted.
 std::vector<double> wakeUpLatencies(int count) {
@@ -293,6 +287,12 @@ std::vector<double> wakeUpLatencies(int count) {
   return us;
 }
 
+// A rank that wakes a sleeping peer spins for that peer's next arrival instead
+// of sleeping as well (up to 1 ms): otherwise, where waking a thread takes longer
+// than the 10 us spin (25-30 us in the development VM, 50-170 us on a busier day),
+// every later exchange would cost two wake-ups. Rank 1 stalls outside any
+// collective before 20 of the rounds, so rank 0 sleeps for it; rank 1 then
+// wakes rank 0 and waits for it at once.
 TEST(Scheduling, ARankThatWokeItsPeerSpinsForItInsteadOfSleepingToo) {
   if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
   // The rule spins up to 1 ms for a woken peer; where the host often takes longer than that to
