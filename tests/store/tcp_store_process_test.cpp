@@ -363,7 +363,10 @@ TEST(TcpStoreProcess, FuzzedFramesNeverCrashTheServerOrLoseData) {
 }
 
 TEST(TcpStoreProcess, ClientWaitsForALateServer) {
-  const uint16_t port = freePort();
+  // Reserved, not just free: the server binds it 3 s from now (CI once lost it
+  // to another test in that window).
+  const PortReservation reservation;
+  const uint16_t port = reservation.port();
   // Attempts are at most 1.5 s apart, so some attempt fails between 1 s (when
   // the client starts to log) and the server's start.
   ServerProcess late({}, "", port, 3000ms);
@@ -396,7 +399,8 @@ TEST(TcpStoreProcess, ClientWaitsForALateServer) {
 }
 
 TEST(TcpStoreProcess, ConnectTimeoutNamesTheAddress) {
-  const uint16_t port = freePort();
+  const PortReservation reservation;
+  const uint16_t port = reservation.port();
   TcpStoreOptions options;
   options.connectTimeout = 300ms;
   const auto start = Clock::now();
@@ -409,7 +413,8 @@ TEST(TcpStoreProcess, ConnectTimeoutNamesTheAddress) {
 }
 
 TEST(TcpStoreProcess, WaitForWorkersTimeoutNamesMissingRanks) {
-  const uint16_t port = freePort();
+  const PortReservation reservation;
+  const uint16_t port = reservation.port();
   std::vector<std::unique_ptr<Child>> workers;
   for (int rank : {1, 3}) {
     workers.push_back(std::make_unique<Child>([port, rank] {
@@ -428,7 +433,8 @@ TEST(TcpStoreProcess, WaitForWorkersTimeoutNamesMissingRanks) {
 }
 
 TEST(TcpStoreProcess, WaitForWorkersReturnsWhenAllJoined) {
-  const uint16_t port = freePort();
+  const PortReservation reservation;
+  const uint16_t port = reservation.port();
   std::vector<std::unique_ptr<Child>> workers;
   for (int rank = 1; rank < 4; ++rank) {
     workers.push_back(std::make_unique<Child>([port, rank] {
