@@ -24,7 +24,14 @@
 //     tensor, issued and waited through ProcessGroup and Work; best run with
 //     --nproc 1, where no peer adds an exchange. Ops are timed in batches of
 //     1000 back to back (one op is too short for the clock); time_us is the
-//     median batch's time per op. --sizes does not apply.
+//     median batch's time per op. --sizes does not apply. Before each batch
+//     the same thread times a host reference: a fixed loop of what an op is
+//     made of (mutex round trips, allocations, atomic updates) and nothing of
+//     dtrain's. The host's speed moves in stretches of seconds on a shared
+//     VM; host_ref_ns (its median) says how fast the host was, and
+//     time_us_host_fast / time_us_host_slow split the batches by whether
+//     their reference was within 5 % of its fastest or not (the count of
+//     each follows).
 //
 // Usage:
 //   collectives_bench --nproc 4 [--backend gloo|shm|nccl] [--sizes 4K,64K,1M,16M,64M] [--ops allreduce,broadcast] [--reps R] [--batch-ms B]
@@ -36,10 +43,15 @@
 //   RESULT empty impl=dtrain-shm world=1 bytes=0 reps=200 threads=1 time_us=... min_us=... p99_us=...
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -133,6 +145,29 @@ int localRank() {
   return value != nullptr ? std::atoi(value) : 0;
 }
 
+// The host reference (see the header): per iteration, what one small op does
+// besides moving bytes (four mutex round trips, one shared allocation and one
+// plain one, eight atomic updates), in nanoseconds per iteration. It moves
+// with the host, not with dtrain's code.
+double hostReferenceNs(int iterations) {
+  static std::mutex mutex;
+  static std::atomic<uint64_t> counter{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iterations; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      std::lock_guard<std::mutex> lock(mutex);
+      counter.fetch_add(1, std::memory_order_relaxed);
+    }
+    auto shared = std::make_shared<std::array<char, 160>>();
+    void* plain = std::malloc(48);
+    counter.fetch_add(reinterpret_cast<uintptr_t>(plain) & 1, std::memory_order_relaxed);
+    std::free(plain);
+    auto copy = shared;
+    (*copy)[0] = static_cast<char>(i);
+  }
+  return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / iterations;
+}
+
 // The API's own cost: a zero-element allreduce issued and waited, timed in
 // batches (see the header).
 void measureEmptyOp(dt::ProcessGroup& pg, const Args& args) {
@@ -147,8 +182,10 @@ void measureEmptyOp(dt::ProcessGroup& pg, const Args& args) {
   for (int i = 0; i < warmup; ++i) batch();
   dt::Tensor durations = dt::zeros({reps}, dt::DType::Float64);
   double* d = durations.data<double>();
+  std::vector<double> reference(reps);
   for (int i = 0; i < reps; ++i) {
     pg.barrier()->wait();
+    reference[i] = hostReferenceNs(kBatch);
     const auto t0 = Clock::now();
     batch();
     d[i] = std::chrono::duration<double>(Clock::now() - t0).count() / kBatch;
@@ -160,10 +197,20 @@ void measureEmptyOp(dt::ProcessGroup& pg, const Args& args) {
   std::vector<double> v(d, d + reps);
   const double med = dt::bench::median(v), mn = *std::min_element(v.begin(), v.end());
   const double p99 = dt::bench::percentile(v, 0.99);
+  const double fastestReference = *std::min_element(reference.begin(), reference.end());
+  std::vector<double> onFastHost, onSlowHost;
+  for (int i = 0; i < reps; ++i) (reference[i] <= 1.05 * fastestReference ? onFastHost : onSlowHost).push_back(v[i]);
+  auto medianUs = [](const std::vector<double>& batches) { return batches.empty() ? 0.0 : dt::bench::median(batches) * 1e6; };
   std::fprintf(stderr, "  %-10s %12s %10d %12.3f %12.3f %10.3f %10s %10s %6d\n", "empty", "0 B", 0, med * 1e6,
                mn * 1e6, p99 * 1e6, "-", "-", reps);
-  std::printf("RESULT empty impl=%s world=%d bytes=0 reps=%d threads=1 time_us=%.3f min_us=%.3f p99_us=%.3f\n",
-              args.impl.c_str(), pg.size(), reps, med * 1e6, mn * 1e6, p99 * 1e6);
+  std::fprintf(stderr, "  host reference %.0f ns (fastest %.0f): empty op %.3f us in %zu batches on the fast host, %.3f us in %zu on the slow\n",
+               dt::bench::median(reference), fastestReference, medianUs(onFastHost), onFastHost.size(),
+               medianUs(onSlowHost), onSlowHost.size());
+  std::printf("RESULT empty impl=%s world=%d bytes=0 reps=%d threads=1 time_us=%.3f min_us=%.3f p99_us=%.3f "
+              "host_ref_ns=%.0f host_ref_min_ns=%.0f time_us_host_fast=%.3f fast_batches=%zu time_us_host_slow=%.3f "
+              "slow_batches=%zu\n",
+              args.impl.c_str(), pg.size(), reps, med * 1e6, mn * 1e6, p99 * 1e6, dt::bench::median(reference),
+              fastestReference, medianUs(onFastHost), onFastHost.size(), medianUs(onSlowHost), onSlowHost.size());
   std::fflush(stdout);
 }
 
