@@ -22,9 +22,19 @@ modes occur, the distribution follows per mode, as
     GOAL slow_mode_within_host_mode impl=... cond=... worst_over_best=... (<= 2, the worse mode) MET|MISSED
 and a second table. The GOAL lines above stay as they are: this split explains them, it does
 not replace them.
+
+Lines with steal_ms= (the time the host kept the VM's vCPUs from running during the launch) add,
+per impl and condition, how many launches had at least STOLEN_MS of it and how many of the
+outliers (launches beyond 2x the median launch) did:
+    RESULT launch_steal impl=... cond=... launches=N with_steal=K beyond_2x_median=B beyond_2x_median_with_steal=J
+and the outliers one by one (time, steal, round trip). An explanation again, not a goal.
 """
 import statistics
 import sys
+
+# At 10 ms ticks, a launch (0.2-0.5 s of start-up and ops) usually shows 0-20 ms of steal; the
+# launches whose ranks shared one core throughout showed 40-70 ms.
+STOLEN_MS = 40
 
 
 def percentile(values, q):
@@ -39,6 +49,7 @@ def main():
         return 2
     launches = {}  # (impl, cond) -> [time_us]
     probed = []  # (impl, cond, time_us, rtt_ns)
+    stolen = []  # (impl, cond, launch, time_us, steal_ms, rtt_ns)
     for line in open(sys.argv[1]):
         fields = line.split()
         if len(fields) < 2 or fields[0] != "RESULT" or not fields[1].endswith("_launch"):
@@ -50,6 +61,11 @@ def main():
             continue
         try:
             probed.append((kv["impl"], kv["cond"], float(kv["time_us"]), float(kv["rtt_ns"])))
+        except (KeyError, ValueError):
+            pass
+        try:
+            stolen.append((kv["impl"], kv["cond"], kv.get("launch", "?"), float(kv["time_us"]),
+                           float(kv["steal_ms"]), kv.get("rtt_ns", "nan")))
         except (KeyError, ValueError):
             pass
     if not launches:
@@ -91,7 +107,29 @@ def main():
         print(f"| {impl} | {cond} | {s['n']} | {s['best']:.2f} | {s['p10']:.2f} | {s['median']:.2f} | {s['p90']:.2f} "
               f"| {s['worst']:.2f} | {s['worst'] / s['best']:.2f} | {s['beyond2x']} |")
     by_host_mode(probed)
+    by_steal(stolen, stats)
     return 0
+
+
+def by_steal(stolen, stats):
+    """Launches during which the host kept a vCPU from running (see the module's text)."""
+    if not stolen:
+        return
+    print()
+    slow = []
+    for (impl, cond), s in sorted(stats.items()):
+        mine = [row for row in stolen if row[0] == impl and row[1] == cond]
+        if not mine:
+            continue
+        beyond = [row for row in mine if row[3] > 2 * s["median"]]
+        slow += beyond
+        print(f"RESULT launch_steal impl={impl} cond={cond} launches={len(mine)} "
+              f"with_steal={sum(row[4] >= STOLEN_MS for row in mine)} beyond_2x_median={len(beyond)} "
+              f"beyond_2x_median_with_steal={sum(row[4] >= STOLEN_MS for row in beyond)}")
+    if slow:
+        print(f"\nlaunches beyond 2x their median launch (steal >= {STOLEN_MS} ms: the host held a vCPU):")
+        for impl, cond, launch, time_us, steal, rtt in sorted(slow, key=lambda row: (row[0], row[1], -row[3])):
+            print(f"  {impl} {cond} launch {launch}: {time_us:.2f} us, steal {steal:.0f} ms, round trip {rtt} ns")
 
 
 def by_host_mode(probed):

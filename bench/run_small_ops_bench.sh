@@ -15,6 +15,10 @@
 # CPUs (rtt_ns= on the launch's line): on a VM the host may run the two vCPUs close together for a
 # while (the development VM: 91 ns against 250-460 ns), and every implementation's small ops are
 # about twice as fast then. launch_distribution.py shows the launches of each host mode apart.
+# Each line also carries steal_ms=, the time the host kept this VM's vCPUs from running while
+# they had work during the launch (/proc/stat's steal, all CPUs, 10 ms ticks): a launch whose
+# ranks shared one core from start to end had 40-70 ms of it, as the other vCPU never ran
+# (launch_distribution.py lists such launches).
 #
 # Conditions, each impl interleaved launch by launch: "idle" (IDLE launches), and "busy"
 # (BUSY launches) with one competing process spinning on a core, which this script starts and
@@ -57,8 +61,14 @@ stop_spinner() {
 }
 trap stop_spinner EXIT INT TERM
 
+# The vCPUs' steal time so far, in ms (0 where /proc/stat has no steal column).
+steal_ms() {
+  awk -v hz="$(getconf CLK_TCK)" '/^cpu[0-9]/ { ticks += $9 } END { printf "%d", ticks * 1000 / hz }' /proc/stat
+}
+
 launch() {  # impl condition index
-  local impl=$1 cond=$2 i=$3 line
+  local impl=$1 cond=$2 i=$3 line steal_before
+  steal_before=$(steal_ms)
   case $impl in
     dtrain-*-before) line=$("$before" --nproc "$world" --backend "$(echo "$impl" | cut -d- -f2)" --sizes "$size" --ops "$op" \
                        --impl "$impl" 2>/dev/null | grep '^RESULT') ;;
@@ -69,11 +79,12 @@ launch() {  # impl condition index
             line=$(mpi_results "$world" "$op" "$size") ;;
   esac
   [ -n "$line" ] || { echo "# $impl launch $i ($cond) gave no result" >&2; return 0; }
+  local steal=$(($(steal_ms) - steal_before))
   # Right after the launch: its timed ops are its last ~10 ms (the host's mode can change between
   # a probe before the launch and its ops, which come after ~0.1 s of start-up).
   local rtt
   rtt=$("$roundtrip" 2>/dev/null | sed -n 's/.*median_ns=\([0-9]*\).*/\1/p')
-  echo "$line cond=$cond launch=$i rtt_ns=${rtt:-nan}" | sed "s/^RESULT $op /RESULT ${op}_launch /" | tee -a "$out"
+  echo "$line cond=$cond launch=$i rtt_ns=${rtt:-nan} steal_ms=$steal" | sed "s/^RESULT $op /RESULT ${op}_launch /" | tee -a "$out"
 }
 
 echo "# run_small_ops_bench: $op $size world $world, $idle idle + $busy busy launches of [$impls] $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
