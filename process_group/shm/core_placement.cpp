@@ -72,6 +72,15 @@ int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& t
   return best;
 }
 
+void forgetSharesOfGroupCores(std::vector<uint8_t>& idlePercent, const std::vector<int>& groupCoresAtStart,
+                              const std::vector<int>& groupCoresAtEnd) {
+  for (const auto* cores : {&groupCoresAtStart, &groupCoresAtEnd}) {
+    for (int core : *cores) {
+      if (core >= 0 && core < static_cast<int>(idlePercent.size())) idlePercent[core] = kIdleUnknown;
+    }
+  }
+}
+
 void StepAsideBackoff::refused(Clock::time_point now) {
   next_ = now + pause_;
   pause_ = std::min(pause_ * 2, kLongestPause);

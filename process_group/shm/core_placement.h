@@ -24,6 +24,13 @@
 //    fewer than the other allowed cores none of those is idle. Cores with a
 //    known idle share (idlePercent, 255 = unknown) below minIdlePercent are
 //    skipped; the idlest known core wins, then the lowest number.
+//  * forgetSharesOfGroupCores() sets to kIdleUnknown the idle share of every
+//    core a rank of the group was on at the start or at the end of the
+//    sampled interval: that core's busy time is (at least partly) the
+//    group's own. After the kernel stacks two ranks, the core one of them
+//    left looked busy for a whole heartbeat interval (its own spinning) and
+//    refused every step-aside to it; the choice there now rests on
+//    procs_running alone. Pure; negative entries (not yet known) are skipped.
 //  * moveCallingThreadTo(core) pins the calling thread to `core` (the kernel
 //    migrates it before returning), then restores its previous mask, so the
 //    thread's affinity is unchanged and only its current core moved. Returns
@@ -59,6 +66,9 @@ int runnableThreads();
 
 int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& taken, int runnable,
                    const std::vector<uint8_t>& idlePercent, int minIdlePercent);
+
+void forgetSharesOfGroupCores(std::vector<uint8_t>& idlePercent, const std::vector<int>& groupCoresAtStart,
+                              const std::vector<int>& groupCoresAtEnd);
 
 bool moveCallingThreadTo(int core);
 

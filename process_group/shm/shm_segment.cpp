@@ -110,10 +110,10 @@ constexpr uint32_t kAsleep = 2;
 constexpr int kSpinsPerCheck = 64;
 // A rank that slept for a core mate this many times in a row shares its core
 // with it for good (see core_placement.h) and steps aside to an idle core,
-// never to a core busy for more than
-// 100 - kMinIdlePercent % of the last heartbeat interval (a core a busy
-// process holds is worse than sharing one with the peer). When it may try
-// again: StepAsideBackoff (core_placement.h).
+// never to a core busy for more than 100 - kMinIdlePercent % of the last
+// heartbeat interval with something other than the group's own ranks (a core
+// a busy process holds is worse than sharing one with the peer). When it may
+// try again: StepAsideBackoff (core_placement.h).
 constexpr uint32_t kStackedWaits = 16;
 constexpr int kMinIdlePercent = 80;
 // Sleeping waiters check the peer's pid and heartbeat this often (the first
@@ -549,11 +549,16 @@ void ShmSegment::checkPeer(int r) const {
 
 void ShmSegment::heartbeatLoop() {
   CoreIdleSampler sampler;
+  std::vector<int> groupCoresBefore;
   std::unique_lock<std::mutex> lock(stopMutex_);
   while (!stopping_) {
     control(rank_).heartbeat.fetch_add(1, std::memory_order_release);
     if (size_ > 1) {
-      const auto idle = sampler.sample();
+      auto idle = sampler.sample();
+      std::vector<int> groupCores(size_);
+      for (int r = 0; r < size_; ++r) groupCores[r] = control(r).cpu.load(std::memory_order_relaxed);
+      forgetSharesOfGroupCores(idle, groupCoresBefore, groupCores);
+      groupCoresBefore = std::move(groupCores);
       for (size_t c = 0; c < idle.size() && c < coreIdle_.size(); ++c) {
         coreIdle_[c].store(idle[c], std::memory_order_relaxed);
       }

@@ -398,6 +398,29 @@ TEST(CorePlacement, AStackedRankGoesOnlyToAnIdleCoreNoRankHolds) {
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, -1, {0, 100}, 80), -1);
 }
 
+TEST(CorePlacement, TheBusyShareOfACoreTheGroupLeftIsNotHeldAgainstIt) {
+  using shm::chooseIdleCore;
+  using shm::forgetSharesOfGroupCores;
+  using shm::kIdleUnknown;
+  // Ranks 0 and 1 spun on cores 0 and 1; then the kernel put rank 1 on core 0. The interval's
+  // sample shows core 1 busy with rank 1's own spinning.
+  std::vector<uint8_t> idle = {0, 5, 100, 30};
+  const std::vector<uint8_t> sampled = idle;
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 2, idle, 80), -1) << "the sample as it was refuses core 1";
+  forgetSharesOfGroupCores(idle, /*groupCoresAtStart=*/{0, 1}, /*groupCoresAtEnd=*/{0, 0});
+  EXPECT_EQ(idle, (std::vector<uint8_t>{kIdleUnknown, kIdleUnknown, 100, 30}));
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 2, idle, 80), 1) << "procs_running decides";
+  // A core the group never ran on keeps its share: a busy process there still keeps ranks away.
+  EXPECT_EQ(chooseIdleCore(cores({0, 3}), 0, {0}, 2, idle, 80), -1);
+  // Cores not known yet (-1) and cores beyond the sample change nothing.
+  idle = sampled;
+  forgetSharesOfGroupCores(idle, {-1, -1}, {7, 2});
+  EXPECT_EQ(idle, (std::vector<uint8_t>{0, 5, kIdleUnknown, 30}));
+  std::vector<uint8_t> none;
+  forgetSharesOfGroupCores(none, {0}, {1});
+  EXPECT_TRUE(none.empty()) << "the first sample (nothing to compare with) stays empty";
+}
+
 TEST(CorePlacement, ARefusedStepAsideIsTriedAgainSoonThenLessAndLessOften) {
   using Backoff = shm::StepAsideBackoff;
   Backoff backoff;
