@@ -32,8 +32,8 @@ and the outliers one by one (time, steal, round trip). An explanation again, not
 import statistics
 import sys
 
-# At 10 ms ticks, a launch (0.2-0.5 s of start-up and ops) usually shows 0-20 ms of steal; the
-# launches whose ranks shared one core throughout showed 40-70 ms.
+# At 10 ms ticks, a launch (0.2-0.5 s of start-up and ops) usually shows 0-20 ms of steal; 40 ms
+# or more says the host held a vCPU for a while, not that it did so during the timed ops.
 STOLEN_MS = 40
 
 
@@ -127,7 +127,7 @@ def by_steal(stolen, stats):
               f"with_steal={sum(row[4] >= STOLEN_MS for row in mine)} beyond_2x_median={len(beyond)} "
               f"beyond_2x_median_with_steal={sum(row[4] >= STOLEN_MS for row in beyond)}")
     if slow:
-        print(f"\nlaunches beyond 2x their median launch (steal >= {STOLEN_MS} ms: the host held a vCPU):")
+        print(f"\nlaunches beyond 2x their median launch (steal: the time the host held a vCPU during the launch):")
         for impl, cond, launch, time_us, steal, rtt in sorted(slow, key=lambda row: (row[0], row[1], -row[3])):
             print(f"  {impl} {cond} launch {launch}: {time_us:.2f} us, steal {steal:.0f} ms, round trip {rtt} ns")
 

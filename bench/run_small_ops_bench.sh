@@ -16,9 +16,10 @@
 # while (the development VM: 91 ns against 250-460 ns), and every implementation's small ops are
 # about twice as fast then. launch_distribution.py shows the launches of each host mode apart.
 # Each line also carries steal_ms=, the time the host kept this VM's vCPUs from running while
-# they had work during the launch (/proc/stat's steal, all CPUs, 10 ms ticks): a launch whose
-# ranks shared one core from start to end had 40-70 ms of it, as the other vCPU never ran
-# (launch_distribution.py lists such launches).
+# they had work during the launch (/proc/stat's steal, all CPUs, counted in 10 ms ticks, so a
+# stretch of a few ms shows only now and then). launch_distribution.py lists the outlier
+# launches with it: in one loop the 3 launches whose ranks shared one core from start to end had
+# 40-70 ms of it on the other CPU, in a later run 1 of 6 had 40 ms or more.
 #
 # Conditions, each impl interleaved launch by launch: "idle" (IDLE launches), and "busy"
 # (BUSY launches) with one competing process spinning on a core, which this script starts and
