@@ -29,7 +29,7 @@
 //    sampled interval: that core's busy time is (at least partly) the
 //    group's own. After the kernel stacks two ranks, the core one of them
 //    left looked busy for a whole heartbeat interval (its own spinning) and
-//    refused every step-aside to it; the choice there now rests on
+//    refused every step-aside to it; for such a core the choice rests on
 //    procs_running alone. Pure; negative entries (not yet known) are skipped.
 //  * moveCallingThreadTo(core) pins the calling thread to `core` (the kernel
 //    migrates it before returning), then restores its previous mask, so the
