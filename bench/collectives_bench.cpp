@@ -29,7 +29,7 @@
 //     made of (mutex round trips, allocations, atomic updates) and nothing of
 //     dtrain's. The host's speed moves in stretches of seconds on a shared
 //     VM; host_ref_ns (its median) says how fast the host was, and
-//     time_us_host_fast / time_us_host_slow split the batches by whether
+//     host_fast_time_us / host_slow_time_us split the batches by whether
 //     their reference was within 5 % of its fastest or not (the count of
 //     each follows).
 //
@@ -41,7 +41,7 @@
 // Rank 0 prints an nccl-tests style table on stderr and RESULT lines on stdout:
 //   RESULT allreduce impl=dtrain-gloo world=4 bytes=1048576 reps=50 threads=1 time_us=... min_us=... p99_us=... algbw_GBps=... busbw_GBps=...
 //   RESULT empty impl=dtrain-shm world=1 bytes=0 reps=200 threads=1 time_us=... min_us=... p99_us=...
-//     host_ref_ns=... host_ref_min_ns=... time_us_host_fast=... fast_batches=... time_us_host_slow=... slow_batches=...
+//     host_ref_ns=... host_ref_min_ns=... host_fast_time_us=... fast_batches=... host_slow_time_us=... slow_batches=...
 
 #include <algorithm>
 #include <array>
@@ -208,7 +208,7 @@ void measureEmptyOp(dt::ProcessGroup& pg, const Args& args) {
                dt::bench::median(reference), fastestReference, medianUs(onFastHost), onFastHost.size(),
                medianUs(onSlowHost), onSlowHost.size());
   std::printf("RESULT empty impl=%s world=%d bytes=0 reps=%d threads=1 time_us=%.3f min_us=%.3f p99_us=%.3f "
-              "host_ref_ns=%.0f host_ref_min_ns=%.0f time_us_host_fast=%.3f fast_batches=%zu time_us_host_slow=%.3f "
+              "host_ref_ns=%.0f host_ref_min_ns=%.0f host_fast_time_us=%.3f fast_batches=%zu host_slow_time_us=%.3f "
               "slow_batches=%zu\n",
               args.impl.c_str(), pg.size(), reps, med * 1e6, mn * 1e6, p99 * 1e6, dt::bench::median(reference),
               fastestReference, medianUs(onFastHost), onFastHost.size(), medianUs(onSlowHost), onSlowHost.size());

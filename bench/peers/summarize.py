@@ -6,8 +6,8 @@
     summarize.py FILE... --ratio dtrain:redis --ignore cmd
 
 Input: lines `RESULT <workload> key=value ...`; anything else is skipped.
-  metrics     keys ending in a unit: _us _ms _s _mb _GBps _per_s gflops _nats (numeric values);
-  ignored     reps, ops, and the keys named by --ignore;
+  metrics     keys ending in a unit: _ns _us _ms _s _mb _GBps _per_s gflops _nats (numeric values);
+  ignored     reps, ops, counts of batches (fast_batches, slow_batches), and the keys named by --ignore;
   identity    every other key (impl, world, bytes, op, clients, threads, blas, ...).
 Lines with the same workload and identity are repetitions of one configuration; each metric
 is summarized by its median over them:
@@ -15,7 +15,7 @@ is summarized by its median over them:
 With --ratio A:B, two configurations pair when their identities differ only in impl (A and
 B); every metric both have is printed as ratio_<metric> = median(A) / median(B):
     RATIO <workload> a=A b=B <identity without impl> ratio_<metric>=... ...
-For times (_us, _ms, _s), memory (_mb) and losses (_nats) below 1 means A is faster / smaller; for
+For times (_ns, _us, _ms, _s), memory (_mb) and losses (_nats) below 1 means A is faster / smaller; for
 bandwidth, rates and gflops above 1 means A is faster. --ignore is for keys only one side
 prints (cmd= on Redis lines, blas= against a runtime without BLAS) so that the sides pair.
 """
@@ -24,8 +24,8 @@ import re
 import statistics
 import sys
 
-UNIT = re.compile(r"(_us|_ms|_s|_mb|_GBps|_per_s|gflops|_nats)$")
-ALWAYS_IGNORED = ("reps", "ops")
+UNIT = re.compile(r"(_ns|_us|_ms|_s|_mb|_GBps|_per_s|gflops|_nats)$")
+ALWAYS_IGNORED = ("reps", "ops", "fast_batches", "slow_batches")
 
 
 def read_results(paths, ignored):
