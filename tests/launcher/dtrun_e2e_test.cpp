@@ -315,7 +315,8 @@ TEST(DtrunE2E, UsageErrorsAreOneLineWithExitCode2) {
 
 TEST(DtrunE2E, StorePortInUseIsAClearError) {
   // Node 0 of one job holds a port; a second job on the same port says so.
-  const int port = freePort();
+  const PortReservation reservation;
+  const int port = reservation.port();
   ChildProcess holder(dtrun({"--master-port", std::to_string(port), "--nproc", "1", kWorker, "trap"}));
   ASSERT_TRUE(holder.waitForOutput("ready rank 0", 30s)) << holder.output();
   const auto r = runProcess(dtrun({"--master-port", std::to_string(port), kWorker, "env"}), 30s);
@@ -342,7 +343,8 @@ TEST(DtrunE2E, BusyDefaultPortFallsBackToAFreeOneOnASingleNode) {
 }
 
 TEST(DtrunE2E, TwoNodesOnLoopbackRanksNodeMajorAndExchangeData) {
-  const std::string port = std::to_string(freePort());
+  const PortReservation reservation;
+  const std::string port = reservation.text();
   auto node = [&](int rank, const std::string& mode) {
     return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr", "127.0.0.1", "--master-port",
                   port, "--nproc", "2", "--rdzv-timeout", "30s", kWorker, mode});
@@ -360,11 +362,13 @@ TEST(DtrunE2E, TwoNodesOnLoopbackRanksNodeMajorAndExchangeData) {
 }
 
 TEST(DtrunE2E, MissingNodeIsARendezvousTimeoutAndSignalsStopTheWait) {
-  const std::string port = std::to_string(freePort());
+  const PortReservation reservation;
+  const std::string port = reservation.text();
   auto r = runProcess(dtrun({"--nnodes", "3", "--master-port", port, "--rdzv-timeout", "1s", kWorker, "env"}), 30s);
   EXPECT_EQ(r.exitCode, 1);
   EXPECT_THAT(r.err, HasSubstr("node(s) 1-2 did not join attempt 1 within 1000 ms (--rdzv-timeout"));
-  ChildProcess waiting(dtrun({"--nnodes", "2", "--master-port", std::to_string(freePort()), kWorker, "env"}),
+  const PortReservation secondReservation;
+  ChildProcess waiting(dtrun({"--nnodes", "2", "--master-port", secondReservation.text(), kWorker, "env"}),
                        {"DT_STORE_TOKEN="});
   // The note is printed once the store is up, i.e. while dtrun waits for node 1.
   ASSERT_TRUE(waiting.waitForOutput("DT_STORE_TOKEN is not set", 20s)) << waiting.output();
@@ -375,7 +379,8 @@ TEST(DtrunE2E, MissingNodeIsARendezvousTimeoutAndSignalsStopTheWait) {
 }
 
 TEST(DtrunE2E, TwoNodesSameNodeRankIsRejected) {
-  const std::string port = std::to_string(freePort());
+  const PortReservation reservation;
+  const std::string port = reservation.text();
   auto node = [&](int rank) {
     return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--nproc", "1",
                   "--rdzv-timeout", "5s", kWorker, "exchange"});
@@ -391,7 +396,8 @@ TEST(DtrunE2E, TwoNodesSameNodeRankIsRejected) {
 }
 
 TEST(DtrunE2E, TwoNodesFailureOnOneNodeStopsBoth) {
-  const std::string port = std::to_string(freePort());
+  const PortReservation reservation;
+  const std::string port = reservation.text();
   auto node = [&](int rank) {
     return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--nproc", "2",
                   "--monitor-interval", "100ms", "--rdzv-timeout", "30s", kWorker, "exit", "5", "3", "500"});
@@ -411,7 +417,8 @@ TEST(DtrunE2E, TwoNodesFailureOnOneNodeStopsBoth) {
 
 TEST(DtrunE2E, TwoNodesRestartTogether) {
   // Rank 0 (node 0) fails in attempt 0; both nodes restart, attempt 1 succeeds everywhere.
-  const std::string port = std::to_string(freePort());
+  const PortReservation reservation;
+  const std::string port = reservation.text();
   auto node = [&](int rank) {
     return dtrun({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--nproc", "2",
                   "--max-restarts", "2", "--monitor-interval", "100ms", "--rdzv-timeout", "30s", "--kill-grace", "5s",
@@ -437,7 +444,8 @@ std::vector<std::string> trappingNode(const std::string& port, int nodeRank) {
 }
 
 TEST(DtrunE2E, TwoNodesKilledDtrunIsNoticedByTheOther) {
-  const std::string port = std::to_string(freePort());
+  const PortReservation reservation;
+  const std::string port = reservation.text();
   ChildProcess n0(trappingNode(port, 0));
   ChildProcess n1(trappingNode(port, 1));
   ASSERT_TRUE(n0.waitForOutput("ready rank 0", 30s)) << n0.output();
@@ -453,7 +461,8 @@ TEST(DtrunE2E, TwoNodesKilledDtrunIsNoticedByTheOther) {
 }
 
 TEST(DtrunE2E, TwoNodesKilledNodeZeroIsNoticedPromptly) {
-  const std::string port = std::to_string(freePort());
+  const PortReservation reservation;
+  const std::string port = reservation.text();
   ChildProcess n0(trappingNode(port, 0));
   ChildProcess n1(trappingNode(port, 1));
   ASSERT_TRUE(n0.waitForOutput("ready rank 0", 30s)) << n0.output();

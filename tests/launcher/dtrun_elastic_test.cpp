@@ -14,6 +14,7 @@
 
 #include "common/strings.h"
 #include "tests/launcher/dtrun_process.h"
+#include "tests/testing/testing.h"
 
 namespace dt::testing {
 namespace {
@@ -95,7 +96,8 @@ TEST(DtrunElastic, ANodeJoinsARunningJobAndIsLostAgain) {
   // a third dtrun started a moment later joins it as node 3 (a fresh id) and its worker,
   // member 2, is admitted at a step boundary. In step 120 member 2 kills its dtrun and itself:
   // node 0 sees the watch connection close, posts member 2 dead, and the first two finish.
-  const std::string port = std::to_string(freePort());
+  const PortReservation reservation;
+  const std::string port = reservation.text();
   auto node = [&](int rank) {
     return std::make_unique<ChildProcess>(std::vector<std::string>{
         kDtrun, "--nnodes", "2:3", "--node-rank", std::to_string(rank), "--elastic", "--master-addr", "127.0.0.1",

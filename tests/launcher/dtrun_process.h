@@ -49,9 +49,6 @@ class ChildProcess {
 ProcessResult runProcess(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
                          const std::vector<std::string>& extraEnv = {});
 
-// A TCP port on loopback that was free a moment ago (for a fixed --master-port).
-int freePort();
-
 // Counts non-overlapping occurrences.
 int countOccurrences(const std::string& text, const std::string& needle);
 

@@ -159,7 +159,8 @@ TEST(DtrunSlurm, ElasticJobLosesNodeOneAndNodeZeroFinishesInPlace) {
 // ranks finish exactly without them.
 TEST(DtrunSlurm, ElasticJobGainsANodeFromAnotherSrunAndLosesItAgain) {
   REQUIRE_CLUSTER();
-  const std::string common = str(" --nnodes 1:2 --elastic --nproc 2 --master-port ", freePort(),
+  const PortReservation reservation;
+  const std::string common = str(" --nnodes 1:2 --elastic --nproc 2 --master-port ", reservation.port(),
                                  " --monitor-interval 200ms --node-timeout 2s ");
   const std::string worker = str(ELASTIC_WORKER_PATH, " 400 20 2 150 node");
   ChildProcess first({"/bin/bash", "-c", str("srun -N1 -w node1 --immediate=30 ", kDtrun, common, worker)}, kEnv);

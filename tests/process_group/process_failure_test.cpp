@@ -4,9 +4,7 @@
 // initProcessGroup from the environment.
 #include <gtest/gtest.h>
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +23,7 @@
 #include "store/tcp_store.h"
 #include "testing/point.h"
 #include "testing/spawn.h"
+#include "tests/testing/testing.h"
 
 namespace dt {
 namespace {
@@ -206,21 +205,9 @@ TEST_P(ProcessFailureOnBackend, DesyncAcrossProcessesRaisesOnEveryRank) {
 INSTANTIATE_TEST_SUITE_P(Cpu, ProcessFailureOnBackend, ::testing::Values("gloo", "shm"),
                          [](const auto& info) { return info.param; });
 
-uint16_t freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 TEST(ProcessFailure, InitFromTorchrunEnvironmentRankZeroHostsTheStore) {
-  const uint16_t masterPort = freePort();
+  const dt::testing::PortReservation reservation;
+  const uint16_t masterPort = reservation.port();
   const auto results = spawn(3, [&](RankContext& ctx) -> std::string {
     const int rank = ctx.rank;
     ::setenv("RANK", std::to_string(rank).c_str(), 1);

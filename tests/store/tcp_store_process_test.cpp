@@ -40,6 +40,7 @@ namespace {
 using namespace std::chrono_literals;
 namespace proto = store_proto;
 using dt::testing::expectThrowsWith;
+using dt::testing::PortReservation;
 using Clock = std::chrono::steady_clock;
 
 using namespace store_testing;

@@ -209,32 +209,6 @@ int loopbackListener(uint16_t& port) {
   return listener;
 }
 
-uint16_t freePort() {
-  uint16_t port = 0;
-  const int fd = loopbackListener(port);
-  if (fd >= 0) ::close(fd);
-  return port;
-}
-
-PortReservation::PortReservation() {
-  fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-  const int one = 1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(addr);
-  if (fd_ < 0 || ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
-      ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
-    const int error = errno;
-    if (fd_ >= 0) ::close(fd_);
-    throw std::runtime_error(std::string("cannot reserve a loopback port: ") + std::strerror(error));
-  }
-  port_ = ntohs(addr.sin_port);
-}
-
-PortReservation::~PortReservation() { ::close(fd_); }
-
 int64_t rssKiB(pid_t pid, const std::string& field) {
   std::ifstream status("/proc/" + std::to_string(pid) + "/status");
   std::string line;

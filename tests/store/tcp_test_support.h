@@ -8,12 +8,8 @@
 //  * Raw sockets speaking store/internal/protocol.h: rawConnect, rawSend,
 //    rawReadFrame (nullopt on EOF, reset or timeout), closedByPeer, and
 //    frames to send (helloFrame, setFrame, addFrame).
-//  * loopbackListener / freePort: for fake servers and proxies.
-//  * PortReservation: a loopback port nobody else is handed while it lives
-//    (bound with SO_REUSEADDR, never listening), so a server that binds it
-//    seconds later (with SO_REUSEADDR, as TcpStore does) still gets it, and
-//    connecting before then is refused. freePort() alone leaves that window
-//    open: another test's connect or bind(0) may take the port meanwhile.
+//  * loopbackListener: for fake servers and proxies. A port for a server
+//    that starts later: dt::testing::PortReservation (tests/testing/testing.h).
 //  * rssKiB(pid, field): "VmRSS" / "VmHWM" of a process from /proc, in KiB.
 #pragma once
 
@@ -81,21 +77,6 @@ uint8_t statusOf(const std::string& body);
 
 std::string readFile(const std::string& path);
 int loopbackListener(uint16_t& port);
-uint16_t freePort();
-
-class PortReservation {
- public:
-  PortReservation();
-  ~PortReservation();
-  PortReservation(const PortReservation&) = delete;
-  PortReservation& operator=(const PortReservation&) = delete;
-  uint16_t port() const { return port_; }
-
- private:
-  int fd_ = -1;
-  uint16_t port_ = 0;
-};
-
 int64_t rssKiB(pid_t pid, const std::string& field = "VmRSS");
 
 }  // namespace dt::store_testing

@@ -1,12 +1,19 @@
 #include "tests/testing/testing.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <unistd.h>
 
@@ -83,5 +90,24 @@ ScopedEnv::~ScopedEnv() {
     ::unsetenv(name_.c_str());
   }
 }
+
+PortReservation::PortReservation() {
+  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(addr);
+  if (fd_ < 0 || ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+      ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+    const int error = errno;
+    if (fd_ >= 0) ::close(fd_);
+    throw std::runtime_error(std::string("cannot reserve a loopback port: ") + std::strerror(error));
+  }
+  port_ = ntohs(addr.sin_port);
+}
+
+PortReservation::~PortReservation() { ::close(fd_); }
 
 }  // namespace dt::testing

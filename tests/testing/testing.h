@@ -8,9 +8,19 @@
 //  * TempDir: a fresh directory removed at scope exit.
 //  * expectThrowsWith<E>(fn, {"substring", ...}): the call throws E and its
 //    message contains every substring.
+//  * PortReservation: a loopback TCP port nobody else is handed while it
+//    lives, for a server another process starts on a fixed port (dtrun's
+//    --master-port, MASTER_PORT). It is bound with
+//    SO_REUSEADDR and never listens: the kernel gives the port to no bind(0)
+//    and no connect's ephemeral end, a connect to it is refused until the
+//    server listens, and a server that binds with SO_REUSEADDR (as TcpStore
+//    does) still gets it. A port found free and released
+//    ("freePort") may be taken by another test before the server binds it.
+//    Close-on-exec; children forked without exec share it (harmless).
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -55,6 +65,20 @@ std::string expectThrowsWith(const std::function<void()>& fn, const std::vector<
   ADD_FAILURE() << "did not throw";
   return {};
 }
+
+class PortReservation {
+ public:
+  PortReservation();  // throws std::runtime_error naming the errno
+  ~PortReservation();
+  PortReservation(const PortReservation&) = delete;
+  PortReservation& operator=(const PortReservation&) = delete;
+  uint16_t port() const { return port_; }
+  std::string text() const { return std::to_string(port_); }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+};
 
 // Scoped environment variable (restores the old value).
 class ScopedEnv {
