@@ -34,7 +34,10 @@ TEST(DtrunDtrain, RestartRecreatesTheGroupOnTheSurvivingStore) {
 }
 
 TEST(DtrunDtrain, HangWatchdogReadsTheProcessGroupsProgress) {
-  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "3", "--hang-timeout", "4s", "--monitor-interval", "200ms",
+  // The watchdog counts from the job's start until the first collective: the
+  // three ranks must start and finish one within --hang-timeout for the report
+  // to name one for each, so it leaves room for a loaded machine.
+  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "3", "--hang-timeout", "8s", "--monitor-interval", "200ms",
                              "--kill-grace", "3s", kWorker, "hang"},
                             120s);
   EXPECT_EQ(r.exitCode, 124) << r.out << r.err;
