@@ -10,13 +10,13 @@
 //    message contains every substring.
 //  * PortReservation: a loopback TCP port nobody else is handed while it
 //    lives, for a server another process starts on a fixed port (dtrun's
-//    --master-port, MASTER_PORT). It is bound with
-//    SO_REUSEADDR and never listens: the kernel gives the port to no bind(0)
-//    and no connect's ephemeral end, a connect to it is refused until the
-//    server listens, and a server that binds with SO_REUSEADDR (as TcpStore
-//    does) still gets it. A port found free and released
-//    ("freePort") may be taken by another test before the server binds it.
-//    Close-on-exec; children forked without exec share it (harmless).
+//    --master-port, MASTER_PORT). It is bound with SO_REUSEADDR and never
+//    listens: the kernel gives the port to no bind(0) and no connect's
+//    ephemeral end, a connect to it is refused until the server listens, and
+//    a server that binds with SO_REUSEADDR (as TcpStore does) still gets it.
+//    A port found free and released may be taken by another test before the
+//    server binds it. Close-on-exec; children forked without exec share it
+//    (harmless: it never listens).
 #pragma once
 
 #include <chrono>
