@@ -52,10 +52,13 @@ int runnableThreads() {
 }
 
 int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& taken, int runnable,
-                   const std::vector<uint8_t>& idlePercent, int minIdlePercent) {
+                   const std::vector<uint8_t>& idlePercent, int minIdlePercent, bool acceptBusyCore) {
   if (runnable < 0) return -1;
   const int others = CPU_COUNT(&allowed) - (CPU_ISSET(here, &allowed) ? 1 : 0);
-  if (runnable - 2 >= others) return -1;  // every other allowed core may be busy
+  // Every other allowed core may be busy (with acceptBusyCore: may run four threads; a fifth of a
+  // core is about where sharing it costs a small op as much as the stacked pair's hand-overs).
+  if (runnable - 2 >= (acceptBusyCore ? 4 : 1) * others) return -1;
+  if (acceptBusyCore) minIdlePercent = 0;
   int best = -1;
   int bestScore = -1;
   for (int core = 0; core < CPU_SETSIZE; ++core) {

@@ -112,7 +112,9 @@ constexpr int kSpinsPerCheck = 64;
 // with it for good (see core_placement.h) and steps aside to an idle core,
 // never to a core busy for more than 100 - kMinIdlePercent % of the last
 // heartbeat interval with something other than the group's own ranks (a core
-// a busy process holds is worse than sharing one with the peer). When it may
+// a busy process holds is worse than sharing one with the peer), unless the
+// pair's hand-overs of their shared core are expensive on this host: then a
+// core one busy process holds is the better place (HandoffCost). When it may
 // try again: StepAsideBackoff (core_placement.h).
 constexpr uint32_t kStackedWaits = 16;
 constexpr int kMinIdlePercent = 80;
@@ -342,7 +344,9 @@ void ShmSegment::stepAside(int here) {
   }
   std::vector<uint8_t> idle(coreIdle_.size());
   for (size_t c = 0; c < idle.size(); ++c) idle[c] = coreIdle_[c].load(std::memory_order_relaxed);
-  const int core = chooseIdleCore(allowed, here, taken, runnableThreads(), idle, kMinIdlePercent);
+  const bool acceptBusyCore = handoffCost_.expensive();
+  handoffCost_.reset();
+  const int core = chooseIdleCore(allowed, here, taken, runnableThreads(), idle, kMinIdlePercent, acceptBusyCore);
   if (core >= 0 && moveCallingThreadTo(core)) {
     control(rank_).cpu.store(core, std::memory_order_relaxed);
     steppedAside_.fetch_add(1, std::memory_order_relaxed);
@@ -373,10 +377,16 @@ bool ShmSegment::yieldToMate(int r, uint32_t target, int here) {
   auto now = Clock::now();
   if (now < foreignUntil_) return false;
   const auto until = now + kYieldToMateFor;
+  bool firstYield = true;
   while (now < until) {
     const auto before = now;
     ::sched_yield();
-    if (reached(peer.step.load(std::memory_order_acquire), target)) return true;
+    if (reached(peer.step.load(std::memory_order_acquire), target)) {
+      // One yield and the peer is there: the core went to it and came back, a whole hand-over.
+      if (firstYield) handoffCost_.record(Clock::now() - before);
+      return true;
+    }
+    firstYield = false;
     now = Clock::now();
     if (now - before > kForeignSlice) {
       foreignUntil_ = now + kForeignMemory;
@@ -415,6 +425,7 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
           spun_.fetch_add(1, std::memory_order_relaxed);
           if (peerWasAsleep) spunForWaking_.fetch_add(1, std::memory_order_relaxed);
           matesInARow_ = 0;
+          handoffCost_.reset();
           return;
         }
       }

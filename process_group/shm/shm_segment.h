@@ -36,7 +36,9 @@
 //    row) has been stacked there by the kernel's wake-up placement and moves
 //    its waiting thread to an idle core of its affinity mask, leaving the
 //    mask as it was (core_placement.h); the heartbeat thread samples the
-//    cores' idle shares for that. waitStats() counts which way the waits went.
+//    cores' idle shares for that. Where the pair's hand-overs of the core
+//    take over 5 us (timed at each yield, core_placement.h's HandoffCost),
+//    a core one busy process holds will do as well. waitStats() counts which way the waits went.
 //  * abort() sets the abort word (first caller wins) and wakes every sleeper:
 //    every rank's wait fails promptly. Idempotent, thread-safe.
 //  * One thread runs collectives (the runner's) and one runs p2p; they use
@@ -190,6 +192,7 @@ class ShmSegment {
   std::atomic<uint64_t> steppedAside_{0};
   uint32_t matesInARow_ = 0;  // collective thread only
   StepAsideBackoff stepAsideBackoff_;  // collective thread only
+  HandoffCost handoffCost_;            // collective thread only: this run of stacked waits
   Clock::time_point foreignUntil_{};  // a busy process shares this core: sleep, do not yield
   Clock::time_point wokeSleepersAt_{};  // collective thread only: arrive() last woke a sleeping peer
   uint32_t wokeSleepersAtStep_ = 0;     // ... on arriving at this phase
