@@ -55,8 +55,7 @@ int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& t
                    const std::vector<uint8_t>& idlePercent, int minIdlePercent, bool acceptBusyCore) {
   if (runnable < 0) return -1;
   const int others = CPU_COUNT(&allowed) - (CPU_ISSET(here, &allowed) ? 1 : 0);
-  // Every other allowed core may be busy (with acceptBusyCore: may run four threads; a fifth of a
-  // core is about where sharing it costs a small op as much as the stacked pair's hand-overs).
+  // Every other allowed core may be busy (with acceptBusyCore: may run four threads, see the header).
   if (runnable - 2 >= (acceptBusyCore ? 4 : 1) * others) return -1;
   if (acceptBusyCore) minIdlePercent = 0;
   int best = -1;

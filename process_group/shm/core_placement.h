@@ -24,23 +24,19 @@
 //    fewer than the other allowed cores none of those is idle. Cores with a
 //    known idle share (idlePercent, 255 = unknown) below minIdlePercent are
 //    skipped; the idlest known core wins, then the lowest number. With
-//    acceptBusyCore (the stacked pair's hand-overs are expensive, below) a
+//    acceptBusyCore (the stacked pair's switches are expensive, below) a
 //    busy core will do too: no idle-share floor, and only four or more
 //    threads running elsewhere per other allowed core refuse the move (with
-//    a quarter of a core, a small op costs about what two such hand-overs
-//    do; the count includes short-lived threads, such as the group's own
-//    helpers that wait for the busy core).
-//  * HandoffCost measures what a hand-over of the core between two stacked
-//    ranks costs on this host: record() takes the time from one sched_yield
-//    to the moment the awaited peer had arrived (the peer ran its part and
-//    gave the core back), and expensive() says whether the fastest of at
-//    least kSamples of them since the last reset() took longer than
-//    kExpensive. On most hosts a hand-over is a switch of about 1 us and
-//    sharing one core is the better of two evils when a busy process holds
-//    the other core; on some (a paravirtualized guest where a switch costs
-//    ~5 us, so ~10 us per exchange) sharing a core with the busy process is
-//    better: the rank there gets half of it, and while it runs an exchange
-//    costs a cache line's trip between cores. Plain value; one owner.
+//    three, the rank gets a quarter of the core, and back-to-back small ops
+//    cost about four times what they cost between free cores: what the
+//    stacked pair paid where a switch took 4.8 us; the count includes
+//    short-lived threads, such as the group's own helpers that wait for the
+//    busy core).
+//  * SwitchCost measures what a switch between two ranks that share a core
+//    costs on this host: record() takes the time from one rank's sched_yield
+//    to the moment the other runs, and expensive() says whether the fastest
+//    of at least kSamples of them since the last reset() took longer than
+//    kExpensive. Plain value; one owner.
 //  * forgetSharesOfGroupCores() sets to kIdleUnknown the idle share of every
 //    core a rank of the group was on at the start or at the end of the
 //    sampled interval: that core's busy time is (at least partly) the
@@ -85,17 +81,20 @@ int runnableThreads();
 int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& taken, int runnable,
                    const std::vector<uint8_t>& idlePercent, int minIdlePercent, bool acceptBusyCore = false);
 
-// 5 us: between the ~1-3 us a hand-over takes where the stacked pair's 4 KiB allreduce is at
-// MPI's time or better (the Intel development VM) and the 9-10 us it takes where stacking makes
-// it 2.4x MPI's (a paravirtualized AMD guest: a syscall costs ~1 us there).
-class HandoffCost {
+// Stacked, a small op costs its work plus two switches per exchange; moved to a core that a
+// busy process holds, a rank gets half of that core, so back-to-back small ops cost about twice
+// what they cost between free cores (5.4 against 2.7 us per 4 KiB allreduce at world 2). The two
+// meet at switches of about 2 us. Where they cost about 1 us (the Intel development VM) stacking
+// wins; a paravirtualized AMD guest takes 4.8 us (a system call alone costs ~1 us there), and the
+// stacked pair's 4 KiB allreduce took 12 us per op against 2.6-3.0 us moved.
+class SwitchCost {
  public:
   using Clock = std::chrono::steady_clock;
-  static constexpr std::chrono::microseconds kExpensive{5};
+  static constexpr std::chrono::nanoseconds kExpensive{2500};
   static constexpr int kSamples = 4;
 
-  void record(Clock::duration away) {
-    fastest_ = samples_ == 0 ? away : std::min(fastest_, away);
+  void record(Clock::duration switchTime) {
+    fastest_ = samples_ == 0 ? switchTime : std::min(fastest_, switchTime);
     ++samples_;
   }
   bool expensive() const { return samples_ >= kSamples && fastest_ > kExpensive; }

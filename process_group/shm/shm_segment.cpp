@@ -34,7 +34,7 @@ namespace dt::shm {
 namespace {
 
 constexpr uint64_t kMagic = 0x64747368'6d736567ull;  // "dtshmseg"
-constexpr uint32_t kVersion = 2;  // 2: RankControl::cpu
+constexpr uint32_t kVersion = 3;  // 2: RankControl::cpu; 3: RankControl::yieldedAtNs
 constexpr size_t kAlign = 4096;
 
 size_t alignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
@@ -70,6 +70,10 @@ bool isZombie(int32_t pid) {
 }
 
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+int64_t sinceEpochNs(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
 
 // How long a waiter spins for a peer that may be running on another core
 // before it sleeps: about what sleeping costs (a futex wake-up plus a context
@@ -113,8 +117,8 @@ constexpr int kSpinsPerCheck = 64;
 // never to a core busy for more than 100 - kMinIdlePercent % of the last
 // heartbeat interval with something other than the group's own ranks (a core
 // a busy process holds is worse than sharing one with the peer), unless the
-// pair's hand-overs of their shared core are expensive on this host: then a
-// core one busy process holds is the better place (HandoffCost). When it may
+// pair's switches on their shared core are expensive on this host: then a
+// busy core is the better place (SwitchCost). When it may
 // try again: StepAsideBackoff (core_placement.h).
 constexpr uint32_t kStackedWaits = 16;
 constexpr int kMinIdlePercent = 80;
@@ -344,8 +348,8 @@ void ShmSegment::stepAside(int here) {
   }
   std::vector<uint8_t> idle(coreIdle_.size());
   for (size_t c = 0; c < idle.size(); ++c) idle[c] = coreIdle_[c].load(std::memory_order_relaxed);
-  const bool acceptBusyCore = handoffCost_.expensive();
-  handoffCost_.reset();
+  const bool acceptBusyCore = switchCost_.expensive();
+  switchCost_.reset();
   const int core = chooseIdleCore(allowed, here, taken, runnableThreads(), idle, kMinIdlePercent, acceptBusyCore);
   if (core >= 0 && moveCallingThreadTo(core)) {
     control(rank_).cpu.store(core, std::memory_order_relaxed);
@@ -377,17 +381,13 @@ bool ShmSegment::yieldToMate(int r, uint32_t target, int here) {
   auto now = Clock::now();
   if (now < foreignUntil_) return false;
   const auto until = now + kYieldToMateFor;
-  bool firstYield = true;
   while (now < until) {
     const auto before = now;
+    control(rank_).yieldedAtNs.store(sinceEpochNs(before), std::memory_order_relaxed);
     ::sched_yield();
-    if (reached(peer.step.load(std::memory_order_acquire), target)) {
-      // One yield and the peer is there: the core went to it and came back, a whole hand-over.
-      if (firstYield) handoffCost_.record(Clock::now() - before);
-      return true;
-    }
-    firstYield = false;
     now = Clock::now();
+    timeSwitch(before, now);
+    if (reached(peer.step.load(std::memory_order_acquire), target)) return true;
     if (now - before > kForeignSlice) {
       foreignUntil_ = now + kForeignMemory;
       return false;
@@ -396,6 +396,16 @@ bool ShmSegment::yieldToMate(int r, uint32_t target, int here) {
     if (peer.cpu.load(std::memory_order_relaxed) != here && awakeRankOnCore(here) < 0) return false;
   }
   return false;
+}
+
+// The core came back to this thread after a rank of the group had yielded it, later than this
+// thread did: from that rank's yield to now is one switch between two ranks.
+void ShmSegment::timeSwitch(Clock::time_point yielded, Clock::time_point back) {
+  int64_t latest = 0;
+  for (int q = 0; q < size_; ++q) {
+    if (q != rank_) latest = std::max(latest, control(q).yieldedAtNs.load(std::memory_order_relaxed));
+  }
+  if (latest > sinceEpochNs(yielded)) switchCost_.record(back - Clock::time_point(std::chrono::nanoseconds(latest)));
 }
 
 void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
@@ -425,7 +435,7 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
           spun_.fetch_add(1, std::memory_order_relaxed);
           if (peerWasAsleep) spunForWaking_.fetch_add(1, std::memory_order_relaxed);
           matesInARow_ = 0;
-          handoffCost_.reset();
+          switchCost_.reset();
           return;
         }
       }

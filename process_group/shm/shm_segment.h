@@ -36,9 +36,9 @@
 //    row) has been stacked there by the kernel's wake-up placement and moves
 //    its waiting thread to an idle core of its affinity mask, leaving the
 //    mask as it was (core_placement.h); the heartbeat thread samples the
-//    cores' idle shares for that. Where the pair's hand-overs of the core
-//    take over 5 us (timed at each yield, core_placement.h's HandoffCost),
-//    a core one busy process holds will do as well. waitStats() counts which way the waits went.
+//    cores' idle shares for that. Where a switch between the two ranks takes
+//    over 2.5 us (each yield to a core mate is timed: core_placement.h's
+//    SwitchCost), a busy core will do as well. waitStats() counts which way the waits went.
 //  * abort() sets the abort word (first caller wins) and wakes every sleeper:
 //    every rank's wait fails promptly. Idempotent, thread-safe.
 //  * One thread runs collectives (the runner's) and one runs p2p; they use
@@ -71,6 +71,7 @@ struct alignas(64) RankControl {
   std::atomic<uint64_t> heartbeat{0};
   std::atomic<int32_t> cpu{-1};       // the core this rank's collective thread last ran on
   std::atomic<uint32_t> state{0};     // in a collective; asleep in a wait (shm_segment.cpp)
+  std::atomic<int64_t> yieldedAtNs{0};  // steady clock when it last yielded its core to a core mate
   // Fingerprint hash of this rank's collectives, by the parity of their
   // count (a peer is at most one collective ahead).
   std::atomic<uint64_t> opHash[2] = {0, 0};
@@ -170,6 +171,7 @@ class ShmSegment {
   void stepAside(int here);
   int awakeRankOnCore(int here) const;
   bool yieldToMate(int r, uint32_t target, int here);
+  void timeSwitch(Clock::time_point yielded, Clock::time_point back);
 
   const int rank_;
   const int size_;
@@ -192,7 +194,7 @@ class ShmSegment {
   std::atomic<uint64_t> steppedAside_{0};
   uint32_t matesInARow_ = 0;  // collective thread only
   StepAsideBackoff stepAsideBackoff_;  // collective thread only
-  HandoffCost handoffCost_;            // collective thread only: this run of stacked waits
+  SwitchCost switchCost_;              // collective thread only: this run of stacked waits
   Clock::time_point foreignUntil_{};  // a busy process shares this core: sleep, do not yield
   Clock::time_point wokeSleepersAt_{};  // collective thread only: arrive() last woke a sleeping peer
   uint32_t wokeSleepersAtStep_ = 0;     // ... on arriving at this phase

@@ -398,11 +398,11 @@ TEST(CorePlacement, AStackedRankGoesOnlyToAnIdleCoreNoRankHolds) {
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, -1, {0, 100}, 80), -1);
 }
 
-TEST(CorePlacement, WhereHandOversAreExpensiveAStackedRankTakesACoreABusyProcessHolds) {
+TEST(CorePlacement, WhereSwitchesAreExpensiveAStackedRankTakesACoreABusyProcessHolds) {
   using shm::chooseIdleCore;
   // On core 0 with its core mate; a busy process holds core 1 (runnable: this thread, the mate
   // and the busy one).
-  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 3, {0, 0}, 80), -1) << "hand-overs cheap: stay stacked";
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 3, {0, 0}, 80), -1) << "switches cheap: stay stacked";
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 3, {0, 0}, 80, /*acceptBusyCore=*/true), 1);
   // Short-lived threads waiting for core 1 too (the group's own helpers): still up to four.
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 5, {0, 0}, 80, true), 1);
@@ -414,22 +414,22 @@ TEST(CorePlacement, WhereHandOversAreExpensiveAStackedRankTakesACoreABusyProcess
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, -1, {0, 0}, 80, true), -1) << "procs_running unreadable: stay";
 }
 
-TEST(CorePlacement, HandOversAreExpensiveOnlyWhenTheFastestOfSeveralIsSlow) {
-  using Cost = shm::HandoffCost;
+TEST(CorePlacement, SwitchesAreExpensiveOnlyWhenTheFastestOfSeveralIsSlow) {
+  using Cost = shm::SwitchCost;
   Cost cost;
   EXPECT_FALSE(cost.expensive()) << "nothing measured";
-  for (int i = 0; i < Cost::kSamples - 1; ++i) cost.record(10us);
-  EXPECT_FALSE(cost.expensive()) << "too few hand-overs to tell";
-  cost.record(9us);
-  EXPECT_TRUE(cost.expensive()) << "four hand-overs of 9-10 us (a paravirtualized guest)";
+  for (int i = 0; i < Cost::kSamples - 1; ++i) cost.record(5us);
+  EXPECT_FALSE(cost.expensive()) << "too few switches to tell";
+  cost.record(4800ns);
+  EXPECT_TRUE(cost.expensive()) << "four switches of 4.8-5 us (a paravirtualized guest)";
   cost.record(Cost::kExpensive);
-  EXPECT_FALSE(cost.expensive()) << "one as fast as the bound: switches are cheap, the rest waited for work";
+  EXPECT_FALSE(cost.expensive()) << "one as fast as the bound: the others waited for something else";
   cost.reset();
   for (int i = 0; i < Cost::kSamples; ++i) cost.record(i == 2 ? 1us : 20us);
-  EXPECT_FALSE(cost.expensive()) << "a 1 us hand-over among slow ones";
+  EXPECT_FALSE(cost.expensive()) << "a 1 us switch among slow ones";
   cost.reset();
   EXPECT_FALSE(cost.expensive()) << "reset forgets the run";
-  for (int i = 0; i < Cost::kSamples; ++i) cost.record(12us);
+  for (int i = 0; i < Cost::kSamples; ++i) cost.record(3us);
   EXPECT_TRUE(cost.expensive());
 }
 
