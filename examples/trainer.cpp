@@ -363,6 +363,8 @@ class Trainer {
   std::vector<std::string> savedBucketOrder_;
   dt::DistributedDataParallel* ddp_ = nullptr;
   void saveCheckpoint(int64_t step, const std::string& reason);
+  // The checkpoint due at `step` (--checkpoint-every), written again after a recovery.
+  void periodicCheckpoint(int64_t& step, dt::DistributedDataParallel& ddp, std::unique_ptr<dt::data::PrefetchLoader>& loader);
   // --elastic: this rank's share of the global batch, and the loss weight that keeps the
   // gradient the mean over the global batch when the shares are uneven.
   void splitData();
@@ -622,6 +624,21 @@ void Trainer::resumeOrStart() {
           m.worldSize, " rank(s), ", m.text("reason"), ")", restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
 }
 
+void Trainer::periodicCheckpoint(int64_t& step, dt::DistributedDataParallel& ddp,
+                                 std::unique_ptr<dt::data::PrefetchLoader>& loader) {
+  if (!checkpoints_ || c_.checkpointEvery <= 0 || step % c_.checkpointEvery != 0 || step >= totalSteps_) return;
+  while (true) {
+    try {
+      failHereIf(step, "checkpoint");
+      saveCheckpoint(step, "periodic");
+      return;
+    } catch (const dt::Error&) {
+      if (!elastic_) throw;
+      recover(std::current_exception(), step, ddp, loader);  // every member is at this step: write it again
+    }
+  }
+}
+
 void Trainer::saveCheckpoint(int64_t step, const std::string& reason) {
   // A collective: every rank writes its part (here rank 0 holds everything but the other
   // ranks' RNG states, which travel to it).
@@ -727,6 +744,9 @@ int Trainer::run() {
   std::optional<Clock::time_point> benchStart;
   int64_t benchFromStep = startStep_ + c_.benchWarmup;
 
+  // Admitted at a checkpoint's step, a joiner writes that checkpoint with the members: they write
+  // it at the end of the step whose boundary admitted it, after the admission.
+  if (joining) periodicCheckpoint(step, ddp, loader);
   while (step < totalSteps_) {
     if (c_.bench && step == benchFromStep) benchStart = Clock::now();
     if (c_.stepPauseMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c_.stepPauseMs));
@@ -797,18 +817,7 @@ int Trainer::run() {
       stopSignal = examples::stopSignal().load();
       break;
     }
-    if (checkpoints_ && c_.checkpointEvery > 0 && step % c_.checkpointEvery == 0 && step < totalSteps_) {
-      while (true) {
-        try {
-          failHereIf(step, "checkpoint");
-          saveCheckpoint(step, "periodic");
-          break;
-        } catch (const dt::Error&) {
-          if (!elastic_) throw;
-          recover(std::current_exception(), step, ddp, loader);  // every member is at this step: write it again
-        }
-      }
-    }
+    periodicCheckpoint(step, ddp, loader);
   }
   const double trainSeconds = runSeconds_;
   const Clock::time_point loopEnd = Clock::now();

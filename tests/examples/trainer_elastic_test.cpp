@@ -156,6 +156,24 @@ TEST_F(TrainerElastic, KilledWhileACheckpointIsWritten) {
   EXPECT_NEAR(finalValue(r.out, "test accuracy").value_or(-10), referenceAccuracy_, 0.003);
 }
 
+TEST_F(TrainerElastic, AReplacementAdmittedAtACheckpointsStepWritesItWithTheOthers) {
+  // A checkpoint at every step: the replacement of member 2 is admitted at a step whose
+  // checkpoint the members write right after admitting it. It used to skip it and start its
+  // first step: a desync on every rank (the members' checkpoint allgather against its first
+  // gradient allreduce), which the test below met when an admission fell on a 25th step.
+  TempDir out;
+  std::vector<std::string> args = job(data_->path(), out.path(), {"--checkpoint-every", "1", "--keep", "2"});
+  for (const char* extra : {"--step-pause", "40", "--fail-at", "2:10:forward"}) args.push_back(extra);
+  const auto r = runProcess(dtrunTrainer(4, args, {"--elastic", "--max-restarts", "1"}), 180s);
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_EQ(countOccurrences(r.out, "joined at step"), 1) << r.out;
+  EXPECT_FALSE(commonFingerprint(r.out, 4).empty()) << r.out;
+  const size_t at = r.out.find("joined at step ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::string joinedAt = r.out.substr(at + 15, r.out.find(' ', at + 15) - at - 15);
+  EXPECT_THAT(r.out, HasSubstr(str("checkpoint at step ", joinedAt, " (periodic) written"))) << r.out;
+}
+
 TEST_F(TrainerElastic, KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize) {
   // 200 steps (20 epochs of the slice), paced at 40 ms a step so that each replacement (about
   // half a second from its start to its admission here, more on a loaded machine) joins
