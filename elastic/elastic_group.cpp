@@ -188,7 +188,8 @@ std::unique_ptr<ElasticGroup> ElasticGroup::fromEnvironment(ElasticOptions optio
     DT_REQUIRE(member >= job.worldSize, "ElasticGroup: DT_ELASTIC_JOIN=1 needs DT_ELASTIC_MEMBER, a member id of at least "
                "the initial world size ", job.worldSize, " (dtrun sets both for a replacement), got ", member);
     options.group.watchdogKey = str("dt/progress/", member);  // not rank 0's
-    return join(job.store, static_cast<int>(member), std::move(options));
+    return std::unique_ptr<ElasticGroup>(
+        new ElasticGroup(job.store, static_cast<int>(member), std::move(options), JoinTag{job.worldSize}));
   }
   return std::make_unique<ElasticGroup>(job.store, job.rank, job.worldSize, std::move(options));
 }
@@ -211,7 +212,7 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(StorePtr store, int memberId, E
   return std::unique_ptr<ElasticGroup>(new ElasticGroup(std::move(store), memberId, std::move(options), JoinTag{}));
 }
 
-ElasticGroup::ElasticGroup(StorePtr store, int memberId, ElasticOptions options, JoinTag)
+ElasticGroup::ElasticGroup(StorePtr store, int memberId, ElasticOptions options, JoinTag tag)
     : store_(std::move(store)), memberId_(memberId), options_(std::move(options)) {
   DT_REQUIRE(store_ != nullptr, "ElasticGroup: store is null");
   DT_REQUIRE(memberId_ >= 0, "ElasticGroup: member id must be >= 0, got ", memberId_);
@@ -232,6 +233,10 @@ ElasticGroup::ElasticGroup(StorePtr store, int memberId, ElasticOptions options,
       if (membership::finished(*store_)) {
         throw JobFinishedError(str("[member ", memberId_, ", joining] the job finished before this process was admitted"));
       }
+      if (const std::string gone = everyMemberGone(epoch, tag.initialWorld); !gone.empty()) {
+        throw MembershipError(str("[member ", memberId_, ", joining] nobody is left to admit this process: every member of ",
+                                  "epoch ", epoch, " is gone (", gone, ")"));
+      }
       if (Clock::now() < deadline) continue;
       throw TimeoutError(str("[member ", memberId_, ", joining] the members did not admit this process within ",
                              formatDuration(options_.joinTimeout), " (it waited for the decision on epoch ", epoch + 1,
@@ -251,6 +256,26 @@ ElasticGroup::ElasticGroup(StorePtr store, int memberId, ElasticOptions options,
                                 membership::deathOf(*store_, memberId_).value_or("no reason recorded"), ")"));
     }
   }
+}
+
+// What ended every member of `epoch` ("member 0 exited: exit code 1, and 3 more"), or "" while
+// one lives or the members are not known (epoch 0 of a joiner made without the initial world).
+std::string ElasticGroup::everyMemberGone(uint64_t epoch, int initialWorld) {
+  std::vector<int> members;
+  if (epoch > 0) {
+    members = Decision::decode(store_->get(decisionKey(epoch))).members;
+  } else {
+    for (int m = 0; m < initialWorld; ++m) members.push_back(m);
+  }
+  // One store call while fewer deaths than members were posted (the usual case).
+  if (members.empty() || membership::deathCount(*store_) < static_cast<int64_t>(members.size())) return "";
+  std::string first;
+  for (int m : members) {
+    const std::optional<std::string> death = membership::deathOf(*store_, m);
+    if (!death) return "";
+    if (first.empty()) first = str("member ", m, " ", *death);
+  }
+  return members.size() == 1 ? first : str(first, ", and ", members.size() - 1, " more");
 }
 
 void ElasticGroup::startWatcher() {

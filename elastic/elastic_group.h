@@ -53,7 +53,10 @@
 //    ElasticGroup as a joiner (fromEnvironment does when DT_ELASTIC_JOIN=1): it
 //    registers, beats, and blocks until the members admit it (up to joinTimeout;
 //    TimeoutError names the epoch it waited for; JobFinishedError when the job finished
-//    first: nothing is left to do). The members' watcher threads see the
+//    first: nothing is left to do; MembershipError, within a poll of 200 ms, when every
+//    member of the newest epoch was posted dead: nobody is left to admit it, and it names
+//    what ended them. fromEnvironment's joiner knows epoch 0's members, join()'s only
+//    those of decided epochs). The members' watcher threads see the
 //    registration: joinersWaiting() turns true on the members within a heartbeat interval.
 //    The members agree on it in a step's commit vote and then all call admit(step) at the
 //    same step boundary: the same agreement as recover() (a member dying meanwhile is
@@ -140,9 +143,12 @@ class ElasticGroup {
  private:
   struct Watcher;
   struct Decision;
-  struct JoinTag {};
+  struct JoinTag {
+    int initialWorld = 0;  // epoch 0's members are [0, initialWorld); 0: not known
+  };
   ElasticGroup(StorePtr store, int memberId, ElasticOptions options, JoinTag);
   void startWatcher();
+  std::string everyMemberGone(uint64_t epoch, int initialWorld);
   // The agreement of recover() and admit(): every member of `before` reports or dies; the
   // lowest-numbered live one decides (and with `admitting`, adds the live joiners).
   Decision agree(const Membership& before, int64_t stepsApplied, bool admitting);

@@ -174,6 +174,23 @@ TEST_F(TrainerElastic, AReplacementAdmittedAtACheckpointsStepWritesItWithTheOthe
   EXPECT_THAT(r.out, HasSubstr(str("checkpoint at step ", joinedAt, " (periodic) written"))) << r.out;
 }
 
+TEST_F(TrainerElastic, WhenEveryMemberDiedTheReplacementsEndTheJobInsteadOfWaitingToBeAdmitted) {
+  // Nobody is left to admit the four replacements: each says so within a poll and exits,
+  // instead of waiting out its 5-minute join timeout.
+  TempDir out;
+  std::vector<std::string> args = job(data_->path(), out.path(), {});
+  for (const char* extra : {"--step-pause", "20", "--fail-at", "0:20:forward,1:20:forward,2:20:forward,3:20:forward"}) {
+    args.push_back(extra);
+  }
+  const auto r = runProcess(dtrunTrainer(4, args, {"--elastic", "--max-restarts", "1"}), 120s);
+  EXPECT_NE(r.exitCode, 0) << r.out << r.err;
+  EXPECT_FALSE(r.timedOut) << r.out << r.err;
+  EXPECT_EQ(countOccurrences(r.err, "is replaced by member"), 4) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("nobody is left to admit this process: every member of epoch 0 is gone (member 0 exited: "
+                               "signal SIGKILL, and 3 more)"));
+  std::printf("the job ended %.1f s after its start\n", r.seconds);
+}
+
 TEST_F(TrainerElastic, KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize) {
   // 200 steps (20 epochs of the slice), paced at 40 ms a step so that each replacement (about
   // half a second from its start to its admission here, more on a loaded machine) joins
