@@ -38,7 +38,8 @@
 //    mask as it was (core_placement.h); the heartbeat thread samples the
 //    cores' idle shares for that. Where a switch between the two ranks takes
 //    over 2.5 us (each yield to a core mate is timed: core_placement.h's
-//    SwitchCost), a busy core will do as well. waitStats() counts which way the waits went.
+//    SwitchCost), a busy core will do as well. waitStats() counts which way
+//    the waits went.
 //  * abort() sets the abort word (first caller wins) and wakes every sleeper:
 //    every rank's wait fails promptly. Idempotent, thread-safe.
 //  * One thread runs collectives (the runner's) and one runs p2p; they use
