@@ -206,14 +206,12 @@ bool CollectiveRunner::start(const Work* work, Work::Start how) {
   const std::exception_ptr refused = broken_ ? notStarted(task.op, task.seq) : nullptr;
   lock.unlock();
   countRun(ranByCaller_);
-  if (refused) {
-    Work::markFailed(task.work, refused);
-  } else {
-    runTask(task);
-  }
+  const std::exception_ptr failure = refused ? refused : runTask(task);
   lock.lock();
   running_ = false;
   if (!queue_.empty() || stopping_) wake_.notify_all();
+  lock.unlock();
+  complete(task, failure);
   return true;
 }
 
@@ -292,9 +290,14 @@ void CollectiveRunner::workerLoop() {
       running_ = true;
       lock.unlock();
       countRun(ranByWorker_);
-      runTask(task);
+      const std::exception_ptr failure = runTask(task);
       lock.lock();
       running_ = false;
+      lock.unlock();
+      // Only now: the caller this wakes may issue its next op at once, and finding running_
+      // still set it would hand that op to this thread too, and so on for every op after it.
+      complete(task, failure);
+      lock.lock();
       continue;
     }
     const bool opsWaitForCallers = std::any_of(queue_.begin(), queue_.end(), [](const Task& t) { return t.leftToCaller; });
@@ -314,10 +317,11 @@ void CollectiveRunner::workerLoop() {
   }
 }
 
-// Runs one task (mutex not held) and completes its Work; the first failure
-// becomes the group's cause and aborts the transport, so that a timed-out
-// transfer can no longer write into the caller's memory.
-void CollectiveRunner::runTask(Task& task) {
+// Runs one task's body (mutex not held) and returns its failure, explained; the
+// first failure becomes the group's cause and aborts the transport, so that a
+// timed-out transfer can no longer write into the caller's memory. The Work is
+// completed by complete(), after running_ is cleared.
+std::exception_ptr CollectiveRunner::runTask(Task& task) {
   std::exception_ptr failure;
   const int64_t profiledStartNs = profiler::recording() ? profiler::nowNs() : -1;
   progress_->started(task.seq, task.op);
@@ -342,6 +346,12 @@ void CollectiveRunner::runTask(Task& task) {
       failure = withPrefix(failure, "", " [the group is broken now: later ops fail at once; ProcessGroup::isBroken()]");
     }
     fail(failure);
+  }
+  return failure;
+}
+
+void CollectiveRunner::complete(Task& task, const std::exception_ptr& failure) {
+  if (failure) {
     Work::markFailed(task.work, failure);
   } else {
     Work::markCompleted(task.work);

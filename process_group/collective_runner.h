@@ -220,7 +220,8 @@ class CollectiveRunner {
   };
 
   void workerLoop();
-  void runTask(Task& task);
+  std::exception_ptr runTask(Task& task);
+  static void complete(Task& task, const std::exception_ptr& failure);
   void recordProfile(const Task& task, int64_t startNs, bool failed) const;
   // The start helper: runs the op of `work` on this thread if it is next
   // (OnThisThread), or hands it to the worker (Soon).

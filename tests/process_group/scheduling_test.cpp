@@ -154,6 +154,29 @@ TEST(Scheduling, LargeOpsStartOnTheWorkerWithoutAnyHint) {
   work->wait();
 }
 
+// The worker completes an op (waking its caller) only after it is done with it: a caller that
+// issues its next op at once and waits for it runs it itself. Completing first left a window
+// where the woken caller found the worker still busy and handed it the op, and then the next,
+// and so on: on a host where a wake-up costs 5 us, every small op after one large op cost 6-9 us
+// instead of 1.3 in half the launches. The then-inline callback holds the worker in that window.
+TEST(Scheduling, TheOpAfterOneTheWorkerRanRunsOnItsCallerWhileTheWorkerFinishesUp) {
+  Recorder r;
+  std::atomic<bool> started{false}, registered{false};
+  WorkPtr large = r.runner->enqueue(0, "allreduce", floats(int64_t{1} << 20), std::nullopt,
+                                    [&](Millis, const CollectiveFingerprint&) {
+                                      started = true;
+                                      while (!registered.load()) std::this_thread::yield();
+                                    });
+  ASSERT_TRUE(eventually([&] { return started.load(); })) << "a large op starts on the worker by itself";
+  large->thenInline([](Work&) { std::this_thread::sleep_for(200ms); });  // on the worker, completing it
+  registered = true;
+  large->wait();
+  r.issue()->wait();
+  EXPECT_EQ(r.thread(0), std::this_thread::get_id());
+  EXPECT_EQ(r.runner->stats().ranByWorker, 1u);
+  EXPECT_EQ(r.runner->stats().ranByCaller, 1u);
+}
+
 TEST(Scheduling, OpsIssuedFromTwoThreadsAllRunOnceInIssueOrder) {
   Recorder r;
   std::mutex issueOrder;
