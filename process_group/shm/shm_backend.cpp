@@ -598,12 +598,15 @@ void ShmBackend::shutdown() {
   d.stopP2P();
   d.runner->shutdown();
   if (d.seg && !std::exchange(d.waitsLogged, true) && d.runner->log()->should_log(spdlog::level::debug)) {
-    // How this rank's waits ended: what to read when small collectives are slower than they should be.
+    // How this rank's waits ended, and which thread ran its ops: what to read when small
+    // collectives are slower than they should be (a small op the worker ran cost a wake-up).
     const shm::ShmSegment::WaitStats w = d.seg->waitStats();
+    const CollectiveRunner::Stats ran = d.runner->stats();
     d.runner->log()->debug(
         "shm waits: {} spun ({} for a peer it had woken), {} slept ({} for a peer it had woken), {} for a core mate, "
-        "{} stepped aside",
-        w.spun, w.spunForWaking, w.slept, w.sleptForWoken, w.forCoreMate, w.steppedAside);
+        "{} stepped aside; ops run by their callers {}, by the worker {}",
+        w.spun, w.spunForWaking, w.slept, w.sleptForWoken, w.forCoreMate, w.steppedAside, ran.ranByCaller,
+        ran.ranByWorker);
   }
 }
 
