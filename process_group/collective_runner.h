@@ -27,7 +27,11 @@
 //        not block each other.
 //      - Larger ops wake the worker at once: they are what callers overlap
 //        with compute.
-//    stats() counts which thread ran how many ops.
+//    stats() counts which thread ran how many ops. The worker is idle again
+//    before it completes an op's Work (so that the caller it wakes runs its
+//    next op itself): an op its caller runs at once may therefore complete a
+//    few microseconds before the worker has completed the op ahead of it;
+//    the bodies themselves never overlap and run in issue order.
 //  * A body reports failure by throwing. TransportTimeout and PeerLost (below)
 //    are the transport's words for "the deadline passed" and "a peer is gone";
 //    the runner turns them into TimeoutError / BackendError naming the op, the
