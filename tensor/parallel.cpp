@@ -1,6 +1,7 @@
 #include "tensor/parallel.h"
 
 #include <cblas.h>
+#include <dlfcn.h>
 #include <strings.h>
 #include <unistd.h>
 
@@ -27,6 +28,8 @@ namespace {
 std::atomic<int> gThreads{0};
 thread_local bool tInsideParallel = false;
 
+// Before main: OpenBLAS's constructor has run (it is a library this one needs), no BLAS call has.
+const bool gBlasWorkersStoppedAtStart = stopIdleBlasWorkers();
 
 class Pool {
  public:
@@ -126,6 +129,16 @@ std::string blasKernelWarning(const std::string& core, bool cpuHasAvx512, bool c
              " (it does not know this CPU model), so matrix products run several times slower than they could; "
              "set OPENBLAS_CORETYPE=", fit, " in the environment before the program starts (dtrun passes it on to "
              "every rank)");
+}
+
+bool stopIdleBlasWorkers() {
+  // OpenBLAS's own entry point for this (its fork handler calls it); absent from builds without
+  // a thread pool of their own, where there is nothing to stop.
+  using Shutdown = int (*)();
+  const auto shutdown = reinterpret_cast<Shutdown>(::dlsym(RTLD_DEFAULT, "blas_thread_shutdown_"));
+  if (shutdown == nullptr) return false;
+  shutdown();
+  return true;
 }
 
 int defaultNumThreads() {

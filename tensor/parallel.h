@@ -22,6 +22,15 @@ int defaultNumThreads();
 // Overrides DT_NUM_THREADS for this process (also sets OpenBLAS threads).
 void setNumThreads(int n);
 
+// Stops OpenBLAS's worker threads (true; false where the BLAS library has no such pool). OpenBLAS
+// (pthread build) starts them when it loads, and an idle worker polls for work with sched_yield
+// for about 2^28 cycles (0.13 s measured) before it sleeps: every process linking it began with
+// one busy core per worker, on a 2-core machine the whole other core, while a job's first
+// collectives ran. This library calls it once before main; OpenBLAS starts the workers again at
+// the first call that uses them, so only a process that uses BLAS threads has them. Call it
+// only while no other thread is inside a BLAS call.
+bool stopIdleBlasWorkers();
+
 // The kernels OpenBLAS chose for this process ("SkylakeX", "Prescott", ...), for benchmark reports.
 std::string blasKernelName();
 // OpenBLAS picks its kernels from the CPU model when it loads; a model newer

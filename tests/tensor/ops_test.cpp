@@ -4,8 +4,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -394,6 +399,58 @@ TEST(Threads, OpenBlasFallbackKernelsOnAModernCpuAreNamedWithTheFix) {
   for (const char* part : {"\"Nehalem\" kernels", "AVX2", "OPENBLAS_CORETYPE=Haswell"}) {
     EXPECT_NE(avx2.find(part), std::string::npos) << part << " missing from: " << avx2;
   }
+}
+
+// CPU time the other threads of this process have used so far (/proc's schedstat), and how many
+// threads it has.
+int64_t otherThreadsCpuNs() {
+  int64_t ns = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    if (task.path().filename() == std::to_string(::gettid())) continue;
+    std::ifstream in(task.path() / "schedstat");
+    int64_t onCpu = 0;
+    if (in >> onCpu) ns += onCpu;
+  }
+  return ns;
+}
+int threadCount() {
+  return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/task"),
+                                        std::filesystem::directory_iterator()));
+}
+
+// OpenBLAS starts its workers when it loads, and an idle one polls with sched_yield for about
+// 0.13 s: before this library stopped them, each process began with a busy core per worker
+// (measured: 120 ms of CPU in the first 130 ms), which every rank's first collectives then shared.
+// Each test runs in a process of its own, started just before.
+TEST(Threads, NoBlasWorkerSpinsWhileAProcessStarts) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one core: OpenBLAS starts no workers here";
+  const int64_t before = otherThreadsCpuNs();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const int64_t used = otherThreadsCpuNs() - before;
+  std::printf("other threads: %d, their CPU time: %.1f ms so far, %.1f ms in the last 30 ms\n", threadCount() - 1,
+              static_cast<double>(before + used) / 1e6, static_cast<double>(used) / 1e6);
+  EXPECT_LT(used, 5'000'000) << "another thread of this process kept a core busy while nothing ran";
+}
+
+// Stopped workers come back for the next BLAS call that uses them, and it computes the same.
+TEST(Threads, StoppedBlasWorkersComeBackForTheNextThreadedCall) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one core: OpenBLAS starts no workers here";
+  const int before = numThreads();
+  setNumThreads(2);
+  const Tensor a = full({384, 384}, 0.5);
+  const Tensor b = full({384, 384}, 2.0);
+  const Tensor expected = full({384, 384}, 384.0);
+  EXPECT_TRUE(mm(a, b).allclose(expected));
+  const int withWorkers = threadCount();
+  if (!stopIdleBlasWorkers()) {
+    setNumThreads(before);
+    GTEST_SKIP() << "this BLAS library has no worker pool of its own to stop";
+  }
+  EXPECT_EQ(threadCount(), withWorkers - 1) << "the one OpenBLAS worker of a 2-thread call stopped";
+  const Tensor c = mm(a, b);
+  EXPECT_EQ(threadCount(), withWorkers) << "and came back for the next one";
+  EXPECT_TRUE(c.allclose(expected));
+  setNumThreads(before);
 }
 
 TEST(Threads, KnobAndParallelForCoverage) {
