@@ -603,10 +603,11 @@ void ShmBackend::shutdown() {
     const shm::ShmSegment::WaitStats w = d.seg->waitStats();
     const CollectiveRunner::Stats ran = d.runner->stats();
     d.runner->log()->debug(
-        "shm waits: {} spun ({} for a peer it had woken), {} slept ({} for a peer it had woken), {} for a core mate, "
-        "{} stepped aside; ops run by their callers {}, by the worker {}",
-        w.spun, w.spunForWaking, w.slept, w.sleptForWoken, w.forCoreMate, w.steppedAside, ran.ranByCaller,
-        ran.ranByWorker);
+        "shm waits: {} spun ({} for a peer it had woken), {} slept ({} for a peer it had woken), {} for a core mate "
+        "({} of them spun on a core of their own after moving), {} stepped aside; ops run by their callers {}, by the "
+        "worker {}",
+        w.spun, w.spunForWaking, w.slept, w.sleptForWoken, w.forCoreMate, w.spunOnOwnCore, w.steppedAside,
+        ran.ranByCaller, ran.ranByWorker);
   }
 }
 

@@ -141,10 +141,11 @@ class ShmSegment {
   struct WaitStats {
     uint64_t spun = 0;              // the peer arrived while this rank spun
     uint64_t slept = 0;             // slept after spinning for 10 us
-    uint64_t forCoreMate = 0;  // yielded or slept at once: a rank of the group needed this core
+    uint64_t forCoreMate = 0;       // a rank of the group needed this core: yielded, or slept, or moved
     uint64_t steppedAside = 0;      // moved to an idle core, away from a core mate (core_placement.h)
     uint64_t spunForWaking = 0;     // of `spun`: the peer was asleep when the wait began (woken, on its way)
     uint64_t sleptForWoken = 0;     // of `slept`: for a peer its arrival at this phase had woken
+    uint64_t spunOnOwnCore = 0;     // of `forCoreMate`: moved to a core of its own, then spun there
   };
   WaitStats waitStats() const;
 
@@ -169,9 +170,12 @@ class ShmSegment {
   void heartbeatLoop();
   bool peerDead(int r, std::string* why) const;
   void waitSlow(int r, uint32_t target, Clock::time_point deadline);
-  void stepAside(int here);
+  bool spinFor(int r, uint32_t target, int here);
+  // Moves this thread off `here` when the pair has been stacked long enough (true: moved).
+  bool stepAside(int here);
   int awakeRankOnCore(int here) const;
-  bool yieldToMate(int r, uint32_t target, int here);
+  enum class MateWait { kReached, kOwnCore, kGaveUp };
+  MateWait yieldToMate(int r, uint32_t target, int here);
   void timeSwitch(Clock::time_point yielded, Clock::time_point back);
 
   const int rank_;
@@ -193,6 +197,7 @@ class ShmSegment {
   std::atomic<uint64_t> sleptForWoken_{0};
   std::atomic<uint64_t> forCoreMate_{0};
   std::atomic<uint64_t> steppedAside_{0};
+  std::atomic<uint64_t> spunOnOwnCore_{0};
   uint32_t matesInARow_ = 0;  // collective thread only
   StepAsideBackoff stepAsideBackoff_;  // collective thread only
   SwitchCost switchCost_;              // collective thread only: this run of stacked waits

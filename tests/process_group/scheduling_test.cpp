@@ -250,10 +250,11 @@ std::vector<shm::ShmSegment::WaitStats> exchange(int rounds, const std::function
   });
   for (int r = 0; r < 2; ++r) {
     std::printf("rank %d: spun %llu (%llu for a peer it had woken), slept %llu (%llu for a peer it had woken), "
-                "for a core mate %llu, stepped aside %llu\n",
+                "for a core mate %llu (spun on a core of its own after moving %llu), stepped aside %llu\n",
                 r, static_cast<unsigned long long>(stats[r].spun), static_cast<unsigned long long>(stats[r].spunForWaking),
                 static_cast<unsigned long long>(stats[r].slept), static_cast<unsigned long long>(stats[r].sleptForWoken),
                 static_cast<unsigned long long>(stats[r].forCoreMate),
+                static_cast<unsigned long long>(stats[r].spunOnOwnCore),
                 static_cast<unsigned long long>(stats[r].steppedAside));
   }
   return stats;
@@ -276,6 +277,40 @@ TEST(Scheduling, RanksOnTwoCoresSpinForEachOther) {
     EXPECT_GT(stats[rank].spun, 0u) << "rank " << rank;
     EXPECT_EQ(stats[rank].forCoreMate, 0u) << "rank " << rank;
   }
+}
+
+// A stacked rank that gets a core of its own in the middle of a wait (it steps aside, or the
+// kernel moves it) waits there as a rank on a free core does: it spins. Sleeping at that point
+// let the peer's wake-up put it back on the peer's core where the core it had moved to was busy
+// (the kernel wakes a thread on its waker's core then): in one launch of 30 busy ones, a rank
+// stepped aside 12 times and was stacked again each time. Both ranks start on core 0; at round
+// 100 rank 1 may use core 1 too, and stays on core 0 until it moves itself or the kernel moves it.
+TEST(Scheduling, AStackedRankThatGetsACoreOfItsOwnSpinsThereInsteadOfSleeping) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
+  // A step-aside goes only to a core that looks free (core_placement.h); where other work holds
+  // core 1 (the other tests of a parallel run) it is refused: up to five runs, 100 ms apart.
+  for (int run = 0; run < 5; ++run) {
+    if (run > 0) std::this_thread::sleep_for(100ms);
+    std::atomic<int> rank1EndedOn{-1};
+    const auto stats = exchange(3000, [](int) { return 0; }, [&](int rank, int round) {
+      if (rank == 1 && round == 100) {
+        cpu_set_t both;
+        CPU_ZERO(&both);
+        CPU_SET(0, &both);
+        CPU_SET(1, &both);
+        ASSERT_EQ(::pthread_setaffinity_np(::pthread_self(), sizeof both, &both), 0);
+      }
+      if (rank == 1 && round == 2999) rank1EndedOn = ::sched_getcpu();
+    });
+    EXPECT_GT(stats[1].forCoreMate, 0u) << "the first 100 rounds share core 0";
+    if (stats[1].steppedAside == 0 && rank1EndedOn == 0 && stats[1].spunOnOwnCore == 0) continue;
+    EXPECT_GT(stats[1].spunOnOwnCore, 0u) << "rank 1 left core 0 (stepped aside " << stats[1].steppedAside
+                                          << " times, ended on core " << rank1EndedOn
+                                          << ") but never spun on a core of its own in the wait that moved it";
+    return;
+  }
+  GTEST_SKIP() << "in five runs rank 1 never left core 0 (core 1 was busy with other work throughout, so every "
+                  "step-aside was refused): nothing to observe";
 }
 
 // How long a thread asleep on a futex on core 1 (idle otherwise) takes to run
