@@ -54,21 +54,34 @@ int runnableThreads() {
 int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& taken, int runnable,
                    const std::vector<uint8_t>& idlePercent, int minIdlePercent, bool acceptBusyCore) {
   if (runnable < 0) return -1;
+  const auto ranksOn = [&](int core) { return static_cast<int>(std::count(taken.begin(), taken.end(), core)); };
   const int others = CPU_COUNT(&allowed) - (CPU_ISSET(here, &allowed) ? 1 : 0);
-  // Every other allowed core may be busy (with acceptBusyCore: may run four threads, see the header).
-  if (runnable - 2 >= (acceptBusyCore ? 4 : 1) * others) return -1;
-  if (acceptBusyCore) minIdlePercent = 0;
   int best = -1;
-  int bestScore = -1;
+  // Every other allowed core may be busy (with acceptBusyCore: may run four threads, see the header).
+  if (runnable - 2 < (acceptBusyCore ? 4 : 1) * others) {
+    if (acceptBusyCore) minIdlePercent = 0;
+    int bestScore = -1;
+    for (int core = 0; core < CPU_SETSIZE; ++core) {
+      if (core == here || !CPU_ISSET(core, &allowed) || ranksOn(core) > 0) continue;
+      const int idle = core < static_cast<int>(idlePercent.size()) ? idlePercent[core] : kIdleUnknown;
+      if (idle != kIdleUnknown && idle < minIdlePercent) continue;
+      const int score = idle == kIdleUnknown ? 0 : idle + 1;  // a known idle core before an unknown one
+      if (score > bestScore) {
+        best = core;
+        bestScore = score;
+      }
+    }
+  }
+  if (best >= 0) return best;
+  // More ranks than cores: even out the group's own ranks (see the header).
+  const int crowd = ranksOn(here) + 1;
+  int fewest = crowd - 1;
   for (int core = 0; core < CPU_SETSIZE; ++core) {
     if (core == here || !CPU_ISSET(core, &allowed)) continue;
-    if (std::find(taken.begin(), taken.end(), core) != taken.end()) continue;
-    const int idle = core < static_cast<int>(idlePercent.size()) ? idlePercent[core] : kIdleUnknown;
-    if (idle != kIdleUnknown && idle < minIdlePercent) continue;
-    const int score = idle == kIdleUnknown ? 0 : idle + 1;  // a known idle core before an unknown one
-    if (score > bestScore) {
+    const int ranks = ranksOn(core);
+    if (ranks > 0 && ranks < fewest) {
       best = core;
-      bestScore = score;
+      fewest = ranks;
     }
   }
   return best;

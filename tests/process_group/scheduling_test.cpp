@@ -472,6 +472,27 @@ TEST(CorePlacement, WhereSwitchesAreExpensiveAStackedRankTakesACoreABusyProcessH
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, -1, {0, 0}, 80, true), -1) << "procs_running unreadable: stay";
 }
 
+TEST(CorePlacement, WithMoreRanksThanCoresARankLeavesACrowdedCoreForTheLeastCrowdedOne) {
+  using shm::chooseIdleCore;
+  using shm::kIdleUnknown;
+  const std::vector<uint8_t> unknown = {kIdleUnknown, kIdleUnknown, kIdleUnknown};
+  // World 4 on cores 0 and 1: this rank and two more on core 0, one on core 1 (runnable: the four
+  // ranks). Core 1 holds a rank, so the idle search has nothing; 1 is two fewer than 3.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0, 0, 1}, 4, unknown, 80), 1);
+  // 2 and 2: moving would only swap the crowd.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0, 1, 1}, 4, unknown, 80), -1);
+  // 2 and 1 (world 3): the same.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0, 1}, 3, unknown, 80), -1);
+  // The least crowded of several, within the mask.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1, 2}), 0, {0, 0, 0, 1, 1, 2}, 7, unknown, 80), 2);
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0, 0, 0, 1, 1, 2}, 7, unknown, 80), 1) << "core 2 is outside the mask";
+  // A core no rank holds is the idle search's, with its checks: a busy process there (runnable:
+  // the pair and it) keeps a pair where it is, however the other cores are shared.
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, 3, {0, 0}, 80), -1);
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0, 0, 0}, 5, {0, 0}, 80), -1);
+  EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0, 0, 1}, -1, unknown, 80), -1) << "procs_running unreadable: stay";
+}
+
 TEST(CorePlacement, SwitchesAreExpensiveOnlyWhenTheFastestOfSeveralIsSlow) {
   using Cost = shm::SwitchCost;
   Cost cost;
