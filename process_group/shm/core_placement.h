@@ -39,11 +39,20 @@
 //    whole launches (the lone rank spinning for its peers looks as loaded
 //    to the kernel as the three that share a core), at up to 1.7x the time
 //    of a 2+2 launch for a 16 MiB broadcast at world 4 on 2 cores.
+//  * mayStepAside(rank, mate, mateAsleep): which rank of a stacked pair may
+//    move. The higher one (both moving would swap cores: in a trial where
+//    either could, both moved to the same core within 0.1-0.3 ms, again and
+//    again), or the lower one while its mate sleeps: a sleeping mate cannot be
+//    moving too, and a rank that sleeps for its mate (a busy process took the
+//    core on one of its yields) seldom waits itself (38-51 waits for a core
+//    mate in a launch whose other rank had 370), so it seldom gets to move.
+//    Pure.
 //  * SwitchCost measures what a switch between two ranks that share a core
 //    costs on this host: record() takes the time from one rank's sched_yield
-//    to the moment the other runs, and expensive() says whether the fastest
-//    of at least kSamples of them since the last reset() took longer than
-//    kExpensive. Plain value; one owner.
+//    (or its going to sleep for its core mate) to the moment the other runs,
+//    and expensive() says whether the fastest of at least kSamples of them
+//    since the last reset() took longer than kExpensive. Plain value; one
+//    owner.
 //  * forgetSharesOfGroupCores() sets to kIdleUnknown the idle share of every
 //    core a rank of the group was on at the start or at the end of the
 //    sampled interval: that core's busy time is (at least partly) the
@@ -87,6 +96,8 @@ int runnableThreads();
 
 int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& taken, int runnable,
                    const std::vector<uint8_t>& idlePercent, int minIdlePercent, bool acceptBusyCore = false);
+
+inline bool mayStepAside(int rank, int mate, bool mateAsleep) { return mate < rank || mateAsleep; }
 
 // Stacked, a small op costs its work plus two switches per exchange; moved to a core that a
 // busy process holds, a rank gets half of that core, so back-to-back small ops cost about twice

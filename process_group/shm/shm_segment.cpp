@@ -401,8 +401,8 @@ ShmSegment::MateWait ShmSegment::yieldToMate(int r, uint32_t target, int here) {
   return MateWait::kGaveUp;
 }
 
-// The core came back to this thread after a rank of the group had yielded it, later than this
-// thread did: from that rank's yield to now is one switch between two ranks.
+// The core came back to this thread after a rank of the group had yielded it (or gone to sleep
+// for a core mate), later than this thread handed it over: from then to now is one switch.
 void ShmSegment::timeSwitch(Clock::time_point yielded, Clock::time_point back) {
   int64_t latest = 0;
   for (int q = 0; q < size_; ++q) {
@@ -444,12 +444,15 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
   // any busy process for a whole time slice; sleeping lets the scheduler run
   // the rank here or move one of the two to an idle core.
   const int mate = peer.cpu.load(std::memory_order_relaxed) == here ? r : awakeRankOnCore(here);
+  bool sleepsForMate = false;
   if (mate >= 0) {
     forCoreMate_.fetch_add(1, std::memory_order_relaxed);
-    // Of two stacked ranks the higher one moves (both moving would swap cores).
-    const bool steppedAside = ++matesInARow_ >= kStackedWaits && mate < rank_ && stepAside(here);
+    const bool mateAsleep = (control(mate).state.load(std::memory_order_relaxed) & kAsleep) != 0;
+    const bool steppedAside =
+        ++matesInARow_ >= kStackedWaits && mayStepAside(rank_, mate, mateAsleep) && stepAside(here);
     const MateWait outcome = steppedAside ? MateWait::kOwnCore : yieldToMate(r, target, here);
     if (outcome == MateWait::kReached) return;
+    sleepsForMate = outcome == MateWait::kGaveUp;
     if (outcome == MateWait::kOwnCore) {
       // On a core of its own now (it stepped aside, the scheduler moved it, or its mate left):
       // wait there as any rank on a free core does. Sleeping instead let the peer's wake-up put
@@ -478,8 +481,13 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
     if (peerWasAsleep && wokeSleepersAtStep_ == target) sleptForWoken_.fetch_add(1, std::memory_order_relaxed);
   }
   // Sleep on the peer's word, checking the deadline, the abort word and
-  // the peer's health between slices.
+  // the peer's health between slices. Going to sleep hands the core to a mate
+  // as a yield does, and is timed the same way: where a rank sleeps for its
+  // mate (a busy process took the core on a yield) and the mate yields, the
+  // mate's only switches are these.
   RankControl& me = control(rank_);
+  const auto sleptAt = Clock::now();
+  if (sleepsForMate) me.yieldedAtNs.store(sinceEpochNs(sleptAt), std::memory_order_relaxed);
   me.state.fetch_or(kAsleep, std::memory_order_relaxed);
   struct Awake {
     RankControl& me;
@@ -488,7 +496,10 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
   auto nextHealthCheck = Clock::now() + kHealthCheckEvery;
   while (true) {
     const uint32_t seen = peer.step.load(std::memory_order_acquire);
-    if (reached(seen, target)) return;
+    if (reached(seen, target)) {
+      if (sleepsForMate) timeSwitch(sleptAt, Clock::now());
+      return;
+    }
     checkAbort();
     const auto now = Clock::now();
     if (now >= nextHealthCheck) {

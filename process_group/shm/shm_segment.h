@@ -72,7 +72,7 @@ struct alignas(64) RankControl {
   std::atomic<uint64_t> heartbeat{0};
   std::atomic<int32_t> cpu{-1};       // the core this rank's collective thread last ran on
   std::atomic<uint32_t> state{0};     // in a collective; asleep in a wait (shm_segment.cpp)
-  std::atomic<int64_t> yieldedAtNs{0};  // steady clock when it last yielded its core to a core mate
+  std::atomic<int64_t> yieldedAtNs{0};  // steady clock when it last yielded its core to a core mate or slept for one
   // Fingerprint hash of this rank's collectives, by the parity of their
   // count (a peer is at most one collective ahead).
   std::atomic<uint64_t> opHash[2] = {0, 0};

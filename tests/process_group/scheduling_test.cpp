@@ -493,6 +493,14 @@ TEST(CorePlacement, WithMoreRanksThanCoresARankLeavesACrowdedCoreForTheLeastCrow
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0, 0, 1}, -1, unknown, 80), -1) << "procs_running unreadable: stay";
 }
 
+TEST(CorePlacement, OfAStackedPairTheHigherRankMovesOrTheLowerWhileItsMateSleeps) {
+  using shm::mayStepAside;
+  EXPECT_TRUE(mayStepAside(/*rank=*/1, /*mate=*/0, /*mateAsleep=*/false));
+  EXPECT_FALSE(mayStepAside(0, 1, false)) << "both moving would swap cores";
+  EXPECT_TRUE(mayStepAside(0, 1, true)) << "a sleeping mate is not moving";
+  EXPECT_TRUE(mayStepAside(3, 1, true));
+}
+
 TEST(CorePlacement, SwitchesAreExpensiveOnlyWhenTheFastestOfSeveralIsSlow) {
   using Cost = shm::SwitchCost;
   Cost cost;
