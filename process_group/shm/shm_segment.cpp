@@ -493,7 +493,7 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
     RankControl& me;
     ~Awake() { me.state.fetch_and(~kAsleep, std::memory_order_relaxed); }
   } awake{me};
-  auto nextHealthCheck = Clock::now() + kHealthCheckEvery;
+  auto nextHealthCheck = sleptAt + kHealthCheckEvery;
   while (true) {
     const uint32_t seen = peer.step.load(std::memory_order_acquire);
     if (reached(seen, target)) {
