@@ -447,9 +447,9 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
   bool sleepsForMate = false;
   if (mate >= 0) {
     forCoreMate_.fetch_add(1, std::memory_order_relaxed);
-    const bool mateAsleep = (control(mate).state.load(std::memory_order_relaxed) & kAsleep) != 0;
+    const auto mateAsleep = [&] { return (control(mate).state.load(std::memory_order_relaxed) & kAsleep) != 0; };
     const bool steppedAside =
-        ++matesInARow_ >= kStackedWaits && mayStepAside(rank_, mate, mateAsleep) && stepAside(here);
+        ++matesInARow_ >= kStackedWaits && mayStepAside(rank_, mate, mateAsleep()) && stepAside(here);
     const MateWait outcome = steppedAside ? MateWait::kOwnCore : yieldToMate(r, target, here);
     if (outcome == MateWait::kReached) return;
     sleepsForMate = outcome == MateWait::kGaveUp;

@@ -23,23 +23,25 @@
 //    every rank has reached its current phase, so a buffer is never
 //    rewritten while a slower rank may still read it.
 //  * Waiting for a peer: each rank publishes the core it last ran on
-//    (sched_getcpu, at every arrival and wait). A waiter whose peer last ran
-//    on the waiter's own core sleeps at once (the peer cannot run while the
-//    waiter holds its core); otherwise it spins for about what sleeping costs
-//    (10 us), or up to 1 ms while the peer is inside a collective and not
-//    asleep in a wait of its own (it is moving bytes toward this phase), then
-//    sleeps on the peer's futex word, which the peer's arrival wakes. It never yields: sched_yield hands the core to any busy process
-//    for a whole time slice. It gives up (TransportTimeout) at the deadline,
-//    or (PeerLost) when the abort word is set or a peer's pid is gone or its
-//    heartbeat stopped for heartbeatTimeout (checked every 20 ms of sleep).
-//    A rank that keeps sleeping for a peer on its own core (16 waits in a
-//    row) has been stacked there by the kernel's wake-up placement and moves
-//    its waiting thread to an idle core of its affinity mask, leaving the
-//    mask as it was (core_placement.h); the heartbeat thread samples the
-//    cores' idle shares for that. Where a switch between the two ranks takes
-//    over 2.5 us (each yield to a core mate is timed: core_placement.h's
-//    SwitchCost), a busy core will do as well. waitStats() counts which way
-//    the waits went.
+//    (sched_getcpu, at every wait). A waiter whose peer, or another awake
+//    rank of the group, last ran on the waiter's own core yields the core to
+//    it with sched_yield (up to 2 ms), or sleeps at once where a yield once
+//    handed the core to a busy process for over 500 us (for 100 ms after);
+//    otherwise it spins for about what sleeping costs (10 us), or up to 1 ms
+//    while the peer is inside a collective and not asleep in a wait of its
+//    own (it is moving bytes toward this phase), or for a peer it has just
+//    woken; then it sleeps on the peer's futex word, which the peer's arrival
+//    wakes. It gives up (TransportTimeout) at the deadline, or (PeerLost)
+//    when the abort word is set or a peer's pid is gone or its heartbeat
+//    stopped for heartbeatTimeout (checked every 20 ms of sleep).
+//    A rank that waited for a core mate 16 times in a row has been stacked
+//    there by the kernel's wake-up placement and moves its waiting thread to
+//    another core of its affinity mask (an idle one; a busy one where the
+//    pair's switches are expensive; with more ranks than cores, a less
+//    crowded one), leaving the mask as it was (core_placement.h, which also
+//    says which of the two moves); the heartbeat thread samples the cores'
+//    idle shares for that. A waiter that finds itself on a core of its own
+//    mid-wait spins there. waitStats() counts which way the waits went.
 //  * abort() sets the abort word (first caller wins) and wakes every sleeper:
 //    every rank's wait fails promptly. Idempotent, thread-safe.
 //  * One thread runs collectives (the runner's) and one runs p2p; they use
