@@ -331,7 +331,7 @@ ShmSegment::WaitStats ShmSegment::waitStats() const {
   return WaitStats{spun_.load(std::memory_order_relaxed), slept_.load(std::memory_order_relaxed),
                    forCoreMate_.load(std::memory_order_relaxed), steppedAside_.load(std::memory_order_relaxed),
                    spunForWaking_.load(std::memory_order_relaxed), sleptForWoken_.load(std::memory_order_relaxed),
-                   spunOnOwnCore_.load(std::memory_order_relaxed)};
+                   spunOnOwnCore_.load(std::memory_order_relaxed), sleptForCoreMate_.load(std::memory_order_relaxed)};
 }
 
 bool ShmSegment::stepAside(int here) {
@@ -453,6 +453,7 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
     const MateWait outcome = steppedAside ? MateWait::kOwnCore : yieldToMate(r, target, here);
     if (outcome == MateWait::kReached) return;
     sleepsForMate = outcome == MateWait::kGaveUp;
+    if (sleepsForMate) sleptForCoreMate_.fetch_add(1, std::memory_order_relaxed);
     if (outcome == MateWait::kOwnCore) {
       // On a core of its own now (it stepped aside, the scheduler moved it, or its mate left):
       // wait there as any rank on a free core does. Sleeping instead let the peer's wake-up put

@@ -148,6 +148,7 @@ class ShmSegment {
     uint64_t spunForWaking = 0;     // of `spun`: the peer was asleep when the wait began (woken, on its way)
     uint64_t sleptForWoken = 0;     // of `slept`: for a peer its arrival at this phase had woken
     uint64_t spunOnOwnCore = 0;     // of `forCoreMate`: moved to a core of its own, then spun there
+    uint64_t sleptForCoreMate = 0;  // of `forCoreMate`: slept, as another thread took the core on a yield
   };
   WaitStats waitStats() const;
 
@@ -200,6 +201,7 @@ class ShmSegment {
   std::atomic<uint64_t> forCoreMate_{0};
   std::atomic<uint64_t> steppedAside_{0};
   std::atomic<uint64_t> spunOnOwnCore_{0};
+  std::atomic<uint64_t> sleptForCoreMate_{0};
   uint32_t matesInARow_ = 0;  // collective thread only
   StepAsideBackoff stepAsideBackoff_;  // collective thread only
   SwitchCost switchCost_;              // collective thread only: this run of stacked waits

@@ -250,11 +250,12 @@ std::vector<shm::ShmSegment::WaitStats> exchange(int rounds, const std::function
   });
   for (int r = 0; r < 2; ++r) {
     std::printf("rank %d: spun %llu (%llu for a peer it had woken), slept %llu (%llu for a peer it had woken), "
-                "for a core mate %llu (spun on a core of its own after moving %llu), stepped aside %llu\n",
+                "for a core mate %llu (spun on a core of its own after moving %llu, slept %llu), stepped aside %llu\n",
                 r, static_cast<unsigned long long>(stats[r].spun), static_cast<unsigned long long>(stats[r].spunForWaking),
                 static_cast<unsigned long long>(stats[r].slept), static_cast<unsigned long long>(stats[r].sleptForWoken),
                 static_cast<unsigned long long>(stats[r].forCoreMate),
                 static_cast<unsigned long long>(stats[r].spunOnOwnCore),
+                static_cast<unsigned long long>(stats[r].sleptForCoreMate),
                 static_cast<unsigned long long>(stats[r].steppedAside));
   }
   return stats;
@@ -384,16 +385,17 @@ TEST(Scheduling, ARankThatWokeItsPeerSpinsForItInsteadOfSleepingToo) {
   EXPECT_LT(fewest, static_cast<uint64_t>(kStalls)) << "rank 1 slept for the peer it had just woken after every stall";
 }
 
-// A peer stopped mid-exchange (SIGSTOP, as a preempted or paused process is)
-// is waited for by sleeping, not by spinning for as long as it is away, and
-// the exchange completes once it runs again. Forked ranks: a stopped thread
-// of this process would stop the test. Rank 1 freezes at round 100 for
-// 300 ms, well under the 5 s heartbeat timeout.
-TEST(Scheduling, APeerStoppedMidExchangeIsWaitedForAsleepAndCatchesUp) {
+// Two forked ranks (a stopped thread of this process would stop the test), each pinned to
+// coreOf(rank) unless that is -1, run 1000 exchanges; rank 1 freezes at round 100 for 300 ms (SIGSTOP, as a
+// preempted or paused process is), well under the 5 s heartbeat timeout. Each rank's value:
+// "wrong <exchanges that read a wrong value> slept <waits that slept> for-mate <of them, waits
+// for a core mate that slept> ".
+testing::SpawnResult exchangeWithAStop(const std::function<int(int)>& coreOf) {
   testing::SpawnOptions spawnOptions;
   spawnOptions.plan = {testing::freezeAt(1, "round-100", 300ms)};
-  const auto results = testing::spawn(2, [](testing::RankContext& ctx) -> std::string {
+  auto results = testing::spawn(2, [&](testing::RankContext& ctx) -> std::string {
     const int rank = ctx.rank;
+    if (coreOf(rank) >= 0) pinThisThreadTo(coreOf(rank));
     auto store = ctx.store();
     shm::SegmentOptions options;
     options.name = "stopped";
@@ -413,16 +415,35 @@ TEST(Scheduling, APeerStoppedMidExchangeIsWaitedForAsleepAndCatchesUp) {
       segment.waitForAll(deadline);
     }
     const auto stats = segment.waitStats();
-    return str("wrong ", wrong, " slept ", stats.slept + stats.forCoreMate, " ");
+    return str("wrong ", wrong, " slept ", stats.slept + stats.sleptForCoreMate, " for-mate ", stats.sleptForCoreMate,
+               " ");
   }, spawnOptions);
-  ASSERT_EQ(results.ranks.size(), 2u);
-  for (int rank = 0; rank < 2; ++rank) {
+  EXPECT_EQ(results.ranks.size(), 2u);
+  for (int rank = 0; rank < static_cast<int>(results.ranks.size()); ++rank) {
     EXPECT_EQ(results[rank].signal, 0) << results[rank].describe();
     EXPECT_EQ(results[rank].value.rfind("wrong 0 ", 0), 0u) << results[rank].describe();
   }
   EXPECT_TRUE(results.planNotFired.empty()) << results.summary();
+  return results;
+}
+
+// A peer stopped mid-exchange is waited for by sleeping, not by spinning for as long as it is
+// away, and the exchange completes once it runs again.
+TEST(Scheduling, APeerStoppedMidExchangeIsWaitedForAsleepAndCatchesUp) {
+  const auto results = exchangeWithAStop([](int) { return -1; });
+  if (results.ranks.size() != 2) return;
   // Rank 0 waited 300 ms for the stopped rank 1: asleep, not spinning.
   EXPECT_EQ(results[0].value.find(" slept 0 "), std::string::npos) << results[0].value;
+}
+
+// A core mate that does not get the core back while this rank yields it (stopped here; in a
+// job, a busy process took the core on the yields) is waited for asleep after 2 ms of
+// yielding: yielding on would keep a core busy for nothing, or hand it to the busy process
+// slice after slice.
+TEST(Scheduling, ACoreMateThatDoesNotRunOnTheYieldsIsWaitedForAsleep) {
+  const auto results = exchangeWithAStop([](int) { return 0; });
+  if (results.ranks.size() != 2) return;
+  EXPECT_EQ(results[0].value.find(" for-mate 0 "), std::string::npos) << results[0].value;
 }
 
 // ---- core placement ----------------------------------------------------------------------
