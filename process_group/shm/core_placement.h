@@ -64,6 +64,11 @@
 //    migrates it before returning), then restores its previous mask, so the
 //    thread's affinity is unchanged and only its current core moved. Returns
 //    false (and changes nothing) if the mask cannot be read or set.
+//  * ForeignSlices says when a rank waiting for its core mate should sleep
+//    instead of yielding: after a yield that kept it away too long (another
+//    thread took the core) it sleeps for that wait; after a second one within
+//    kMemory it sleeps for every wait of the next kMemory. Plain value; one
+//    owner.
 //  * StepAsideBackoff says when a stacked rank may try again: 100 us after
 //    a move or after its first refused attempt, each refusal in a row
 //    doubling the pause up to 128 ms. Plain value; one owner.
@@ -127,6 +132,30 @@ void forgetSharesOfGroupCores(std::vector<uint8_t>& idlePercent, const std::vect
                               const std::vector<int>& groupCoresAtEnd);
 
 bool moveCallingThreadTo(int core);
+
+// A long yield usually means a busy process took the core for a time slice, and it will take
+// every yield after it; sleeping lets the mate's wake-up take the core back at once. But a mate
+// that works through a large op can keep the core as long (1.4-1.7 ms seen at world 4, 16 MiB
+// allreduce): remembering every long yield for 100 ms made such ranks sleep for most of a
+// launch's 16 MiB ops (443-903 waits) and cost them 5-9 % against yielding. Two long yields
+// within 100 ms show the busy process; one is only slept on once.
+class ForeignSlices {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr std::chrono::milliseconds kMemory{100};
+
+  void longYield(Clock::time_point now) {
+    if (seenAny_ && now - lastLong_ < kMemory) sleepUntil_ = now + kMemory;
+    lastLong_ = now;
+    seenAny_ = true;
+  }
+  bool sleepInstead(Clock::time_point now) const { return now < sleepUntil_; }
+
+ private:
+  bool seenAny_ = false;
+  Clock::time_point lastLong_{};
+  Clock::time_point sleepUntil_{};
+};
 
 // After a move the kernel may stack the pair again (another wake-up that finds
 // the core busy), and procs_running is one instant's count: at a job's start

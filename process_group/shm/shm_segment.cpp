@@ -103,11 +103,10 @@ constexpr auto kSpinForWakingPeer = kSpinForWorkingPeer;
 // polling for this long before it sleeps. Yielding is only safe among our
 // own ranks: a busy process on the core would take it for a whole time slice
 // (milliseconds). A yield that kept this thread away longer than
-// kForeignSlice shows one; the rank then sleeps instead of yielding for
-// kForeignMemory.
+// kForeignSlice may show one; the rank then sleeps instead of yielding, for
+// how long: ForeignSlices (core_placement.h).
 constexpr auto kYieldToMateFor = std::chrono::milliseconds(2);
 constexpr auto kForeignSlice = std::chrono::microseconds(500);
-constexpr auto kForeignMemory = std::chrono::milliseconds(100);
 constexpr uint32_t kInCollective = 1;  // RankControl::state bits
 constexpr uint32_t kAsleep = 2;
 // Pauses between looks at the clock and at the peer's core while spinning.
@@ -382,7 +381,7 @@ int ShmSegment::awakeRankOnCore(int here) const {
 ShmSegment::MateWait ShmSegment::yieldToMate(int r, uint32_t target, int here) {
   const RankControl& peer = control(r);
   auto now = Clock::now();
-  if (now < foreignUntil_) return MateWait::kGaveUp;
+  if (foreignSlices_.sleepInstead(now)) return MateWait::kGaveUp;
   const auto until = now + kYieldToMateFor;
   while (now < until) {
     const auto before = now;
@@ -392,7 +391,7 @@ ShmSegment::MateWait ShmSegment::yieldToMate(int r, uint32_t target, int here) {
     timeSwitch(before, now);
     if (reached(peer.step.load(std::memory_order_acquire), target)) return MateWait::kReached;
     if (now - before > kForeignSlice) {
-      foreignUntil_ = now + kForeignMemory;
+      foreignSlices_.longYield(now);
       return MateWait::kGaveUp;
     }
     if (::sched_getcpu() != here) return MateWait::kOwnCore;  // the scheduler moved this thread

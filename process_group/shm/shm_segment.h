@@ -25,8 +25,9 @@
 //  * Waiting for a peer: each rank publishes the core it last ran on
 //    (sched_getcpu, at every wait). A waiter whose peer, or another awake
 //    rank of the group, last ran on the waiter's own core yields the core to
-//    it with sched_yield (up to 2 ms), or sleeps at once where a yield once
-//    handed the core to a busy process for over 500 us (for 100 ms after);
+//    it with sched_yield (up to 2 ms); a yield that kept it away for over
+//    500 us ends that wait asleep, and two such within 100 ms (a busy process
+//    holds the core) make it sleep at once for the next 100 ms;
 //    otherwise it spins for about what sleeping costs (10 us), or up to 1 ms
 //    while the peer is inside a collective and not asleep in a wait of its
 //    own (it is moving bytes toward this phase), or for a peer it has just
@@ -205,7 +206,7 @@ class ShmSegment {
   uint32_t matesInARow_ = 0;  // collective thread only
   StepAsideBackoff stepAsideBackoff_;  // collective thread only
   SwitchCost switchCost_;              // collective thread only: this run of stacked waits
-  Clock::time_point foreignUntil_{};  // a busy process shares this core: sleep, do not yield
+  ForeignSlices foreignSlices_;  // a busy process shares this core: sleep, do not yield
   Clock::time_point wokeSleepersAt_{};  // collective thread only: arrive() last woke a sleeping peer
   uint32_t wokeSleepersAtStep_ = 0;     // ... on arriving at this phase
   // Each core's idle share over the last heartbeat interval (heartbeat thread writes).

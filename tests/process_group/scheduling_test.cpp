@@ -595,6 +595,26 @@ TEST(CorePlacement, ARefusedStepAsideIsTriedAgainSoonThenLessAndLessOften) {
   EXPECT_TRUE(backoff.due(t + 200us)) << "after a move, the first refusal pauses 100 us again";
 }
 
+TEST(CorePlacement, OneLongYieldIsSleptOnOnceTwoWithin100MsMakeTheRankSleepFor100Ms) {
+  using Slices = shm::ForeignSlices;
+  Slices slices;
+  const auto t0 = Slices::Clock::now();
+  EXPECT_FALSE(slices.sleepInstead(t0)) << "nothing seen yet: yield";
+  // A mate working through a large op kept the core 1.5 ms: only that wait sleeps (the caller's part).
+  slices.longYield(t0);
+  EXPECT_FALSE(slices.sleepInstead(t0 + 1ms));
+  // Another one 150 ms later: still only that wait.
+  const auto t1 = t0 + 150ms;
+  slices.longYield(t1);
+  EXPECT_FALSE(slices.sleepInstead(t1 + 1ms));
+  // A busy process takes the core again 5 ms later: sleep instead of yielding for 100 ms.
+  const auto t2 = t1 + 5ms;
+  slices.longYield(t2);
+  EXPECT_TRUE(slices.sleepInstead(t2));
+  EXPECT_TRUE(slices.sleepInstead(t2 + Slices::kMemory - 1us));
+  EXPECT_FALSE(slices.sleepInstead(t2 + Slices::kMemory));
+}
+
 TEST(CorePlacement, MovingAThreadLeavesItsAffinityMaskAsItWas) {
   if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
   std::thread([] {
