@@ -1,8 +1,11 @@
 #include "process_group/shm/core_placement.h"
 
+#include <dirent.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <string>
 
 namespace dt::shm {
 
@@ -51,6 +54,48 @@ int runnableThreads() {
   return runnable;
 }
 
+namespace {
+
+bool isNumber(const char* name) {
+  if (*name == '\0') return false;
+  for (; *name != '\0'; ++name) {
+    if (*name < '0' || *name > '9') return false;
+  }
+  return true;
+}
+
+// 'R', 'S', ... from "<tid> (<comm>) <state> ...": comm may hold ')' and spaces, so the last ')'.
+char taskState(const std::string& statPath) {
+  FILE* f = std::fopen(statPath.c_str(), "r");
+  if (f == nullptr) return '\0';  // the task exited meanwhile
+  char line[512];
+  const size_t n = std::fread(line, 1, sizeof line - 1, f);
+  std::fclose(f);
+  line[n] = '\0';
+  const char* close = std::strrchr(line, ')');
+  return close != nullptr && close[1] == ' ' ? close[2] : '\0';
+}
+
+}  // namespace
+
+int runnableThreadsListed(const char* procRoot) {
+  DIR* processes = ::opendir(procRoot);
+  if (processes == nullptr) return -1;
+  int runnable = 0;
+  while (const dirent* process = ::readdir(processes)) {
+    if (!isNumber(process->d_name)) continue;
+    const std::string tasksPath = std::string(procRoot) + "/" + process->d_name + "/task";
+    DIR* tasks = ::opendir(tasksPath.c_str());
+    if (tasks == nullptr) continue;  // the process exited meanwhile
+    while (const dirent* task = ::readdir(tasks)) {
+      if (isNumber(task->d_name) && taskState(tasksPath + "/" + task->d_name + "/stat") == 'R') ++runnable;
+    }
+    ::closedir(tasks);
+  }
+  ::closedir(processes);
+  return runnable;
+}
+
 int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& taken, int runnable,
                    const std::vector<uint8_t>& idlePercent, int minIdlePercent, bool acceptBusyCore) {
   if (runnable < 0) return -1;
@@ -85,6 +130,17 @@ int chooseIdleCore(const cpu_set_t& allowed, int here, const std::vector<int>& t
     }
   }
   return best;
+}
+
+int chooseStepAsideCore(const cpu_set_t& allowed, int here, const std::vector<int>& taken,
+                        const std::vector<uint8_t>& idlePercent, int minIdlePercent, bool acceptBusyCore,
+                        const std::function<int()>& procsRunning, const std::function<int()>& listed) {
+  const int runnable = procsRunning();
+  const int core = chooseIdleCore(allowed, here, taken, runnable, idlePercent, minIdlePercent, acceptBusyCore);
+  if (core >= 0 || !acceptBusyCore) return core;
+  const int listedRunnable = listed();
+  if (listedRunnable < 0 || listedRunnable >= runnable) return core;
+  return chooseIdleCore(allowed, here, taken, listedRunnable, idlePercent, minIdlePercent, acceptBusyCore);
 }
 
 void forgetSharesOfGroupCores(std::vector<uint8_t>& idlePercent, const std::vector<int>& groupCoresAtStart,

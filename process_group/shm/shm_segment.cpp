@@ -350,7 +350,7 @@ bool ShmSegment::stepAside(int here) {
   for (size_t c = 0; c < idle.size(); ++c) idle[c] = coreIdle_[c].load(std::memory_order_relaxed);
   const bool acceptBusyCore = switchCost_.expensive();
   switchCost_.reset();
-  const int core = chooseIdleCore(allowed, here, taken, runnableThreads(), idle, kMinIdlePercent, acceptBusyCore);
+  const int core = chooseStepAsideCore(allowed, here, taken, idle, kMinIdlePercent, acceptBusyCore);
   if (core >= 0 && moveCallingThreadTo(core)) {
     control(rank_).cpu.store(core, std::memory_order_relaxed);
     steppedAside_.fetch_add(1, std::memory_order_relaxed);

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -493,6 +495,32 @@ TEST(CorePlacement, WhereSwitchesAreExpensiveAStackedRankTakesACoreABusyProcessH
   EXPECT_EQ(chooseIdleCore(cores({0, 1}), 0, {0}, -1, {0, 0}, 80, true), -1) << "procs_running unreadable: stay";
 }
 
+// procs_running also counts threads that have just gone to sleep; where stacking is expensive a
+// refusal is checked against the threads listed in state R.
+TEST(CorePlacement, AStepAsideProcsRunningRefusesIsCheckedAgainstTheListedThreadsWhereStackingIsExpensive) {
+  int listings = 0;
+  const auto count = [](int n) { return [n] { return n; }; };
+  const auto listedAs = [&](int n) {
+    return [&listings, n] {
+      ++listings;
+      return n;
+    };
+  };
+  // On core 0 with its mate, a busy process on core 1; procs_running reads 6, the tasks say 3.
+  EXPECT_EQ(shm::chooseStepAsideCore(cores({0, 1}), 0, {0}, {0, 0}, 80, true, count(6), listedAs(3)), 1);
+  EXPECT_EQ(listings, 1);
+  // The listing agrees (a truly crowded core 1), or cannot be read: stay.
+  EXPECT_EQ(shm::chooseStepAsideCore(cores({0, 1}), 0, {0}, {0, 0}, 80, true, count(6), listedAs(6)), -1);
+  EXPECT_EQ(shm::chooseStepAsideCore(cores({0, 1}), 0, {0}, {0, 0}, 80, true, count(6), listedAs(-1)), -1);
+  // procs_running allows it: no listing.
+  listings = 0;
+  EXPECT_EQ(shm::chooseStepAsideCore(cores({0, 1}), 0, {0}, {0, 0}, 80, true, count(3), listedAs(3)), 1);
+  EXPECT_EQ(listings, 0);
+  // Switches cheap: stacking costs little, a busy core is refused anyway, and no listing is made.
+  EXPECT_EQ(shm::chooseStepAsideCore(cores({0, 1}), 0, {0}, {0, 0}, 80, false, count(6), listedAs(3)), -1);
+  EXPECT_EQ(listings, 0);
+}
+
 TEST(CorePlacement, WithMoreRanksThanCoresARankLeavesACrowdedCoreForTheLeastCrowdedOne) {
   using shm::chooseIdleCore;
   using shm::kIdleUnknown;
@@ -643,6 +671,34 @@ TEST(CorePlacement, IdleSharesComeFromProcStat) {
   ASSERT_GE(idle.size(), std::min<size_t>(1, std::thread::hardware_concurrency()));
   for (uint8_t share : idle) EXPECT_LE(share, 100);
   EXPECT_GE(shm::runnableThreads(), 1) << "this thread is running";
+}
+
+// The listed count reads each task's state, so a task that sleeps is left out even where the
+// scheduler still holds it on a run queue (procs_running counts it then).
+TEST(CorePlacement, ListedRunnableThreadsAreTheTasksInStateR) {
+  testing::TempDir proc;
+  const auto task = [&](const std::string& pid, const std::string& tid, const std::string& stat) {
+    const auto dir = proc.path() / pid / "task" / tid;
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir / "stat") << stat;
+  };
+  task("100", "100", "100 (trainer) R 1 100 100 0 -1 4194304");
+  task("100", "101", "101 (dt-pg-worker) S 1 100 100 0 -1 4194368");
+  task("200", "200", "200 (odd) name) R 1 200 200 0 -1 4194304");  // a name may hold ") "
+  task("300", "300", "300 (writer) D 1 300 300 0 -1 4194304");
+  std::filesystem::create_directories(proc.path() / "self" / "task" / "1");  // not a pid: skipped
+  std::filesystem::create_directories(proc.path() / "400");                  // exited: no task folder
+  EXPECT_EQ(shm::runnableThreadsListed(proc.path().c_str()), 2);
+  EXPECT_EQ(shm::runnableThreadsListed((proc.path() / "missing").c_str()), -1);
+
+  std::atomic<bool> stop{false};
+  std::thread spinner([&] {
+    while (!stop.load(std::memory_order_relaxed)) {
+    }
+  });
+  EXPECT_GE(shm::runnableThreadsListed(), 2) << "this thread and the spinning one";
+  stop = true;
+  spinner.join();
 }
 
 }  // namespace
