@@ -604,8 +604,8 @@ void ShmBackend::shutdown() {
     const CollectiveRunner::Stats ran = d.runner->stats();
     d.runner->log()->debug(
         "shm waits: {} spun ({} for a peer it had woken), {} slept ({} for a peer it had woken), {} for a core mate "
-        "({} of them spun on a core of their own after moving, {} slept as another thread took the core), {} stepped "
-        "aside; ops run by their callers {}, by the worker {}",
+        "({} of them spun on a core of their own after moving, {} slept as their yields did not get the mate to run), "
+        "{} stepped aside; ops run by their callers {}, by the worker {}",
         w.spun, w.spunForWaking, w.slept, w.sleptForWoken, w.forCoreMate, w.spunOnOwnCore, w.sleptForCoreMate,
         w.steppedAside,
         ran.ranByCaller, ran.ranByWorker);

@@ -149,7 +149,7 @@ class ShmSegment {
     uint64_t spunForWaking = 0;     // of `spun`: the peer was asleep when the wait began (woken, on its way)
     uint64_t sleptForWoken = 0;     // of `slept`: for a peer its arrival at this phase had woken
     uint64_t spunOnOwnCore = 0;     // of `forCoreMate`: moved to a core of its own, then spun there
-    uint64_t sleptForCoreMate = 0;  // of `forCoreMate`: slept, as another thread took the core on a yield
+    uint64_t sleptForCoreMate = 0;  // of `forCoreMate`: slept, as its yields did not get the mate to run
   };
   WaitStats waitStats() const;
 
@@ -206,7 +206,7 @@ class ShmSegment {
   uint32_t matesInARow_ = 0;  // collective thread only
   StepAsideBackoff stepAsideBackoff_;  // collective thread only
   SwitchCost switchCost_;              // collective thread only: this run of stacked waits
-  ForeignSlices foreignSlices_;  // a busy process shares this core: sleep, do not yield
+  ForeignSlices foreignSlices_;        // collective thread only: long yields (a busy process on this core?)
   Clock::time_point wokeSleepersAt_{};  // collective thread only: arrive() last woke a sleeping peer
   uint32_t wokeSleepersAtStep_ = 0;     // ... on arriving at this phase
   // Each core's idle share over the last heartbeat interval (heartbeat thread writes).
