@@ -288,6 +288,9 @@ TEST(Scheduling, RanksOnTwoCoresSpinForEachOther) {
 // (the kernel wakes a thread on its waker's core then): in one launch of 30 busy ones, a rank
 // stepped aside 12 times and was stacked again each time. Both ranks start on core 0; at round
 // 100 rank 1 may use core 1 too, and stays on core 0 until it moves itself or the kernel moves it.
+// A step-aside is always made mid-wait; a move by the kernel may come between two waits (then
+// the next waits are a free core's, and there is nothing to observe), so only a run in which
+// rank 1 stepped aside, or spun after a move, is judged.
 TEST(Scheduling, AStackedRankThatGetsACoreOfItsOwnSpinsThereInsteadOfSleeping) {
   if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
   // A step-aside goes only to a core that looks free (core_placement.h); where other work holds
@@ -306,14 +309,17 @@ TEST(Scheduling, AStackedRankThatGetsACoreOfItsOwnSpinsThereInsteadOfSleeping) {
       if (rank == 1 && round == 2999) rank1EndedOn = ::sched_getcpu();
     });
     EXPECT_GT(stats[1].forCoreMate, 0u) << "the first 100 rounds share core 0";
-    if (stats[1].steppedAside == 0 && rank1EndedOn == 0 && stats[1].spunOnOwnCore == 0) continue;
-    EXPECT_GT(stats[1].spunOnOwnCore, 0u) << "rank 1 left core 0 (stepped aside " << stats[1].steppedAside
-                                          << " times, ended on core " << rank1EndedOn
+    if (stats[1].steppedAside == 0 && stats[1].spunOnOwnCore == 0) {
+      std::printf("run %d: rank 1 never stepped aside (ended on core %d): not judged\n", run, rank1EndedOn.load());
+      continue;
+    }
+    EXPECT_GT(stats[1].spunOnOwnCore, 0u) << "rank 1 stepped aside " << stats[1].steppedAside
+                                          << " times (ended on core " << rank1EndedOn
                                           << ") but never spun on a core of its own in the wait that moved it";
     return;
   }
-  GTEST_SKIP() << "in five runs rank 1 never left core 0 (core 1 was busy with other work throughout, so every "
-                  "step-aside was refused): nothing to observe";
+  GTEST_SKIP() << "in five runs rank 1 never stepped aside (core 1 was busy with other work throughout, so every "
+                  "step-aside was refused, or the kernel moved rank 1 between two waits first): nothing to observe";
 }
 
 // How long a thread asleep on a futex on core 1 (idle otherwise) takes to run
