@@ -384,6 +384,15 @@ const Membership& ElasticGroup::enter(uint64_t epoch, const Decision& d, std::ve
   if (d.members.size() < static_cast<size_t>(options_.minSize)) {
     std::vector<std::string> left;
     for (int m : d.members) left.push_back(str("member ", m));
+    // The launcher stops every worker on seeing this and names it (and the deaths that
+    // brought the job below) as the cause, rather than the survivors' exits.
+    try {
+      membership::postJobStop(*store_, str(d.members.size(), " member(s) left (", dt::join(left, ", "),
+                                           "), below --min-nproc ", options_.minSize, "; brought below by: ",
+                                           dt::join(lost, "; ")));
+    } catch (const Error&) {
+      // The store is gone too: the error below still says it all to this process.
+    }
     throw MembershipError(str("[", who(), "] the elastic job stops: ", d.members.size(), " member(s) left (",
                               dt::join(left, ", "), "), fewer than the minimum of ", options_.minSize, " (--min-nproc); lost: ",
                               dt::join(lost, "; ")));

@@ -47,6 +47,7 @@ struct Worker {
   WorkerOutcome outcome;
   // --elastic: posted dead (the others go on without it), and its heartbeat.
   bool lost = false;
+  std::string killedBecause;  // dtrun sent this worker alone SIGKILL, and why
   std::optional<uint64_t> beat;
   int64_t beatSeenMs = 0;
 };
@@ -587,6 +588,7 @@ struct Agent::Impl {
     }
 
     bool stopping = false, killSent = false;
+    std::string killAllReason;  // why dtrun sent every worker SIGKILL (once killSent)
     int64_t killAt = 0;
     std::string externalCause;
     int externalCode = 1;
@@ -760,6 +762,7 @@ struct Agent::Impl {
       const std::string before = nameOf(w);
       w.member = member;
       w.reaped = w.lost = false;
+      w.killedBecause.clear();
       w.beat.reset();
       w.beatSeenMs = 0;
       w.pid = -1;
@@ -776,6 +779,27 @@ struct Agent::Impl {
               o.maxRestarts, " for local rank ", w.localRank, "): it joins the running job at a step boundary"));
       recordNodeMembers();
     };
+    // --elastic: the workers found the job below --min-nproc (store/membership.h). Every worker
+    // is stopped, and that, with the deaths that brought the job there, is the cause: not the
+    // survivors' exits, nor the first death (which the job survived).
+    auto checkJobStop = [&]() -> bool {
+      if (!o.elastic || stopping) return false;
+      std::optional<std::string> why;
+      try {
+        why = membership::jobStopOf(*store);
+      } catch (const std::exception&) {
+        return false;  // the store's loss is handled elsewhere
+      }
+      if (!why) return false;
+      say(str(*why, ": stopping the job"));
+      externalCause = str("the elastic job stopped: ", *why);
+      externalCode = kExitBelowMinNproc;
+      publish(externalCode, wallMs(), externalCause);
+      // The workers read the same record and end by themselves (saying so); SIGKILL follows
+      // after --kill-grace for any that does not.
+      beginStop(0);
+      return true;
+    };
     const int64_t livenessEvery = std::clamp<int64_t>(o.livenessTimeout.count() / 5, 10, 200);
     int64_t nextLivenessCheck = 0;
     // --elastic: a worker whose heartbeat stopped (frozen, hung) is posted
@@ -783,6 +807,7 @@ struct Agent::Impl {
     auto checkLiveness = [&](int64_t now) {
       if (!o.elastic || stopping || now < nextLivenessCheck) return;
       nextLivenessCheck = now + livenessEvery;
+      if (checkJobStop()) return;
       for (auto& w : workers) {
         if (w.reaped || w.lost || w.pid <= 0) continue;
         std::optional<uint64_t> beat;
@@ -795,8 +820,10 @@ struct Agent::Impl {
           w.beat = beat;
           w.beatSeenMs = now;
         } else if (w.beat && now - w.beatSeenMs > o.livenessTimeout.count()) {
-          loseWorker(w, str("stopped responding: no heartbeat for ", formatDuration(Millis(now - w.beatSeenMs)),
-                            " (frozen or hung; --liveness-timeout ", formatDuration(o.livenessTimeout), ")"));
+          const std::string silence = str("no heartbeat for ", formatDuration(Millis(now - w.beatSeenMs)),
+                                          " (--liveness-timeout ", formatDuration(o.livenessTimeout), ")");
+          loseWorker(w, str("stopped responding: ", silence, "; frozen or hung: dtrun kills it (SIGKILL)"));
+          w.killedBecause = silence;
           signalGroup(w.pid, SIGKILL);
         }
       }
@@ -855,7 +882,8 @@ struct Agent::Impl {
           out.signaled = WIFSIGNALED(status);
           out.code = out.signaled ? WTERMSIG(status) : WEXITSTATUS(status);
           out.stoppedByLauncher = stopping;
-          out.killedByLauncher = killSent;
+          out.killedByLauncher = killSent || !w.killedBecause.empty();
+          out.killReason = w.killedBecause.empty() ? killAllReason : w.killedBecause;
           if (out.failed() && !stopping) failedNow.push_back(&w);
         }
       }
@@ -869,6 +897,10 @@ struct Agent::Impl {
           } catch (const std::exception&) {
           }
         }
+      }
+      if (!failedNow.empty() && o.elastic && checkJobStop()) {
+        for (Worker* w : failedNow) w->outcome.stoppedByLauncher = true;  // they ended because the job stops
+        return;
       }
       if (!failedNow.empty() && !stopping && o.elastic) {
         for (Worker* w : failedNow) {
@@ -899,6 +931,7 @@ struct Agent::Impl {
         say("second SIGINT: killing the workers (SIGKILL)");
         signalAll(SIGKILL, true);
         killSent = true;
+        killAllReason = "a second SIGINT";
         return;
       }
       signalAll(sig, false);
@@ -1072,6 +1105,7 @@ struct Agent::Impl {
         if (any) say(str("workers still running ", formatDuration(o.killGrace), " after the stop request (--kill-grace): sending SIGKILL"));
         signalAll(SIGKILL, true);
         killSent = true;
+        killAllReason = str("still running ", formatDuration(o.killGrace), " after the stop request (--kill-grace)");
       }
     }
 

@@ -4,7 +4,8 @@
 //
 // Contract:
 //  * run() returns dtrun's exit code (0, the root-cause worker's code, 128 +
-//    signal, 124 for a hang, 1 for a lost node or store). It throws
+//    signal, 124 for a hang, kExitBelowMinNproc when an --elastic job fell
+//    below --min-nproc, 1 for a lost node or store). It throws
 //    dt::InvalidArgument / dt::Error for set-up failures (bad program, port in
 //    use, rendezvous timeout) with a one-line message.
 //  * The caller must have created the SignalChannel (blocking the forwarded
@@ -23,6 +24,9 @@
 #include "launcher/process.h"
 
 namespace dt::launcher {
+
+// dtrun's exit status when an --elastic job fell below --min-nproc (documented in --help).
+constexpr int kExitBelowMinNproc = 3;
 
 struct AgentConfig {
   LaunchOptions options;       // with SLURM applied

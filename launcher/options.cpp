@@ -390,7 +390,8 @@ std::string helpText() {
       "--master-port default to SLURM_NNODES, SLURM_NODEID, the first host of SLURM_JOB_NODELIST and\n"
       "a port derived from SLURM_JOB_ID.\n"
       "Exit status: 0 when every worker succeeded; else the first failed worker's exit code\n"
-      "(128 + signal number when a signal ended it); 124 when the hang watchdog fired; 2 for usage errors.\n";
+      "(128 + signal number when a signal ended it); 124 when the hang watchdog fired; 3 when an --elastic\n"
+      "job fell below --min-nproc (the death that brought it there is named as the cause); 2 for usage errors.\n";
   return out;
 }
 

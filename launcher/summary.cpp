@@ -13,6 +13,8 @@ std::string describeOutcome(const WorkerOutcome& o) {
   std::string text = str("signal ", signalName(o.code));
   if (o.code == SIGKILL && !o.killedByLauncher) {
     text += " (not sent by dtrun: possibly the out-of-memory killer; check dmesg)";
+  } else if (o.code == SIGKILL && !o.killReason.empty()) {
+    text += str(" (sent by dtrun: ", o.killReason, ")");
   }
   return text;
 }

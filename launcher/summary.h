@@ -25,13 +25,14 @@ struct WorkerOutcome {
   int64_t timeMs = 0;             // wall clock (ms since the epoch) when it ended
   bool stoppedByLauncher = false; // ended after dtrun began tearing down the job
   bool killedByLauncher = false;  // dtrun sent SIGKILL to it
+  std::string killReason;         // why dtrun did ("no heartbeat for 2.1 s (--liveness-timeout 2s)")
   std::vector<std::string> stderrTail;
 
   bool failed() const { return signaled || code != 0; }
 };
 
-// "exit code 3", "signal SIGSEGV", "signal SIGKILL (not sent by dtrun: possibly the
-// out-of-memory killer; check dmesg)".
+// "exit code 3", "signal SIGSEGV", "signal SIGKILL (sent by dtrun: <killReason>)",
+// "signal SIGKILL (not sent by dtrun: possibly the out-of-memory killer; check dmesg)".
 std::string describeOutcome(const WorkerOutcome& outcome);
 // 128 + signal, or the exit code.
 int exitCodeOf(const WorkerOutcome& outcome);

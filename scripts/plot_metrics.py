@@ -14,7 +14,14 @@ import json
 import os
 import sys
 
-import matplotlib
+try:
+    import matplotlib
+except ModuleNotFoundError:
+    # `python3` on PATH may be an interpreter without Debian's packages (pyenv, a venv).
+    print(f"plot_metrics.py: matplotlib is missing for {sys.executable}: install it with "
+          "'sudo apt-get install python3-matplotlib' and run this script with /usr/bin/python3 "
+          "(or 'pip install matplotlib' for this interpreter)", file=sys.stderr)
+    sys.exit(2)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (the backend must be chosen first)

@@ -60,6 +60,15 @@ void markFinished(Store& store) { store.set("elastic/finished", "1"); }
 
 bool finished(Store& store) { return store.check({"elastic/finished"}); }
 
+bool postJobStop(Store& store, const std::string& why) {
+  return store.compareSet("elastic/stopped", "", why) == why;
+}
+
+std::optional<std::string> jobStopOf(Store& store) {
+  if (!store.check({"elastic/stopped"})) return std::nullopt;
+  return store.get("elastic/stopped");
+}
+
 int64_t joinerCount(Store& store) { return store.add(kJoiners, 0); }
 
 int joinerAt(Store& store, int64_t n) {

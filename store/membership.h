@@ -14,6 +14,8 @@
 //   elastic/node_members/<node>  the member ids running on node <node> ("4,1"; dtrun, so that
 //                           a lost node's members are posted dead)
 //   elastic/finished        a worker finished the job (a joiner not admitted yet gives up)
+//   elastic/stopped         why the job stops (fell below --min-nproc), once; the launcher
+//                           stops every worker and names it as the cause
 //
 // A replacement process (dtrun --elastic --max-restarts) gets a fresh member
 // id from newMemberId(), so that the death of the process it replaces stays
@@ -57,6 +59,10 @@ int newMemberId(Store& store, int initialWorld);
 int64_t registerJoiner(Store& store, int member);
 void markFinished(Store& store);
 bool finished(Store& store);
+// Records why the whole job stops; the first reason wins (false: one was recorded already).
+bool postJobStop(Store& store, const std::string& why);
+// Why the job stops, or nullopt while it goes on.
+std::optional<std::string> jobStopOf(Store& store);
 int64_t joinerCount(Store& store);
 // The member id of the n-th joiner (n <= joinerCount()).
 int joinerAt(Store& store, int64_t n);

@@ -75,38 +75,7 @@ int64_t sinceEpochNs(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
 
-// How long a waiter spins for a peer that may be running on another core
-// before it sleeps: about what sleeping costs (a futex wake-up plus a context
-// switch, 4-7 us on the development machine), so that a wait never costs much
-// more than the better of spinning and sleeping would have (the classic
-// spin-then-block bound). A peer that needs this very core is never spun for.
-constexpr auto kSpinBeforeSleeping = std::chrono::microseconds(10);
-// A peer that is inside a collective and not asleep in a wait of its own is
-// moving bytes toward the phase this rank waits for: it arrives within one
-// round's copy (512 KiB, well under 1 ms), and sleeping would add a wake-up
-// to every round. Past this it is probably descheduled: sleep.
-constexpr auto kSpinForWorkingPeer = std::chrono::milliseconds(1);
-// A peer this rank has just woken is on its way: a sleeping thread takes a
-// while to run again (25-30 us on the development machine's idle cores, more
-// than kSpinBeforeSleeping). Sleeping for it as well would make its next wait
-// a wake-up too, and so on: a run where every exchange costs two wake-ups
-// (about 60 us instead of 2 for a 4 KiB allreduce), the "slow mode" that
-// stayed for the whole run once a stall started it. So a rank that woke its
-// peer spins for it as for a working peer, which it is about to be. The
-// bound used to be 200 us: on a day when the same VM took 50-170 us to run a
-// woken thread, and in stretches over 200 us every time, launches fell into
-// that mode for good (1091 and 1145 us per 4 KiB allreduce; 107 of 192 waits
-// slept for a peer the rank had just woken).
-constexpr auto kSpinForWakingPeer = kSpinForWorkingPeer;
-// A rank that shares its core with a rank of its group hands the core over
-// with sched_yield (a switch of ~1 us, no futex wake-up for either side),
-// polling for this long before it sleeps. Yielding is only safe among our
-// own ranks: a busy process on the core would take it for a whole time slice
-// (milliseconds). A yield that kept this thread away longer than
-// kForeignSlice may show one; the rank then sleeps instead of yielding, for
-// how long: ForeignSlices (core_placement.h).
-constexpr auto kYieldToMateFor = std::chrono::milliseconds(2);
-constexpr auto kForeignSlice = std::chrono::microseconds(500);
+// The spin, yield and sleep bounds are in wait_rules.h, with the rules that use them.
 constexpr uint32_t kInCollective = 1;  // RankControl::state bits
 constexpr uint32_t kAsleep = 2;
 // Pauses between looks at the clock and at the peer's core while spinning.
@@ -378,26 +347,29 @@ int ShmSegment::awakeRankOnCore(int here) const {
 // Yields the core to the ranks of the group that share it until rank r
 // reaches `target`, this thread runs on a core no awake rank of the group
 // needs, or it gives up (the caller sleeps).
-ShmSegment::MateWait ShmSegment::yieldToMate(int r, uint32_t target, int here) {
+MateWait ShmSegment::yieldToMate(int r, uint32_t target, int here) {
   const RankControl& peer = control(r);
-  auto now = Clock::now();
-  if (foreignSlices_.sleepInstead(now)) return MateWait::kGaveUp;
-  const auto until = now + kYieldToMateFor;
-  while (now < until) {
+  const auto start = Clock::now();
+  if (foreignSlices_.sleepInstead(start)) return MateWait::kGaveUp;
+  auto now = start;
+  while (true) {
     const auto before = now;
     control(rank_).yieldedAtNs.store(sinceEpochNs(before), std::memory_order_relaxed);
     ::sched_yield();
     now = Clock::now();
     timeSwitch(before, now);
-    if (reached(peer.step.load(std::memory_order_acquire), target)) return MateWait::kReached;
-    if (now - before > kForeignSlice) {
-      foreignSlices_.longYield(now);
-      return MateWait::kGaveUp;
-    }
-    if (::sched_getcpu() != here) return MateWait::kOwnCore;  // the scheduler moved this thread
-    if (peer.cpu.load(std::memory_order_relaxed) != here && awakeRankOnCore(here) < 0) return MateWait::kOwnCore;
+    YieldCheck check;
+    check.peerReached = reached(peer.step.load(std::memory_order_acquire), target);
+    check.yieldTook = now - before;
+    check.yielding = now - start;
+    check.movedOffCore = ::sched_getcpu() != here;
+    check.coreStillNeededByGroup =
+        peer.cpu.load(std::memory_order_relaxed) == here || awakeRankOnCore(here) >= 0;
+    const MateWait outcome = afterYield(check);
+    if (outcome == MateWait::kYieldAgain) continue;
+    if (outcome == MateWait::kGaveUp && check.yieldTook > kForeignSlice) foreignSlices_.longYield(now);
+    return outcome;
   }
-  return MateWait::kGaveUp;
 }
 
 // The core came back to this thread after a rank of the group had yielded it (or gone to sleep
@@ -420,15 +392,15 @@ bool ShmSegment::spinFor(int r, uint32_t target, int here) {
       DT_CPU_RELAX();
       if (reached(peer.step.load(std::memory_order_acquire), target)) return true;
     }
-    if (peer.cpu.load(std::memory_order_relaxed) == here || awakeRankOnCore(here) >= 0) return false;
     const auto now = Clock::now();
-    const auto spinning = now - spinStart;
-    if (spinning < kSpinBeforeSleeping) continue;
     const uint32_t state = peer.state.load(std::memory_order_relaxed);
-    const bool peerWorks = (state & kInCollective) != 0 && (state & kAsleep) == 0;
-    if (peerWorks && spinning < kSpinForWorkingPeer) continue;
-    const bool peerWaking = (state & kAsleep) != 0 && now - wokeSleepersAt_ < kSpinForWakingPeer;
-    if (!peerWaking) return false;
+    SpinCheck check;
+    check.coreNeededByGroup = peer.cpu.load(std::memory_order_relaxed) == here || awakeRankOnCore(here) >= 0;
+    check.spinning = now - spinStart;
+    check.peerInCollective = (state & kInCollective) != 0;
+    check.peerAsleep = (state & kAsleep) != 0;
+    if (wokeSleepersAt_ != Clock::time_point{}) check.sinceWokeSleepers = now - wokeSleepersAt_;
+    if (!keepSpinning(check)) return false;
   }
 }
 
@@ -449,16 +421,12 @@ void ShmSegment::waitSlow(int r, uint32_t target, Clock::time_point deadline) {
     const auto mateAsleep = [&] { return (control(mate).state.load(std::memory_order_relaxed) & kAsleep) != 0; };
     const bool steppedAside =
         ++matesInARow_ >= kStackedWaits && mayStepAside(rank_, mate, mateAsleep()) && stepAside(here);
-    const MateWait outcome = steppedAside ? MateWait::kOwnCore : yieldToMate(r, target, here);
-    if (outcome == MateWait::kReached) return;
-    sleepsForMate = outcome == MateWait::kGaveUp;
+    const ThenWait next = afterMateWait(steppedAside ? MateWait::kOwnCore : yieldToMate(r, target, here));
+    if (next == ThenWait::kDone) return;
+    sleepsForMate = next == ThenWait::kSleep;
     if (sleepsForMate) sleptForCoreMate_.fetch_add(1, std::memory_order_relaxed);
-    if (outcome == MateWait::kOwnCore) {
-      // On a core of its own now (it stepped aside, the scheduler moved it, or its mate left):
-      // wait there as any rank on a free core does. Sleeping instead let the peer's wake-up put
-      // it back on the peer's core, as the kernel wakes a thread on its waker's core when its
-      // own core is busy: a rank that stepped aside to a core a busy process holds was stacked
-      // again at once, 12 times in a row in one launch (16 against 2.8 us per 4 KiB allreduce).
+    if (next == ThenWait::kSpinOnOwnCore) {
+      // On a core of its own now (it stepped aside, the scheduler moved it, or its mate left).
       here = ::sched_getcpu();
       control(rank_).cpu.store(here, std::memory_order_relaxed);
       if (spinFor(r, target, here)) {

@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "process_group/shm/core_placement.h"
+#include "process_group/shm/wait_rules.h"
 #include "store/store.h"
 
 namespace dt::shm {
@@ -178,7 +179,6 @@ class ShmSegment {
   // Moves this thread off `here` when the pair has been stacked long enough (true: moved).
   bool stepAside(int here);
   int awakeRankOnCore(int here) const;
-  enum class MateWait { kReached, kOwnCore, kGaveUp };
   MateWait yieldToMate(int r, uint32_t target, int here);
   void timeSwitch(Clock::time_point yielded, Clock::time_point back);
 

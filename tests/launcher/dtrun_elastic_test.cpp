@@ -49,12 +49,17 @@ TEST(DtrunElastic, AKilledWorkerIsLeftBehindAndTheOthersFinishInPlace) {
 }
 
 TEST(DtrunElastic, AFrozenWorkerIsDeclaredDeadByItsHeartbeatAndKilled) {
-  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "3", "--elastic", "--liveness-timeout", "1s", kWorker, "30",
+  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "3", "--elastic", "--liveness-timeout", "2s", kWorker, "30",
                              "2", "1", "10", "stop"},
                             120s);
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("rank 1"));
+  EXPECT_THAT(r.err, HasSubstr("rank 1 (pid"));
   EXPECT_THAT(r.err, HasSubstr("stopped responding: no heartbeat for"));
+  EXPECT_THAT(r.err, HasSubstr("frozen or hung: dtrun kills it (SIGKILL)"));
+  // The kill is reported as dtrun's, with its reason; nothing guesses at another sender.
+  EXPECT_THAT(r.err, HasSubstr("the elastic job finished without rank 1 (signal SIGKILL (sent by dtrun: no heartbeat for"));
+  EXPECT_THAT(r.err, HasSubstr("(--liveness-timeout 2000 ms)))"));
+  EXPECT_THAT(r.err, Not(HasSubstr("out-of-memory")));
   expectFinished(r, {0, 2}, 2);
 }
 
@@ -70,9 +75,18 @@ TEST(DtrunElastic, BelowTheMinimumTheJobStopsNamingWhoIsLeft) {
   const auto r = runProcess({kDtrun, "--standalone", "--nproc", "2", "--elastic", "--min-nproc", "2", kWorker, "20", "0",
                              "1", "4", "kill"},
                             120s);
-  EXPECT_NE(r.exitCode, 0) << r.out << r.err;
+  EXPECT_EQ(r.exitCode, 3) << "dtrun --help's status for a job below --min-nproc\n" << r.out << r.err;
   EXPECT_THAT(r.err, HasSubstr("the elastic job stops: 1 member(s) left (member 0), fewer than the minimum of 2 (--min-nproc)"));
   EXPECT_THAT(r.err, HasSubstr("rank 1 exited: signal SIGKILL"));
+  // dtrun says in one line that the job stops, and why.
+  EXPECT_THAT(r.err, HasSubstr("dtrun: 1 member(s) left (member 0), below --min-nproc 2; brought below by: rank 1 "
+                               "exited: signal SIGKILL: stopping the job"));
+  // The summary names that as the cause, and the survivor as stopped by dtrun.
+  EXPECT_THAT(r.err, HasSubstr("root cause: the elastic job stopped: 1 member(s) left (member 0), below --min-nproc 2; "
+                               "brought below by: rank 1 exited: signal SIGKILL\n"));
+  EXPECT_THAT(r.err, HasSubstr("stopped by dtrun: rank(s) 0"));
+  EXPECT_THAT(r.err, Not(HasSubstr("rank 0 (pid"))) << "the survivor's exit is no death the job goes on without";
+  EXPECT_THAT(r.err, Not(HasSubstr("also failed: rank 0")));
 }
 
 TEST(DtrunElastic, AKilledWorkerIsReplacedAndTheReplacementJoinsTheRunningJob) {

@@ -241,6 +241,9 @@ TEST(LauncherSummary, FormatNamesHostPidCodeTimeTailAndStopped) {
   auto killed = outcome(0, true, SIGKILL, 0);
   killed.killedByLauncher = true;
   EXPECT_THAT(describeOutcome(killed), Not(HasSubstr("out-of-memory")));
+  // ... and says why dtrun sent it.
+  killed.killReason = "no heartbeat for 2.2 s (--liveness-timeout 2s)";
+  EXPECT_EQ(describeOutcome(killed), "signal SIGKILL (sent by dtrun: no heartbeat for 2.2 s (--liveness-timeout 2s))");
   in.externalCause = "node 1 reported: rank 5 ended with exit code 3";
   EXPECT_THAT(formatSummary(in), HasSubstr("root cause: node 1 reported: rank 5"));
 }

@@ -4,9 +4,7 @@
 // counters they keep, never by time.
 #include <pthread.h>
 #include <sched.h>
-#include <linux/futex.h>
 #include <signal.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -27,6 +25,7 @@
 #include "process_group/collective_runner.h"
 #include "process_group/shm/core_placement.h"
 #include "process_group/shm/shm_segment.h"
+#include "process_group/shm/wait_rules.h"
 #include "common/strings.h"
 #include "store/hash_store.h"
 #include "testing/point.h"
@@ -282,115 +281,95 @@ TEST(Scheduling, RanksOnTwoCoresSpinForEachOther) {
   }
 }
 
+// ---- wait rules: the decisions, fed the observations they react to ------------------------
+// What the kernel then does with them (where it puts threads, how fast it wakes them) is
+// measured by bench/scheduling_bench.cpp, not asserted here.
+
+using shm::MateWait;
+using shm::SpinCheck;
+using shm::ThenWait;
+using shm::YieldCheck;
+
+YieldCheck yielded(std::chrono::nanoseconds took, std::chrono::nanoseconds yielding) {
+  YieldCheck check;
+  check.yieldTook = took;
+  check.yielding = yielding;
+  return check;
+}
+
+SpinCheck spinning(std::chrono::nanoseconds spun) {
+  SpinCheck check;
+  check.spinning = spun;
+  return check;
+}
+
 // A stacked rank that gets a core of its own in the middle of a wait (it steps aside, or the
-// kernel moves it) waits there as a rank on a free core does: it spins. Sleeping at that point
-// let the peer's wake-up put it back on the peer's core where the core it had moved to was busy
-// (the kernel wakes a thread on its waker's core then): in one launch of 30 busy ones, a rank
-// stepped aside 12 times and was stacked again each time. Both ranks start on core 0; at round
-// 100 rank 1 may use core 1 too, and stays on core 0 until it moves itself or the kernel moves it.
-// A step-aside is always made mid-wait; a move by the kernel may come between two waits (then
-// the next waits are a free core's, and there is nothing to observe), so only a run in which
-// rank 1 stepped aside, or spun after a move, is judged.
-TEST(Scheduling, AStackedRankThatGetsACoreOfItsOwnSpinsThereInsteadOfSleeping) {
-  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
-  // A step-aside goes only to a core that looks free (core_placement.h); where other work holds
-  // core 1 (the other tests of a parallel run) it is refused: up to five runs, 100 ms apart.
-  for (int run = 0; run < 5; ++run) {
-    if (run > 0) std::this_thread::sleep_for(100ms);
-    std::atomic<int> rank1EndedOn{-1};
-    const auto stats = exchange(3000, [](int) { return 0; }, [&](int rank, int round) {
-      if (rank == 1 && round == 100) {
-        cpu_set_t both;
-        CPU_ZERO(&both);
-        CPU_SET(0, &both);
-        CPU_SET(1, &both);
-        ASSERT_EQ(::pthread_setaffinity_np(::pthread_self(), sizeof both, &both), 0);
-      }
-      if (rank == 1 && round == 2999) rank1EndedOn = ::sched_getcpu();
-    });
-    EXPECT_GT(stats[1].forCoreMate, 0u) << "the first 100 rounds share core 0";
-    if (stats[1].steppedAside == 0 && stats[1].spunOnOwnCore == 0) {
-      std::printf("run %d: rank 1 never stepped aside (ended on core %d): not judged\n", run, rank1EndedOn.load());
-      continue;
-    }
-    EXPECT_GT(stats[1].spunOnOwnCore, 0u) << "rank 1 stepped aside " << stats[1].steppedAside
-                                          << " times (ended on core " << rank1EndedOn
-                                          << ") but never spun on a core of its own in the wait that moved it";
-    return;
-  }
-  GTEST_SKIP() << "in five runs rank 1 never stepped aside (core 1 was busy with other work throughout, so every "
-                  "step-aside was refused, or the kernel moved rank 1 between two waits first): nothing to observe";
+// kernel moves it, or its mate leaves the core) waits there as a rank on a free core does: it
+// spins, for as long as a working peer is worth spinning for, and only then sleeps.
+TEST(WaitRules, AStackedRankThatGetsACoreOfItsOwnSpinsThereInsteadOfSleeping) {
+  YieldCheck moved = yielded(2us, 50us);
+  moved.movedOffCore = true;
+  EXPECT_EQ(shm::afterYield(moved), MateWait::kOwnCore) << "the kernel moved it";
+  YieldCheck mateLeft = yielded(2us, 50us);
+  mateLeft.coreStillNeededByGroup = false;
+  EXPECT_EQ(shm::afterYield(mateLeft), MateWait::kOwnCore) << "its mate moved off the core";
+  EXPECT_EQ(shm::afterMateWait(MateWait::kOwnCore), ThenWait::kSpinOnOwnCore) << "also after a step aside";
+
+  SpinCheck onOwnCore = spinning(500us);
+  onOwnCore.peerInCollective = true;
+  EXPECT_TRUE(shm::keepSpinning(onOwnCore)) << "the peer works on its own core";
+  onOwnCore.spinning = shm::kSpinForWorkingPeer;
+  EXPECT_FALSE(shm::keepSpinning(onOwnCore)) << "past the bound the peer is probably descheduled: sleep";
 }
 
-// How long a thread asleep on a futex on core 1 (idle otherwise) takes to run
-// after core 0 wakes it: `count` wake-ups 1 ms apart, in microseconds, sorted.
-std::vector<double> wakeUpLatencies(int count) {
-  std::atomic<int> word{0};
-  std::atomic<int64_t> ranAt{0};
-  const auto nowNs = [] {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  };
-  std::vector<double> us;
-  std::thread sleeper([&] {
-    pinThisThreadTo(1);
-    for (int i = 1; i <= count; ++i) {
-      while (word.load() < i) ::syscall(SYS_futex, &word, FUTEX_WAIT_PRIVATE, i - 1, nullptr, nullptr, 0);
-      ranAt.store(nowNs());
-    }
-  });
-  pinThisThreadTo(0);
-  for (int i = 1; i <= count; ++i) {
-    std::this_thread::sleep_for(1ms);
-    ranAt.store(0);
-    const int64_t wokeAt = nowNs();
-    word.store(i);
-    ::syscall(SYS_futex, &word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
-    while (ranAt.load() == 0) {
-    }
-    us.push_back(static_cast<double>(ranAt.load() - wokeAt) / 1e3);
-  }
-  sleeper.join();
-  std::sort(us.begin(), us.end());
-  return us;
+TEST(WaitRules, YieldingToACoreMateGoesOnUntilItRunsOrTheYieldsShowABusyProcess) {
+  EXPECT_EQ(shm::afterYield(yielded(2us, 100us)), MateWait::kYieldAgain);
+  YieldCheck done = yielded(2us, 100us);
+  done.peerReached = true;
+  done.movedOffCore = true;
+  EXPECT_EQ(shm::afterYield(done), MateWait::kReached) << "reaching wins over anything else seen";
+  EXPECT_EQ(shm::afterYield(yielded(shm::kForeignSlice + 1us, 600us)), MateWait::kGaveUp)
+      << "one yield that kept this thread away past a slice: a busy process took the core";
+  YieldCheck longAndMoved = yielded(shm::kForeignSlice + 1us, 600us);
+  longAndMoved.movedOffCore = true;
+  EXPECT_EQ(shm::afterYield(longAndMoved), MateWait::kGaveUp) << "a long yield is judged before a move";
+  EXPECT_EQ(shm::afterYield(yielded(shm::kForeignSlice, shm::kYieldToMateFor - 1ns)), MateWait::kYieldAgain);
+  EXPECT_EQ(shm::afterYield(yielded(2us, shm::kYieldToMateFor)), MateWait::kGaveUp) << "2 ms of yields: sleep";
+  EXPECT_EQ(shm::afterMateWait(MateWait::kGaveUp), ThenWait::kSleep);
+  EXPECT_EQ(shm::afterMateWait(MateWait::kReached), ThenWait::kDone);
 }
 
-// A rank that wakes a sleeping peer spins for that peer's next arrival instead
-// of sleeping as well (up to 1 ms): otherwise, where waking a thread takes longer
-// than the 10 us spin (25-30 us in the development VM, 50-170 us on a busier day),
-// every later exchange would cost two wake-ups. Rank 1 stalls outside any
-// collective before 20 of the rounds, so rank 0 sleeps for it; rank 1 then
-// wakes rank 0 and waits for it at once.
-TEST(Scheduling, ARankThatWokeItsPeerSpinsForItInsteadOfSleepingToo) {
-  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores, this machine has one";
-  // The rule spins up to 1 ms for a woken peer; where the host often takes longer than that to
-  // run a halted virtual CPU again (2026-12-03, for hours: 10-27 % of wake-ups, up to 19 ms),
-  // no spin bound shows and the counts below say nothing about the rule.
-  std::vector<double> wakeUps;
-  std::thread([&] { wakeUps = wakeUpLatencies(100); }).join();
-  const auto overSpin = std::count_if(wakeUps.begin(), wakeUps.end(), [](double us) { return us > 1000; });
-  std::printf("wake-ups of an idle core: median %.0f us, p90 %.0f us, %d of 100 over 1 ms\n", wakeUps[50], wakeUps[90],
-              static_cast<int>(overSpin));
-  if (overSpin > 2) {
-    GTEST_SKIP() << "this host took over 1 ms to run a woken thread on an idle core in " << overSpin
-                 << " of 100 wake-ups (median " << wakeUps[50] << " us, p90 " << wakeUps[90]
-                 << " us): longer than the rule's spin, so it cannot be observed here now";
-  }
-  constexpr int kStalls = 20;
-  // Without the spin rank 1 sleeps for the rank 0 it has just woken after every stall (measured
-  // with the spin set to 0: 20-303 times in a run, never fewer than the stalls, as waking takes
-  // over 10 us here). With it, 0-7 times idle and up to 10 while other tests' ranks kept both
-  // cores busy; but in about 3 runs of 20 on a day when the host sometimes took over 1 ms to
-  // run a halted vCPU again, 12-86. That is the host, not the rule: up to three runs, and the
-  // rule holds when one of them has fewer such sleeps than stalls.
-  uint64_t fewest = UINT64_MAX;
-  for (int run = 0; run < 3 && fewest >= kStalls / 2; ++run) {
-    const auto stats = exchange(50 * kStalls, [](int rank) { return rank; }, [](int rank, int round) {
-      if (rank == 1 && round % 50 == 25) std::this_thread::sleep_for(5ms);  // rank 0 falls asleep waiting
-    });
-    EXPECT_GE(stats[0].slept, static_cast<uint64_t>(kStalls)) << "rank 0 slept through each stall";
-    fewest = std::min(fewest, stats[1].sleptForWoken);
-  }
-  EXPECT_LT(fewest, static_cast<uint64_t>(kStalls)) << "rank 1 slept for the peer it had just woken after every stall";
+TEST(WaitRules, ASpinForAPeerOnAnotherCoreStopsAtOnceWhenTheGroupNeedsThisCore) {
+  SpinCheck check = spinning(0ns);
+  check.peerInCollective = true;
+  check.coreNeededByGroup = true;
+  EXPECT_FALSE(shm::keepSpinning(check)) << "spinning would keep the rank that needs this core off it";
+}
+
+TEST(WaitRules, AnIdlePeerIsSpunForAboutWhatSleepingCostsAWorkingOneUpTo1Ms) {
+  EXPECT_TRUE(shm::keepSpinning(spinning(shm::kSpinBeforeSleeping - 1ns)));
+  EXPECT_FALSE(shm::keepSpinning(spinning(shm::kSpinBeforeSleeping))) << "outside any collective: sleep";
+  SpinCheck working = spinning(shm::kSpinForWorkingPeer - 1ns);
+  working.peerInCollective = true;
+  EXPECT_TRUE(shm::keepSpinning(working));
+  working.peerAsleep = true;
+  EXPECT_FALSE(shm::keepSpinning(working)) << "asleep in a wait of its own, and not woken by this rank";
+}
+
+// A rank that wakes a sleeping peer spins for that peer's next arrival instead of sleeping as
+// well (up to 1 ms): otherwise, where waking a thread takes longer than the 10 us spin (25-30 us
+// in the development VM, 50-170 us on a busier day), every later exchange would cost two
+// wake-ups.
+TEST(WaitRules, ARankThatWokeItsPeerSpinsForItInsteadOfSleepingToo) {
+  SpinCheck woken = spinning(300us);
+  woken.peerAsleep = true;
+  woken.sinceWokeSleepers = 300us;
+  EXPECT_TRUE(shm::keepSpinning(woken)) << "woken 300 us ago: still on its way";
+  woken.sinceWokeSleepers = shm::kSpinForWakingPeer;
+  EXPECT_FALSE(shm::keepSpinning(woken)) << "woken longer ago than the bound";
+  SpinCheck neverWoke = spinning(300us);
+  neverWoke.peerAsleep = true;
+  EXPECT_FALSE(shm::keepSpinning(neverWoke)) << "this rank never woke it: it sleeps for something else";
 }
 
 // Two forked ranks (a stopped thread of this process would stop the test), each pinned to
