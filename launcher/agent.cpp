@@ -88,19 +88,38 @@ struct Agent::Impl {
   bool storeGone = false;
   const std::string nonce = randomHex(4);  // tells this dtrun from another claiming the same node rank  // the store is unreachable: skip waits that need it
   std::vector<CoordinatorEvent> pendingEvents;  // taken while waiting, handled later
-  // Watch connections: every node k keeps one TCP connection to node 0's
-  // dtrun. The kernel closes it when either dtrun dies, even by SIGKILL, so a
-  // dead dtrun is noticed at once (a cut link still needs the heartbeats).
-  int watchListenFd = -1;                // node 0
-  std::map<int, std::pair<int, std::string>> watchPeers;  // node 0: fd -> (node or -1, partial line)
-  int watchFd = -1;                      // node k: its connection to node 0
-  std::string watchPort;                 // node k: where node 0 listens
+  // Watch connections between dtruns. The kernel closes a dead process's
+  // sockets at once, even after SIGKILL: the peer's read returns end-of-file
+  // within milliseconds, which is proof that the dtrun is gone (its workers go
+  // with it: guardian.h), where a silent heartbeat is only suspicion (a cut
+  // link, a frozen machine) and needs --node-timeout. With the TCP store every
+  // node k keeps one connection to node 0's dtrun (the store's host, without
+  // which nothing goes on). With etcd no node is special: every pair of nodes
+  // keeps one, opened by the higher node id, so any node's loss is seen by all.
+  int watchListenFd = -1;                // node 0 (TCP store); every node (etcd)
+  std::map<int, std::pair<int, std::string>> watchPeers;  // accepted: fd -> (node or -1, partial line)
+  std::map<int, int> watchOut;           // opened by this node: fd -> the node it watches
+  std::string watchPort;                 // TCP store, node k: where node 0 listens
   bool watchTried = false;
 
   void addWatchFds(std::vector<pollfd>& fds) const {
     if (watchListenFd >= 0) fds.push_back({watchListenFd, POLLIN, 0});
     for (const auto& [fd, peer] : watchPeers) fds.push_back({fd, POLLIN, 0});
-    if (watchFd >= 0) fds.push_back({watchFd, POLLIN, 0});
+    for (const auto& [fd, node] : watchOut) fds.push_back({fd, POLLIN, 0});
+  }
+
+  // A watched dtrun closed its connection: lost, unless it recorded a normal exit first.
+  void watchedNodeClosed(int node) {
+    if (!o.etcd() && node == 0) {
+      pendingEvents.push_back({CoordinatorEvent::Kind::StoreLost,
+                               "node 0's dtrun closed its watch connection: it died or was killed", 1});
+      return;
+    }
+    if (node < 0 || nodeExited(node)) return;
+    pendingEvents.push_back({CoordinatorEvent::Kind::NodeLost,
+                             str("node ", node, "'s dtrun closed its watch connection without finishing: its process is "
+                                 "gone (SIGKILL, OOM killer, a crash), as its kernel closed the connection"),
+                             1, -1, node});
   }
 
   bool nodeExited(int node) {
@@ -119,13 +138,13 @@ struct Agent::Impl {
       if (peer >= 0) watchPeers[peer] = {-1, ""};
       return;
     }
-    if (fd == watchFd) {
+    if (const auto out = watchOut.find(fd); out != watchOut.end()) {
       const ssize_t n = ::read(fd, buf, sizeof(buf));
       if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        ::close(watchFd);
-        watchFd = -1;
-        pendingEvents.push_back({CoordinatorEvent::Kind::StoreLost,
-                                 "node 0's dtrun closed its watch connection: it died or was killed", 1});
+        const int node = out->second;
+        ::close(fd);
+        watchOut.erase(out);
+        watchedNodeClosed(node);
       }
       return;
     }
@@ -152,25 +171,60 @@ struct Agent::Impl {
     const int node = it->second.first;
     ::close(fd);
     watchPeers.erase(it);
-    if (node > 0 && !nodeExited(node)) {
-      pendingEvents.push_back({CoordinatorEvent::Kind::NodeLost,
-                               str("node ", node, "'s dtrun closed its watch connection without finishing: it died or was killed (SIGKILL, OOM killer, machine reboot)"),
-                               1, -1, node});
-    }
+    if (node >= 0) watchedNodeClosed(node);
   }
 
-  // Node k, once its node rank is its own: opens the watch connection.
+  // Opens a watch connection to `node`'s dtrun at host:port (false: none, and why is said).
+  bool watchNode(int node, const std::string& host, uint16_t port) {
+    std::string error;
+    const int fd = connectTcp(host, port, error);
+    if (fd < 0) {
+      say(str("warning: no watch connection to node ", node, " (", error, "); its loss is seen by ",
+              o.etcd() ? "its lease" : "the store's heartbeats", " only (--node-timeout ", formatDuration(o.nodeTimeout), ")"));
+      return false;
+    }
+    writeAll(fd, str(token.empty() ? "-" : token, " ", o.nodeRank, "\n"));
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    watchOut[fd] = node;
+    return true;
+  }
+
+  // TCP store, node k, once its node rank is its own: opens the watch connection to node 0.
   void setupWatch() {
     if (o.nnodes == 1 || o.nodeRank == 0 || watchTried) return;
     watchTried = true;
-    std::string error;
-    watchFd = connectTcp(o.masterAddr, static_cast<uint16_t>(std::stoi(watchPort)), error);
-    if (watchFd < 0) {
-      say(str("warning: no watch connection to node 0 (", error, "); relying on store heartbeats only"));
-      return;
+    watchNode(0, o.masterAddr, static_cast<uint16_t>(std::stoi(watchPort)));
+  }
+
+  // etcd, once this node's id is its own: listens for the watch connections of higher node ids
+  // and publishes where (dtrun/watch/<node>).
+  void publishWatchAddress() {
+    if (o.nnodes == 1) return;
+    if (watchListenFd < 0) {
+      uint16_t port = 0;
+      watchListenFd = listenTcp(o.bind, port);
+      watchPort = std::to_string(port);
     }
-    writeAll(watchFd, str(token.empty() ? "-" : token, " ", o.nodeRank, "\n"));
-    ::fcntl(watchFd, F_SETFL, ::fcntl(watchFd, F_GETFL) | O_NONBLOCK);
+    store->set(str("dtrun/watch/", o.nodeRank), str(cfg.hostname, "\t", watchPort, "\t", nonce));
+  }
+
+  // etcd, once the attempt's nodes are known: a watch connection to each lower node id not
+  // watched yet (each published its address right after claiming its id, before the attempt
+  // could fill).
+  void watchLowerNodes(const std::vector<int>& nodes) {
+    if (o.nnodes == 1) return;
+    std::set<int> watched;
+    for (const auto& [fd, node] : watchOut) watched.insert(node);
+    for (int node : nodes) {
+      if (node >= o.nodeRank || watched.count(node)) continue;
+      try {
+        const auto where = split(store->get(str("dtrun/watch/", node), std::chrono::seconds(10)), '\t');
+        watchNode(node, where.at(0), static_cast<uint16_t>(std::stoi(where.at(1))));
+      } catch (const std::exception& e) {
+        say(str("warning: no watch connection to node ", node, " (its address: ", e.what(), "); its loss is seen by "
+                "its lease only (--node-timeout ", formatDuration(o.nodeTimeout), ")"));
+      }
+    }
   }
 
   Guardian* guardian;
@@ -356,6 +410,7 @@ struct Agent::Impl {
     }
     if (o.nodeRank != *slot) o.nodeRank = *slot;
     tag = o.nnodes > 1 ? str("dtrun (node ", o.nodeRank, "/", o.nnodes, "): ") : std::string("dtrun: ");
+    publishWatchAddress();
     if (attempt == 0 && o.nodeRank == 0) {
       workerPort = o.workerPort != 0 ? o.workerPort : pickFreePort("");
       workerMasterAddr = o.masterAddrSet ? o.masterAddr : cfg.hostname;
@@ -491,6 +546,7 @@ struct Agent::Impl {
     if (o.etcd()) {
       std::string holder;
       if (!etcdRdzv->claim(attempt, id, id + 1, mine, holder)) throw Error(str("dtrun: node id ", id, " is taken (", holder, ")"));
+      publishWatchAddress();
     } else
 #endif
     {
@@ -511,7 +567,15 @@ struct Agent::Impl {
 
   std::optional<Rendezvous> rendezvous(int attempt) {
 #if DT_HAVE_ETCD
-    if (o.etcd()) return rendezvousInEtcd(attempt);
+    if (o.etcd()) {
+      auto out = rendezvousInEtcd(attempt);
+      if (out) {
+        std::vector<int> nodes = out->nodes;
+        for (int node = 0; nodes.empty() && node < o.nnodes; ++node) nodes.push_back(node);
+        watchLowerNodes(nodes);
+      }
+      return out;
+    }
 #endif
     if (o.nnodes == 1) return Rendezvous{cfg.nproc, 0};
     if (o.minNodes < o.nnodes && o.nodeRank != 0 && store->check({nodesKey(attempt)})) return joinRunning(attempt, -1);

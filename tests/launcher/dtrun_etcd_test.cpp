@@ -98,18 +98,21 @@ TEST(DtrunEtcd, ElasticJobLosesNode0GoesOnAndTheNodeRejoins) {
     return std::make_unique<ChildProcess>(dtrun(cluster, "elastic-etcd", args, worker));
   };
   std::vector<std::unique_ptr<ChildProcess>> nodes;
-  for (int rank = 0; rank < 3; ++rank) nodes.push_back(node({"--node-rank", std::to_string(rank)}));
+  // A lease of 60 s: the loss is seen through the watch connections that node 0's dtrun had to
+  // each other node, which its kernel closed (no waiting for the lease).
+  for (int rank = 0; rank < 3; ++rank) nodes.push_back(node({"--node-rank", std::to_string(rank), "--node-timeout", "60s"}));
   ASSERT_TRUE(nodes[1]->waitForOutput("go on from step", 60s)) << nodes[0]->output() << nodes[1]->output();
   cluster.kill(1);
   const auto lost = nodes[0]->wait(60s);
   EXPECT_NE(lost.exitCode, 0) << "node 0's dtrun was killed";
-  nodes.push_back(node({}));  // node 0 again, without a node rank: a fresh one
+  nodes.push_back(node({"--node-timeout", "60s"}));  // node 0 again, without a node rank: a fresh one
   for (size_t i = 1; i < nodes.size(); ++i) {
     const auto r = nodes[i]->wait(120s);
     ASSERT_EQ(r.exitCode, 0) << "dtrun " << i << ":\n" << r.out << r.err;
     EXPECT_THAT(r.err, ::testing::Not(HasSubstr("finished without")));
     if (i < 3) {
-      EXPECT_THAT(r.err, HasSubstr("node 0 is lost"));
+      EXPECT_THAT(r.err, HasSubstr("node 0 is lost (node 0's dtrun closed its watch connection without finishing: its "
+                                   "process is gone"));
     } else {
       EXPECT_THAT(r.err, HasSubstr("this node joins it as node 3"));
     }

@@ -10,7 +10,8 @@
 // DIE_STEP (or its first step, when it joined later) before its commit,
 // SIGKILLs itself (kill), SIGSTOPs itself (stop: the launcher's liveness check
 // must find it), exits with code 3 (exit), or SIGKILLs its parent dtrun and
-// itself (node: a node's loss).
+// itself (node: a node's loss; "kills its node at <ms>" first, and each
+// survivor prints "first commit after recovery at <ms>": wall-clock times).
 // At the end each survivor prints
 //   "member M rank R/N epoch E state S expected S' lost <who>"
 // and exits 0 when S == S'; the job's exit code tells the rest. A replacement
@@ -30,6 +31,12 @@
 #include "tensor/tensor.h"
 #include "tests/elastic/toy_step.h"
 
+namespace {
+int64_t wallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   if (argc < 2) return 64;
   const int64_t steps = std::atoll(argv[1]);
@@ -44,6 +51,7 @@ int main(int argc, char** argv) {
     const double expected = dt::testing::toyState(steps);
     dt::Tensor grad = dt::zeros({1}, dt::DType::Float64);
     int64_t applied = 0;
+    bool recovered = false;  // a new epoch began: its first commit is reported
     std::string lost;
     auto transfer = [&] {  // after a new epoch: rank 0 to the members just admitted
       if (elastic->membership().joined.empty()) return;
@@ -69,6 +77,8 @@ int main(int argc, char** argv) {
           if (how == "stop") ::kill(::getpid(), SIGSTOP);
           if (how == "exit") std::_Exit(3);
           if (how == "node") {
+            std::printf("member %d: kills its node at %lld ms\n", member, static_cast<long long>(wallMs()));
+            std::fflush(stdout);
             ::kill(::getppid(), SIGKILL);  // this node's dtrun: its other workers die with it
             ::kill(::getpid(), SIGKILL);
           }
@@ -77,6 +87,11 @@ int main(int argc, char** argv) {
         elastic->group()->allreduce(commit)->wait();
         state += grad.data<double>()[0];
         ++applied;
+        if (recovered) {  // bench/run_node_loss_bench.sh: the loss's cost ends here
+          std::printf("member %d: first commit after recovery at %lld ms\n", member, static_cast<long long>(wallMs()));
+          std::fflush(stdout);
+          recovered = false;
+        }
         if (commit.data<double>()[1] > 0 && applied < steps) {
           elastic->admit(applied);
           transfer();
@@ -85,6 +100,7 @@ int main(int argc, char** argv) {
         throw;
       } catch (const dt::Error&) {
         const auto& next = elastic->recover(std::current_exception(), applied);
+        recovered = true;
         if (next.resumeStep > applied) {
           state += grad.data<double>()[0];
           ++applied;
