@@ -44,6 +44,11 @@
 #                                       DATA=/usr/share/datasets/fashion-mnist
 #                                       DT_BUILD_DIR=build-bench OUT=file KEEP_LOGS=0)
 #   REPS=3: about 6 minutes on 2 cores, most of it torch's start-ups and its restart
+#
+# Then, in the same run: a joiner's state transfer against one broadcast of the same bytes and
+# its time to a first step (bench/state_transfer_bench.cpp: shm and gloo, the MLP and the 38M
+# GPT, TRANSFER_REPS=5), and a whole node's loss (bench/run_node_loss_bench.sh: etcd and the
+# TCP store, kill -> next commit, NODE_LOSS_REPS=5). SKIP_EXTRA=1 leaves both out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -75,8 +80,9 @@ if ((kill_step < 1 || kill_step >= steps - 1)); then
 fi
 
 echo "== building trainer and dtrun in $build" >&2
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=ON -DDT_BUILD_EXAMPLES=ON >/dev/null &&
-  cmake --build "$build" -j "${DT_JOBS:-2}" --target trainer dtrun >/dev/null ||
+# Tests on for one target of theirs: the node-loss bench's elastic worker.
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=ON -DDT_BUILD_BENCH=ON -DDT_BUILD_EXAMPLES=ON >/dev/null &&
+  cmake --build "$build" -j "${DT_JOBS:-2}" --target trainer dtrun state_transfer_bench dtrun_elastic_worker >/dev/null ||
   { echo "run_recovery_bench: building trainer failed" >&2; exit 2; }
 dtrun="$build/launcher/dtrun"
 trainer="$build/examples/trainer"
@@ -338,3 +344,16 @@ if el and pl:
          f"{el['step_ms']:.3f} vs {pl['step_ms']:.3f} ms = {over:+.2f} % (median step: {el['step_p50_ms']:.3f} vs {pl['step_p50_ms']:.3f} ms = {over50:+.2f} %)",
          over < 1)
 EOF
+
+[ "${SKIP_EXTRA:-0}" = 1 ] && exit 0
+echo | tee -a "$out"
+echo "# a joiner's state transfer (bench/state_transfer_bench)" | tee -a "$out"
+for backend in shm gloo; do
+  for model in mlp gpt; do
+    "$build/bench/state_transfer_bench" --backend "$backend" --model "$model" --reps "${TRANSFER_REPS:-5}" 2>>"$out.log" |
+      tee -a "$out"
+  done
+done
+echo | tee -a "$out"
+echo "# a whole node's loss (bench/run_node_loss_bench.sh)" | tee -a "$out"
+REPS=${NODE_LOSS_REPS:-5} DT_BUILD_DIR="$build" OUT="$out.node-loss" bash bench/run_node_loss_bench.sh 2>&1 | tee -a "$out"

@@ -107,6 +107,14 @@ std::optional<StateTensorInfo> PieceSource::find(const std::string& name) const 
   return it->second.info;
 }
 
+Tensor PieceSource::adoptable(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end() || it->second.info.placement == Placement::PerRank || it->second.pieces.size() != 1) return {};
+  const Piece& piece = it->second.pieces.front();
+  if (!piece.adoptable.defined() || piece.offset != 0 || piece.count != shapeNumel(it->second.info.shape)) return {};
+  return piece.adoptable.view(it->second.info.shape);
+}
+
 const PieceSource::Entry& PieceSource::entry(const std::string& name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) throw InvalidArgument(str(description_, " has no tensor \"", name, "\""));

@@ -90,6 +90,10 @@ class OptimizerPart final : public StateProvider {
       if (dot == std::string::npos) continue;
       byParameter[rest.substr(0, dot)].push_back(info);
     }
+    // The state the optimizer holds now is restored in place; new state is made here (or
+    // taken from the source's own memory) and handed over without another copy.
+    std::map<std::string, Tensor> live;
+    for (auto& [key, t] : optimizer_.stateDict()) live.emplace(key, t);
     NamedTensors state;
     size_t used = 0;
     NoGradGuard noGrad;
@@ -100,18 +104,25 @@ class OptimizerPart final : public StateProvider {
       ++used;
       for (const StateTensorInfo& info : it->second) {
         const std::string stateName = info.name.substr(head.size() + layout.name.size() + 1);
+        const std::string key = str("state.", i, ".", stateName);
         Tensor value;
         if (info.shape == layout.shape) {
-          value = zerosLike(params[i]);  // padding beyond the held elements stays zero
+          value = reusable(live, key, params[i]);
+          const bool whole = heldElements(params[i], layout).numel() == params[i].numel();
+          if (!value.defined() && whole) value = adopted(source, info.name, params[i]);
+          if (value.defined() && !whole) value.zero_();
+          if (!value.defined()) value = zerosLike(params[i]);  // padding beyond the held elements stays zero
           Tensor held = heldElements(value, layout);
           source.read(info.name, layout.placement == Placement::Sharded ? layout.offset : 0, held);
         } else if (info.placement == Placement::Replicated && info.shape.empty()) {
-          value = zeros({}, info.dtype);  // a scalar: the step count
+          const Tensor scalar = zeros({}, info.dtype);  // a scalar: the step count
+          value = reusable(live, key, scalar);
+          if (!value.defined()) value = scalar;
           source.read(info.name, 0, value);
         } else {
           requireShape(source, info, layout.shape);
         }
-        state.emplace_back(str("state.", i, ".", stateName), value);
+        state.emplace_back(key, value);
       }
     }
     if (used != byParameter.size()) {
@@ -124,10 +135,27 @@ class OptimizerPart final : public StateProvider {
         }
       }
     }
-    optimizer_.loadStateDict(state);
+    optimizer_.adoptStateDict(std::move(state));
   }
 
  private:
+  // The optimizer's own tensor for `key` when it can take the restored values in place
+  // (shaped, typed and placed as `like`).
+  static Tensor reusable(const std::map<std::string, Tensor>& live, const std::string& key, const Tensor& like) {
+    auto it = live.find(key);
+    if (it == live.end()) return {};
+    const Tensor& t = it->second;
+    const bool fits = t.sizes() == like.sizes() && t.dtype() == like.dtype() && t.device() == like.device() &&
+                      t.isContiguous();
+    return fits ? t : Tensor();
+  }
+  // The source's own memory for tensor `name`, when it fits the parameter (dtype, device).
+  static Tensor adopted(const StateSource& source, const std::string& name, const Tensor& param) {
+    Tensor t = source.adoptable(name);
+    if (!t.defined() || t.dtype() != param.dtype() || t.device() != param.device() || !t.isContiguous()) return {};
+    return t.view(param.sizes());
+  }
+
   static std::pair<size_t, std::string> parseKey(const std::string& key) {
     const auto parts = split(key, '.');
     if (parts.size() != 3 || parts[0] != "state") {

@@ -94,6 +94,11 @@ class StateSource {
   // shape; PerRank: of rank `rank`'s value) into dst, converting dtype and device as
   // copy_ does. InvalidArgument names the tensor and the range when the source lacks it.
   virtual void read(const std::string& name, int64_t offset, Tensor& dst, int rank = 0) const = 0;
+  // The whole tensor `name` (its global shape) when the source holds it in host memory of its
+  // own that nothing else uses (bytes just received), so that a part creating a new tensor
+  // for it may keep that memory instead of allocating and copying; an undefined Tensor
+  // otherwise (read() instead). Sources backed by files return undefined.
+  virtual Tensor adoptable(const std::string& /*name*/) const { return {}; }
 };
 
 // Where restore() runs: this rank's place in the group the state is restored for.

@@ -8,7 +8,6 @@
 
 #include "checkpoint/exchange.h"
 #include "checkpoint/internal/piece_source.h"
-#include "collectives/coalesce.h"
 #include "common/errors.h"
 #include "common/json.h"
 #include "common/strings.h"
@@ -21,6 +20,9 @@ using detail::PieceDescriptor;
 using detail::PieceSource;
 
 constexpr const char* kStateFormat = "dtrain-state/1";
+// broadcastState: a replicated tensor of at least this many bytes is broadcast on its own,
+// from and into the tensors themselves (no packing); smaller ones share a bucket.
+constexpr size_t kAloneBytes = size_t{1} << 20;
 
 // The step, metadata and world size of a state, as JSON (the header of encoded state and of
 // a broadcast).
@@ -54,19 +56,24 @@ Header parseHeader(const std::string& text, const std::string& what) {
   return out;
 }
 
-// A piece read from a host tensor holding its elements.
-PieceSource::Piece memoryPiece(const PieceDescriptor& d, Tensor data) {
-  return {d.info.placement == Placement::PerRank ? d.rank : -1, d.offset, d.count,
-          [data = std::move(data)](int64_t from, int64_t n, void* dst) {
-            const size_t width = itemSize(data.dtype());
-            std::memcpy(dst, static_cast<const char*>(data.dataPtr()) + static_cast<size_t>(from) * width,
-                        static_cast<size_t>(n) * width);
-          }};
+// A piece read from a host tensor holding its elements. `adoptable`: the tensor is memory of
+// its own (received just now, referenced by nothing else) that a restore may keep.
+PieceSource::Piece memoryPiece(const PieceDescriptor& d, Tensor data, bool adoptable) {
+  PieceSource::Piece piece{d.info.placement == Placement::PerRank ? d.rank : -1, d.offset, d.count,
+                           [data](int64_t from, int64_t n, void* dst) {
+                             const size_t width = itemSize(data.dtype());
+                             const char* src = static_cast<const char*>(data.dataPtr()) + static_cast<size_t>(from) * width;
+                             // The same address: the bytes were received into the tensor restored.
+                             if (src != dst) std::memcpy(dst, src, static_cast<size_t>(n) * width);
+                           },
+                           Tensor()};
+  if (adoptable) piece.adoptable = std::move(data);
+  return piece;
 }
 
 // Adds the tensor (once) and the piece to `source`.
 void addDescribed(PieceSource& source, std::map<std::string, StateTensorInfo>& seen, const PieceDescriptor& d,
-                  Tensor data) {
+                  Tensor data, bool adoptable = false) {
   auto [it, fresh] = seen.emplace(d.info.name, d.info);
   if (fresh) {
     source.addTensor(d.info);
@@ -76,7 +83,7 @@ void addDescribed(PieceSource& source, std::map<std::string, StateTensorInfo>& s
                               toString(d.info.dtype), describeShape(d.info.shape), " and ", toString(it->second.dtype),
                               describeShape(it->second.shape), ")"));
   }
-  source.addPiece(d.info.name, memoryPiece(d, std::move(data)));
+  source.addPiece(d.info.name, memoryPiece(d, std::move(data), adoptable));
 }
 
 Tensor hostFlat(const Tensor& t) { return t.detach().to(Device::cpu()).contiguous().view({-1}); }
@@ -176,39 +183,92 @@ void broadcastState(TrainingState& state, ProcessGroup& group, int root, bool re
   auto source = std::make_unique<PieceSource>(str("state broadcast by rank ", root), header.step, group.size(),
                                               header.metadata);
   std::map<std::string, StateTensorInfo> seen;
-  // Replicated tensors, in buckets of one dtype.
-  std::map<DType, std::vector<size_t>> byType;
-  for (size_t i = 0; i < header.pieces.size(); ++i) byType[header.pieces[i].info.dtype].push_back(i);
   std::map<std::string, const StateTensor*> mineByName;
   for (const StateTensor& t : mine) mineByName[t.name] = &t;
+  const bool onHost = options.device.isCpu();
+  const bool keep = restoreHere;  // a rank that only takes part keeps nothing
+  // The root's tensor, flat on the transfer's device (no copy when it lies there already).
+  auto rootFlat = [&](const PieceDescriptor& d) {
+    return mineByName.at(d.info.name)->local.detach().to(options.device).contiguous().view({-1});
+  };
+  // Where a restoring rank's bytes land: its own live tensor when it is contiguous host memory
+  // of the stored dtype and size (the restore then finds them in place), else nothing.
+  auto landing = [&](const PieceDescriptor& d) -> Tensor {
+    auto it = mineByName.find(d.info.name);
+    if (!onHost || it == mineByName.end()) return {};
+    const Tensor& t = it->second->local;
+    if (!t.device().isCpu() || !t.isContiguous() || t.dtype() != d.info.dtype || t.numel() != d.count) return {};
+    return t.detach().view({-1});
+  };
+  auto grow = [&](Tensor& buffer, int64_t elements, DType dtype) {
+    if (!buffer.defined() || buffer.numel() < elements) buffer = empty({elements}, dtype, options.device);
+    return buffer.narrow(0, 0, elements);
+  };
+  // Replicated tensors in header order per dtype: a large one travels alone, straight from the
+  // root's tensor into the receiver's; small ones are packed into buckets of up to bucketBytes.
+  std::map<DType, std::vector<size_t>> byType;
+  for (size_t i = 0; i < header.pieces.size(); ++i) byType[header.pieces[i].info.dtype].push_back(i);
   for (const auto& [dtype, indices] : byType) {
+    const size_t width = itemSize(dtype);
+    const int64_t limit = std::max<int64_t>(1, static_cast<int64_t>(options.bucketBytes / width));
+    auto travelsAlone = [&](size_t k) {
+      return static_cast<size_t>(header.pieces[indices[k]].count) * width >= kAloneBytes;
+    };
+    Tensor staging;  // the packed buckets, reused (receivers unpack each before the next)
+    Tensor scratch;  // where a rank that keeps nothing receives lone tensors, reused
     size_t begin = 0;
     while (begin < indices.size()) {
       size_t end = begin;
       int64_t elements = 0;
-      const int64_t limit = std::max<int64_t>(1, static_cast<int64_t>(options.bucketBytes / itemSize(dtype)));
-      while (end < indices.size() && (end == begin || elements + header.pieces[indices[end]].count <= limit)) {
-        elements += header.pieces[indices[end]].count;
-        ++end;
-      }
-      Tensor bucket;
-      if (rank == root) {
-        std::vector<Tensor> parts;
-        for (size_t k = begin; k < end; ++k) {
-          const StateTensor* t = mineByName.at(header.pieces[indices[k]].info.name);
-          parts.push_back(t->local.detach().to(options.device).contiguous().view({-1}));
-        }
-        bucket = elements > 0 ? flattenTensors(parts) : zeros({1}, dtype, options.device);
+      if (travelsAlone(begin)) {
+        elements = header.pieces[indices[end++]].count;
       } else {
-        bucket = empty({std::max<int64_t>(elements, 1)}, dtype, options.device);
+        while (end < indices.size() && !travelsAlone(end) &&
+               (end == begin || elements + header.pieces[indices[end]].count <= limit)) {
+          elements += header.pieces[indices[end]].count;
+          ++end;
+        }
       }
-      group.broadcast(bucket, {.root = root})->wait();
-      const Tensor host = bucket.to(Device::cpu());
-      int64_t at = 0;
-      for (size_t k = begin; k < end; ++k) {
-        const PieceDescriptor& d = header.pieces[indices[k]];
-        addDescribed(*source, seen, d, host.narrow(0, at, d.count));
-        at += d.count;
+      if (end - begin == 1 && travelsAlone(begin)) {
+        const PieceDescriptor& d = header.pieces[indices[begin]];
+        Tensor buffer;
+        bool own = false;
+        if (rank == root) {
+          buffer = rootFlat(d);
+        } else if (keep) {
+          buffer = landing(d);
+          own = !buffer.defined();
+          if (own) buffer = empty({d.count}, dtype, options.device);
+        } else {
+          buffer = grow(scratch, d.count, dtype);
+        }
+        group.broadcast(buffer, {.root = root})->wait();
+        if (keep) addDescribed(*source, seen, d, buffer.to(Device::cpu()), own && onHost);
+      } else {
+        Tensor bucket = grow(staging, std::max<int64_t>(elements, 1), dtype);
+        if (rank == root) {
+          int64_t at = 0;
+          for (size_t k = begin; k < end; ++k) {
+            const PieceDescriptor& d = header.pieces[indices[k]];
+            bucket.narrow(0, at, d.count).copy_(rootFlat(d));
+            at += d.count;
+          }
+        }
+        group.broadcast(bucket, {.root = root})->wait();
+        int64_t at = 0;
+        for (size_t k = begin; k < end && keep; ++k) {
+          const PieceDescriptor& d = header.pieces[indices[k]];
+          const Tensor arrived = bucket.narrow(0, at, d.count);
+          at += d.count;
+          if (rank == root) {
+            addDescribed(*source, seen, d, rootFlat(d).to(Device::cpu()));
+          } else if (Tensor into = landing(d); into.defined()) {
+            into.copy_(arrived);
+            addDescribed(*source, seen, d, into);
+          } else {
+            addDescribed(*source, seen, d, onHost ? arrived.clone() : arrived.to(Device::cpu()), onHost);
+          }
+        }
       }
       begin = end;
     }
@@ -224,7 +284,7 @@ void broadcastState(TrainingState& state, ProcessGroup& group, int root, bool re
       addDescribed(*source, seen, d, all[static_cast<size_t>(r)].view({-1}));
     }
   }
-  if (restoreHere) state.restore(*source);
+  if (keep) state.restore(*source);
 }
 
 void redistributeState(const std::vector<StateTensor>& held, TrainingState& state, ProcessGroup& group) {

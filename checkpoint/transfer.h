@@ -29,9 +29,14 @@
 //    dtype of the needed runs) and restored into `state`. Every element needed must be held
 //    by some rank (else InvalidArgument naming the tensor and the first missing element: a
 //    lost rank's shards have no other copy, load them from the newest checkpoint instead).
-//  * Memory: the receivers of a broadcast hold the received tensors until restore has
-//    copied them into place (about one more copy of the replicated state); redistribution
-//    holds the runs it moves.
+//  * Memory: a restoring rank receives straight into its own tensors where they are
+//    contiguous host tensors of the stored dtype and size (restore then finds the bytes in
+//    place: no second copy), and into new memory for the rest, which a part that makes new
+//    tensors (an optimizer without state yet) keeps instead of copying; tensors of at least
+//    1 MiB travel alone, from the root's tensor into the receiver's, smaller ones in
+//    reused buckets. A rank that only takes part reuses one buffer and keeps nothing. A
+//    transfer that fails leaves a restoring rank's tensors partly written: transfer again.
+//    Redistribution holds the runs it moves.
 //  * Blocking; errors are the group's (a lost member fails the collective).
 #pragma once
 

@@ -160,8 +160,9 @@ elastic (docs/elastic.md)
                           "kill STEP MEMBER NS" just before it kills itself (for bench/run_recovery_bench.sh); a
                           replacement appends "join MEMBER START_NS STEP BYTES TRANSFER_NS BROADCAST_NS NS" once
                           it has the state (START_NS: its start; BROADCAST_NS: with --measure-transfer)
-  --measure-transfer      after each state transfer every rank also broadcasts as many bytes in one plain
-                          broadcast, timed, to compare the transfer with the group's bandwidth
+  --measure-transfer      every rank waits for the others before a state transfer (so TRANSFER_NS is the
+                          transfer alone), then broadcasts as many bytes in one plain broadcast, timed, to
+                          compare the transfer with the group's bandwidth
   --step-pause MS         sleep MS ms at the start of every step, so that a test's kills and joins happen
                           mid-run (the trajectory is the same)
   --dump-at S1,S2,...     after these steps rank 0 writes the parameters to --dump-dir DIR
@@ -492,6 +493,9 @@ void Trainer::transferState(int64_t& step) {
   state.step = step;
   if (ddp_ != nullptr && ddp_->bucketsRebuilt()) state.metadata["ddp.bucket_order"] = dt::join(ddp_->bucketOrder(), ",");
   state.metadata["train_loss"] = std::to_string(recentLoss_);
+  // --measure-transfer times the transfer alone: a joiner would otherwise count its wait for
+  // the members to reach the step boundary.
+  if (c_.measureTransfer) group_->barrier()->wait();
   const auto start = Clock::now();
   dt::broadcastState(state, *group_, 0, elastic_->joinedNow(), {.device = device_});
   const auto transferNs = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();

@@ -41,6 +41,7 @@ class PieceSource : public StateSource {
     int64_t offset = 0;   // first element of the tensor (flattened) it holds
     int64_t count = 0;
     ReadBytes read;       // element offsets relative to the piece
+    Tensor adoptable;     // flat host memory holding the piece that a restore may keep (see adoptable())
   };
 
   PieceSource(std::string description, int64_t step, int worldSize, std::map<std::string, std::string> metadata);
@@ -58,6 +59,8 @@ class PieceSource : public StateSource {
   std::vector<StateTensorInfo> tensors() const override;
   std::optional<StateTensorInfo> find(const std::string& name) const override;
   void read(const std::string& name, int64_t offset, Tensor& dst, int rank = 0) const override;
+  // The piece's `adoptable` memory when one piece holds the whole (non per-rank) tensor.
+  Tensor adoptable(const std::string& name) const override;
 
  private:
   struct Entry {

@@ -91,32 +91,46 @@ NamedTensors Optimizer::stateDict() const {
   return out;
 }
 
+std::pair<size_t, std::string> Optimizer::checkedStateKey(const std::string& key, const Tensor& t) const {
+  // "state.<i>.<name>"
+  const auto parts = split(key, '.');
+  if (parts.size() != 3 || parts[0] != "state") {
+    throw InvalidArgument(str("optimizer loadStateDict: unexpected key \"", key, "\" (expected state.<index>.<name>)"));
+  }
+  size_t idx = 0;
+  try {
+    idx = std::stoul(std::string(parts[1]));
+  } catch (const std::exception&) {
+    throw InvalidArgument(str("optimizer loadStateDict: bad index in key \"", key, "\""));
+  }
+  if (idx >= params_.size()) {
+    throw InvalidArgument(str("optimizer loadStateDict: key \"", key, "\" names parameter ", idx, " but the optimizer has ",
+                              params_.size()));
+  }
+  std::string name(parts[2]);
+  if (name != "step" && t.sizes() != params_[idx].sizes()) {
+    throw InvalidArgument(str("optimizer loadStateDict: \"", key, "\" is ", t.describe(), " but parameter ", idx, " is ",
+                              params_[idx].describe()));
+  }
+  return {idx, std::move(name)};
+}
+
 void Optimizer::loadStateDict(const NamedTensors& state) {
   std::vector<std::map<std::string, Tensor>> fresh(params_.size());
   for (auto& [key, t] : state) {
-    // "state.<i>.<name>"
-    const auto parts = split(key, '.');
-    if (parts.size() != 3 || parts[0] != "state") {
-      throw InvalidArgument(str("optimizer loadStateDict: unexpected key \"", key, "\" (expected state.<index>.<name>)"));
-    }
-    size_t idx = 0;
-    try {
-      idx = std::stoul(std::string(parts[1]));
-    } catch (const std::exception&) {
-      throw InvalidArgument(str("optimizer loadStateDict: bad index in key \"", key, "\""));
-    }
-    if (idx >= params_.size()) {
-      throw InvalidArgument(str("optimizer loadStateDict: key \"", key, "\" names parameter ", idx, " but the optimizer has ",
-                                params_.size()));
-    }
-    const std::string name(parts[2]);
-    if (name != "step" && t.sizes() != params_[idx].sizes()) {
-      throw InvalidArgument(str("optimizer loadStateDict: \"", key, "\" is ", t.describe(), " but parameter ", idx, " is ",
-                                params_[idx].describe()));
-    }
+    const auto [idx, name] = checkedStateKey(key, t);
     // A checkpoint holds host copies; the moments live with their parameter
     // (the step count stays on the cpu: the updates read it on the host).
     fresh[idx][name] = name == "step" ? t.to(Device::cpu()).clone() : t.to(params_[idx].device()).clone();
+  }
+  state_ = std::move(fresh);
+}
+
+void Optimizer::adoptStateDict(NamedTensors state) {
+  std::vector<std::map<std::string, Tensor>> fresh(params_.size());
+  for (auto& [key, t] : state) {
+    const auto [idx, name] = checkedStateKey(key, t);
+    fresh[idx][name] = name == "step" ? t.to(Device::cpu()) : t.to(params_[idx].device()).contiguous();
   }
   state_ = std::move(fresh);
 }

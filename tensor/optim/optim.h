@@ -17,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tensor/nn/safetensors.h"
@@ -54,9 +55,15 @@ class Optimizer {
 
   NamedTensors stateDict() const;
   void loadStateDict(const NamedTensors& state);
+  // As loadStateDict, but keeps the tensors given instead of copies (the caller hands them
+  // over): each must already be on its parameter's device, and the step counts on the CPU.
+  // A restore that made the tensors itself uses it to avoid a second copy of the state.
+  void adoptStateDict(NamedTensors state);
 
  protected:
   Tensor& state(size_t param, const std::string& name);  // creates an undefined slot
+  // loadStateDict's checks: the parameter index and state name of `key` for tensor t.
+  std::pair<size_t, std::string> checkedStateKey(const std::string& key, const Tensor& t) const;
   bool hasState(size_t param, const std::string& name) const;
   // The group's weight decay for parameter `param`, or `fallback` (the options') when unset.
   double weightDecayOf(size_t param, double fallback) const;

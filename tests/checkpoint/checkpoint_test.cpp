@@ -263,6 +263,63 @@ TEST(StateTransfer, BytesRoundTripAndABroadcastReachesAJoiner) {
   });
 }
 
+// A joiner (rank 1) receives a large tensor straight into its own parameter and keeps the
+// AdamW moments it received as its optimizer state (no second copy); rank 2 only takes part.
+// One more identical step on every rank keeps them bitwise equal.
+TEST(StateTransfer, AJoinerReceivesIntoItsOwnTensorsAndItsOptimizerKeepsWhatArrived) {
+  withGroups(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    Generator g(rank == 1 ? 2 : 1);
+    nn::Linear m(600, 600, true, g);  // 1.44 MB of weight: travels alone; the bias shares a bucket
+    optim::AdamW adam(m.parameters(), {.lr = 0.01});
+    auto step = [&] {
+      adam.zeroGrad();
+      sum(m(ones({2, 600}))).backward();
+      adam.step();
+    };
+    if (rank != 1) step();
+    const void* weightBefore = m.weight.dataPtr();
+    TrainingState s(rank, 3);
+    s.addModule("model", m).addOptimizer("optim", adam, ParameterMap::replicated(m));
+    broadcastState(s, *group, 0, rank == 1);
+    EXPECT_EQ(m.weight.dataPtr(), weightBefore) << "rank " << rank << ": the weight was replaced, not written";
+    EXPECT_EQ(adam.stateDict().size(), 6u) << "rank " << rank;
+    step();
+    for (const auto& [name, t] : adam.stateDict()) {
+      Tensor high = t.to(DType::Float64).clone(), low = high.clone();
+      group->allreduce(high, {.reduceOp = ReduceOp::Max})->wait();
+      group->allreduce(low, {.reduceOp = ReduceOp::Min})->wait();
+      EXPECT_TRUE(bitwiseEqual(high, low)) << "rank " << rank << " " << name;
+    }
+    Tensor high = m.weight.detach().clone(), low = high.clone();
+    group->allreduce(high, {.reduceOp = ReduceOp::Max})->wait();
+    group->allreduce(low, {.reduceOp = ReduceOp::Min})->wait();
+    EXPECT_TRUE(bitwiseEqual(high, low)) << "rank " << rank;
+  });
+}
+
+// Restoring into an optimizer that has state writes its tensors in place.
+TEST(TrainingState, AnOptimizerWithStateIsRestoredInPlace) {
+  Generator init(4);
+  nn::Linear model(5, 3, true, init);
+  optim::AdamW adam(model.parameters(), {.lr = 0.1});
+  sum(model(ones({1, 5}))).backward();
+  adam.step();
+  TrainingState state;
+  state.addModule("model", model).addOptimizer("optim", adam, ParameterMap::replicated(model));
+  const std::string bytes = encodeState(state);
+  const NamedTensors before = adam.stateDict();
+  std::vector<Tensor> saved;
+  for (const auto& [name, t] : before) saved.push_back(t.clone());
+  for (const auto& [name, t] : before) t.detach().fill_(7.0);
+  decodeState(bytes, state);
+  const NamedTensors after = adam.stateDict();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_EQ(after[i].second.dataPtr(), before[i].second.dataPtr()) << after[i].first;
+    EXPECT_TRUE(bitwiseEqual(after[i].second, saved[i])) << after[i].first;
+  }
+}
+
 // Three ranks hold a world-3 layout; a fourth joins: every rank of the new group of four gets
 // its world-4 rows from the others. Then a lost rank: the survivors cannot rebuild its rows.
 TEST(StateTransfer, RedistributeMovesShardsToANewLayoutAndNamesWhatIsLost) {

@@ -10,7 +10,8 @@
 // DIE_STEP (or its first step, when it joined later) before its commit,
 // SIGKILLs itself (kill), SIGSTOPs itself (stop: the launcher's liveness check
 // must find it), exits with code 3 (exit), or SIGKILLs its parent dtrun and
-// itself (node: a node's loss; "kills its node at <ms>" first, and each
+// itself (node: a node's loss; "kills its node at <ms>" first, also into the
+// file $DT_TEST_KILL_STAMP when set, and each
 // survivor prints "first commit after recovery at <ms>": wall-clock times).
 // At the end each survivor prints
 //   "member M rank R/N epoch E state S expected S' lost <who>"
@@ -77,8 +78,16 @@ int main(int argc, char** argv) {
           if (how == "stop") ::kill(::getpid(), SIGSTOP);
           if (how == "exit") std::_Exit(3);
           if (how == "node") {
-            std::printf("member %d: kills its node at %lld ms\n", member, static_cast<long long>(wallMs()));
+            const long long at = wallMs();
+            std::printf("member %d: kills its node at %lld ms\n", member, at);
             std::fflush(stdout);
+            // dtrun dies before it forwards that line, often: a bench names a file that outlives it.
+            if (const char* stamp = std::getenv("DT_TEST_KILL_STAMP")) {
+              if (FILE* f = std::fopen(stamp, "w")) {
+                std::fprintf(f, "member %d: kills its node at %lld ms\n", member, at);
+                std::fclose(f);
+              }
+            }
             ::kill(::getppid(), SIGKILL);  // this node's dtrun: its other workers die with it
             ::kill(::getpid(), SIGKILL);
           }
