@@ -48,6 +48,7 @@ struct Worker {
   // --elastic: posted dead (the others go on without it), and its heartbeat.
   bool lost = false;
   std::string killedBecause;  // dtrun sent this worker alone SIGKILL, and why
+  int64_t oomKillsAtStart = -1;  // oomKillCount() when it started
   std::optional<uint64_t> beat;
   int64_t beatSeenMs = 0;
 };
@@ -747,6 +748,7 @@ struct Agent::Impl {
         return e.what();
       }
       w.outcome.pid = w.pid;
+      w.oomKillsAtStart = oomKillCount();
       return {};
     };
     // --elastic: which members run on this node, so that its loss posts them dead (loseNode).
@@ -948,6 +950,10 @@ struct Agent::Impl {
           out.stoppedByLauncher = stopping;
           out.killedByLauncher = killSent || !w.killedBecause.empty();
           out.killReason = w.killedBecause.empty() ? killAllReason : w.killedBecause;
+          if (out.signaled && out.code == SIGKILL && !out.killedByLauncher) {
+            const int64_t oomKills = oomKillCount();
+            out.oomKillsMeanwhile = oomKills >= 0 && w.oomKillsAtStart >= 0 ? oomKills - w.oomKillsAtStart : -1;
+          }
           if (out.failed() && !stopping) failedNow.push_back(&w);
         }
       }

@@ -2,6 +2,7 @@
 
 #include <csignal>
 #include <ctime>
+#include <fstream>
 
 #include "common/strings.h"
 #include "launcher/options.h"
@@ -12,11 +13,29 @@ std::string describeOutcome(const WorkerOutcome& o) {
   if (!o.signaled) return str("exit code ", o.code);
   std::string text = str("signal ", signalName(o.code));
   if (o.code == SIGKILL && !o.killedByLauncher) {
-    text += " (not sent by dtrun: possibly the out-of-memory killer; check dmesg)";
+    if (o.oomKillsMeanwhile > 0) {
+      text += str(" (not sent by dtrun; the kernel's out-of-memory killer killed ", o.oomKillsMeanwhile,
+                  " process(es) while it ran (/proc/vmstat oom_kill): check dmesg for which)");
+    } else if (o.oomKillsMeanwhile == 0) {
+      text += " (not sent by dtrun, nor by the out-of-memory killer, which killed nothing while it ran "
+              "(/proc/vmstat oom_kill): another process sent it)";
+    } else {
+      text += " (not sent by dtrun: the out-of-memory killer or another process; check dmesg)";
+    }
   } else if (o.code == SIGKILL && !o.killReason.empty()) {
     text += str(" (sent by dtrun: ", o.killReason, ")");
   }
   return text;
+}
+
+int64_t oomKillCount() {
+  std::ifstream vmstat("/proc/vmstat");
+  std::string name;
+  int64_t value = 0;
+  while (vmstat >> name >> value) {
+    if (name == "oom_kill") return value;
+  }
+  return -1;
 }
 
 int exitCodeOf(const WorkerOutcome& o) { return o.signaled ? 128 + o.code : o.code; }

@@ -26,14 +26,19 @@ struct WorkerOutcome {
   bool stoppedByLauncher = false; // ended after dtrun began tearing down the job
   bool killedByLauncher = false;  // dtrun sent SIGKILL to it
   std::string killReason;         // why dtrun did ("no heartbeat for 2.1 s (--liveness-timeout 2s)")
+  int64_t oomKillsMeanwhile = -1; // the kernel's out-of-memory kills while it ran (-1: unknown)
   std::vector<std::string> stderrTail;
 
   bool failed() const { return signaled || code != 0; }
 };
 
-// "exit code 3", "signal SIGSEGV", "signal SIGKILL (sent by dtrun: <killReason>)",
-// "signal SIGKILL (not sent by dtrun: possibly the out-of-memory killer; check dmesg)".
+// "exit code 3", "signal SIGSEGV", "signal SIGKILL (sent by dtrun: <killReason>)"; a SIGKILL
+// dtrun did not send says what oomKillsMeanwhile shows: the out-of-memory killer acted while
+// the worker ran, or it did not (another process sent it), or that is unknown.
 std::string describeOutcome(const WorkerOutcome& outcome);
+// How many processes the kernel's out-of-memory killer has killed since boot (the oom_kill
+// line of /proc/vmstat), or -1 where the kernel does not say.
+int64_t oomKillCount();
 // 128 + signal, or the exit code.
 int exitCodeOf(const WorkerOutcome& outcome);
 // Index of the root cause among `outcomes`, or nullopt when none failed on its own.

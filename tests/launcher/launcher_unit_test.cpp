@@ -235,7 +235,15 @@ TEST(LauncherSummary, FormatNamesHostPidCodeTimeTailAndStopped) {
   EXPECT_THAT(text, HasSubstr("root cause: rank 2 (local rank 2, host hostA, pid 1002): exit code 7 at 2023-11-14 22:13:21.500 UTC (1.500 s after start)"));
   EXPECT_THAT(text, HasSubstr("| Traceback: boom"));
   EXPECT_THAT(text, HasSubstr("also failed: rank 3"));
-  EXPECT_THAT(text, HasSubstr("signal SIGKILL (not sent by dtrun: possibly the out-of-memory killer"));
+  EXPECT_THAT(text, HasSubstr("signal SIGKILL (not sent by dtrun: the out-of-memory killer or another process"));
+  // A SIGKILL dtrun did not send says what the kernel's OOM kill count shows, not a guess.
+  auto unexplained = outcome(3, true, SIGKILL, 0);
+  unexplained.oomKillsMeanwhile = 0;
+  EXPECT_THAT(describeOutcome(unexplained), HasSubstr("nor by the out-of-memory killer, which killed nothing while it ran"));
+  EXPECT_THAT(describeOutcome(unexplained), HasSubstr("another process sent it"));
+  unexplained.oomKillsMeanwhile = 2;
+  EXPECT_THAT(describeOutcome(unexplained),
+              HasSubstr("the kernel's out-of-memory killer killed 2 process(es) while it ran (/proc/vmstat oom_kill)"));
   EXPECT_THAT(text, HasSubstr("stopped by dtrun: rank(s) 0-1"));
   // A SIGKILL that dtrun sent is not called an OOM kill.
   auto killed = outcome(0, true, SIGKILL, 0);
