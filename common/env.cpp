@@ -61,6 +61,11 @@ constexpr std::array kKnobs = {
     Knob{"DT_ELASTIC", "off", "dtrun --elastic: keep training when a worker dies (the others go on in place); set 1 for the workers of such a job.", "dtrun, user"},
     Knob{"DT_ELASTIC_JOIN", "0", "Set 1 by dtrun --elastic for a replacement worker: its ElasticGroup joins the running job (admitted at a step boundary) instead of starting it.", "dtrun"},
     Knob{"DT_ELASTIC_MEMBER", "-1", "With DT_ELASTIC_JOIN=1: the replacement's member id (a fresh one, at least the initial world size), set by dtrun.", "dtrun"},
+    // the training loop's test switches (train/loop.h, TestSwitches): to exercise failure paths of any program on it
+    Knob{"DT_TEST_FAIL_AT", "", "Tests only: MEMBER:STEP:PHASE[,...] (forward, backward, commit, checkpoint): that member of a program on dt::train::Loop SIGKILLs itself there.", "tests"},
+    Knob{"DT_TEST_RECORD_SAMPLES", "", "Tests only: PREFIX: each member of a program on dt::train::Loop appends the examples of every attempt at a step to PREFIX.<member>.", "tests"},
+    Knob{"DT_TEST_WAIT_FOR_JOINER_AT", "", "Tests only: STEP: the members of an elastic program on dt::train::Loop wait (up to 2 minutes) at the start of that step for a replacement to ask to join, unless one joined already.", "tests"},
+    Knob{"DT_TEST_STEP_PAUSE_MS", "0", "Tests only: a program on dt::train::Loop sleeps this many ms at the start of every step, so that kills and joins land mid-run.", "tests"},
     Knob{"DT_MIN_NPROC", "1", "dtrun --min-nproc: an elastic job stops when fewer workers are left; the workers' ElasticGroup reads it too.", "dtrun, user"},
     Knob{"DT_LIVENESS_TIMEOUT", "5s", "dtrun --liveness-timeout: an elastic worker whose heartbeat stopped this long is declared dead and killed.", "user"},
     Knob{"DT_MONITOR_INTERVAL", "500ms", "dtrun --monitor-interval: how often dtrun polls the store (other nodes, heartbeats, hang watchdog).", "user"},

@@ -249,50 +249,6 @@ double validationLoss(dt::nn::Gpt& model, const dt::data::TextWindows& val, int6
   return s[0] / s[1];
 }
 
-class MetricsFile {
- public:
-  // Keeps the lines of steps up to `keepThrough` (a resumed run's earlier history) and appends.
-  MetricsFile(const std::string& path, int64_t keepThrough) : path_(path) {
-    if (path_.empty()) return;
-    std::vector<std::string> kept;
-    if (keepThrough > 0) {
-      std::ifstream in(path_);
-      std::string line;
-      while (std::getline(in, line)) {
-        const auto at = line.find("\"step\": ");
-        if (at != std::string::npos && std::strtoll(line.c_str() + at + 8, nullptr, 10) <= keepThrough) kept.push_back(line);
-      }
-    }
-    out_.open(path_, std::ios::trunc);
-    if (!out_) throw InvalidArgument(str("gpt: cannot write --metrics ", path_));
-    for (const auto& l : kept) out_ << l << "\n";
-    out_.flush();
-  }
-  // A value that is not known (the loss before any step, a step without evaluation) is null.
-  void write(int64_t step, double loss, std::optional<double> valLoss, double lr, double gradNorm, double tokensPerS,
-             double elapsed) {
-    if (!out_.is_open()) return;
-    char buf[320];
-    std::snprintf(buf, sizeof(buf),
-                  "{\"step\": %lld, \"loss\": %s, \"val_loss\": %s, \"lr\": %.6g, \"grad_norm\": %.6g, "
-                  "\"tokens_per_s\": %.1f, \"elapsed_s\": %.3f}",
-                  static_cast<long long>(step), number(loss).c_str(), number(valLoss.value_or(std::nan(""))).c_str(), lr,
-                  gradNorm, tokensPerS, elapsed);
-    out_ << buf << "\n";
-    out_.flush();
-  }
-
- private:
-  static std::string number(double v) {
-    if (!std::isfinite(v)) return "null";
-    char b[32];
-    std::snprintf(b, sizeof(b), "%.6f", v);
-    return b;
-  }
-  std::string path_;
-  std::ofstream out_;
-};
-
 class GptJob {
  public:
   GptJob(Config config, std::shared_ptr<dt::ProcessGroup> group)
@@ -492,7 +448,15 @@ int GptJob::run() {
           " warm-up ", c_.warmup, " cosine to ", c_.minLr, ", weight decay ", c_.weightDecay, ", clip ", c_.gradClip,
           "; global batch ", c_.globalBatch, " x ", T, " tokens (", perRank, " per rank", c_.microBatches > 1 ? str(" in ", c_.microBatches, " micro-batches") : "",
           "); ", c_.steps, " steps; ", c_.sharding == "ddp" ? std::string("DDP") : str("--sharding ", c_.sharding)));
-  MetricsFile metrics(rank_ == 0 ? c_.metrics : std::string(), startStep_);
+  std::optional<dt::train::MetricsFile> metrics;
+  if (rank_ == 0 && !c_.metrics.empty()) metrics.emplace(c_.metrics, startStep_, kProgram);
+  // A value that is not known (the loss before any step, a step without evaluation) is null.
+  auto writeMetrics = [&](int64_t at, double loss, std::optional<double> val, double lr, double norm, double rate, double elapsed) {
+    if (metrics) {
+      metrics->write(at, {{"loss", loss}, {"val_loss", val.value_or(std::nan(""))}, {"lr", lr}, {"grad_norm", norm},
+                          {"tokens_per_s", rate}, {"elapsed_s", elapsed}});
+    }
+  };
 
   dt::Tensor control = dt::zeros({2}, dt::DType::Float64);  // {stop requested, previous step's loss}, summed
   const int64_t tokensPerStep = c_.globalBatch * T;
@@ -510,7 +474,7 @@ int GptJob::run() {
   if (step == 0 && c_.evalEvery > 0) {
     // Where the curve starts: the untrained model's validation loss (about ln 256 = 5.55).
     lastValLoss_ = validationLoss(*model_, *val_, c_.evalWindows, *group_);
-    metrics.write(0, std::nan(""), lastValLoss_, schedule.at(0), 0.0, 0.0, 0.0);
+    writeMetrics(0, std::nan(""), lastValLoss_, schedule.at(0), 0.0, 0.0, 0.0);
     say(str("gpt: step 0 validation loss ", *lastValLoss_));
   }
   while (step < c_.steps) {
@@ -570,7 +534,7 @@ int GptJob::run() {
       const double perStep = runSeconds_ / static_cast<double>(step - startStep_);
       const double lr = schedule.at(step - 1);
       if (rank_ == 0) {
-        metrics.write(step, recentLoss_, valLoss, lr, gradNorm, rate, priorSeconds_ + runSeconds_);
+        writeMetrics(step, recentLoss_, valLoss, lr, gradNorm, rate, priorSeconds_ + runSeconds_);
         if (!c_.quiet) {
           char val[40] = "";
           if (valLoss) std::snprintf(val, sizeof(val), "  val loss %.4f", *valLoss);

@@ -1,40 +1,18 @@
 #include "examples/run_support.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 
 #include "common/env.h"
 #include "common/errors.h"
-#include "collectives/coalesce.h"
 #include "common/strings.h"
-#include "tensor/ops.h"
 
 namespace examples {
-namespace {
 
 using dt::InvalidArgument;
 using dt::str;
-
-std::atomic<int> gStopSignal{0};
-static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
-
-// The first stop signal asks for a graceful stop at the next step; a second one (a user
-// pressing Ctrl-C again, a job manager losing patience) takes the default action at once.
-// Only async-signal-safe calls here.
-extern "C" void onStopSignal(int sig) {
-  int expected = 0;
-  if (!gStopSignal.compare_exchange_strong(expected, sig)) {
-    ::signal(sig, SIG_DFL);
-    ::raise(sig);
-  }
-}
-
-}  // namespace
 
 int64_t parsePositive(const std::string& program, const std::string& value, const std::string& flag, int64_t minimum) {
   const int64_t v = dt::env::parseInt(value, flag);
@@ -68,59 +46,10 @@ std::string choice(const std::string& program, const std::string& value, const s
   throw InvalidArgument(str(program, ": ", flag, " \"", value, "\" is not one of ", dt::join(allowed, ", ")));
 }
 
-std::atomic<int>& stopSignal() { return gStopSignal; }
-
-void installStopHandlers(const std::string& program) {
-  struct sigaction sa {};
-  sa.sa_handler = onStopSignal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  for (int sig : {SIGTERM, SIGUSR1, SIGINT}) {
-    if (sigaction(sig, &sa, nullptr) != 0) {
-      throw dt::Error(str(program, ": sigaction(", sig, ") failed: ", std::strerror(errno)));
-    }
-  }
-}
-
-std::string signalName(int sig) {
-  switch (sig) {
-    case SIGTERM: return "SIGTERM";
-    case SIGUSR1: return "SIGUSR1";
-    case SIGINT: return "SIGINT";
-    default: return str("signal ", sig);
-  }
-}
-
-std::string formatSeconds(double seconds) {
-  const auto s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
-  char buf[32];
-  if (s >= 3600) {
-    std::snprintf(buf, sizeof(buf), "%lldh%02lldm", static_cast<long long>(s / 3600), static_cast<long long>(s / 60 % 60));
-  } else if (s >= 60) {
-    std::snprintf(buf, sizeof(buf), "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.1fs", std::max(0.0, seconds));
-  }
-  return buf;
-}
-
 std::string exactText(double value) {
   char buf[40];
   std::snprintf(buf, sizeof(buf), "%.17g", value);
   return buf;
-}
-
-uint64_t fingerprint(const std::vector<dt::Tensor>& tensors) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const dt::Tensor& t : tensors) {
-    const dt::Tensor c = t.detach().to(dt::Device::cpu()).contiguous();
-    const auto* p = static_cast<const unsigned char*>(c.dataPtr());
-    for (size_t i = 0; i < c.nbytes(); ++i) {
-      h ^= p[i];
-      h *= 0x100000001b3ull;
-    }
-  }
-  return h;
 }
 
 bool forEachFlag(const std::string& program, int argc, char** argv, const std::vector<std::string>& switches,
@@ -142,22 +71,6 @@ bool forEachFlag(const std::string& program, int argc, char** argv, const std::v
     onFlag(flag, inlineValue ? *inlineValue : std::string(argv[++i]));
   }
   return true;
-}
-
-void clearCheckpoints(dt::ProcessGroup& group, const dt::CheckpointDir& dir, const std::string& program, bool quiet) {
-  const int removed = dir.clear(group);
-  if (group.rank() == 0 && removed > 0 && !quiet) {
-    std::printf("%s: --resume never: removed %d checkpoint(s) of an earlier run from %s\n", program.c_str(), removed,
-                dir.path().string().c_str());
-  }
-}
-
-double parameterSpread(dt::ProcessGroup& group, const std::vector<dt::Tensor>& params) {
-  const dt::Tensor flat = dt::flattenTensors(params);
-  dt::Tensor highest = flat.clone(), lowest = flat.clone();
-  group.allreduce(highest, {.reduceOp = dt::ReduceOp::Max})->wait();
-  group.allreduce(lowest, {.reduceOp = dt::ReduceOp::Min})->wait();
-  return dt::max(dt::abs(highest - lowest)).to(dt::Device::cpu()).item<double>();
 }
 
 int runMain(const std::string& program, const std::function<int()>& body) {

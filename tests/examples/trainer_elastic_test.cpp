@@ -57,38 +57,6 @@ double relativeDifference(const fs::path& a, const fs::path& b, bool* bitwise) {
   return scale > 0 ? diff / scale : diff;
 }
 
-// Every (data epoch, example) of the committed steps, over all members' records: a step
-// appears once per attempt (membership epoch); the last attempt is the committed one.
-std::map<int64_t, std::vector<int64_t>> examplesByEpoch(const fs::path& prefix, int members) {
-  struct Attempt {
-    uint64_t membership = 0;
-    int64_t dataEpoch = 0;
-    std::vector<int64_t> ids;
-  };
-  std::map<int64_t, std::vector<Attempt>> byStep;
-  for (int m = 0; m < members; ++m) {
-    std::ifstream in(str(prefix.string(), ".", m));
-    std::string line;
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      Attempt a;
-      int64_t step = 0, id = 0;
-      fields >> a.membership >> step >> a.dataEpoch;
-      while (fields >> id) a.ids.push_back(id);
-      byStep[step].push_back(std::move(a));
-    }
-  }
-  std::map<int64_t, std::vector<int64_t>> out;
-  for (const auto& [step, attempts] : byStep) {
-    uint64_t last = 0;
-    for (const auto& a : attempts) last = std::max(last, a.membership);
-    for (const auto& a : attempts) {
-      if (a.membership == last) out[a.dataEpoch].insert(out[a.dataEpoch].end(), a.ids.begin(), a.ids.end());
-    }
-  }
-  return out;
-}
-
 class TrainerElastic : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -197,7 +165,10 @@ TEST_F(TrainerElastic, KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize) {
   // mid-run. Member 2 dies in step 10; its replacement (member 4) in step 35, or in its first
   // step if it joined later; and so on: five replacements, the last (member 8) trains to the
   // end with the other three.
-  const std::vector<std::string> longer = {"--steps", "200", "--dump-at", "200"};
+  // Parameters every 20 steps, so that a run that drifts says where it left the reference.
+  std::string dumps;
+  for (int at = 20; at <= 200; at += 20) dumps += str(at > 20 ? "," : "", at);
+  const std::vector<std::string> longer = {"--steps", "200", "--dump-at", dumps};
   TempDir reference, out;
   const auto undisturbed = runProcess(dtrunTrainer(4, job(data_->path(), reference.path(), longer), {"--elastic"}), 180s);
   ASSERT_EQ(undisturbed.exitCode, 0) << undisturbed.out << undisturbed.err;
@@ -224,7 +195,15 @@ TEST_F(TrainerElastic, KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize) {
   // rate ends near zero, which keeps the final difference small (4e-7 measured). A longer
   // schedule still running at a high rate amplifies it (a 300-step run ended 9e-2 apart, its
   // accuracy within 0.3 points all the same), so this bound is for this schedule only.
-  EXPECT_LE(rel, 1e-4);
+  EXPECT_LE(rel, 1e-4) << "every 20 steps: " << [&] {
+    std::string trail;
+    for (int at = 20; at <= 200; at += 20) {
+      trail += str("step ", at, " ", relativeDifference(reference.path() / "dump" / str("step-", at, ".safetensors"),
+                                                         out.path() / "dump" / str("step-", at, ".safetensors"), &bitwise),
+                   "; ");
+    }
+    return trail;
+  }() << "\n" << r.out << r.err;
   EXPECT_NEAR(finalValue(r.out, "test accuracy").value_or(-10), finalValue(undisturbed.out, "test accuracy").value_or(-1), 0.003);
   // No step lost, no example skipped or repeated, over every member that ever trained.
   const auto seen = examplesByEpoch(out.path() / "samples", 9);

@@ -3,6 +3,7 @@
 #include <fstream>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include <gtest/gtest.h>
 
@@ -106,6 +107,36 @@ std::string checkpointName(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "step-%08lld", static_cast<long long>(step));
   return buf;
+}
+
+std::map<int64_t, std::vector<int64_t>> examplesByEpoch(const std::filesystem::path& prefix, int members) {
+  struct Attempt {
+    uint64_t membership = 0;
+    int64_t dataEpoch = 0;
+    std::vector<int64_t> ids;
+  };
+  std::map<int64_t, std::vector<Attempt>> byStep;
+  for (int m = 0; m < members; ++m) {
+    std::ifstream in(str(prefix.string(), ".", m));
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      Attempt a;
+      int64_t step = 0, id = 0;
+      fields >> a.membership >> step >> a.dataEpoch;
+      while (fields >> id) a.ids.push_back(id);
+      byStep[step].push_back(std::move(a));
+    }
+  }
+  std::map<int64_t, std::vector<int64_t>> out;
+  for (const auto& [step, attempts] : byStep) {
+    uint64_t last = 0;
+    for (const auto& a : attempts) last = std::max(last, a.membership);
+    for (const auto& a : attempts) {
+      if (a.membership == last) out[a.dataEpoch].insert(out[a.dataEpoch].end(), a.ids.begin(), a.ids.end());
+    }
+  }
+  return out;
 }
 
 }  // namespace dt::testing

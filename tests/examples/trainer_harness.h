@@ -38,6 +38,11 @@ std::optional<int> workerPid(const std::string& output, int rank, int attempt = 
 std::map<std::string, std::string> tensorBytes(const std::filesystem::path& file);
 // Every file in a folder with its bytes (for "nothing was overwritten").
 std::map<std::string, std::string> folderSnapshot(const std::filesystem::path& dir);
-std::string checkpointName(int64_t step);  // "step-00000100"
+std::string checkpointName(int64_t step);
+
+// Every (data epoch, example) of the committed steps, from the records of members [0, members)
+// (--record-samples / DT_TEST_RECORD_SAMPLES PREFIX: PREFIX.<member>): a step appears once per
+// attempt (membership epoch); the last attempt is the committed one.
+std::map<int64_t, std::vector<int64_t>> examplesByEpoch(const std::filesystem::path& prefix, int members);  // "step-00000100"
 
 }  // namespace dt::testing

@@ -1,0 +1,633 @@
+#include "train/loop.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <thread>
+#include <unordered_set>
+
+#include "checkpoint/transfer.h"
+#include "common/env.h"
+#include "common/errors.h"
+#include "common/strings.h"
+#include "process_group/init.h"
+#include "tensor/autograd/autograd.h"
+#include "tensor/nn/clip_grad.h"
+#include "tensor/ops.h"
+#include "train/support.h"
+
+namespace dt::train {
+
+using Clock = std::chrono::steady_clock;
+
+const char* phaseName(Phase phase) {
+  switch (phase) {
+    case Phase::Begin: return "begin";
+    case Phase::Forward: return "forward";
+    case Phase::Backward: return "backward";
+    case Phase::Commit: return "commit";
+    case Phase::Checkpoint: return "checkpoint";
+  }
+  return "?";
+}
+
+TestSwitches TestSwitches::fromEnvironment(TestSwitches given) {
+  if (given.failAt.empty()) {
+    for (const std::string& spec : split(env::getString("DT_TEST_FAIL_AT"), ',')) {
+      if (!spec.empty()) given.failAt.push_back(spec);
+    }
+  }
+  for (const std::string& spec : given.failAt) {
+    const auto parts = split(spec, ':');
+    const bool ok = parts.size() == 3 && !parts[0].empty() && !parts[1].empty() &&
+                    parts[0].find_first_not_of("0123456789") == std::string::npos &&
+                    parts[1].find_first_not_of("0123456789") == std::string::npos &&
+                    (parts[2] == "forward" || parts[2] == "backward" || parts[2] == "commit" || parts[2] == "checkpoint");
+    if (!ok) {
+      throw InvalidArgument(str("fail-at \"", spec, "\" is not MEMBER:STEP:PHASE with PHASE one of forward, backward, "
+                                "commit, checkpoint"));
+    }
+  }
+  if (given.recordSamples.empty()) given.recordSamples = env::getString("DT_TEST_RECORD_SAMPLES");
+  if (given.stepPauseMs == 0) given.stepPauseMs = env::getInt("DT_TEST_STEP_PAUSE_MS");
+  if (given.stepPauseMs < 0) throw InvalidArgument(str("step pause ", given.stepPauseMs, " ms is negative"));
+  if (given.waitForJoinerAt < 0 && !env::getString("DT_TEST_WAIT_FOR_JOINER_AT").empty()) {
+    given.waitForJoinerAt = env::getInt("DT_TEST_WAIT_FOR_JOINER_AT");
+  }
+  return given;
+}
+
+// The log window: what the progress line averages.
+struct Loop::Window {
+  double lossSum = 0;
+  int64_t losses = 0;
+  Clock::time_point start;
+  int64_t startStep = 0;
+  std::vector<std::pair<std::string, double>> metricSums;  // rank 0's, in first-seen order
+  int64_t metricSteps = 0;
+
+  void reset(int64_t step) {
+    lossSum = 0;
+    losses = 0;
+    start = Clock::now();
+    startStep = step;
+    metricSums.clear();
+    metricSteps = 0;
+  }
+  void addMetrics(const std::vector<std::pair<std::string, double>>& values) {
+    for (const auto& [name, v] : values) {
+      auto it = std::find_if(metricSums.begin(), metricSums.end(), [&](const auto& e) { return e.first == name; });
+      if (it == metricSums.end()) metricSums.emplace_back(name, v);
+      else it->second += v;
+    }
+    ++metricSteps;
+  }
+};
+
+Loop::Loop(LoopOptions options) : options_(std::move(options)) {
+  const std::string& p = options_.program;
+  if (options_.steps <= 0) throw InvalidArgument(str(p, ": LoopOptions::steps is ", options_.steps, "; it must be positive"));
+  if (options_.globalBatch <= 0) {
+    throw InvalidArgument(str(p, ": LoopOptions::globalBatch is ", options_.globalBatch, "; it must be positive"));
+  }
+  if (options_.microBatches < 1) {
+    throw InvalidArgument(str(p, ": LoopOptions::microBatches is ", options_.microBatches, "; it must be at least 1"));
+  }
+  if (options_.logEvery < 1) throw InvalidArgument(str(p, ": LoopOptions::logEvery is ", options_.logEvery, "; it must be at least 1"));
+  if (options_.clipGradNorm < 0 || !std::isfinite(options_.clipGradNorm)) {
+    throw InvalidArgument(str(p, ": LoopOptions::clipGradNorm is ", options_.clipGradNorm, "; use 0 (no clipping) or a positive norm"));
+  }
+  if (options_.checkpointEvery < 0 || options_.keep < 1) {
+    throw InvalidArgument(str(p, ": LoopOptions::checkpointEvery ", options_.checkpointEvery, " and keep ", options_.keep,
+                              ": every must be 0 or more, keep 1 or more"));
+  }
+  restartCount_ = env::getInt("DT_RESTART_COUNT");
+  options_.test = TestSwitches::fromEnvironment(options_.test);
+  if (options_.stopOnSignals) installStopHandlers(p);
+  try {
+    if (env::getBool("DT_ELASTIC")) {
+      elastic_ = elastic::ElasticGroup::fromEnvironment(options_.elastic);
+      group_ = elastic_->group();
+      joining_ = elastic_->joinedNow();
+    } else {
+      group_ = initProcessGroup();
+    }
+  } catch (const JobFinishedError& e) {
+    finished_ = e.what();  // a replacement started after the job ended: nothing to do
+    return;
+  }
+  if (!elastic_ && options_.globalBatch % group_->size() != 0) {
+    throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " is not divisible by the world size ", group_->size(),
+                              " (each rank takes global batch / world); use a multiple of ", group_->size(), ", e.g. ",
+                              std::max<int64_t>(group_->size(), options_.globalBatch / group_->size() * group_->size())));
+  }
+  if (!options_.checkpointDir.empty()) checkpoints_.emplace(options_.checkpointDir, options_.keep);
+}
+
+Loop::~Loop() {
+  loader_.reset();
+  ddp_.reset();
+  if (!elastic_ && group_) group_->destroy();
+}
+
+ProcessGroup& Loop::group() const {
+  if (!group_) throw InvalidArgument(str(options_.program, ": no group: ", finished_));
+  return *group_;
+}
+
+void Loop::say(const std::string& line) const {
+  if (group_ && group_->rank() == 0 && !options_.quiet) std::printf("%s\n", line.c_str());
+}
+
+void Loop::setModel(std::shared_ptr<nn::Module> model) {
+  if (!model) throw InvalidArgument(str(options_.program, ": setModel: the model is null"));
+  if (dynamic_cast<DistributedDataParallel*>(model.get()) != nullptr) {
+    throw InvalidArgument(str(options_.program, ": setModel: the model is already wrapped in DistributedDataParallel; "
+                              "give the module itself: the loop wraps it for its group and rebinds it when the group "
+                              "changes"));
+  }
+  model_ = std::move(model);
+}
+
+void Loop::setOptimizer(optim::Optimizer& optimizer, std::function<double(int64_t)> learningRate) {
+  optimizer_ = &optimizer;
+  learningRate_ = std::move(learningRate);
+}
+
+void Loop::setData(std::shared_ptr<const data::Dataset> dataset) {
+  if (!dataset || dataset->size() <= 0) throw InvalidArgument(str(options_.program, ": setData: the dataset is empty"));
+  dataset_ = std::move(dataset);
+}
+
+void Loop::setEvaluation(EvalFunction evaluate) { evaluate_ = std::move(evaluate); }
+
+void Loop::addState(const std::string& name, Tensor tensor) {
+  if (!tensor.defined()) throw InvalidArgument(str(options_.program, ": addState(\"", name, "\"): the tensor is undefined"));
+  extraTensors_.emplace_back(name, std::move(tensor));
+}
+void Loop::addState(const std::string& name, Generator& perRankStream) { extraStreams_.emplace_back(name, &perRankStream); }
+void Loop::addState(const std::string& name, int64_t& value) { extraValues_.emplace_back(name, &value); }
+
+DistributedDataParallel& Loop::ddp() {
+  if (!ddp_) throw InvalidArgument(str(options_.program, ": the wrapped model exists only inside run()"));
+  return *ddp_;
+}
+
+Tensor Loop::forward(const Tensor& input) { return ddp()(input); }
+
+void Loop::checkSetUp() const {
+  const std::string& p = options_.program;
+  if (!model_) throw InvalidArgument(str(p, ": run() before setModel()"));
+  if (optimizer_ == nullptr) throw InvalidArgument(str(p, ": run() before setOptimizer()"));
+  if (!dataset_) throw InvalidArgument(str(p, ": run() before setData()"));
+  // The optimizer must update exactly the model's parameters (a model rebuilt after the
+  // optimizer was made, or another model's optimizer, trains nothing or the wrong thing).
+  std::unordered_set<const void*> theirs;
+  for (const Tensor& t : optimizer_->params()) theirs.insert(t.dataPtr());
+  const auto named = model_->namedParameters();
+  for (const auto& [name, t] : named) {
+    if (!theirs.count(t.dataPtr())) {
+      throw InvalidArgument(str(p, ": the optimizer does not update the model's parameter \"", name, "\" (",
+                                t.describe(), "); it holds ", optimizer_->params().size(), " tensor(s), the model ",
+                                named.size(), " parameter(s): make the optimizer over model->parameters()"));
+    }
+  }
+  if (optimizer_->params().size() != named.size()) {
+    throw InvalidArgument(str(p, ": the optimizer updates ", optimizer_->params().size(), " tensor(s) but the model has ",
+                              named.size(), " parameter(s): make the optimizer over model->parameters() only"));
+  }
+}
+
+TrainingState Loop::trainingState() {
+  TrainingState state(group_->rank(), group_->size());
+  state.addModule("model", *model_);
+  state.addOptimizer("optim", *optimizer_, ParameterMap::replicated(*model_));
+  for (auto& [name, t] : extraTensors_) state.addTensor(str("extra.", name), t);
+  for (auto& [name, g] : extraStreams_) state.addGenerator(str("extra.", name), *g);
+  state.step = step_;
+  auto& m = state.metadata;
+  for (const auto& [name, v] : extraValues_) m["value." + name] = std::to_string(*v);
+  if (ddp_ && ddp_->bucketsRebuilt()) m["ddp.bucket_order"] = join(ddp_->bucketOrder(), ",");
+  char loss[32];
+  std::snprintf(loss, sizeof(loss), "%.6f", recentLoss_);
+  m["train_loss"] = loss;
+  return state;
+}
+
+// The values addState(int64_t&) registered, from a state's metadata.
+namespace {
+void restoreValues(const std::map<std::string, std::string>& metadata,
+                   const std::vector<std::pair<std::string, int64_t*>>& values, const std::string& from) {
+  for (const auto& [name, v] : values) {
+    auto it = metadata.find("value." + name);
+    if (it == metadata.end()) throw InvalidArgument(str(from, " holds no value \"", name, "\" (addState)"));
+    *v = std::stoll(it->second);
+  }
+}
+}  // namespace
+
+void Loop::splitData() {
+  const int world = group_->size(), rank = group_->rank();
+  sampler_.emplace(dataset_->size(), world, rank,
+                   data::DistributedSamplerOptions{.batchSize = options_.globalBatch / std::max(world, 1),
+                                                   .globalBatchSize = options_.globalBatch,
+                                                   .shuffle = options_.shuffle,
+                                                   .seed = options_.seed,
+                                                   .dropLast = options_.dropLast});
+  // DDP averages over the ranks: a rank with n of the global batch's G examples weighs its
+  // mean loss by n W / G, so the average is the mean over the global batch (1 when even).
+  const int64_t share = sampler_->localBatchSize();
+  lossWeight_ = share * world == options_.globalBatch
+                    ? 1.0
+                    : static_cast<double>(share * world) / static_cast<double>(options_.globalBatch);
+}
+
+void Loop::startLoader() {
+  loader_ = std::make_unique<data::PrefetchLoader>(dataset_, *sampler_, data::LoaderOptions{.prefetch = options_.prefetch});
+  loader_->start(sampler_->positionAfter(std::min(step_, options_.steps)));
+}
+
+void Loop::resumeOrStart() {
+  if (!checkpoints_) return;
+  const std::string& p = options_.program;
+  if (!options_.resume && restartCount_ == 0) {
+    clearCheckpoints(*group_, *checkpoints_, p, options_.quiet);
+    return;
+  }
+  const std::optional<CheckpointRef> ref = checkpoints_->latestAgreed(*group_);
+  if (!ref) {
+    if (restartCount_ > 0) say(str(p, ": restart ", restartCount_, " found no checkpoint in ", checkpoints_->path().string(), "; starting from step 0"));
+    return;
+  }
+  checkpoints_->readManifest(*ref).requireSame(options_.config, "config.",
+                                               "Resume with the same settings, or start afresh in another checkpoint folder");
+  TrainingState state = trainingState();
+  const CheckpointManifest m = checkpoints_->load(*ref, state, group_.get());
+  for (const std::string& note : state.notes()) say(str(p, ": note: ", note));
+  step_ = startStep_ = state.step;
+  restoreValues(state.metadata, extraValues_, ref->manifest.string());
+  if (m.has("ddp.bucket_order")) bucketOrder_ = split(m.text("ddp.bucket_order"), ',');
+  priorSeconds_ = static_cast<double>(m.integer("train_ms")) / 1000.0;
+  recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
+  if (m.integer("total_steps") != options_.steps) {
+    say(str(p, ": note: the step budget changed from ", m.integer("total_steps"), " to ", options_.steps));
+  }
+  const auto pos = sampler_->positionAfter(startStep_);
+  say(str(p, ": resumed from ", ref->manifest.string(), " (step ", startStep_, ", epoch ", pos.epoch + 1, " batch ", pos.batch,
+          ", written by ", m.worldSize, " rank(s), ", m.text("reason"), ")",
+          restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
+}
+
+void Loop::saveCheckpoint(const std::string& reason) {
+  TrainingState state = trainingState();
+  const auto pos = sampler_->positionAfter(step_);
+  auto& m = state.metadata;
+  m["epoch"] = std::to_string(pos.epoch);
+  m["batch_in_epoch"] = std::to_string(pos.batch);
+  m["samples_seen"] = std::to_string(step_ * options_.globalBatch);
+  m["total_steps"] = std::to_string(options_.steps);
+  m["train_ms"] = std::to_string(static_cast<int64_t>((priorSeconds_ + runSeconds_) * 1000.0));
+  m["reason"] = reason;
+  for (const auto& [key, value] : options_.config) m["config." + key] = value;
+  const CheckpointRef ref = checkpoints_->save(state, group_.get());
+  say(str(options_.program, ": checkpoint at step ", step_, " (", reason, ") written to ", ref.tensors.string()));
+}
+
+void Loop::periodicCheckpoint() {
+  if (!checkpoints_ || options_.checkpointEvery <= 0 || step_ % options_.checkpointEvery != 0 || step_ >= options_.steps) return;
+  while (true) {
+    try {
+      reach(step_, Phase::Checkpoint);
+      saveCheckpoint("periodic");
+      return;
+    } catch (const Error&) {
+      if (!elastic_) throw;
+      recover(std::current_exception());  // every member is at this step: write it again
+    }
+  }
+}
+
+void Loop::regroup() {
+  group_ = elastic_->group();
+  ddp_->rebind(group_);
+  splitData();
+  startLoader();
+}
+
+void Loop::recover(std::exception_ptr cause) {
+  loader_.reset();  // its thread prepares batches for the old split
+  const elastic::Membership& m = elastic_->recover(cause, step_);
+  if (m.resumeStep > step_) {
+    // The others committed this step: this rank holds its reduced gradients too (it voted
+    // only after its backward), so it applies it as they did.
+    optimizer_->step();
+    ++step_;
+    if (options_.hooks.afterStep) options_.hooks.afterStep(step_, m.epoch, m.size());
+  }
+  regroup();
+  if (!m.joined.empty()) transferState();  // an admission whose transfer failed: again
+  say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_, " without ",
+          join(m.lost, ", ")));
+}
+
+void Loop::admitJoiners() {
+  loader_.reset();
+  const elastic::Membership& m = elastic_->admit(step_);
+  someoneJoined_ = someoneJoined_ || !m.joined.empty();
+  regroup();
+  if (!m.joined.empty()) transferState();
+  std::vector<std::string> joined;
+  for (int member : m.joined) joined.push_back(str("member ", member));
+  say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_,
+          m.joined.empty() ? std::string(" (the joiners that waited died first)") : str(" with ", join(joined, ", ")),
+          m.lost.empty() ? std::string() : str(" without ", join(m.lost, ", "))));
+}
+
+void Loop::transferState() {
+  TrainingState state = trainingState();
+  const Device device = model_->parameters().empty() ? Device::cpu() : model_->parameters().front().device();
+  const auto start = Clock::now();
+  broadcastState(state, *group_, 0, elastic_->joinedNow(), {.device = device});
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!elastic_->joinedNow()) return;
+  step_ = startStep_ = joinedAtStep_ = state.step;
+  someoneJoined_ = true;
+  const auto& m = state.metadata;
+  restoreValues(m, extraValues_, "the state received");
+  if (m.count("ddp.bucket_order")) bucketOrder_ = split(m.at("ddp.bucket_order"), ',');
+  recentLoss_ = std::strtod(m.at("train_loss").c_str(), nullptr);
+  int64_t bytes = 0;
+  for (const auto& t : state.collect()) bytes += t.local.numel() * static_cast<int64_t>(itemSize(t.local.dtype()));
+  if (options_.hooks.onJoined) options_.hooks.onJoined({elastic_->memberId(), step_, bytes, seconds});
+  if (!options_.quiet) {
+    std::printf("%s: member %d joined at step %lld as rank %d/%d; state received in %.1f ms (%.2f MB)\n",
+                options_.program.c_str(), elastic_->memberId(), static_cast<long long>(step_), group_->rank(),
+                group_->size(), seconds * 1e3, static_cast<double>(bytes) / 1e6);
+  }
+}
+
+bool Loop::trainStep(const StepFunction& fn, Window& window) {
+  const std::string& p = options_.program;
+  const LoopHooks& hooks = options_.hooks;
+  reach(step_, Phase::Begin);
+  // {stop requested, previous step's loss, joiners waiting}, summed over the ranks.
+  double* ctl = control_.data<double>();
+  ctl[0] = stopSignal().load() != 0 ? 1.0 : 0.0;
+  ctl[1] = lastLoss_;
+  ctl[2] = elastic_ && elastic_->joinersWaiting() ? 1.0 : 0.0;
+  try {
+    // Elastic: the control allreduce is the step's commit vote, after backward: a rank joins
+    // it only with its gradients reduced, and no rank applies the step unless every rank of
+    // the group voted. Otherwise it is in flight while the step computes.
+    WorkPtr controlWork = elastic_ ? nullptr : group_->allreduce(control_);
+    const data::LoadedBatch batch = loader_->next();
+    if (learningRate_) optimizer_->setLr(learningRate_(step_));
+    optimizer_->zeroGrad();
+    const int64_t rows = batch.batch.inputs.size(0);
+    const int64_t pieces = std::min<int64_t>(options_.microBatches, std::max<int64_t>(rows, 1));
+    double stepLoss = 0;
+    std::vector<std::pair<std::string, double>> stepMetrics;
+    for (int64_t k = 0, at = 0; k < pieces; ++k) {
+      const int64_t n = rows / pieces + (k < rows % pieces ? 1 : 0);
+      const data::Batch micro = pieces == 1 ? batch.batch
+                                            : data::Batch{batch.batch.inputs.narrow(0, at, n), batch.batch.targets.narrow(0, at, n)};
+      at += n;
+      lastMicroBatch_ = k + 1 == pieces;
+      std::optional<DistributedDataParallel::NoSyncGuard> noSync;
+      if (!lastMicroBatch_) noSync.emplace(ddp_->noSync());
+      StepOutput out;
+      try {
+        out = fn(micro);
+      } catch (const Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        // Not a failure of the group: reported with where it happened, never recovered from.
+        throw std::runtime_error(str(p, " (rank ", group_->rank(), "/", group_->size(), "): the step function threw at step ",
+                                     step_, ": ", e.what()));
+      }
+      if (!out.loss.defined() || out.loss.numel() != 1) {
+        throw InvalidArgument(str(p, ": the step function returned ", out.loss.defined() ? out.loss.describe() : "no loss",
+                                  " at step ", step_, "; it must return the loss as a tensor of one element"));
+      }
+      if (!out.loss.requiresGrad()) {
+        throw InvalidArgument(str(p, ": the loss the step function returned at step ", step_,
+                                  " does not require a gradient: no parameter reaches it, so there is no backward to run "
+                                  "(was it computed under NoGradGuard, detached, or from another model?)"));
+      }
+      reach(step_, Phase::Forward);
+      const double fraction = static_cast<double>(n) / static_cast<double>(rows);
+      stepLoss += out.loss.item<float>() * fraction;
+      for (const auto& [name, v] : out.metrics) {
+        auto it = std::find_if(stepMetrics.begin(), stepMetrics.end(), [&](const auto& e) { return e.first == name; });
+        if (it == stepMetrics.end()) stepMetrics.emplace_back(name, v * fraction);
+        else it->second += v * fraction;
+      }
+      const double weight = lossWeight_ * fraction;
+      (weight == 1.0 ? out.loss : mul(out.loss, weight)).backward();  // the last one returns with averaged gradients
+    }
+    recordSamples(step_, batch.position);
+    if (hooks.onBatch) {
+      hooks.onBatch(step_, elastic_ ? elastic_->membership().epoch : 0, batch.position,
+                    sampler_->batchIndices(batch.position.epoch, batch.position.batch));
+    }
+    if (options_.clipGradNorm > 0) gradNorm_ = nn::clipGradNorm(model_->parameters(), options_.clipGradNorm);
+    if (elastic_) {
+      group_->allreduce(control_)->wait();
+      reach(step_, Phase::Commit);
+    }
+    optimizer_->step();
+    lastLoss_ = stepLoss;
+    if (controlWork) controlWork->wait();
+    ++step_;
+    if (hooks.afterStep) hooks.afterStep(step_, elastic_ ? elastic_->membership().epoch : 0, group_->size());
+    if (group_->rank() == 0) window.addMetrics(stepMetrics);
+    // Every member voted the same sum: they all admit at this boundary.
+    if (elastic_ && ctl[2] > 0 && ctl[0] == 0 && step_ < options_.steps) admitJoiners();
+  } catch (const Error&) {
+    if (!elastic_) throw;
+    recover(std::current_exception());
+    return true;
+  }
+  runSeconds_ = std::chrono::duration<double>(Clock::now() - loopStart_).count();
+  if (step_ > startStep_ + 1) {  // the reduced loss is the previous step's
+    window.lossSum += ctl[1] / group_->size();
+    ++window.losses;
+  }
+  if (ctl[0] > 0) return false;
+  log(window);
+  return true;
+}
+
+void Loop::log(Window& window) {
+  const bool evalNow = evaluate_ && (step_ == options_.steps || (options_.evalEvery > 0 && step_ % options_.evalEvery == 0));
+  if (evalNow) evaluation_ = evaluate_();
+  if (step_ % options_.logEvery != 0 && step_ != options_.steps && !evalNow) return;
+  recentLoss_ = window.losses > 0 ? window.lossSum / static_cast<double>(window.losses) : lastLoss_;
+  if (group_->rank() == 0) {
+    Progress progress;
+    progress.step = step_;
+    progress.steps = options_.steps;
+    progress.epoch = sampler_->positionAfter(step_ - 1).epoch + 1;
+    progress.epochs = (options_.steps + sampler_->batchesPerEpoch() - 1) / sampler_->batchesPerEpoch();
+    progress.loss = recentLoss_;
+    const double seconds = std::chrono::duration<double>(Clock::now() - window.start).count();
+    progress.rate = static_cast<double>((step_ - window.startStep) * options_.globalBatch * options_.unitsPerExample) /
+                    std::max(seconds, 1e-9);
+    progress.lr = optimizer_->lr();
+    progress.gradNorm = gradNorm_;
+    progress.elapsed = priorSeconds_ + runSeconds_;
+    progress.left = runSeconds_ / static_cast<double>(step_ - startStep_) * static_cast<double>(options_.steps - step_);
+    for (const auto& [name, sum] : window.metricSums) {
+      progress.metrics.emplace_back(name, sum / static_cast<double>(std::max<int64_t>(window.metricSteps, 1)));
+    }
+    if (evalNow) progress.metrics.insert(progress.metrics.end(), evaluation_.begin(), evaluation_.end());
+    if (metrics_) {
+      std::vector<std::pair<std::string, double>> values = {{"loss", progress.loss},
+                                                            {"lr", progress.lr},
+                                                            {"grad_norm", progress.gradNorm},
+                                                            {options_.unit + "_per_s", progress.rate},
+                                                            {"elapsed_s", progress.elapsed}};
+      values.insert(values.end(), progress.metrics.begin(), progress.metrics.end());
+      metrics_->write(step_, values);
+    }
+    if (options_.hooks.onLog) {
+      options_.hooks.onLog(progress);
+    } else if (!options_.quiet) {
+      std::string line = str(options_.program, ": epoch ", progress.epoch, "/", progress.epochs, "  step ", step_, "/",
+                             options_.steps);
+      char buf[160];
+      std::snprintf(buf, sizeof(buf), "  loss %.4f", progress.loss);
+      line += buf;
+      for (const auto& [name, v] : progress.metrics) {
+        std::snprintf(buf, sizeof(buf), "  %s %.4g", name.c_str(), v);
+        line += buf;
+      }
+      std::snprintf(buf, sizeof(buf), "  %.0f %s/s  elapsed %s  left %s", progress.rate, options_.unit.c_str(),
+                    formatSeconds(progress.elapsed).c_str(), formatSeconds(progress.left).c_str());
+      line += buf;
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    }
+  }
+  window.reset(step_);
+}
+
+int Loop::memberId() const { return elastic_ ? elastic_->memberId() : group_->rank(); }
+
+void Loop::reach(int64_t step, Phase phase) {
+  if (phase == Phase::Begin && options_.test.stepPauseMs > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(options_.test.stepPauseMs));
+  }
+  if (phase == Phase::Begin && elastic_ && step == options_.test.waitForJoinerAt && !someoneJoined_) {
+    const auto deadline = Clock::now() + std::chrono::minutes(2);
+    while (!elastic_->joinersWaiting() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (const std::string& spec : options_.test.failAt) {
+    const auto parts = split(spec, ':');
+    const int64_t at = std::stoll(parts[1]);
+    // A member that joined after STEP cannot meet it: it fails in its first step instead.
+    const bool now = step == at || (joinedAtStep_ > at && step == joinedAtStep_);
+    if (std::stoi(parts[0]) == memberId() && now && parts[2] == phaseName(phase)) {
+      std::fflush(nullptr);
+      ::kill(::getpid(), SIGKILL);
+    }
+  }
+  if (options_.hooks.at) options_.hooks.at(step, phase);
+}
+
+void Loop::recordSamples(int64_t step, const data::SamplerPosition& position) const {
+  if (options_.test.recordSamples.empty()) return;
+  const std::vector<int64_t> ids = sampler_->batchIndices(position.epoch, position.batch);
+  const std::string path = str(options_.test.recordSamples, ".", memberId());
+  std::string line = str(elastic_ ? elastic_->membership().epoch : 0, " ", step, " ", position.epoch);
+  for (int64_t id : ids) line += str(" ", id);
+  line += "\n";
+  FILE* out = std::fopen(path.c_str(), "a");
+  if (out == nullptr) throw Error(str(options_.program, ": cannot append to ", path, ": ", std::strerror(errno)));
+  std::fputs(line.c_str(), out);
+  std::fclose(out);
+}
+
+void Loop::armBackwardHook() {
+  bool wanted = static_cast<bool>(options_.hooks.at);
+  for (const std::string& spec : options_.test.failAt) wanted |= split(spec, ':')[2] == "backward";
+  if (!wanted) return;
+  const std::vector<Tensor> params = model_->parameters();
+  auto fired = std::make_shared<size_t>(0);
+  for (Tensor p : params) {
+    // The last gradient of the last micro-batch's backward: DDP's own hook, registered first,
+    // has launched the last bucket.
+    p.registerPostAccumulateGradHook([this, fired, n = params.size()](Tensor&) {
+      if (++*fired % n == 0 && lastMicroBatch_) reach(step_, Phase::Backward);
+    });
+  }
+}
+
+LoopResult Loop::run(StepFunction fn) {
+  LoopResult result;
+  if (!group_) {
+    if (!options_.quiet) std::printf("%s: %s; nothing to do\n", options_.program.c_str(), finished_.c_str());
+    result.stopReason = finished_;
+    return result;
+  }
+  if (!fn) throw InvalidArgument(str(options_.program, ": run() needs a step function"));
+  checkSetUp();
+  control_ = zeros({3}, DType::Float64);
+  splitData();
+  if (joining_) {
+    transferState();  // the members send it right after admitting this process
+  } else {
+    resumeOrStart();
+    if (checkpoints_ && group_->rank() == 0) checkpoints_->removeTemporaries();  // only once the checkpoint read is good
+  }
+  DdpOptions ddpOptions = options_.ddp;
+  ddpOptions.bucketOrder = bucketOrder_;
+  ddpOptions.syncAtConstruction = !joining_;
+  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions);
+  armBackwardHook();
+  if (group_->rank() == 0 && !options_.metricsFile.empty()) {
+    metrics_ = std::make_unique<MetricsFile>(options_.metricsFile, startStep_, options_.program);
+  }
+  startLoader();
+  loopStart_ = Clock::now();
+  Window window;
+  window.reset(step_);
+  // Admitted at a checkpoint's step, a joiner writes that checkpoint with the members: they
+  // write it at the end of the step whose boundary admitted it, after the admission.
+  if (joining_) periodicCheckpoint();
+  bool goOn = true;
+  while (step_ < options_.steps && goOn) {
+    goOn = trainStep(fn, window);
+    if (goOn) periodicCheckpoint();
+  }
+  result.seconds = runSeconds_;
+  result.steps = step_;
+  result.loss = recentLoss_;
+  if (step_ < options_.steps) {
+    const int sig = stopSignal().load();
+    result.stopped = true;
+    result.stopReason = sig != 0 ? signalName(sig) : "a stop request on another rank";
+    if (checkpoints_) saveCheckpoint(str("stopped by ", result.stopReason));
+    group_->barrier()->wait();
+    say(str(options_.program, ": stopped by ", result.stopReason, " after step ", step_, " of ", options_.steps,
+            checkpoints_ ? str("; checkpoint written, run again to resume from step ", step_) : std::string("; no checkpoint")));
+  } else if (checkpoints_ && step_ > startStep_) {
+    saveCheckpoint("final");
+  }
+  const std::vector<Tensor> params = model_->parameters();
+  result.parameterSpread = parameterSpread(*group_, params);
+  result.fingerprint = fingerprint(params);
+  if (!result.stopped && evaluate_ && evaluation_.empty()) evaluation_ = evaluate_();
+  result.evaluation = evaluation_;
+  group_->barrier()->wait();
+  return result;
+}
+
+}  // namespace dt::train

@@ -1,0 +1,312 @@
+// Loop: the training loop as a library. The user brings the model, the optimizer, the data and
+// a step function (forward + loss on a batch); the loop owns everything else:
+//
+//   dt::train::Loop loop({.program = "mlp", .steps = 500, .globalBatch = 128,
+//                         .checkpointDir = "ckpt", .checkpointEvery = 100});
+//   auto model = makeModel();                        // the same initial values on every rank
+//   dt::optim::AdamW adam(model->parameters(), {.lr = 1e-3});
+//   loop.setModel(model);                            // wrapped in DDP on the loop's group
+//   loop.setOptimizer(adam, [](int64_t step) { return cosine(step); });
+//   loop.setData(trainSet, {.seed = 1});
+//   const dt::train::LoopResult r = loop.run([&](const dt::data::Batch& b) {
+//     return dt::train::StepOutput{dt::crossEntropy(loop.forward(b.inputs), b.targets)};
+//   });
+//
+// What the loop does (docs/train.md):
+//  * Joining: the constructor joins the job: the process group from the launcher's
+//    environment, or under `dtrun --elastic` (DT_ELASTIC=1) the job's elastic membership; a
+//    replacement process blocks there until the members admit it (elastic/elastic_group.h),
+//    and run() then receives the whole training state before its first step.
+//  * Each step: the learning rate for the step, zeroed gradients, the rank's share of the
+//    global batch (a DistributedSampler over the dataset, prefetched), split into
+//    `microBatches` micro-batches whose gradients accumulate under DDP's noSync, the loss
+//    scaled so that the gradient is the mean over the global batch whatever the world size,
+//    backward, optional clipping of the global gradient norm, the optimizer step.
+//  * The commit vote: a small allreduce after backward carries the stop request (SIGTERM,
+//    SIGUSR1, SIGINT on any rank), the previous step's loss and, elastic, the joiners waiting.
+//    Elastic, no rank applies a step unless every rank voted; when a member dies the others
+//    recover in place (ElasticGroup::recover), apply the step if some of them committed it,
+//    rebind DDP to the new group, re-split the data (the same examples per step) and redo
+//    the step. Joiners are admitted at a step boundary and receive the model, the optimizer
+//    state, the user's extra state, the step and DDP's bucket layout from rank 0.
+//  * Checkpoints (checkpoint/checkpoint_dir.h): every `checkpointEvery` steps, at the end,
+//    and when stopped; the next run resumes from the newest one at any world size (bitwise
+//    with the same world size), after checking that `config` matches what it was written
+//    with. The model, the optimizer, the step and every addState() value are in it.
+//  * Output (rank 0, stdout, unless quiet): a progress line every `logEvery` steps (loss,
+//    samples or tokens per second of the whole job, elapsed, time left), the metrics of the
+//    step function averaged over the window, and with `metricsFile` one JSON object per
+//    logged step (scripts/plot_metrics.py reads it). Hooks (LoopHooks) see every step, every
+//    phase and every log line; the example programs' test switches are made of them.
+//
+// Contract:
+//  * One Loop per process, used from one thread. Every rank calls the same methods in the
+//    same order; run() is collective over the job and returns on every rank.
+//  * setModel, setOptimizer, setData and addState come before run(). Misuse throws
+//    InvalidArgument naming the thing and the value: an optimizer over other tensors than
+//    the model's parameters, a step whose loss no parameter reaches (no backward to run),
+//    extra state whose shape changed since the checkpoint (named by restore).
+//  * An exception from the step function is rethrown from run() with the program, rank and
+//    step prepended; under --elastic a dt::Error of the group (a member lost) is recovered
+//    from instead. A failure that cannot be recovered (a non-dt exception, fewer members
+//    than --min-nproc) leaves run() on this rank; the others see the lost member and go on
+//    or stop as the elastic rules say: nobody hangs.
+//  * Timeouts are the group's (ProcessGroupOptions) and the elastic membership's.
+//  * The loop keeps references to the model, optimizer and dataset: they must outlive it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "checkpoint/checkpoint_dir.h"
+#include "checkpoint/state.h"
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "data/sampler.h"
+#include "ddp/ddp.h"
+#include "elastic/elastic_group.h"
+#include "process_group/process_group.h"
+#include "tensor/nn/module.h"
+#include "tensor/optim/optim.h"
+#include "tensor/tensor.h"
+#include "train/support.h"
+
+namespace dt::train {
+
+// What the step function returns for one (micro-)batch: the loss, a scalar the loop runs
+// backward on, and named values the progress line and the metrics file average over the
+// log window (rank 0's).
+struct StepOutput {
+  Tensor loss;
+  std::vector<std::pair<std::string, double>> metrics;
+};
+using StepFunction = std::function<StepOutput(const data::Batch& batch)>;
+// Named values (a validation loss, an accuracy): collective, every rank calls it.
+using EvalFunction = std::function<std::vector<std::pair<std::string, double>>()>;
+
+// Where a step is, for LoopHooks::at.
+enum class Phase {
+  Begin,       // the step begins (before its batch is taken)
+  Forward,     // the step function returned
+  Backward,    // the last gradient arrived (DDP's last bucket is on the wire)
+  Commit,      // this rank voted to commit the step
+  Checkpoint,  // a checkpoint is about to be written at this step
+};
+const char* phaseName(Phase phase);
+
+struct Progress {
+  int64_t step = 0;   // steps applied so far
+  int64_t steps = 0;  // of the whole job
+  int64_t epoch = 0;  // data epoch of the last step, from 1
+  int64_t epochs = 0;
+  double loss = 0;          // mean over the ranks and the window's steps
+  double rate = 0;          // units (samples, tokens) per second of the whole job over the window
+  double lr = 0;            // of the last step
+  double gradNorm = 0;      // before clipping, of the last step (0 without clipping)
+  double elapsed = 0;       // seconds of training, earlier runs included
+  double left = 0;          // seconds, estimated from this run's pace
+  std::vector<std::pair<std::string, double>> metrics;  // the step function's, window means, then evaluate()'s
+};
+
+struct JoinInfo {
+  int member = -1;       // this process's member id
+  int64_t step = 0;      // the step it joined at
+  int64_t bytes = 0;     // of the state received
+  double seconds = 0;    // the transfer
+};
+
+struct LoopHooks {
+  // At each phase of each attempt at a step (a step redone after a loss is seen again).
+  std::function<void(int64_t step, Phase phase)> at;
+  // Each attempt at a step, before its commit vote: the examples this rank trained on (the
+  // sampler's ids) and the membership epoch (0 when not elastic).
+  std::function<void(int64_t step, uint64_t membershipEpoch, const data::SamplerPosition& position,
+                     const std::vector<int64_t>& ids)>
+      onBatch;
+  // After each committed step: the steps applied so far, the membership epoch and world size.
+  std::function<void(int64_t steps, uint64_t membershipEpoch, int worldSize)> afterStep;
+  // A joiner, once it holds the whole state.
+  std::function<void(const JoinInfo& info)> onJoined;
+  // Replaces the default progress line (rank 0 only).
+  std::function<void(const Progress& progress)> onLog;
+};
+
+// Switches only tests use, to exercise the failure paths of a real program: LoopOptions::test,
+// or the environment for a program that sets nothing (DT_TEST_FAIL_AT, DT_TEST_RECORD_SAMPLES,
+// DT_TEST_STEP_PAUSE_MS, DT_TEST_WAIT_FOR_JOINER_AT), so that any program on the loop can be
+// killed and checked.
+struct TestSwitches {
+  // "MEMBER:STEP:PHASE" each (PHASE: forward, backward, commit or checkpoint): that member
+  // (the elastic member id, else the rank) SIGKILLs itself there. A member that joined after
+  // STEP meets it in its first step instead.
+  std::vector<std::string> failAt;
+  // PREFIX: each member appends "<membership epoch> <step> <data epoch> <ids...>" per attempt
+  // at a step to PREFIX.<member> (before the commit vote: a redone step appears again).
+  std::string recordSamples;
+  // Sleep this long at the start of every step, so that kills and joins land mid-run.
+  int64_t stepPauseMs = 0;
+  // Elastic: at the start of this step the members wait (up to 2 minutes) for a replacement
+  // to ask to join, unless one joined already, so that a test's join happens mid-run however
+  // slow the machine. -1: never.
+  int64_t waitForJoinerAt = -1;
+  // Fills what is empty from the environment; InvalidArgument names a malformed value.
+  static TestSwitches fromEnvironment(TestSwitches given);
+};
+
+struct LoopOptions {
+  std::string program = "train";  // prefixes every line and message
+  int64_t steps = 0;              // the job's length, required
+  int64_t globalBatch = 0;        // examples per step over all ranks, required
+  int microBatches = 1;           // gradient accumulation: each rank's share in this many pieces
+  double clipGradNorm = 0;        // clip the global gradient 2-norm to this (0: no clipping)
+  // Data: each epoch a permutation of the dataset (seed, epoch), cut into global batches.
+  uint64_t seed = 0;
+  bool shuffle = true;
+  bool dropLast = false;
+  int prefetch = 8;
+  // Throughput unit: `unitsPerExample` (the context length) `unit` ("tokens") per example.
+  std::string unit = "samples";
+  int64_t unitsPerExample = 1;
+  // Checkpoints: none when checkpointDir is empty.
+  std::string checkpointDir;
+  int64_t checkpointEvery = 0;  // 0: only at the end and when stopped
+  int keep = 3;
+  bool resume = true;  // false: a first attempt clears the folder (a restart still resumes)
+  // Settings a checkpoint must share with the run that resumes it ("config.<key>").
+  std::vector<std::pair<std::string, std::string>> config;
+  // Output.
+  int64_t logEvery = 10;
+  bool quiet = false;
+  std::string metricsFile;  // rank 0 writes one JSON object per logged step
+  int64_t evalEvery = 0;    // run setEvaluation's function every this many steps and at the end
+  // The DDP wrapper's options (bucketOrder and syncAtConstruction are the loop's).
+  DdpOptions ddp;
+  // The elastic membership's options (under dtrun --elastic).
+  elastic::ElasticOptions elastic;
+  // Stop on SIGTERM, SIGUSR1 or SIGINT at the next step boundary (installs the handlers).
+  bool stopOnSignals = true;
+  LoopHooks hooks;
+  TestSwitches test;
+};
+
+struct LoopResult {
+  int64_t steps = 0;         // applied when run() returned (the job's total unless stopped)
+  bool stopped = false;      // by a signal (a checkpoint was written when there is a folder)
+  std::string stopReason;    // "SIGTERM", "a stop request on another rank"
+  double loss = 0;           // the last window's mean loss
+  double seconds = 0;        // of training in this run
+  double parameterSpread = 0;  // max - min of any parameter over the ranks (0: identical)
+  uint64_t fingerprint = 0;  // of the final parameters (equal on every rank when spread is 0)
+  std::vector<std::pair<std::string, double>> evaluation;  // the last evaluate()
+};
+
+class Loop {
+ public:
+  explicit Loop(LoopOptions options);
+  ~Loop();
+  Loop(const Loop&) = delete;
+  Loop& operator=(const Loop&) = delete;
+
+  // This rank's group now (it changes when an elastic job's membership does).
+  ProcessGroup& group() const;
+  int rank() const { return group().rank(); }
+  int worldSize() const { return group().size(); }
+  // A replacement process that joined a running job (it receives the state in run()). A
+  // replacement that finds the job finished has no group; its run() returns at once.
+  bool joining() const { return joining_; }
+  // DT_RESTART_COUNT: how many times dtrun restarted this rank.
+  int64_t restartCount() const { return restartCount_; }
+  const LoopOptions& options() const { return options_; }
+
+  void setModel(std::shared_ptr<nn::Module> model);
+  // `learningRate(step)` is set before each step; empty: the optimizer's own.
+  void setOptimizer(optim::Optimizer& optimizer, std::function<double(int64_t)> learningRate = {});
+  void setData(std::shared_ptr<const data::Dataset> dataset);
+  void setEvaluation(EvalFunction evaluate);
+  // Extra state, checkpointed and sent to joiners with the model: a tensor restored in place
+  // (replicated: the same on every rank), a random stream per rank, or an integer value.
+  void addState(const std::string& name, Tensor tensor);
+  void addState(const std::string& name, Generator& perRankStream);
+  void addState(const std::string& name, int64_t& value);
+
+  // The model as the step function calls it (DDP over the current group). Only in run().
+  Tensor forward(const Tensor& input);
+  DistributedDataParallel& ddp();
+  nn::Module& model() { return *model_; }
+  // The step the loop is at (the next to apply).
+  int64_t step() const { return step_; }
+
+  LoopResult run(StepFunction step);
+
+ private:
+  struct Window;
+  TrainingState trainingState();
+  void say(const std::string& line) const;
+  void connect();
+  void splitData();
+  void startLoader();
+  void resumeOrStart();
+  void saveCheckpoint(const std::string& reason);
+  void periodicCheckpoint();
+  // One attempt at the step: false when the job stops after it.
+  bool trainStep(const StepFunction& fn, Window& window);
+  void recover(std::exception_ptr cause);
+  void admitJoiners();
+  void regroup();
+  void transferState();
+  void log(Window& window);
+  void checkSetUp() const;
+  // LoopHooks::at's Backward phase: a hook on every parameter's gradient.
+  void armBackwardHook();
+  // LoopHooks::at and TestSwitches at `phase` of `step`.
+  void reach(int64_t step, Phase phase);
+  void recordSamples(int64_t step, const data::SamplerPosition& position) const;
+  int memberId() const;
+
+  LoopOptions options_;
+  std::unique_ptr<elastic::ElasticGroup> elastic_;
+  std::shared_ptr<ProcessGroup> group_;
+  bool joining_ = false;
+  std::string finished_;  // a replacement that found the job finished: why (run() does nothing)
+  int64_t restartCount_ = 0;
+
+  std::shared_ptr<nn::Module> model_;
+  optim::Optimizer* optimizer_ = nullptr;
+  std::function<double(int64_t)> learningRate_;
+  std::shared_ptr<const data::Dataset> dataset_;
+  EvalFunction evaluate_;
+  std::vector<std::pair<std::string, Tensor>> extraTensors_;
+  std::vector<std::pair<std::string, Generator*>> extraStreams_;
+  std::vector<std::pair<std::string, int64_t*>> extraValues_;
+
+  std::unique_ptr<DistributedDataParallel> ddp_;
+  std::vector<std::string> bucketOrder_;  // from a checkpoint or the state a joiner received
+  std::optional<data::DistributedSampler> sampler_;
+  std::unique_ptr<data::PrefetchLoader> loader_;
+  double lossWeight_ = 1.0;  // this rank's share of the global batch x world / global batch
+  std::optional<CheckpointDir> checkpoints_;
+  std::unique_ptr<MetricsFile> metrics_;
+
+  int64_t step_ = 0;
+  int64_t startStep_ = 0;
+  int64_t joinedAtStep_ = -1;  // a replacement: the step it joined at
+  bool someoneJoined_ = false;  // a join happened in this process's view
+  double priorSeconds_ = 0;  // training time of earlier runs (from the checkpoint)
+  double runSeconds_ = 0;
+  double recentLoss_ = 0;
+  double lastLoss_ = 0;
+  double gradNorm_ = 0;
+  Tensor control_;              // the per-step control allreduce (see trainStep)
+  bool lastMicroBatch_ = true;  // the backward now is the step's last
+  std::chrono::steady_clock::time_point loopStart_;
+  std::vector<std::pair<std::string, double>> evaluation_;
+};
+
+}  // namespace dt::train
