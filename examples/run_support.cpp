@@ -1,13 +1,18 @@
 #include "examples/run_support.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "tensor/nn/safetensors.h"
 
 namespace examples {
 
@@ -71,6 +76,73 @@ bool forEachFlag(const std::string& program, int argc, char** argv, const std::v
     onFlag(flag, inlineValue ? *inlineValue : std::string(argv[++i]));
   }
   return true;
+}
+
+bool TestFlags::parse(const std::string& program, const std::string& flag, const std::string& value) {
+  if (flag == "--fail-at") {
+    for (const auto& spec : dt::split(value, ',')) failAt.push_back(spec);
+    try {
+      dt::train::TestSwitches::fromEnvironment({.failAt = failAt});  // checks each spec
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(str(program, ": --", e.what()));
+    }
+  } else if (flag == "--record-samples") {
+    recordSamples = value;
+  } else if (flag == "--step-log") {
+    stepLog = value;
+  } else if (flag == "--measure-transfer") {
+    measureTransfer = true;
+  } else if (flag == "--step-pause") {
+    stepPauseMs = parsePositive(program, value, flag, 0);
+  } else if (flag == "--dump-at") {
+    for (const auto& part : dt::split(value, ',')) dumpAt.push_back(parsePositive(program, std::string(part), flag, 0));
+  } else if (flag == "--dump-dir") {
+    dumpDir = value;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+void TestFlags::apply(dt::train::LoopOptions& options, std::function<std::shared_ptr<dt::nn::Module>()> model,
+                      const std::string& program) const {
+  auto& test = options.test;
+  test.failAt = failAt;
+  test.recordSamples = recordSamples;
+  test.stepPauseMs = stepPauseMs;
+  options.measureTransfer = measureTransfer;
+  std::shared_ptr<FILE> log;
+  if (!stepLog.empty()) {
+    log.reset(std::fopen(stepLog.c_str(), "a"), &std::fclose);
+    if (!log) throw dt::Error(str(program, ": cannot append to ", stepLog, ": ", std::strerror(errno)));
+  }
+  // A line and the time (CLOCK_REALTIME ns) in one write: the file is opened for appending, so
+  // lines from several processes do not interleave.
+  auto write = [log](const std::string& line) {
+    if (!log) return;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch());
+    std::fprintf(log.get(), "%s %lld\n", line.c_str(), static_cast<long long>(ns.count()));
+    std::fflush(log.get());
+  };
+  const long long startNs =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  test.beforeKill = [write](int64_t step, int member) { write(str("kill ", step, " ", member)); };
+  options.hooks.onJoined = [write, startNs](const dt::train::JoinInfo& j) {
+    write(str("join ", j.member, " ", startNs, " ", j.step, " ", j.bytes, " ", static_cast<int64_t>(j.seconds * 1e9), " ",
+              static_cast<int64_t>(j.broadcastSeconds * 1e9)));
+  };
+  const bool elastic = options.forceElastic || dt::env::getBool("DT_ELASTIC");
+  const int64_t restarts = dt::env::getInt("DT_RESTART_COUNT");
+  const std::string dir = dumpDir.empty() ? program + "-dumps" : dumpDir;
+  options.hooks.afterStep = [write, elastic, restarts, model, dir, dumps = dumpAt](const dt::train::StepDone& done) {
+    if (done.rank != 0) return;
+    write(str(done.steps - 1, " ", elastic ? done.membershipEpoch : static_cast<uint64_t>(restarts), " ", done.worldSize));
+    if (std::find(dumps.begin(), dumps.end(), done.steps) == dumps.end()) return;
+    std::filesystem::create_directories(dir);
+    dt::NamedTensors tensors;
+    for (const auto& [name, t] : model()->namedParameters()) tensors.emplace_back(name, t.to(dt::Device::cpu()));
+    dt::saveSafetensors(std::filesystem::path(dir) / str("step-", done.steps, ".safetensors"), tensors);
+  };
 }
 
 int runMain(const std::string& program, const std::function<int()>& body) {

@@ -112,7 +112,7 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
   options_.test = TestSwitches::fromEnvironment(options_.test);
   if (options_.stopOnSignals) installStopHandlers(p);
   try {
-    if (env::getBool("DT_ELASTIC")) {
+    if (options_.forceElastic || env::getBool("DT_ELASTIC")) {
       elastic_ = elastic::ElasticGroup::fromEnvironment(options_.elastic);
       group_ = elastic_->group();
       joining_ = elastic_->joinedNow();
@@ -122,11 +122,6 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
   } catch (const JobFinishedError& e) {
     finished_ = e.what();  // a replacement started after the job ended: nothing to do
     return;
-  }
-  if (!elastic_ && options_.globalBatch % group_->size() != 0) {
-    throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " is not divisible by the world size ", group_->size(),
-                              " (each rank takes global batch / world); use a multiple of ", group_->size(), ", e.g. ",
-                              std::max<int64_t>(group_->size(), options_.globalBatch / group_->size() * group_->size())));
   }
   if (!options_.checkpointDir.empty()) checkpoints_.emplace(options_.checkpointDir, options_.keep);
 }
@@ -187,6 +182,12 @@ void Loop::checkSetUp() const {
   if (!model_) throw InvalidArgument(str(p, ": run() before setModel()"));
   if (optimizer_ == nullptr) throw InvalidArgument(str(p, ": run() before setOptimizer()"));
   if (!dataset_) throw InvalidArgument(str(p, ": run() before setData()"));
+  const int world = group_->size();
+  if (!elastic_ && options_.globalBatch % world != 0) {
+    throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " is not divisible by the world size ", world,
+                              " (each rank takes global batch / world); use a multiple of ", world, ", e.g. ",
+                              std::max<int64_t>(world, options_.globalBatch / world * world)));
+  }
   // The optimizer must update exactly the model's parameters (a model rebuilt after the
   // optimizer was made, or another model's optimizer, trains nothing or the wrong thing).
   std::unordered_set<const void*> theirs;
@@ -209,8 +210,8 @@ TrainingState Loop::trainingState() {
   TrainingState state(group_->rank(), group_->size());
   state.addModule("model", *model_);
   state.addOptimizer("optim", *optimizer_, ParameterMap::replicated(*model_));
-  for (auto& [name, t] : extraTensors_) state.addTensor(str("extra.", name), t);
-  for (auto& [name, g] : extraStreams_) state.addGenerator(str("extra.", name), *g);
+  for (auto& [name, t] : extraTensors_) state.addTensor(name, t);
+  for (auto& [name, g] : extraStreams_) state.addGenerator(name, *g);
   state.step = step_;
   auto& m = state.metadata;
   for (const auto& [name, v] : extraValues_) m["value." + name] = std::to_string(*v);
@@ -237,7 +238,8 @@ void Loop::splitData() {
   const int world = group_->size(), rank = group_->rank();
   sampler_.emplace(dataset_->size(), world, rank,
                    data::DistributedSamplerOptions{.batchSize = options_.globalBatch / std::max(world, 1),
-                                                   .globalBatchSize = options_.globalBatch,
+                                                   // elastic: shares that may differ by one example
+                                                   .globalBatchSize = elastic_ ? options_.globalBatch : 0,
                                                    .shuffle = options_.shuffle,
                                                    .seed = options_.seed,
                                                    .dropLast = options_.dropLast});
@@ -277,7 +279,8 @@ void Loop::resumeOrStart() {
   priorSeconds_ = static_cast<double>(m.integer("train_ms")) / 1000.0;
   recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
   if (m.integer("total_steps") != options_.steps) {
-    say(str(p, ": note: the step budget changed from ", m.integer("total_steps"), " to ", options_.steps));
+    say(str(p, ": note: the step budget changed from ", m.integer("total_steps"), " to ", options_.steps,
+            learningRate_ ? "; the learning-rate schedule follows the new one" : ""));
   }
   const auto pos = sampler_->positionAfter(startStep_);
   say(str(p, ": resumed from ", ref->manifest.string(), " (step ", startStep_, ", epoch ", pos.epoch + 1, " batch ", pos.batch,
@@ -329,7 +332,7 @@ void Loop::recover(std::exception_ptr cause) {
     // only after its backward), so it applies it as they did.
     optimizer_->step();
     ++step_;
-    if (options_.hooks.afterStep) options_.hooks.afterStep(step_, m.epoch, m.size());
+    if (options_.hooks.afterStep) options_.hooks.afterStep({step_, m.epoch, m.rank, m.size()});
   }
   regroup();
   if (!m.joined.empty()) transferState();  // an admission whose transfer failed: again
@@ -353,9 +356,22 @@ void Loop::admitJoiners() {
 void Loop::transferState() {
   TrainingState state = trainingState();
   const Device device = model_->parameters().empty() ? Device::cpu() : model_->parameters().front().device();
+  // --measure-transfer times the transfer alone: a joiner would otherwise count its wait for
+  // the members to reach the step boundary.
+  if (options_.measureTransfer) group_->barrier()->wait();
   const auto start = Clock::now();
   broadcastState(state, *group_, 0, elastic_->joinedNow(), {.device = device});
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  int64_t bytes = 0;
+  for (const auto& t : state.collect()) bytes += t.local.numel() * static_cast<int64_t>(itemSize(t.local.dtype()));
+  double broadcastSeconds = 0;
+  if (options_.measureTransfer) {  // the same bytes in one plain broadcast, on the same group
+    Tensor buffer = zeros({std::max<int64_t>(bytes / 4, 1)}, DType::Float32, device);
+    group_->barrier()->wait();
+    const auto from = Clock::now();
+    group_->broadcast(buffer, {.root = 0})->wait();
+    broadcastSeconds = std::chrono::duration<double>(Clock::now() - from).count();
+  }
   if (!elastic_->joinedNow()) return;
   step_ = startStep_ = joinedAtStep_ = state.step;
   someoneJoined_ = true;
@@ -363,9 +379,7 @@ void Loop::transferState() {
   restoreValues(m, extraValues_, "the state received");
   if (m.count("ddp.bucket_order")) bucketOrder_ = split(m.at("ddp.bucket_order"), ',');
   recentLoss_ = std::strtod(m.at("train_loss").c_str(), nullptr);
-  int64_t bytes = 0;
-  for (const auto& t : state.collect()) bytes += t.local.numel() * static_cast<int64_t>(itemSize(t.local.dtype()));
-  if (options_.hooks.onJoined) options_.hooks.onJoined({elastic_->memberId(), step_, bytes, seconds});
+  if (options_.hooks.onJoined) options_.hooks.onJoined({elastic_->memberId(), step_, bytes, seconds, broadcastSeconds});
   if (!options_.quiet) {
     std::printf("%s: member %d joined at step %lld as rank %d/%d; state received in %.1f ms (%.2f MB)\n",
                 options_.program.c_str(), elastic_->memberId(), static_cast<long long>(step_), group_->rank(),
@@ -446,7 +460,9 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     lastLoss_ = stepLoss;
     if (controlWork) controlWork->wait();
     ++step_;
-    if (hooks.afterStep) hooks.afterStep(step_, elastic_ ? elastic_->membership().epoch : 0, group_->size());
+    if (hooks.afterStep) {
+      hooks.afterStep({step_, elastic_ ? elastic_->membership().epoch : 0, group_->rank(), group_->size()});
+    }
     if (group_->rank() == 0) window.addMetrics(stepMetrics);
     // Every member voted the same sum: they all admit at this boundary.
     if (elastic_ && ctl[2] > 0 && ctl[0] == 0 && step_ < options_.steps) admitJoiners();
@@ -535,6 +551,7 @@ void Loop::reach(int64_t step, Phase phase) {
     // A member that joined after STEP cannot meet it: it fails in its first step instead.
     const bool now = step == at || (joinedAtStep_ > at && step == joinedAtStep_);
     if (std::stoi(parts[0]) == memberId() && now && parts[2] == phaseName(phase)) {
+      if (options_.test.beforeKill) options_.test.beforeKill(step, memberId());
       std::fflush(nullptr);
       ::kill(::getpid(), SIGKILL);
     }
@@ -608,6 +625,9 @@ LoopResult Loop::run(StepFunction fn) {
     if (goOn) periodicCheckpoint();
   }
   result.seconds = runSeconds_;
+  result.elapsed = priorSeconds_ + runSeconds_;
+  result.firstStep = startStep_;
+  result.dataWaitMs = loader_ ? loader_->stats().waitMs : 0;
   result.steps = step_;
   result.loss = recentLoss_;
   if (step_ < options_.steps) {

@@ -120,6 +120,14 @@ struct JoinInfo {
   int64_t step = 0;      // the step it joined at
   int64_t bytes = 0;     // of the state received
   double seconds = 0;    // the transfer
+  double broadcastSeconds = 0;  // LoopOptions::measureTransfer: one plain broadcast of as many bytes
+};
+
+struct StepDone {
+  int64_t steps = 0;             // applied so far
+  uint64_t membershipEpoch = 0;  // 0 when not elastic
+  int rank = 0;                  // this process's rank and the world size now
+  int worldSize = 1;
 };
 
 struct LoopHooks {
@@ -130,8 +138,9 @@ struct LoopHooks {
   std::function<void(int64_t step, uint64_t membershipEpoch, const data::SamplerPosition& position,
                      const std::vector<int64_t>& ids)>
       onBatch;
-  // After each committed step: the steps applied so far, the membership epoch and world size.
-  std::function<void(int64_t steps, uint64_t membershipEpoch, int worldSize)> afterStep;
+  // After each committed step (and a step a rank applies in recovery because the others
+  // committed it).
+  std::function<void(const StepDone& done)> afterStep;
   // A joiner, once it holds the whole state.
   std::function<void(const JoinInfo& info)> onJoined;
   // Replaces the default progress line (rank 0 only).
@@ -156,6 +165,8 @@ struct TestSwitches {
   // to ask to join, unless one joined already, so that a test's join happens mid-run however
   // slow the machine. -1: never.
   int64_t waitForJoinerAt = -1;
+  // Called just before a failAt kill (to log it somewhere).
+  std::function<void(int64_t step, int member)> beforeKill;
   // Fills what is empty from the environment; InvalidArgument names a malformed value.
   static TestSwitches fromEnvironment(TestSwitches given);
 };
@@ -188,8 +199,12 @@ struct LoopOptions {
   int64_t evalEvery = 0;    // run setEvaluation's function every this many steps and at the end
   // The DDP wrapper's options (bucketOrder and syncAtConstruction are the loop's).
   DdpOptions ddp;
-  // The elastic membership's options (under dtrun --elastic).
+  // The elastic membership's options (under dtrun --elastic, DT_ELASTIC=1, or with forceElastic).
   elastic::ElasticOptions elastic;
+  bool forceElastic = false;
+  // Every rank waits for the others before a state transfer (so JoinInfo::seconds is the
+  // transfer alone), then times one plain broadcast of as many bytes (JoinInfo::broadcastSeconds).
+  bool measureTransfer = false;
   // Stop on SIGTERM, SIGUSR1 or SIGINT at the next step boundary (installs the handlers).
   bool stopOnSignals = true;
   LoopHooks hooks;
@@ -198,10 +213,13 @@ struct LoopOptions {
 
 struct LoopResult {
   int64_t steps = 0;         // applied when run() returned (the job's total unless stopped)
+  int64_t firstStep = 0;     // where this run started (a resumed run: the checkpoint's step)
   bool stopped = false;      // by a signal (a checkpoint was written when there is a folder)
   std::string stopReason;    // "SIGTERM", "a stop request on another rank"
   double loss = 0;           // the last window's mean loss
   double seconds = 0;        // of training in this run
+  double elapsed = 0;        // of training, earlier runs included (from the checkpoint)
+  double dataWaitMs = 0;     // the training loop waited for batches (the loader's stats)
   double parameterSpread = 0;  // max - min of any parameter over the ranks (0: identical)
   uint64_t fingerprint = 0;  // of the final parameters (equal on every rank when spread is 0)
   std::vector<std::pair<std::string, double>> evaluation;  // the last evaluate()
@@ -221,6 +239,10 @@ class Loop {
   // A replacement process that joined a running job (it receives the state in run()). A
   // replacement that finds the job finished has no group; its run() returns at once.
   bool joining() const { return joining_; }
+  // A replacement that started after the job ended: why (its run() prints it and returns).
+  std::optional<std::string> jobFinished() const {
+    return group_ ? std::nullopt : std::optional<std::string>(finished_);
+  }
   // DT_RESTART_COUNT: how many times dtrun restarted this rank.
   int64_t restartCount() const { return restartCount_; }
   const LoopOptions& options() const { return options_; }

@@ -56,7 +56,7 @@ int main(int argc, char** argv) try {
                                  .clipGradNorm = clip, .seed = 3, .dropLast = true, .checkpointDir = argv[2],
                                  .checkpointEvery = 10, .config = {{"hidden", "32"}}, .logEvery = 10};
   options.test.stepPauseMs = pauseMs;
-  options.hooks.afterStep = [&](int64_t, uint64_t, int) {
+  options.hooks.afterStep = [&](const dt::train::StepDone&) {
     ++counter;
     dt::NoGradGuard noGrad;
     ema.copy_(dt::add(dt::mul(ema, 0.9), dt::mul(weight.detach(), 0.1)));
