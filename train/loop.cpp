@@ -573,7 +573,7 @@ void Loop::recordSamples(int64_t step, const data::SamplerPosition& position) co
 }
 
 void Loop::armBackwardHook() {
-  bool wanted = static_cast<bool>(options_.hooks.at);
+  bool wanted = options_.hooks.at && options_.hooks.atBackward;
   for (const std::string& spec : options_.test.failAt) wanted |= split(spec, ':')[2] == "backward";
   if (!wanted) return;
   const std::vector<Tensor> params = model_->parameters();

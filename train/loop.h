@@ -95,7 +95,8 @@ using EvalFunction = std::function<std::vector<std::pair<std::string, double>>()
 enum class Phase {
   Begin,       // the step begins (before its batch is taken)
   Forward,     // the step function returned
-  Backward,    // the last gradient arrived (DDP's last bucket is on the wire)
+  Backward,    // the last gradient arrived (DDP's last bucket is on the wire): only with
+               // LoopHooks::atBackward (a hook on every gradient costs about 2 % of a small step)
   Commit,      // this rank voted to commit the step
   Checkpoint,  // a checkpoint is about to be written at this step
 };
@@ -133,6 +134,7 @@ struct StepDone {
 struct LoopHooks {
   // At each phase of each attempt at a step (a step redone after a loss is seen again).
   std::function<void(int64_t step, Phase phase)> at;
+  bool atBackward = false;  // `at` sees Phase::Backward too
   // Each attempt at a step, before its commit vote: the examples this rank trained on (the
   // sampler's ids) and the membership epoch (0 when not elastic).
   std::function<void(int64_t step, uint64_t membershipEpoch, const data::SamplerPosition& position,
@@ -285,7 +287,7 @@ class Loop {
   void transferState();
   void log(Window& window);
   void checkSetUp() const;
-  // LoopHooks::at's Backward phase: a hook on every parameter's gradient.
+  // Phase::Backward (LoopHooks::atBackward, a fail-at in backward): a hook on every gradient.
   void armBackwardHook();
   // LoopHooks::at and TestSwitches at `phase` of `step`.
   void reach(int64_t step, Phase phase);
