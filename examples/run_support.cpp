@@ -12,6 +12,8 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "process_group/init.h"
+#include "tensor/device.h"
 #include "tensor/nn/safetensors.h"
 
 namespace examples {
@@ -76,6 +78,30 @@ bool forEachFlag(const std::string& program, int argc, char** argv, const std::v
     onFlag(flag, inlineValue ? *inlineValue : std::string(argv[++i]));
   }
   return true;
+}
+
+std::string deviceName(const std::string& program, const std::string& value, const std::string& flag) {
+  try {
+    dt::Device::parse(value);
+  } catch (const InvalidArgument&) {
+    throw InvalidArgument(str(program, ": ", flag, " \"", value, "\" is not one of cpu, cuda, cuda:N"));
+  }
+  return value;
+}
+
+dt::Device deviceFor(const std::string& program, const std::string& text) {
+  dt::Device device = dt::Device::parse(text);
+  if (device.isCpu()) return device;
+  if (text == "cuda") {
+    const int localRank = dt::resolveInit({}).localRank;  // from dtrun, torchrun's or SLURM's variables
+    const int count = dt::deviceCount(dt::DeviceType::CUDA);
+    if (count > 0) device = dt::Device::cuda(localRank % count);
+  }
+  if (!dt::deviceAvailable(device)) {
+    throw dt::NotSupportedError(str(program, ": --device ", text, " (", device.str(), ") is not usable here: ",
+                                    dt::deviceUnavailableReason(device), "; use --device cpu"));
+  }
+  return device;
 }
 
 bool TestFlags::parse(const std::string& program, const std::string& flag, const std::string& value) {

@@ -28,6 +28,12 @@ double parseDouble(const std::string& program, const std::string& value, const s
 std::string choice(const std::string& program, const std::string& value, const std::string& flag,
                    const std::vector<std::string>& allowed);
 
+// --device cpu|cuda|cuda:N: `value` must parse (InvalidArgument "<program>: <flag> ..." otherwise).
+std::string deviceName(const std::string& program, const std::string& value, const std::string& flag);
+// The device `text` names: cuda is the GPU of this rank's local rank (as torchrun users write
+// cuda:LOCAL_RANK), cuda:N one explicitly; NotSupportedError says why one is not usable here.
+dt::Device deviceFor(const std::string& program, const std::string& text);
+
 // Stop signals, time formatting, fingerprints, clearCheckpoints and parameterSpread are the
 // training library's (train/support.h).
 using dt::train::clearCheckpoints;

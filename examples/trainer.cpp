@@ -123,15 +123,6 @@ std::string choice(const std::string& value, const std::string& flag, const std:
   return examples::choice("trainer", value, flag, allowed);
 }
 
-std::string deviceName(const std::string& value, const std::string& flag) {
-  try {
-    dt::Device::parse(value);
-  } catch (const InvalidArgument&) {
-    throw InvalidArgument(str("trainer: ", flag, " \"", value, "\" is not one of cpu, cuda, cuda:N"));
-  }
-  return value;
-}
-
 Config parseArgs(int argc, char** argv, bool& help) {
   Config c;
   c.elastic = dt::env::getBool("DT_ELASTIC");
@@ -164,7 +155,7 @@ Config parseArgs(int argc, char** argv, bool& help) {
     else if (flag == "--checkpoint-every") c.checkpointEvery = parsePositive(value, flag, 0);
     else if (flag == "--keep") c.keep = static_cast<int>(parsePositive(value, flag));
     else if (flag == "--resume") c.resume = choice(value, flag, {"auto", "never"});
-    else if (flag == "--device") c.device = deviceName(value, flag);
+    else if (flag == "--device") c.device = examples::deviceName("trainer", value, flag);
     else if (flag == "--bench-warmup") c.benchWarmup = parsePositive(value, flag, 0);
     else throw InvalidArgument(str("trainer: unknown flag ", flag, "; see --help"));
   });
@@ -212,23 +203,6 @@ std::vector<std::pair<std::string, std::string>> resumeKeys(const Config& c, con
           {"global_batch", std::to_string(c.globalBatch)},
           {"drop_last", c.dropLast ? "yes" : "no"},
           {"train_examples", std::to_string(trainSize)}};
-}
-
-// --device cuda: the GPU of this rank's local rank, as torchrun users write
-// cuda:LOCAL_RANK; cuda:N names one explicitly.
-dt::Device deviceFor(const std::string& text) {
-  dt::Device device = dt::Device::parse(text);
-  if (device.isCpu()) return device;
-  if (text == "cuda") {
-    const int localRank = dt::resolveInit({}).localRank;  // from dtrun, torchrun's or SLURM's variables
-    const int count = dt::deviceCount(dt::DeviceType::CUDA);
-    if (count > 0) device = dt::Device::cuda(localRank % count);
-  }
-  if (!dt::deviceAvailable(device)) {
-    throw dt::NotSupportedError(str("trainer: --device ", text, " (", device.str(), ") is not usable here: ",
-                                    dt::deviceUnavailableReason(device), "; use --device cpu"));
-  }
-  return device;
 }
 
 // Every rank evaluates its share of the test set (examples r, r + W, ...); sums are allreduced.
@@ -393,7 +367,7 @@ int main(int argc, char** argv) {
       std::fputs(examples::TestFlags::kUsage, stdout);
       return 0;
     }
-    const dt::Device device = deviceFor(config.device);
+    const dt::Device device = examples::deviceFor("trainer", config.device);
     dt::setCurrentDevice(device);  // before any CUDA call, so no rank opens a context on cuda:0 too
     return run(config, device);
   });

@@ -18,6 +18,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "process_group/init.h"
+#include "tensor/autograd/anomaly.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/nn/clip_grad.h"
 #include "tensor/ops.h"
@@ -390,7 +391,10 @@ void Loop::transferState() {
 bool Loop::trainStep(const StepFunction& fn, Window& window) {
   const std::string& p = options_.program;
   const LoopHooks& hooks = options_.hooks;
+  profile();
   reach(step_, Phase::Begin);
+  std::optional<AnomalyMode> anomaly;
+  if (options_.anomalyMode) anomaly.emplace();
   // {stop requested, previous step's loss, joiners waiting}, summed over the ranks.
   double* ctl = control_.data<double>();
   ctl[0] = stopSignal().load() != 0 ? 1.0 : 0.0;
@@ -479,6 +483,26 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
   if (ctl[0] > 0) return false;
   log(window);
   return true;
+}
+
+void Loop::profile() {
+  const int64_t from = options_.profileFrom, to = from + options_.profileSteps;
+  if (!profiler_ && from >= 0 && step_ >= from && step_ < to) {
+    Profiler::setRank(group_->rank());
+    profiler_ = std::make_unique<Profiler>();
+    return;
+  }
+  if (!profiler_ || (step_ < to && step_ < options_.steps)) return;
+  profiler_->stop();
+  std::string path = options_.profileTrace;
+  if (const auto at = path.find("{rank}"); at != std::string::npos) path.replace(at, 6, std::to_string(group_->rank()));
+  profiler_->writeChromeTrace(path);
+  if (group_->rank() == 0 && !options_.quiet) {
+    std::printf("%s: profile of steps %lld-%lld written to %s (one file per rank); rank 0's busiest:\n%s",
+                options_.program.c_str(), static_cast<long long>(from), static_cast<long long>(step_ - 1), path.c_str(),
+                profiler_->table({.rowLimit = 15}).c_str());
+  }
+  profiler_.reset();
 }
 
 void Loop::log(Window& window) {
@@ -624,6 +648,7 @@ LoopResult Loop::run(StepFunction fn) {
     goOn = trainStep(fn, window);
     if (goOn) periodicCheckpoint();
   }
+  profile();  // a window that reached the end
   result.seconds = runSeconds_;
   result.elapsed = priorSeconds_ + runSeconds_;
   result.firstStep = startStep_;

@@ -75,6 +75,7 @@
 #include "process_group/process_group.h"
 #include "tensor/nn/module.h"
 #include "tensor/optim/optim.h"
+#include "tensor/profiler.h"
 #include "tensor/tensor.h"
 #include "train/support.h"
 
@@ -199,6 +200,15 @@ struct LoopOptions {
   bool quiet = false;
   std::string metricsFile;  // rank 0 writes one JSON object per logged step
   int64_t evalEvery = 0;    // run setEvaluation's function every this many steps and at the end
+  // Profile steps [profileFrom, profileFrom + profileSteps) (tensor/profiler.h): each rank
+  // writes a Chrome trace to profileTrace with "{rank}" replaced by its rank, and rank 0
+  // prints its busiest rows. -1: no profiling.
+  int64_t profileFrom = -1;
+  int64_t profileSteps = 5;
+  std::string profileTrace = "profile-rank{rank}.json";
+  // Autograd's anomaly mode for every step (tensor/autograd/anomaly.h): a NaN or infinity
+  // made in backward is an AnomalyError naming the op that made it and where it was called.
+  bool anomalyMode = false;
   // The DDP wrapper's options (bucketOrder and syncAtConstruction are the loop's).
   DdpOptions ddp;
   // The elastic membership's options (under dtrun --elastic, DT_ELASTIC=1, or with forceElastic).
@@ -317,6 +327,8 @@ class Loop {
   double lossWeight_ = 1.0;  // this rank's share of the global batch x world / global batch
   std::optional<CheckpointDir> checkpoints_;
   std::unique_ptr<MetricsFile> metrics_;
+  std::unique_ptr<Profiler> profiler_;
+  void profile();  // starts or ends LoopOptions' profile window at a step boundary
 
   int64_t step_ = 0;
   int64_t startStep_ = 0;

@@ -200,5 +200,28 @@ TEST_F(TrainLoop, MisuseReadsAsAnErrorAtTheCall) {
   }
 }
 
+TEST_F(TrainLoop, AProfileWindowAndAnomalyModeAreOptions) {
+  const std::string data = data_->path().string();
+  {
+    TempDir out, traces;
+    const auto r = runProcess(dtrun(2, {}, kLoopWorker, {data, out.path().string(), "8", "--profile", traces.path().string()}), 120s);
+    ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr("profile of steps 3-4 written to"));
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::string trace = folderSnapshot(traces.path())[str("trace-", rank, ".json")];
+      EXPECT_THAT(trace, HasSubstr("\"allreduce\"")) << "rank " << rank;
+      EXPECT_THAT(trace, HasSubstr("LinearBackward")) << "rank " << rank;
+    }
+  }
+  {
+    // An infinity made in step 4's backward: named with the op that made it, and the job ends.
+    TempDir out;
+    const auto r = runProcess(dtrun(2, {}, kLoopWorker, {data, out.path().string(), "8", "--anomaly", "--nan-at", "4"}), 120s);
+    EXPECT_NE(r.exitCode, 0);
+    EXPECT_FALSE(r.timedOut);
+    EXPECT_THAT(r.err, HasSubstr("SqrtBackward")) << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace dt::testing

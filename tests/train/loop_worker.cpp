@@ -3,7 +3,8 @@
 // weights, both updated once per committed step), and switches that misuse the library.
 //
 //   loop_worker DATA CHECKPOINT_DIR STEPS [--micro-batches K] [--clip C] [--pause-ms MS]
-//               [--throw-at STEP | --no-backward | --other-optimizer]
+//               [--throw-at STEP | --no-backward | --other-optimizer] [--profile DIR]
+//               [--anomaly] [--nan-at STEP]
 //
 // Prints, on every rank: "loop_worker: rank R/W steps N counter C ema E ema_sum X params P
 // stopped S" (E, P: fingerprints).
@@ -29,7 +30,9 @@ int main(int argc, char** argv) try {
   int microBatches = 1, pauseMs = 0;
   int64_t throwAt = -1;
   double clip = 0;
-  bool noBackward = false, otherOptimizer = false;
+  bool noBackward = false, otherOptimizer = false, anomaly = false;
+  int64_t nanAt = -1;
+  std::string profileDir;
   for (int i = 4; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--micro-batches") microBatches = std::stoi(argv[++i]);
@@ -38,6 +41,9 @@ int main(int argc, char** argv) try {
     else if (flag == "--throw-at") throwAt = std::stoll(argv[++i]);
     else if (flag == "--no-backward") noBackward = true;
     else if (flag == "--other-optimizer") otherOptimizer = true;
+    else if (flag == "--profile") profileDir = argv[++i];
+    else if (flag == "--anomaly") anomaly = true;
+    else if (flag == "--nan-at") nanAt = std::stoll(argv[++i]);
     else throw std::invalid_argument("unknown switch " + flag);
   }
   auto train = dt::data::loadFashionMnist(argv[1], dt::data::Split::Train);
@@ -56,6 +62,12 @@ int main(int argc, char** argv) try {
                                  .clipGradNorm = clip, .seed = 3, .dropLast = true, .checkpointDir = argv[2],
                                  .checkpointEvery = 10, .config = {{"hidden", "32"}}, .logEvery = 10};
   options.test.stepPauseMs = pauseMs;
+  options.anomalyMode = anomaly;
+  if (!profileDir.empty()) {
+    options.profileFrom = 3;
+    options.profileSteps = 2;
+    options.profileTrace = profileDir + "/trace-{rank}.json";
+  }
   options.hooks.afterStep = [&](const dt::train::StepDone&) {
     ++counter;
     dt::NoGradGuard noGrad;
@@ -72,6 +84,8 @@ int main(int argc, char** argv) try {
   const dt::train::LoopResult r = loop.run([&](const dt::data::Batch& b) {
     if (loop.step() == throwAt) throw std::runtime_error("the user's step failed on purpose");
     dt::Tensor loss = dt::crossEntropy(loop.forward(b.inputs), b.targets);
+    // sqrt's gradient at 0 is infinite: a NaN-free forward whose backward makes an infinity.
+    if (loop.step() == nanAt) loss = dt::add(loss, dt::sum(dt::sqrt(dt::mul(loss, 0.0))));
     return dt::train::StepOutput{noBackward ? loss.detach() : loss, {{"batch_rows", static_cast<double>(b.inputs.size(0))}}};
   });
   std::printf("loop_worker: rank %d/%d steps %lld counter %lld ema %016llx ema_sum %.9g params %016llx stopped %d\n",
