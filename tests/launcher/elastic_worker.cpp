@@ -2,14 +2,15 @@
 // namespaces, SLURM): the training-like loop of tests/elastic, whose final
 // state shows a lost or repeated step.
 //
-//   elastic_worker STEPS [MS] [DIE_RANK DIE_STEP kill|stop|exit|node]
+//   elastic_worker STEPS [MS] [DIE_RANK DIE_STEP kill|stop|exit|node|nodestop]
 //
 // Every step each rank sums its share of a global batch of 12 examples
 // (positions r, r+W, ...), allreduces it ("the gradient"), allreduces a
 // commit, then applies the sum, MS ms apart. Member DIE_RANK, on reaching step
 // DIE_STEP (or its first step, when it joined later) before its commit,
 // SIGKILLs itself (kill), SIGSTOPs itself (stop: the launcher's liveness check
-// must find it), exits with code 3 (exit), or SIGKILLs its parent dtrun and
+// must find it), exits with code 3 (exit), SIGSTOPs its parent dtrun, the other workers
+// and itself (nodestop: a node silent but not dead), or SIGKILLs its parent dtrun and
 // itself (node: a node's loss; "kills its node at <ms>" first, also into the
 // file $DT_TEST_KILL_STAMP when set, and each
 // survivor prints "first commit after recovery at <ms>": wall-clock times).
@@ -24,10 +25,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <thread>
 
 #include "common/errors.h"
+#include "common/strings.h"
 #include "elastic/elastic_group.h"
 #include "tensor/tensor.h"
 #include "tests/elastic/toy_step.h"
@@ -90,6 +93,17 @@ int main(int argc, char** argv) {
             }
             ::kill(::getppid(), SIGKILL);  // this node's dtrun: its other workers die with it
             ::kill(::getpid(), SIGKILL);
+          }
+          if (how == "nodestop") {  // the whole node silent, not dead: dtrun and every worker stopped
+            std::printf("member %d: silences its node at %lld ms\n", member, static_cast<long long>(wallMs()));
+            std::fflush(stdout);
+            const pid_t dtrun = ::getppid();
+            std::ifstream children(dt::str("/proc/", dtrun, "/task/", dtrun, "/children"));
+            for (pid_t pid = 0; children >> pid;) {
+              if (pid != ::getpid()) ::kill(pid, SIGSTOP);
+            }
+            ::kill(dtrun, SIGSTOP);
+            ::kill(::getpid(), SIGSTOP);
           }
         }
         dt::Tensor commit = dt::fromVector<double>({1.0, elastic->joinersWaiting() ? 1.0 : 0.0});
