@@ -13,6 +13,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "checkpoint/exchange.h"
 #include "checkpoint/transfer.h"
 #include "common/env.h"
 #include "common/errors.h"
@@ -129,6 +130,8 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
 
 Loop::~Loop() {
   loader_.reset();
+  zero_.reset();  // it holds on to DDP
+  fsdp_.reset();
   ddp_.reset();
   if (!elastic_ && group_) group_->destroy();
 }
@@ -150,6 +153,32 @@ void Loop::setModel(std::shared_ptr<nn::Module> model) {
                               "changes"));
   }
   model_ = std::move(model);
+  if (!group_ || options_.sharding == Sharding::None) return;  // DDP: made in run(), after a joiner's transfer
+  if (options_.sharding == Sharding::Full) {
+    FullyShardOptions sharded = options_.fullyShard;
+    sharded.joining = joining_;
+    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, group_, sharded);
+    return;
+  }
+  if (elastic_) {
+    throw NotSupportedError(str(options_.program, ": ZeRO under --elastic is not supported by the loop yet (its optimizer "
+                                "would have to be rebuilt for each new group); use Sharding::Full or Sharding::None"));
+  }
+  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
+  zero_ = std::make_unique<ZeroRedundancy>(*ddp_, ZeroOptions{.stage = options_.sharding == Sharding::Zero1 ? 1 : 2});
+}
+
+std::vector<Tensor> Loop::parameters() const {
+  if (fsdp_) return fsdp_->parameters();
+  if (zero_) return zero_->parameters();
+  if (!model_) throw InvalidArgument(str(options_.program, ": parameters() before setModel()"));
+  return model_->parameters();
+}
+
+std::vector<optim::ParamGroup> Loop::paramGroups(const std::vector<optim::ParamGroup>& groups) const {
+  if (fsdp_) return fsdp_->paramGroups(groups);
+  if (zero_) return zero_->paramGroups(groups);
+  return groups;
 }
 
 void Loop::setOptimizer(optim::Optimizer& optimizer, std::function<double(int64_t)> learningRate) {
@@ -172,11 +201,14 @@ void Loop::addState(const std::string& name, Generator& perRankStream) { extraSt
 void Loop::addState(const std::string& name, int64_t& value) { extraValues_.emplace_back(name, &value); }
 
 DistributedDataParallel& Loop::ddp() {
-  if (!ddp_) throw InvalidArgument(str(options_.program, ": the wrapped model exists only inside run()"));
+  if (!ddp_) {
+    throw InvalidArgument(str(options_.program, fsdp_ ? ": the model is fully sharded, not in DDP"
+                                                      : ": the wrapped model exists only inside run()"));
+  }
   return *ddp_;
 }
 
-Tensor Loop::forward(const Tensor& input) { return ddp()(input); }
+Tensor Loop::forward(const Tensor& input) { return fsdp_ ? (*fsdp_)(input) : ddp()(input); }
 
 void Loop::checkSetUp() const {
   const std::string& p = options_.program;
@@ -193,24 +225,34 @@ void Loop::checkSetUp() const {
   // optimizer was made, or another model's optimizer, trains nothing or the wrong thing).
   std::unordered_set<const void*> theirs;
   for (const Tensor& t : optimizer_->params()) theirs.insert(t.dataPtr());
-  const auto named = model_->namedParameters();
+  std::vector<std::pair<std::string, Tensor>> named;
+  if (options_.sharding == Sharding::None) {
+    named = model_->namedParameters();
+  } else {
+    for (const Tensor& t : parameters()) named.emplace_back(str("shard ", named.size()), t);
+  }
   for (const auto& [name, t] : named) {
     if (!theirs.count(t.dataPtr())) {
       throw InvalidArgument(str(p, ": the optimizer does not update the model's parameter \"", name, "\" (",
                                 t.describe(), "); it holds ", optimizer_->params().size(), " tensor(s), the model ",
-                                named.size(), " parameter(s): make the optimizer over model->parameters()"));
+                                named.size(), " parameter(s): make the optimizer over loop.parameters()"));
     }
   }
   if (optimizer_->params().size() != named.size()) {
     throw InvalidArgument(str(p, ": the optimizer updates ", optimizer_->params().size(), " tensor(s) but the model has ",
-                              named.size(), " parameter(s): make the optimizer over model->parameters() only"));
+                              named.size(), " parameter(s): make the optimizer over loop.parameters() only"));
   }
 }
 
 TrainingState Loop::trainingState() {
   TrainingState state(group_->rank(), group_->size());
-  state.addModule("model", *model_);
-  state.addOptimizer("optim", *optimizer_, ParameterMap::replicated(*model_));
+  if (fsdp_) {
+    state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
+  } else if (zero_) {
+    state.add("model", zero_->modelState()).addOptimizer("optim", *optimizer_, zero_->parameterMap());
+  } else {
+    state.addModule("model", *model_).addOptimizer("optim", *optimizer_, ParameterMap::replicated(*model_));
+  }
   for (auto& [name, t] : extraTensors_) state.addTensor(name, t);
   for (auto& [name, g] : extraStreams_) state.addGenerator(name, *g);
   state.step = step_;
@@ -320,7 +362,11 @@ void Loop::periodicCheckpoint() {
 
 void Loop::regroup() {
   group_ = elastic_->group();
-  ddp_->rebind(group_);
+  if (fsdp_) {
+    fsdp_->rebind(group_);  // a collective: the shards cut for the new group, zero until restored
+  } else {
+    ddp_->rebind(group_);
+  }
   splitData();
   startLoader();
 }
@@ -328,6 +374,17 @@ void Loop::regroup() {
 void Loop::recover(std::exception_ptr cause) {
   loader_.reset();  // its thread prepares batches for the old split
   const elastic::Membership& m = elastic_->recover(cause, step_);
+  if (fsdp_) {
+    // The lost rank's shards exist nowhere else: every member goes back to the newest checkpoint.
+    group_ = elastic_->group();
+    fsdp_->rebind(group_);
+    reloadShards();
+    splitData();
+    startLoader();
+    say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_,
+            " (the newest checkpoint: the lost shards have no other copy) without ", join(m.lost, ", ")));
+    return;
+  }
   if (m.resumeStep > step_) {
     // The others committed this step: this rank holds its reduced gradients too (it voted
     // only after its backward), so it applies it as they did.
@@ -343,10 +400,16 @@ void Loop::recover(std::exception_ptr cause) {
 
 void Loop::admitJoiners() {
   loader_.reset();
+  std::vector<StateTensor> held;  // the shards in the old layout, which the rebind replaces
+  if (fsdp_) held = trainingState().collect();
   const elastic::Membership& m = elastic_->admit(step_);
   someoneJoined_ = someoneJoined_ || !m.joined.empty();
   regroup();
-  if (!m.joined.empty()) transferState();
+  if (fsdp_) {
+    redistributeShards(held);
+  } else if (!m.joined.empty()) {
+    transferState();
+  }
   std::vector<std::string> joined;
   for (int member : m.joined) joined.push_back(str("member ", member));
   say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_,
@@ -419,7 +482,9 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       at += n;
       lastMicroBatch_ = k + 1 == pieces;
       std::optional<DistributedDataParallel::NoSyncGuard> noSync;
-      if (!lastMicroBatch_) noSync.emplace(ddp_->noSync());
+      std::optional<FullyShardedDataParallel::NoSyncGuard> shardedNoSync;
+      if (!lastMicroBatch_ && fsdp_) shardedNoSync.emplace(fsdp_->noSync());
+      if (!lastMicroBatch_ && !fsdp_) noSync.emplace(ddp_->noSync());
       StepOutput out;
       try {
         out = fn(micro);
@@ -450,17 +515,24 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       const double weight = lossWeight_ * fraction;
       (weight == 1.0 ? out.loss : mul(out.loss, weight)).backward();  // the last one returns with averaged gradients
     }
+    if (backwardReturns_) reach(step_, Phase::Backward);
     recordSamples(step_, batch.position);
     if (hooks.onBatch) {
       hooks.onBatch(step_, elastic_ ? elastic_->membership().epoch : 0, batch.position,
                     sampler_->batchIndices(batch.position.epoch, batch.position.batch));
     }
-    if (options_.clipGradNorm > 0) gradNorm_ = nn::clipGradNorm(model_->parameters(), options_.clipGradNorm);
+    if (options_.clipGradNorm > 0) {
+      nn::ClipGradNormOptions clip;
+      if (fsdp_) clip.reducePartial = fsdp_->gradNormReducer();
+      if (zero_) clip.reducePartial = zero_->gradNormReducer();
+      gradNorm_ = nn::clipGradNorm(parameters(), options_.clipGradNorm, clip);
+    }
     if (elastic_) {
       group_->allreduce(control_)->wait();
       reach(step_, Phase::Commit);
     }
     optimizer_->step();
+    if (zero_) zero_->gatherParameters();  // on the wire while the next step begins
     lastLoss_ = stepLoss;
     if (controlWork) controlWork->wait();
     ++step_;
@@ -483,6 +555,62 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
   if (ctl[0] > 0) return false;
   log(window);
   return true;
+}
+
+void Loop::reloadShards() {
+  const std::string& p = options_.program;
+  if (!checkpoints_) {
+    throw Error(str(p, ": a lost rank's shards have no other copy and there is no checkpoint to reload them from "
+                       "(Sharding::Full under --elastic needs LoopOptions::checkpointDir)"));
+  }
+  const std::optional<CheckpointRef> ref = checkpoints_->latestAgreed(*group_);
+  if (!ref) throw Error(str(p, ": a lost rank's shards have no other copy and ", checkpoints_->path().string(), " holds no checkpoint"));
+  TrainingState state = trainingState();
+  const CheckpointManifest m = checkpoints_->load(*ref, state, group_.get());
+  step_ = state.step;
+  restoreValues(state.metadata, extraValues_, ref->manifest.string());
+  recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
+}
+
+void Loop::redistributeShards(const std::vector<StateTensor>& held) {
+  // The step and the values from rank 0 (an old member), then every rank's new rows from the
+  // ranks that hold them.
+  std::string text;
+  if (group_->rank() == 0) {
+    text = str(step_, "\n", recentLoss_);
+    for (const auto& [name, v] : extraValues_) text += str("\n", *v);
+  }
+  const auto start = Clock::now();
+  broadcastString(*group_, text, 0);
+  TrainingState state = trainingState();
+  redistributeState(held, state, *group_);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const auto lines = split(text, '\n');
+  step_ = std::stoll(lines.at(0));
+  recentLoss_ = std::strtod(lines.at(1).c_str(), nullptr);
+  for (size_t i = 0; i < extraValues_.size(); ++i) *extraValues_[i].second = std::stoll(lines.at(2 + i));
+  if (!elastic_->joinedNow()) return;
+  startStep_ = joinedAtStep_ = step_;
+  someoneJoined_ = true;
+  int64_t bytes = 0;
+  for (const auto& t : state.collect()) bytes += t.local.numel() * static_cast<int64_t>(itemSize(t.local.dtype()));
+  if (options_.hooks.onJoined) options_.hooks.onJoined({elastic_->memberId(), step_, bytes, seconds, 0.0});
+  if (!options_.quiet) {
+    std::printf("%s: member %d joined at step %lld as rank %d/%d; its shards received in %.1f ms (%.2f MB)\n",
+                options_.program.c_str(), elastic_->memberId(), static_cast<long long>(step_), group_->rank(),
+                group_->size(), seconds * 1e3, static_cast<double>(bytes) / 1e6);
+  }
+}
+
+std::vector<Tensor> Loop::wholeParameters() {
+  if (fsdp_) {
+    const auto full = fsdp_->gatherFullParameters();
+    std::vector<Tensor> out;
+    for (const Tensor& p : model_->parameters()) out.push_back(p.detach().clone());
+    return out;
+  }
+  if (zero_) zero_->synchronize();
+  return model_->parameters();
 }
 
 void Loop::profile() {
@@ -600,7 +728,11 @@ void Loop::armBackwardHook() {
   bool wanted = options_.hooks.at && options_.hooks.atBackward;
   for (const std::string& spec : options_.test.failAt) wanted |= split(spec, ':')[2] == "backward";
   if (!wanted) return;
-  const std::vector<Tensor> params = model_->parameters();
+  if (fsdp_) {  // the sharded wrapper sets its shards' gradients itself, as backward returns
+    backwardReturns_ = true;
+    return;
+  }
+  const std::vector<Tensor> params = parameters();
   auto fired = std::make_shared<size_t>(0);
   for (Tensor p : params) {
     // The last gradient of the last micro-batch's backward: DDP's own hook, registered first,
@@ -623,15 +755,24 @@ LoopResult Loop::run(StepFunction fn) {
   control_ = zeros({3}, DType::Float64);
   splitData();
   if (joining_) {
-    transferState();  // the members send it right after admitting this process
+    // The members send it right after admitting this process.
+    if (fsdp_) {
+      redistributeShards({});
+    } else {
+      transferState();
+    }
   } else {
     resumeOrStart();
     if (checkpoints_ && group_->rank() == 0) checkpoints_->removeTemporaries();  // only once the checkpoint read is good
+    // Sharded and elastic: a loss goes back to the newest checkpoint, so there is always one.
+    if (fsdp_ && elastic_ && checkpoints_ && step_ == 0) saveCheckpoint("start");
   }
-  DdpOptions ddpOptions = options_.ddp;
-  ddpOptions.bucketOrder = bucketOrder_;
-  ddpOptions.syncAtConstruction = !joining_;
-  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions);
+  if (!ddp_ && !fsdp_) {
+    DdpOptions ddpOptions = options_.ddp;
+    ddpOptions.bucketOrder = bucketOrder_;
+    ddpOptions.syncAtConstruction = !joining_;
+    ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions);
+  }
   armBackwardHook();
   if (group_->rank() == 0 && !options_.metricsFile.empty()) {
     metrics_ = std::make_unique<MetricsFile>(options_.metricsFile, startStep_, options_.program);
@@ -666,7 +807,7 @@ LoopResult Loop::run(StepFunction fn) {
   } else if (checkpoints_ && step_ > startStep_) {
     saveCheckpoint("final");
   }
-  const std::vector<Tensor> params = model_->parameters();
+  const std::vector<Tensor> params = wholeParameters();
   result.parameterSpread = parameterSpread(*group_, params);
   result.fingerprint = fingerprint(params);
   if (!result.stopped && evaluate_ && evaluation_.empty()) evaluation_ = evaluate_();

@@ -71,6 +71,8 @@
 #include "data/loader.h"
 #include "data/sampler.h"
 #include "ddp/ddp.h"
+#include "ddp/zero.h"
+#include "fsdp/fully_shard.h"
 #include "elastic/elastic_group.h"
 #include "process_group/process_group.h"
 #include "tensor/nn/module.h"
@@ -96,8 +98,9 @@ using EvalFunction = std::function<std::vector<std::pair<std::string, double>>()
 enum class Phase {
   Begin,       // the step begins (before its batch is taken)
   Forward,     // the step function returned
-  Backward,    // the last gradient arrived (DDP's last bucket is on the wire): only with
-               // LoopHooks::atBackward (a hook on every gradient costs about 2 % of a small step)
+  Backward,    // the last gradient arrived (DDP's last bucket is on the wire; Sharding::Full:
+               // backward returned): only with LoopHooks::atBackward (a hook on every
+               // gradient costs about 2 % of a small step)
   Commit,      // this rank voted to commit the step
   Checkpoint,  // a checkpoint is about to be written at this step
 };
@@ -174,6 +177,14 @@ struct TestSwitches {
   static TestSwitches fromEnvironment(TestSwitches given);
 };
 
+// How the model is spread over the ranks (docs/sharded.md).
+enum class Sharding {
+  None,   // DDP: every rank holds everything
+  Zero1,  // DDP + ZeRO-1: the optimizer state split (not under --elastic yet)
+  Zero2,  // DDP + ZeRO-2: and the gradients (not under --elastic yet)
+  Full,   // the fully sharded wrapper: parameters, gradients and optimizer state split
+};
+
 struct LoopOptions {
   std::string program = "train";  // prefixes every line and message
   int64_t steps = 0;              // the job's length, required
@@ -211,6 +222,11 @@ struct LoopOptions {
   bool anomalyMode = false;
   // The DDP wrapper's options (bucketOrder and syncAtConstruction are the loop's).
   DdpOptions ddp;
+  // Sharding::Full: the wrapper's options (its units, prefetch, mixed precision; `joining` is
+  // the loop's). Under --elastic a lost rank's shards have no other copy: the others go back to
+  // the newest checkpoint (needs checkpointDir); a joiner receives the members' shards.
+  Sharding sharding = Sharding::None;
+  FullyShardOptions fullyShard;
   // The elastic membership's options (under dtrun --elastic, DT_ELASTIC=1, or with forceElastic).
   elastic::ElasticOptions elastic;
   bool forceElastic = false;
@@ -259,7 +275,12 @@ class Loop {
   int64_t restartCount() const { return restartCount_; }
   const LoopOptions& options() const { return options_; }
 
+  // Wraps at once when sharded (a collective), so that the optimizer can be made over the
+  // shards: make it over parameters() or paramGroups(...), which are the model's own
+  // parameters with Sharding::None.
   void setModel(std::shared_ptr<nn::Module> model);
+  std::vector<Tensor> parameters() const;
+  std::vector<optim::ParamGroup> paramGroups(const std::vector<optim::ParamGroup>& groups) const;
   // `learningRate(step)` is set before each step; empty: the optimizer's own.
   void setOptimizer(optim::Optimizer& optimizer, std::function<double(int64_t)> learningRate = {});
   void setData(std::shared_ptr<const data::Dataset> dataset);
@@ -270,7 +291,7 @@ class Loop {
   void addState(const std::string& name, Generator& perRankStream);
   void addState(const std::string& name, int64_t& value);
 
-  // The model as the step function calls it (DDP over the current group). Only in run().
+  // The model as the step function calls it (the wrapper over the current group). Only in run().
   Tensor forward(const Tensor& input);
   DistributedDataParallel& ddp();
   nn::Module& model() { return *model_; }
@@ -321,6 +342,14 @@ class Loop {
   std::vector<std::pair<std::string, int64_t*>> extraValues_;
 
   std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<ZeroRedundancy> zero_;
+  std::unique_ptr<FullyShardedDataParallel> fsdp_;
+  // Sharding::Full under --elastic: after a loss, the newest checkpoint at the new world size.
+  void reloadShards();
+  // Sharding::Full: a joiner gets the members' shards (redistributeState) and step.
+  void redistributeShards(const std::vector<StateTensor>& held);
+  // The parameters whole on every rank (gathered when sharded), for the final check.
+  std::vector<Tensor> wholeParameters();
   std::vector<std::string> bucketOrder_;  // from a checkpoint or the state a joiner received
   std::optional<data::DistributedSampler> sampler_;
   std::unique_ptr<data::PrefetchLoader> loader_;
@@ -341,6 +370,7 @@ class Loop {
   double gradNorm_ = 0;
   Tensor control_;              // the per-step control allreduce (see trainStep)
   bool lastMicroBatch_ = true;  // the backward now is the step's last
+  bool backwardReturns_ = false;  // Sharding::Full: Phase::Backward once backward returned
   std::chrono::steady_clock::time_point loopStart_;
   std::vector<std::pair<std::string, double>> evaluation_;
 };

@@ -200,6 +200,46 @@ TEST_F(TrainLoop, MisuseReadsAsAnErrorAtTheCall) {
   }
 }
 
+TEST_F(TrainLoop, FullyShardedUnderElasticALossGoesBackToTheCheckpointAndAJoinerGetsTheShards) {
+  TempDir out;
+  const std::string data = data_->path().string();
+  // Member 1 dies in step 15's backward (reduce-scatters in flight): the others go back to step
+  // 10's checkpoint at world 3; its replacement joins by step 30 and receives its shards.
+  const auto r = runProcess(dtrun(4, {"--elastic", "--max-restarts", "1"}, kLoopWorker,
+                                  {data, out.path().string(), "40", "--pause-ms", "20", "--sharding", "full"}),
+                            240s, {"DT_TEST_FAIL_AT=1:15:backward", "DT_TEST_WAIT_FOR_JOINER_AT=30"});
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("go on from step 10 (the newest checkpoint: the lost shards have no other copy) without"));
+  EXPECT_THAT(r.out, HasSubstr("its shards received in"));
+  const auto lines = workerLines(r.out);
+  ASSERT_EQ(lines.size(), 4u) << r.out;
+  for (const auto& [rank, line] : lines) {
+    EXPECT_EQ(line.counter, 40) << "rank " << rank;
+    EXPECT_EQ(line.params, lines.at(0).params) << "rank " << rank << ": the whole parameters differ";
+    EXPECT_EQ(line.ema, lines.at(0).ema) << "rank " << rank;
+  }
+}
+
+TEST_F(TrainLoop, ZeroTwoTrainsAndIsRefusedUnderElastic) {
+  const std::string data = data_->path().string();
+  {
+    TempDir out;
+    const auto r = runProcess(dtrun(2, {}, kLoopWorker, {data, out.path().string(), "20", "--sharding", "zero2", "--clip", "1"}), 120s);
+    ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+    const auto lines = workerLines(r.out);
+    ASSERT_EQ(lines.size(), 2u) << r.out;
+    EXPECT_EQ(lines.at(0).params, lines.at(1).params);
+    EXPECT_EQ(lines.at(0).counter, 20);
+  }
+  {
+    TempDir out;
+    const auto r = runProcess(dtrun(2, {"--elastic"}, kLoopWorker, {data, out.path().string(), "20", "--sharding", "zero2"}), 120s);
+    EXPECT_NE(r.exitCode, 0);
+    EXPECT_FALSE(r.timedOut);
+    EXPECT_THAT(r.err, HasSubstr("ZeRO under --elastic is not supported by the loop yet"));
+  }
+}
+
 TEST_F(TrainLoop, AProfileWindowAndAnomalyModeAreOptions) {
   const std::string data = data_->path().string();
   {

@@ -4,7 +4,7 @@
 //
 //   loop_worker DATA CHECKPOINT_DIR STEPS [--micro-batches K] [--clip C] [--pause-ms MS]
 //               [--throw-at STEP | --no-backward | --other-optimizer] [--profile DIR]
-//               [--anomaly] [--nan-at STEP]
+//               [--anomaly] [--nan-at STEP] [--sharding none|full|zero2]
 //
 // Prints, on every rank: "loop_worker: rank R/W steps N counter C ema E ema_sum X params P
 // stopped S" (E, P: fingerprints).
@@ -32,7 +32,7 @@ int main(int argc, char** argv) try {
   double clip = 0;
   bool noBackward = false, otherOptimizer = false, anomaly = false;
   int64_t nanAt = -1;
-  std::string profileDir;
+  std::string profileDir, sharding = "none";
   for (int i = 4; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--micro-batches") microBatches = std::stoi(argv[++i]);
@@ -44,6 +44,7 @@ int main(int argc, char** argv) try {
     else if (flag == "--profile") profileDir = argv[++i];
     else if (flag == "--anomaly") anomaly = true;
     else if (flag == "--nan-at") nanAt = std::stoll(argv[++i]);
+    else if (flag == "--sharding") sharding = argv[++i];
     else throw std::invalid_argument("unknown switch " + flag);
   }
   auto train = dt::data::loadFashionMnist(argv[1], dt::data::Split::Train);
@@ -55,13 +56,18 @@ int main(int argc, char** argv) try {
   model->pushBack(std::make_shared<dt::nn::Linear>(32, 10, true, init));
   const dt::Tensor weight = model->parameters().front();
 
-  // The user's state: updated after each committed step, so a redone step counts once.
+  // The user's state: updated after each committed step, so a redone step counts once. Sharded,
+  // the model's own weight holds this rank's rows only: the average follows the counter instead.
+  const bool sharded = sharding != "none";
   int64_t counter = 0;
-  dt::Tensor ema = weight.detach().clone();
+  dt::Tensor ema = sharded ? dt::zeros({1}) : weight.detach().clone();
   dt::train::LoopOptions options{.program = "loop_worker", .steps = steps, .globalBatch = 64, .microBatches = microBatches,
                                  .clipGradNorm = clip, .seed = 3, .dropLast = true, .checkpointDir = argv[2],
                                  .checkpointEvery = 10, .config = {{"hidden", "32"}}, .logEvery = 10};
   options.test.stepPauseMs = pauseMs;
+  options.sharding = sharding == "full"    ? dt::train::Sharding::Full
+                     : sharding == "zero2" ? dt::train::Sharding::Zero2
+                                           : dt::train::Sharding::None;
   options.anomalyMode = anomaly;
   if (!profileDir.empty()) {
     options.profileFrom = 3;
@@ -71,14 +77,15 @@ int main(int argc, char** argv) try {
   options.hooks.afterStep = [&](const dt::train::StepDone&) {
     ++counter;
     dt::NoGradGuard noGrad;
-    ema.copy_(dt::add(dt::mul(ema, 0.9), dt::mul(weight.detach(), 0.1)));
+    const dt::Tensor now = sharded ? dt::full({1}, static_cast<double>(counter)) : weight.detach();
+    ema.copy_(dt::add(dt::mul(ema, 0.9), dt::mul(now, 0.1)));
   };
   dt::train::Loop loop(options);
+  loop.setModel(model);  // sharded: wrapped now, so that the optimizer is made over the shards
   auto other = std::make_shared<dt::nn::Linear>(4, 4, true, init);
-  dt::optim::AdamW adam(otherOptimizer ? other->parameters() : model->parameters(), {.lr = 1e-3});
+  dt::optim::AdamW adam(otherOptimizer ? other->parameters() : loop.parameters(), {.lr = 1e-3});
   loop.addState("counter", counter);
   loop.addState("ema", ema);
-  loop.setModel(model);
   loop.setOptimizer(adam);
   loop.setData(train);
   const dt::train::LoopResult r = loop.run([&](const dt::data::Batch& b) {
