@@ -18,6 +18,7 @@
 #include "common/strings.h"
 #include "tests/launcher/dtrun_process.h"
 #include "tests/store/etcd_test_support.h"
+#include "tests/testing/testing.h"
 
 namespace dt::testing {
 namespace {
@@ -133,13 +134,16 @@ TEST(DtrunEtcd, ANodeSilentButNotDeadIsLostWhenItsLeaseRunsOut) {
   // workers SIGSTOPped): its watch connections stay open, so only its lease can tell, after
   // --node-timeout 3s. The other nodes declare it lost and finish without it.
   const std::vector<std::string> worker = {kElasticWorker, "300", "30", "4", "20", "nodestop"};
+  // The stopped node's dtrun forwards nothing more: its worker also writes the line to a file.
+  TempDir stamps;
+  const std::string stamp = (stamps.path() / "silenced").string();
   std::vector<std::unique_ptr<ChildProcess>> nodes;
   for (int rank = 0; rank < 3; ++rank) {
-    nodes.push_back(std::make_unique<ChildProcess>(dtrun(
-        cluster, "silent-node", {"--nnodes", "2:3", "--nproc", "2", "--elastic", "--node-rank", std::to_string(rank), "--node-timeout", "3s"},
-        worker)));
+    nodes.push_back(std::make_unique<ChildProcess>(
+        dtrun(cluster, "silent-node", {"--nnodes", "2:3", "--nproc", "2", "--elastic", "--node-rank", std::to_string(rank), "--node-timeout", "3s"},
+              worker),
+        std::vector<std::string>{"DT_TEST_KILL_STAMP=" + stamp}));
   }
-  ASSERT_TRUE(nodes[2]->waitForOutput("silences its node at", 120s)) << nodes[2]->output();
   for (int i = 0; i < 2; ++i) {
     const auto r = nodes[static_cast<size_t>(i)]->wait(180s);
     ASSERT_EQ(r.exitCode, 0) << "dtrun " << i << ":\n" << r.out << r.err;
@@ -153,7 +157,10 @@ TEST(DtrunEtcd, ANodeSilentButNotDeadIsLostWhenItsLeaseRunsOut) {
   }
   // The silence to the survivors' first commit after it (reported, not asserted: a measure).
   std::smatch stopped, resumed;
-  const std::string silent = nodes[2]->output(), survivor = nodes[0]->output();
+  std::ifstream stampFile(stamp);
+  const std::string silent((std::istreambuf_iterator<char>(stampFile)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(silent, HasSubstr("member 4: silences its node at")) << "member 4 never stopped its node";
+  const std::string survivor = nodes[0]->output();
   if (std::regex_search(silent, stopped, std::regex(R"(silences its node at (\d+) ms)")) &&
       std::regex_search(survivor, resumed, std::regex(R"(first commit after recovery at (\d+) ms)"))) {
     std::printf("node silent -> survivors' next commit: %lld ms (--node-timeout 3s)\n",

@@ -95,8 +95,16 @@ int main(int argc, char** argv) {
             ::kill(::getpid(), SIGKILL);
           }
           if (how == "nodestop") {  // the whole node silent, not dead: dtrun and every worker stopped
-            std::printf("member %d: silences its node at %lld ms\n", member, static_cast<long long>(wallMs()));
+            const long long at = wallMs();
+            std::printf("member %d: silences its node at %lld ms\n", member, at);
             std::fflush(stdout);
+            // A stopped dtrun forwards nothing more: a test waits for this file instead.
+            if (const char* stamp = std::getenv("DT_TEST_KILL_STAMP")) {
+              if (FILE* f = std::fopen(stamp, "w")) {
+                std::fprintf(f, "member %d: silences its node at %lld ms\n", member, at);
+                std::fclose(f);
+              }
+            }
             const pid_t dtrun = ::getppid();
             std::ifstream children(dt::str("/proc/", dtrun, "/task/", dtrun, "/children"));
             for (pid_t pid = 0; children >> pid;) {
