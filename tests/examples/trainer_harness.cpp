@@ -46,13 +46,18 @@ void writeFashionSlice(const std::filesystem::path& dir, int64_t train, int64_t 
   }
 }
 
-std::vector<std::string> dtrunTrainer(int nproc, const std::vector<std::string>& trainerArgs,
-                                      const std::vector<std::string>& dtrunArgs) {
+std::vector<std::string> dtrunProgram(int nproc, const std::vector<std::string>& dtrunArgs, const std::string& program,
+                                      const std::vector<std::string>& args) {
   std::vector<std::string> argv{kDtrunPath, "--standalone", "--nproc", std::to_string(nproc)};
   argv.insert(argv.end(), dtrunArgs.begin(), dtrunArgs.end());
-  argv.push_back(kTrainerPath);
-  argv.insert(argv.end(), trainerArgs.begin(), trainerArgs.end());
+  argv.push_back(program);
+  argv.insert(argv.end(), args.begin(), args.end());
   return argv;
+}
+
+std::vector<std::string> dtrunTrainer(int nproc, const std::vector<std::string>& trainerArgs,
+                                      const std::vector<std::string>& dtrunArgs) {
+  return dtrunProgram(nproc, dtrunArgs, kTrainerPath, trainerArgs);
 }
 
 std::map<int, std::string> fingerprints(const std::string& output) {

@@ -21,6 +21,9 @@ extern const std::string kFashionMnist;
 // dir as gzip'd IDX files under the usual names, so `--data dir` reads them.
 void writeFashionSlice(const std::filesystem::path& dir, int64_t train, int64_t test);
 
+// dtrun --standalone --nproc N [dtrunArgs] program [args]
+std::vector<std::string> dtrunProgram(int nproc, const std::vector<std::string>& dtrunArgs, const std::string& program,
+                                      const std::vector<std::string>& args);
 // dtrun --standalone --nproc N [dtrunArgs] trainer [trainerArgs]
 std::vector<std::string> dtrunTrainer(int nproc, const std::vector<std::string>& trainerArgs,
                                       const std::vector<std::string>& dtrunArgs = {});

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "common/strings.h"
+#include "launcher/summary.h"
 #include "tests/launcher/dtrun_process.h"
 #include "tests/testing/testing.h"
 
@@ -146,23 +147,15 @@ TEST(DtrunE2E, SignalDeathGives128PlusSignal) {
 
 // The worker SIGKILLs itself: dtrun did not send it, and the kernel's OOM kill count says
 // whether the out-of-memory killer acted meanwhile (on this machine, a test run: it did not,
-// unless the kernel does not count, or something else ran out of memory just then).
-int64_t oomKills() {  // /proc/vmstat's oom_kill, as dtrun reads it; -1 when absent
-  std::ifstream vmstat("/proc/vmstat");
-  std::string name;
-  int64_t value = 0;
-  while (vmstat >> name >> value) {
-    if (name == "oom_kill") return value;
-  }
-  return -1;
-}
+// unless the kernel does not count, or something else ran out of memory just then). The count
+// is read as dtrun reads it (launcher/summary.h).
 
 TEST(DtrunE2E, ASigkillDtrunDidNotSendSaysWhatTheOomCountShows) {
-  const int64_t oomBefore = oomKills();
+  const int64_t oomBefore = launcher::oomKillCount();
   const auto r = runProcess(dtrun({"--standalone", "--nproc", "2", kWorker, "raise", "9", "0"}), 60s);
   EXPECT_EQ(r.exitCode, 128 + SIGKILL) << r.err;
   EXPECT_THAT(r.err, HasSubstr("signal SIGKILL (not sent by dtrun"));
-  if (oomBefore >= 0 && oomKills() == oomBefore) {
+  if (oomBefore >= 0 && launcher::oomKillCount() == oomBefore) {
     EXPECT_THAT(r.err, HasSubstr("another process sent it")) << r.err;
   }
 }

@@ -39,6 +39,19 @@ namespace {
 int64_t wallMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
+
+// The line on stdout and, when DT_TEST_KILL_STAMP names a file, in it too: a node's dtrun that is
+// killed or stopped next often forwards nothing more, so a bench or test reads the file.
+void announce(const std::string& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+  if (const char* stamp = std::getenv("DT_TEST_KILL_STAMP")) {
+    if (FILE* f = std::fopen(stamp, "w")) {
+      std::fprintf(f, "%s\n", line.c_str());
+      std::fclose(f);
+    }
+  }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,30 +94,12 @@ int main(int argc, char** argv) {
           if (how == "stop") ::kill(::getpid(), SIGSTOP);
           if (how == "exit") std::_Exit(3);
           if (how == "node") {
-            const long long at = wallMs();
-            std::printf("member %d: kills its node at %lld ms\n", member, at);
-            std::fflush(stdout);
-            // dtrun dies before it forwards that line, often: a bench names a file that outlives it.
-            if (const char* stamp = std::getenv("DT_TEST_KILL_STAMP")) {
-              if (FILE* f = std::fopen(stamp, "w")) {
-                std::fprintf(f, "member %d: kills its node at %lld ms\n", member, at);
-                std::fclose(f);
-              }
-            }
+            announce(dt::str("member ", member, ": kills its node at ", wallMs(), " ms"));
             ::kill(::getppid(), SIGKILL);  // this node's dtrun: its other workers die with it
             ::kill(::getpid(), SIGKILL);
           }
           if (how == "nodestop") {  // the whole node silent, not dead: dtrun and every worker stopped
-            const long long at = wallMs();
-            std::printf("member %d: silences its node at %lld ms\n", member, at);
-            std::fflush(stdout);
-            // A stopped dtrun forwards nothing more: a test waits for this file instead.
-            if (const char* stamp = std::getenv("DT_TEST_KILL_STAMP")) {
-              if (FILE* f = std::fopen(stamp, "w")) {
-                std::fprintf(f, "member %d: silences its node at %lld ms\n", member, at);
-                std::fclose(f);
-              }
-            }
+            announce(dt::str("member ", member, ": silences its node at ", wallMs(), " ms"));
             const pid_t dtrun = ::getppid();
             std::ifstream children(dt::str("/proc/", dtrun, "/task/", dtrun, "/children"));
             for (pid_t pid = 0; children >> pid;) {

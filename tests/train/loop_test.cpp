@@ -25,15 +25,6 @@ namespace fs = std::filesystem;
 const std::string kMinimalTrainer = MINIMAL_TRAINER_PATH;
 const std::string kLoopWorker = LOOP_WORKER_PATH;
 
-std::vector<std::string> dtrun(int nproc, const std::vector<std::string>& dtrunArgs, const std::string& program,
-                               const std::vector<std::string>& args) {
-  std::vector<std::string> argv{kDtrunPath, "--standalone", "--nproc", std::to_string(nproc)};
-  argv.insert(argv.end(), dtrunArgs.begin(), dtrunArgs.end());
-  argv.push_back(program);
-  argv.insert(argv.end(), args.begin(), args.end());
-  return argv;
-}
-
 // The minimal trainer's last line per rank: rank -> {fingerprint, test accuracy}.
 std::map<int, std::pair<std::string, double>> minimalResults(const std::string& out) {
   static const std::regex line(R"(minimal_trainer: rank (\d+)/\d+ done after \d+ steps; fingerprint ([0-9a-f]{16}); test accuracy ([0-9.]+))");
@@ -75,13 +66,13 @@ TempDir* TrainLoop::data_ = nullptr;
 
 TEST_F(TrainLoop, TheDocsMinimalTrainerSurvivesAKillAndAReplacement) {
   TempDir reference, out;
-  const auto undisturbed = runProcess(dtrun(4, {"--elastic"}, kMinimalTrainer, {data_->path().string(), reference.path() / "ck", "100"}), 180s);
+  const auto undisturbed = runProcess(dtrunProgram(4, {"--elastic"}, kMinimalTrainer, {data_->path().string(), reference.path() / "ck", "100"}), 180s);
   ASSERT_EQ(undisturbed.exitCode, 0) << undisturbed.out << undisturbed.err;
   const auto expected = minimalResults(undisturbed.out);
   ASSERT_EQ(expected.size(), 4u) << undisturbed.out;
 
   // Member 2 dies in step 30's backward with buckets in flight; its replacement joins by step 60.
-  const auto r = runProcess(dtrun(4, {"--elastic", "--max-restarts", "1"}, kMinimalTrainer, {data_->path().string(), out.path() / "ck", "100"}),
+  const auto r = runProcess(dtrunProgram(4, {"--elastic", "--max-restarts", "1"}, kMinimalTrainer, {data_->path().string(), out.path() / "ck", "100"}),
                             180s, {"DT_TEST_FAIL_AT=2:30:backward", "DT_TEST_STEP_PAUSE_MS=20", "DT_TEST_WAIT_FOR_JOINER_AT=60",
                                    str("DT_TEST_RECORD_SAMPLES=", (out.path() / "samples").string())});
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
@@ -104,13 +95,13 @@ TEST_F(TrainLoop, TheDocsMinimalTrainerSurvivesAKillAndAReplacement) {
 TEST_F(TrainLoop, UserStateSurvivesAKillAJoinAndAResumeAtAnotherWorldSize) {
   TempDir reference, out;
   const std::string data = data_->path().string();
-  const auto undisturbed = runProcess(dtrun(4, {}, kLoopWorker, {data, reference.path().string(), "60"}), 180s);
+  const auto undisturbed = runProcess(dtrunProgram(4, {}, kLoopWorker, {data, reference.path().string(), "60"}), 180s);
   ASSERT_EQ(undisturbed.exitCode, 0) << undisturbed.out << undisturbed.err;
   const WorkerLine expected = workerLines(undisturbed.out).at(0);
   EXPECT_EQ(expected.counter, 60);
 
   // 40 steps at 4 ranks; member 1 dies in step 12 and its replacement joins by step 30.
-  const auto killed = runProcess(dtrun(4, {"--elastic", "--max-restarts", "1"}, kLoopWorker, {data, out.path().string(), "40", "--pause-ms", "30"}),
+  const auto killed = runProcess(dtrunProgram(4, {"--elastic", "--max-restarts", "1"}, kLoopWorker, {data, out.path().string(), "40", "--pause-ms", "30"}),
                                  180s, {"DT_TEST_FAIL_AT=1:12:forward", "DT_TEST_WAIT_FOR_JOINER_AT=30"});
   ASSERT_EQ(killed.exitCode, 0) << killed.out << killed.err;
   EXPECT_EQ(countOccurrences(killed.out, "joined at step"), 1) << killed.out;
@@ -122,7 +113,7 @@ TEST_F(TrainLoop, UserStateSurvivesAKillAJoinAndAResumeAtAnotherWorldSize) {
   }
 
   // The same folder at 2 ranks: the counter and the average continue from step 40's checkpoint.
-  const auto resumed = runProcess(dtrun(2, {}, kLoopWorker, {data, out.path().string(), "60"}), 180s);
+  const auto resumed = runProcess(dtrunProgram(2, {}, kLoopWorker, {data, out.path().string(), "60"}), 180s);
   ASSERT_EQ(resumed.exitCode, 0) << resumed.out << resumed.err;
   EXPECT_THAT(resumed.out, HasSubstr("resumed from"));
   EXPECT_THAT(resumed.out, HasSubstr("(step 40, "));
@@ -145,14 +136,14 @@ TEST_F(TrainLoop, SigtermAtARandomStepThenResumeIsBitwise) {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
-  const auto uninterrupted = runProcess(dtrun(2, {}, kLoopWorker, args(reference)), 180s);
+  const auto uninterrupted = runProcess(dtrunProgram(2, {}, kLoopWorker, args(reference)), 180s);
   ASSERT_EQ(uninterrupted.exitCode, 0) << uninterrupted.out << uninterrupted.err;
   const WorkerLine expected = workerLines(uninterrupted.out).at(0);
 
   std::mt19937 random(std::random_device{}());
   const auto delay = std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(random));
   {
-    ChildProcess job(dtrun(2, {}, kLoopWorker, args(out)));
+    ChildProcess job(dtrunProgram(2, {}, kLoopWorker, args(out)));
     ASSERT_TRUE(job.waitForOutput("step 10/60", 120s)) << job.output();
     std::this_thread::sleep_for(delay);  // a random step after the 10th
     job.signal(SIGTERM);
@@ -166,7 +157,7 @@ TEST_F(TrainLoop, SigtermAtARandomStepThenResumeIsBitwise) {
     EXPECT_TRUE(lines.at(0).stopped && lines.at(1).stopped);
     EXPECT_EQ(lines.at(0).params, lines.at(1).params);
   }
-  const auto resumed = runProcess(dtrun(2, {}, kLoopWorker, args(out)), 180s);
+  const auto resumed = runProcess(dtrunProgram(2, {}, kLoopWorker, args(out)), 180s);
   ASSERT_EQ(resumed.exitCode, 0) << resumed.out << resumed.err;
   EXPECT_THAT(resumed.out, HasSubstr("resumed from"));
   const auto lines = workerLines(resumed.out);
@@ -180,20 +171,20 @@ TEST_F(TrainLoop, MisuseReadsAsAnErrorAtTheCall) {
   const std::string data = data_->path().string();
   {
     TempDir out;
-    const auto r = runProcess(dtrun(1, {}, kLoopWorker, {data, out.path().string(), "5", "--other-optimizer"}), 60s);
+    const auto r = runProcess(dtrunProgram(1, {}, kLoopWorker, {data, out.path().string(), "5", "--other-optimizer"}), 60s);
     EXPECT_NE(r.exitCode, 0);
     EXPECT_THAT(r.err, HasSubstr("the optimizer does not update the model's parameter \"0.weight\" (float32[32, 784]"));
   }
   {
     TempDir out;
-    const auto r = runProcess(dtrun(1, {}, kLoopWorker, {data, out.path().string(), "5", "--no-backward"}), 60s);
+    const auto r = runProcess(dtrunProgram(1, {}, kLoopWorker, {data, out.path().string(), "5", "--no-backward"}), 60s);
     EXPECT_NE(r.exitCode, 0);
     EXPECT_THAT(r.err, HasSubstr("the loss the step function returned at step 0 does not require a gradient"));
   }
   {
     // A non-dt exception in one rank's step: named with its rank and step; the job ends, no hang.
     TempDir out;
-    const auto r = runProcess(dtrun(2, {}, kLoopWorker, {data, out.path().string(), "20", "--throw-at", "5"}), 120s);
+    const auto r = runProcess(dtrunProgram(2, {}, kLoopWorker, {data, out.path().string(), "20", "--throw-at", "5"}), 120s);
     EXPECT_NE(r.exitCode, 0);
     EXPECT_FALSE(r.timedOut);
     EXPECT_THAT(r.err, HasSubstr("): the step function threw at step 5: the user's step failed on purpose"));
@@ -205,7 +196,7 @@ TEST_F(TrainLoop, FullyShardedUnderElasticALossGoesBackToTheCheckpointAndAJoiner
   const std::string data = data_->path().string();
   // Member 1 dies in step 15's backward (reduce-scatters in flight): the others go back to step
   // 10's checkpoint at world 3; its replacement joins by step 30 and receives its shards.
-  const auto r = runProcess(dtrun(4, {"--elastic", "--max-restarts", "1"}, kLoopWorker,
+  const auto r = runProcess(dtrunProgram(4, {"--elastic", "--max-restarts", "1"}, kLoopWorker,
                                   {data, out.path().string(), "40", "--pause-ms", "20", "--sharding", "full"}),
                             240s, {"DT_TEST_FAIL_AT=1:15:backward", "DT_TEST_WAIT_FOR_JOINER_AT=30"});
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
@@ -224,7 +215,7 @@ TEST_F(TrainLoop, ZeroTwoTrainsAndIsRefusedUnderElastic) {
   const std::string data = data_->path().string();
   {
     TempDir out;
-    const auto r = runProcess(dtrun(2, {}, kLoopWorker, {data, out.path().string(), "20", "--sharding", "zero2", "--clip", "1"}), 120s);
+    const auto r = runProcess(dtrunProgram(2, {}, kLoopWorker, {data, out.path().string(), "20", "--sharding", "zero2", "--clip", "1"}), 120s);
     ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
     const auto lines = workerLines(r.out);
     ASSERT_EQ(lines.size(), 2u) << r.out;
@@ -233,7 +224,7 @@ TEST_F(TrainLoop, ZeroTwoTrainsAndIsRefusedUnderElastic) {
   }
   {
     TempDir out;
-    const auto r = runProcess(dtrun(2, {"--elastic"}, kLoopWorker, {data, out.path().string(), "20", "--sharding", "zero2"}), 120s);
+    const auto r = runProcess(dtrunProgram(2, {"--elastic"}, kLoopWorker, {data, out.path().string(), "20", "--sharding", "zero2"}), 120s);
     EXPECT_NE(r.exitCode, 0);
     EXPECT_FALSE(r.timedOut);
     EXPECT_THAT(r.err, HasSubstr("ZeRO under --elastic is not supported by the loop yet"));
@@ -244,7 +235,7 @@ TEST_F(TrainLoop, AProfileWindowAndAnomalyModeAreOptions) {
   const std::string data = data_->path().string();
   {
     TempDir out, traces;
-    const auto r = runProcess(dtrun(2, {}, kLoopWorker, {data, out.path().string(), "8", "--profile", traces.path().string()}), 120s);
+    const auto r = runProcess(dtrunProgram(2, {}, kLoopWorker, {data, out.path().string(), "8", "--profile", traces.path().string()}), 120s);
     ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
     EXPECT_THAT(r.out, HasSubstr("profile of steps 3-4 written to"));
     for (int rank = 0; rank < 2; ++rank) {
@@ -256,7 +247,7 @@ TEST_F(TrainLoop, AProfileWindowAndAnomalyModeAreOptions) {
   {
     // An infinity made in step 4's backward: named with the op that made it, and the job ends.
     TempDir out;
-    const auto r = runProcess(dtrun(2, {}, kLoopWorker, {data, out.path().string(), "8", "--anomaly", "--nan-at", "4"}), 120s);
+    const auto r = runProcess(dtrunProgram(2, {}, kLoopWorker, {data, out.path().string(), "8", "--anomaly", "--nan-at", "4"}), 120s);
     EXPECT_NE(r.exitCode, 0);
     EXPECT_FALSE(r.timedOut);
     EXPECT_THAT(r.err, HasSubstr("SqrtBackward")) << r.err;
