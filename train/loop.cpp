@@ -765,7 +765,12 @@ LoopResult Loop::run(StepFunction fn) {
     resumeOrStart();
     if (checkpoints_ && group_->rank() == 0) checkpoints_->removeTemporaries();  // only once the checkpoint read is good
     // Sharded and elastic: a loss goes back to the newest checkpoint, so there is always one.
-    if (fsdp_ && elastic_ && checkpoints_ && step_ == 0) saveCheckpoint("start");
+    // The barrier: rank 0 may still be removing temporaries, which the others' first writes
+    // would be (later checkpoints follow a step's collectives).
+    if (fsdp_ && elastic_ && checkpoints_ && step_ == 0) {
+      group_->barrier()->wait();
+      saveCheckpoint("start");
+    }
   }
   if (!ddp_ && !fsdp_) {
     DdpOptions ddpOptions = options_.ddp;
