@@ -153,37 +153,92 @@ void Loop::setModel(std::shared_ptr<nn::Module> model) {
                               "changes"));
   }
   model_ = std::move(model);
-  if (!group_ || options_.sharding == Sharding::None) return;  // DDP: made in run(), after a joiner's transfer
-  if (options_.sharding == Sharding::Full) {
-    FullyShardOptions sharded = options_.fullyShard;
-    sharded.joining = joining_;
-    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, group_, sharded);
-    return;
+  if (!group_ || options_.sharding != Sharding::Full) return;  // DDP and ZeRO: made in run()
+  FullyShardOptions sharded = options_.fullyShard;
+  sharded.joining = joining_;
+  fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, group_, sharded);
+}
+
+void Loop::requireParts() const {
+  if (!model_) throw InvalidArgument(str(options_.program, ": parameters() before setModel()"));
+  if (zeroSharded() && !zero_) {
+    throw InvalidArgument(str(options_.program, ": ZeRO's parts of the parameters exist once run() has wrapped the model: "
+                              "make the optimizer in setOptimizer's factory, which run() calls then"));
   }
-  if (elastic_) {
-    throw NotSupportedError(str(options_.program, ": ZeRO under --elastic is not supported by the loop yet (its optimizer "
-                                "would have to be rebuilt for each new group); use Sharding::Full or Sharding::None"));
-  }
-  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
-  zero_ = std::make_unique<ZeroRedundancy>(*ddp_, ZeroOptions{.stage = options_.sharding == Sharding::Zero1 ? 1 : 2});
 }
 
 std::vector<Tensor> Loop::parameters() const {
+  requireParts();
   if (fsdp_) return fsdp_->parameters();
   if (zero_) return zero_->parameters();
-  if (!model_) throw InvalidArgument(str(options_.program, ": parameters() before setModel()"));
   return model_->parameters();
 }
 
 std::vector<optim::ParamGroup> Loop::paramGroups(const std::vector<optim::ParamGroup>& groups) const {
+  requireParts();
   if (fsdp_) return fsdp_->paramGroups(groups);
   if (zero_) return zero_->paramGroups(groups);
   return groups;
 }
 
 void Loop::setOptimizer(optim::Optimizer& optimizer, std::function<double(int64_t)> learningRate) {
+  if (zeroSharded()) {
+    throw InvalidArgument(str(options_.program, ": with ZeRO the optimizer is made over ZeRO's parts, which run() creates "
+                              "once it knows DDP's bucket layout: use setOptimizer([](dt::train::Loop& l) { return "
+                              "std::make_unique<...>(l.parameters(), ...); })"));
+  }
   optimizer_ = &optimizer;
+  makeOptimizer_ = nullptr;
   learningRate_ = std::move(learningRate);
+}
+
+void Loop::setOptimizer(OptimizerFactory make, std::function<double(int64_t)> learningRate) {
+  if (!make) throw InvalidArgument(str(options_.program, ": setOptimizer: the optimizer factory is empty"));
+  makeOptimizer_ = std::move(make);
+  optimizer_ = nullptr;
+  learningRate_ = std::move(learningRate);
+}
+
+optim::Optimizer& Loop::optimizer() {
+  if (optimizer_ == nullptr) {
+    throw InvalidArgument(str(options_.program, makeOptimizer_ ? ": the factory's optimizer exists only inside run()"
+                                                               : ": no optimizer: call setOptimizer()"));
+  }
+  return *optimizer_;
+}
+
+void Loop::makeOptimizer() {
+  ownedOptimizer_.reset();  // its state lives on the parts of the old group
+  ownedOptimizer_ = makeOptimizer_(*this);
+  if (!ownedOptimizer_) throw InvalidArgument(str(options_.program, ": setOptimizer's factory returned no optimizer"));
+  optimizer_ = ownedOptimizer_.get();
+  checkOptimizer();
+}
+
+void Loop::wrapReplicated(bool synchronize) {
+  zero_.reset();  // it holds on to DDP
+  DdpOptions ddpOptions = options_.ddp;
+  ddpOptions.bucketOrder = bucketOrder_;
+  ddpOptions.syncAtConstruction = synchronize;
+  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions);
+}
+
+void Loop::shardOptimizerState() {
+  zero_.reset();
+  zero_ = std::make_unique<ZeroRedundancy>(*ddp_, ZeroOptions{.stage = options_.sharding == Sharding::Zero1 ? 1 : 2});
+  makeOptimizer();
+}
+
+void Loop::settleBuckets(const StepFunction& fn) {
+  const bool wasTraining = model_->isTraining();
+  model_->eval();  // no dropout draws: the random streams stay where a resumed run finds them
+  const data::SamplerPosition first = sampler_->positionAfter(0);
+  const std::vector<int64_t> ids = sampler_->batchIndices(first.epoch, first.batch);
+  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(ids.size()) / options_.microBatches);
+  const data::Batch batch = dataset_->get(std::span<const int64_t>(ids.data(), static_cast<size_t>(rows)));
+  fn(batch).loss.backward();
+  model_->zeroGrad();
+  model_->train(wasTraining);
 }
 
 void Loop::setData(std::shared_ptr<const data::Dataset> dataset) {
@@ -213,7 +268,7 @@ Tensor Loop::forward(const Tensor& input) { return fsdp_ ? (*fsdp_)(input) : ddp
 void Loop::checkSetUp() const {
   const std::string& p = options_.program;
   if (!model_) throw InvalidArgument(str(p, ": run() before setModel()"));
-  if (optimizer_ == nullptr) throw InvalidArgument(str(p, ": run() before setOptimizer()"));
+  if (optimizer_ == nullptr && !makeOptimizer_) throw InvalidArgument(str(p, ": run() before setOptimizer()"));
   if (!dataset_) throw InvalidArgument(str(p, ": run() before setData()"));
   const int world = group_->size();
   if (!elastic_ && options_.globalBatch % world != 0) {
@@ -221,6 +276,10 @@ void Loop::checkSetUp() const {
                               " (each rank takes global batch / world); use a multiple of ", world, ", e.g. ",
                               std::max<int64_t>(world, options_.globalBatch / world * world)));
   }
+}
+
+void Loop::checkOptimizer() const {
+  const std::string& p = options_.program;
   // The optimizer must update exactly the model's parameters (a model rebuilt after the
   // optimizer was made, or another model's optimizer, trains nothing or the wrong thing).
   std::unordered_set<const void*> theirs;
@@ -299,26 +358,31 @@ void Loop::startLoader() {
   loader_->start(sampler_->positionAfter(std::min(step_, options_.steps)));
 }
 
-void Loop::resumeOrStart() {
-  if (!checkpoints_) return;
+std::optional<CheckpointRef> Loop::findCheckpoint() {
+  if (!checkpoints_) return std::nullopt;
   const std::string& p = options_.program;
   if (!options_.resume && restartCount_ == 0) {
     clearCheckpoints(*group_, *checkpoints_, p, options_.quiet);
-    return;
+    return std::nullopt;
   }
   const std::optional<CheckpointRef> ref = checkpoints_->latestAgreed(*group_);
   if (!ref) {
     if (restartCount_ > 0) say(str(p, ": restart ", restartCount_, " found no checkpoint in ", checkpoints_->path().string(), "; starting from step 0"));
-    return;
+    return std::nullopt;
   }
-  checkpoints_->readManifest(*ref).requireSame(options_.config, "config.",
-                                               "Resume with the same settings, or start afresh in another checkpoint folder");
+  const CheckpointManifest manifest = checkpoints_->readManifest(*ref);
+  manifest.requireSame(options_.config, "config.", "Resume with the same settings, or start afresh in another checkpoint folder");
+  if (manifest.has("ddp.bucket_order")) bucketOrder_ = split(manifest.text("ddp.bucket_order"), ',');
+  return ref;
+}
+
+void Loop::resume(const CheckpointRef& ref) {
+  const std::string& p = options_.program;
   TrainingState state = trainingState();
-  const CheckpointManifest m = checkpoints_->load(*ref, state, group_.get());
+  const CheckpointManifest m = checkpoints_->load(ref, state, group_.get());
   for (const std::string& note : state.notes()) say(str(p, ": note: ", note));
   step_ = startStep_ = state.step;
-  restoreValues(state.metadata, extraValues_, ref->manifest.string());
-  if (m.has("ddp.bucket_order")) bucketOrder_ = split(m.text("ddp.bucket_order"), ',');
+  restoreValues(state.metadata, extraValues_, ref.manifest.string());
   priorSeconds_ = static_cast<double>(m.integer("train_ms")) / 1000.0;
   recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
   if (m.integer("total_steps") != options_.steps) {
@@ -326,7 +390,7 @@ void Loop::resumeOrStart() {
             learningRate_ ? "; the learning-rate schedule follows the new one" : ""));
   }
   const auto pos = sampler_->positionAfter(startStep_);
-  say(str(p, ": resumed from ", ref->manifest.string(), " (step ", startStep_, ", epoch ", pos.epoch + 1, " batch ", pos.batch,
+  say(str(p, ": resumed from ", ref.manifest.string(), " (step ", startStep_, ", epoch ", pos.epoch + 1, " batch ", pos.batch,
           ", written by ", m.worldSize, " rank(s), ", m.text("reason"), ")",
           restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
 }
@@ -366,6 +430,7 @@ void Loop::regroup() {
     fsdp_->rebind(group_);  // a collective: the shards cut for the new group, zero until restored
   } else {
     ddp_->rebind(group_);
+    if (zero_) shardOptimizerState();  // the parts cut for the new group, the state empty until restored
   }
   splitData();
   startLoader();
@@ -374,12 +439,11 @@ void Loop::regroup() {
 void Loop::recover(std::exception_ptr cause) {
   loader_.reset();  // its thread prepares batches for the old split
   const elastic::Membership& m = elastic_->recover(cause, step_);
-  if (fsdp_) {
+  if (fsdp_ || zero_) {
     // The lost rank's shards exist nowhere else: every member goes back to the newest checkpoint.
-    group_ = elastic_->group();
-    fsdp_->rebind(group_);
+    regroup();
+    loader_.reset();
     reloadShards();
-    splitData();
     startLoader();
     say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_,
             " (the newest checkpoint: the lost shards have no other copy) without ", join(m.lost, ", ")));
@@ -401,11 +465,11 @@ void Loop::recover(std::exception_ptr cause) {
 void Loop::admitJoiners() {
   loader_.reset();
   std::vector<StateTensor> held;  // the shards in the old layout, which the rebind replaces
-  if (fsdp_) held = trainingState().collect();
+  if (fsdp_ || zero_) held = trainingState().collect();
   const elastic::Membership& m = elastic_->admit(step_);
   someoneJoined_ = someoneJoined_ || !m.joined.empty();
   regroup();
-  if (fsdp_) {
+  if (fsdp_ || zero_) {
     redistributeShards(held);
   } else if (!m.joined.empty()) {
     transferState();
@@ -561,7 +625,7 @@ void Loop::reloadShards() {
   const std::string& p = options_.program;
   if (!checkpoints_) {
     throw Error(str(p, ": a lost rank's shards have no other copy and there is no checkpoint to reload them from "
-                       "(Sharding::Full under --elastic needs LoopOptions::checkpointDir)"));
+                       "(a sharded model under --elastic needs LoopOptions::checkpointDir)"));
   }
   const std::optional<CheckpointRef> ref = checkpoints_->latestAgreed(*group_);
   if (!ref) throw Error(str(p, ": a lost rank's shards have no other copy and ", checkpoints_->path().string(), " holds no checkpoint"));
@@ -575,20 +639,26 @@ void Loop::reloadShards() {
 void Loop::redistributeShards(const std::vector<StateTensor>& held) {
   // The step and the values from rank 0 (an old member), then every rank's new rows from the
   // ranks that hold them.
+  // ZeRO: DDP's bucket layout first, so that a joiner cuts the same parts.
   std::string text;
   if (group_->rank() == 0) {
-    text = str(step_, "\n", recentLoss_);
+    text = str(step_, "\n", recentLoss_, "\n", zero_ ? join(ddp_->bucketOrder(), ",") : std::string());
     for (const auto& [name, v] : extraValues_) text += str("\n", *v);
   }
   const auto start = Clock::now();
   broadcastString(*group_, text, 0);
+  const auto lines = split(text, '\n');
+  if (zeroSharded() && !zero_) {
+    bucketOrder_ = lines.at(2).empty() ? std::vector<std::string>{} : split(lines.at(2), ',');
+    wrapReplicated(false);
+    shardOptimizerState();
+  }
   TrainingState state = trainingState();
   redistributeState(held, state, *group_);
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  const auto lines = split(text, '\n');
   step_ = std::stoll(lines.at(0));
   recentLoss_ = std::strtod(lines.at(1).c_str(), nullptr);
-  for (size_t i = 0; i < extraValues_.size(); ++i) *extraValues_[i].second = std::stoll(lines.at(2 + i));
+  for (size_t i = 0; i < extraValues_.size(); ++i) *extraValues_[i].second = std::stoll(lines.at(3 + i));
   if (!elastic_->joinedNow()) return;
   startStep_ = joinedAtStep_ = step_;
   someoneJoined_ = true;
@@ -732,7 +802,7 @@ void Loop::armBackwardHook() {
     backwardReturns_ = true;
     return;
   }
-  const std::vector<Tensor> params = parameters();
+  const std::vector<Tensor> params = model_->parameters();  // what autograd accumulates into (not ZeRO's parts)
   auto fired = std::make_shared<size_t>(0);
   for (Tensor p : params) {
     // The last gradient of the last micro-batch's backward: DDP's own hook, registered first,
@@ -754,30 +824,37 @@ LoopResult Loop::run(StepFunction fn) {
   checkSetUp();
   control_ = zeros({3}, DType::Float64);
   splitData();
+  // ZeRO's optimizer comes once ZeRO is made (below); the others' update tensors that exist now.
+  if (!makeOptimizer_) {
+    checkOptimizer();
+  } else if (!zeroSharded()) {
+    makeOptimizer();
+  }
   if (joining_) {
     // The members send it right after admitting this process.
-    if (fsdp_) {
+    if (fsdp_ || zeroSharded()) {
       redistributeShards({});
     } else {
       transferState();
     }
   } else {
-    resumeOrStart();
+    const std::optional<CheckpointRef> ref = findCheckpoint();
+    if (zeroSharded()) {
+      wrapReplicated(true);
+      if (!ref) settleBuckets(fn);
+      shardOptimizerState();
+    }
+    if (ref) resume(*ref);
     if (checkpoints_ && group_->rank() == 0) checkpoints_->removeTemporaries();  // only once the checkpoint read is good
     // Sharded and elastic: a loss goes back to the newest checkpoint, so there is always one.
     // The barrier: rank 0 may still be removing temporaries, which the others' first writes
     // would be (later checkpoints follow a step's collectives).
-    if (fsdp_ && elastic_ && checkpoints_ && step_ == 0) {
+    if ((fsdp_ || zero_) && elastic_ && checkpoints_ && step_ == 0) {
       group_->barrier()->wait();
       saveCheckpoint("start");
     }
   }
-  if (!ddp_ && !fsdp_) {
-    DdpOptions ddpOptions = options_.ddp;
-    ddpOptions.bucketOrder = bucketOrder_;
-    ddpOptions.syncAtConstruction = !joining_;
-    ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions);
-  }
+  if (!ddp_ && !fsdp_) wrapReplicated(!joining_);
   armBackwardHook();
   if (group_->rank() == 0 && !options_.metricsFile.empty()) {
     metrics_ = std::make_unique<MetricsFile>(options_.metricsFile, startStep_, options_.program);

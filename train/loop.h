@@ -93,6 +93,10 @@ struct StepOutput {
 using StepFunction = std::function<StepOutput(const data::Batch& batch)>;
 // Named values (a validation loss, an accuracy): collective, every rank calls it.
 using EvalFunction = std::function<std::vector<std::pair<std::string, double>>()>;
+class Loop;
+// Makes the optimizer over loop.parameters() or loop.paramGroups(groups), once the loop has
+// wrapped the model in run() (and again for each new group of an elastic ZeRO job).
+using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(Loop& loop)>;
 
 // Where a step is, for LoopHooks::at.
 enum class Phase {
@@ -180,8 +184,8 @@ struct TestSwitches {
 // How the model is spread over the ranks (docs/sharded.md).
 enum class Sharding {
   None,   // DDP: every rank holds everything
-  Zero1,  // DDP + ZeRO-1: the optimizer state split (not under --elastic yet)
-  Zero2,  // DDP + ZeRO-2: and the gradients (not under --elastic yet)
+  Zero1,  // DDP + ZeRO-1: the optimizer state split (setOptimizer with a factory)
+  Zero2,  // DDP + ZeRO-2: and the gradients (setOptimizer with a factory)
   Full,   // the fully sharded wrapper: parameters, gradients and optimizer state split
 };
 
@@ -275,14 +279,19 @@ class Loop {
   int64_t restartCount() const { return restartCount_; }
   const LoopOptions& options() const { return options_; }
 
-  // Wraps at once when sharded (a collective), so that the optimizer can be made over the
-  // shards: make it over parameters() or paramGroups(...), which are the model's own
-  // parameters with Sharding::None.
+  // Sharding::Full wraps at once (a collective), so that an optimizer can be made over the
+  // shards; ZeRO wraps in run(), once it knows DDP's bucket layout (from the checkpoint, or
+  // one settling iteration: the step function on the first batch in eval mode, not applied).
   void setModel(std::shared_ptr<nn::Module> model);
+  // What the optimizer updates: the model's own parameters with Sharding::None, the shards
+  // otherwise (ZeRO's only inside setOptimizer's factory).
   std::vector<Tensor> parameters() const;
   std::vector<optim::ParamGroup> paramGroups(const std::vector<optim::ParamGroup>& groups) const;
-  // `learningRate(step)` is set before each step; empty: the optimizer's own.
+  // `learningRate(step)` is set before each step; empty: the optimizer's own. The factory form
+  // works with every Sharding and is the one ZeRO needs; the reference form keeps the optimizer
+  // the caller made over parameters().
   void setOptimizer(optim::Optimizer& optimizer, std::function<double(int64_t)> learningRate = {});
+  void setOptimizer(OptimizerFactory make, std::function<double(int64_t)> learningRate = {});
   void setData(std::shared_ptr<const data::Dataset> dataset);
   void setEvaluation(EvalFunction evaluate);
   // Extra state, checkpointed and sent to joiners with the model: a tensor restored in place
@@ -294,7 +303,10 @@ class Loop {
   // The model as the step function calls it (the wrapper over the current group). Only in run().
   Tensor forward(const Tensor& input);
   DistributedDataParallel& ddp();
+  // Sharding::Full's wrapper (gatherFullParameters() to sample from the whole model), else null.
+  FullyShardedDataParallel* fullySharded() { return fsdp_.get(); }
   nn::Module& model() { return *model_; }
+  optim::Optimizer& optimizer();
   // The step the loop is at (the next to apply).
   int64_t step() const { return step_; }
 
@@ -307,7 +319,22 @@ class Loop {
   void connect();
   void splitData();
   void startLoader();
-  void resumeOrStart();
+  // The checkpoint to resume from (collective), after the config check; DDP's bucket order
+  // from its manifest. None: a fresh start (the folder cleared when LoopOptions::resume is off).
+  std::optional<CheckpointRef> findCheckpoint();
+  void resume(const CheckpointRef& ref);
+  // DDP over the current group with bucketOrder_.
+  void wrapReplicated(bool synchronize);
+  // ZeRO over DDP, then the factory's optimizer over its parts.
+  void shardOptimizerState();
+  void makeOptimizer();
+  void requireParts() const;
+  // The optimizer updates exactly the tensors parameters() returns.
+  void checkOptimizer() const;
+  bool zeroSharded() const { return options_.sharding == Sharding::Zero1 || options_.sharding == Sharding::Zero2; }
+  // One iteration that plans DDP's buckets (not applied): ZeRO's parts are placed on the final
+  // layout, so that a resumed run (which restores it) is bitwise the fresh one.
+  void settleBuckets(const StepFunction& fn);
   void saveCheckpoint(const std::string& reason);
   void periodicCheckpoint();
   // One attempt at the step: false when the job stops after it.
@@ -334,6 +361,8 @@ class Loop {
 
   std::shared_ptr<nn::Module> model_;
   optim::Optimizer* optimizer_ = nullptr;
+  OptimizerFactory makeOptimizer_;
+  std::unique_ptr<optim::Optimizer> ownedOptimizer_;
   std::function<double(int64_t)> learningRate_;
   std::shared_ptr<const data::Dataset> dataset_;
   EvalFunction evaluate_;

@@ -81,12 +81,16 @@ int main(int argc, char** argv) try {
     ema.copy_(dt::add(dt::mul(ema, 0.9), dt::mul(now, 0.1)));
   };
   dt::train::Loop loop(options);
-  loop.setModel(model);  // sharded: wrapped now, so that the optimizer is made over the shards
+  loop.setModel(model);
   auto other = std::make_shared<dt::nn::Linear>(4, 4, true, init);
-  dt::optim::AdamW adam(otherOptimizer ? other->parameters() : loop.parameters(), {.lr = 1e-3});
+  dt::optim::AdamW otherAdam(other->parameters(), {.lr = 1e-3});
   loop.addState("counter", counter);
   loop.addState("ema", ema);
-  loop.setOptimizer(adam);
+  if (otherOptimizer) {
+    loop.setOptimizer(otherAdam);
+  } else {  // over whatever the loop's wrapper hands out: the module's parameters, or its shards
+    loop.setOptimizer([](dt::train::Loop& l) { return std::make_unique<dt::optim::AdamW>(l.parameters(), dt::optim::AdamWOptions{.lr = 1e-3}); });
+  }
   loop.setData(train);
   const dt::train::LoopResult r = loop.run([&](const dt::data::Batch& b) {
     if (loop.step() == throwAt) throw std::runtime_error("the user's step failed on purpose");
