@@ -87,7 +87,8 @@ void PrefetchLoader::run() {
     std::vector<int64_t> indices;
     std::exception_ptr failure;
     try {
-      indices = sampler_.rankIndices(position.epoch);
+      // With replacement each batch is computed when it is gathered (an epoch of draws can be millions).
+      if (!sampler_.options().replacement) indices = sampler_.rankIndices(position.epoch);
     } catch (...) {
       failure = std::current_exception();
     }
@@ -100,7 +101,12 @@ void PrefetchLoader::run() {
       LoadedBatch loaded;
       loaded.position = position;
       try {
-        loaded.batch = dataset_->get(std::span<const int64_t>(indices.data() + position.batch * b, static_cast<size_t>(b)));
+        if (sampler_.options().replacement) {
+          const std::vector<int64_t> drawn = sampler_.batchIndices(position.epoch, position.batch);
+          loaded.batch = dataset_->get(drawn);
+        } else {
+          loaded.batch = dataset_->get(std::span<const int64_t>(indices.data() + position.batch * b, static_cast<size_t>(b)));
+        }
       } catch (...) {
         failure = std::current_exception();
       }

@@ -45,12 +45,25 @@ std::vector<int64_t> DistributedSampler::permutation(int64_t epoch) const {
   return order;
 }
 
+int64_t DistributedSampler::draw(int64_t step, int64_t position) const {
+  // The stream's state is just the draw's number (counter-based): no draw depends on another.
+  Generator generator;
+  generator.setState({options_.seed, static_cast<uint64_t>(step * globalBatch() + position), false, 0.0});
+  return static_cast<int64_t>(generator.nextUint64() % static_cast<uint64_t>(datasetSize_));
+}
+
 std::vector<int64_t> DistributedSampler::rankIndices(int64_t epoch) const {
   if (epoch < 0) throw InvalidArgument(str("DistributedSampler: epoch ", epoch, " must be non-negative"));
-  const std::vector<int64_t> order = permutation(epoch);
   const int64_t local = localBatchSize();
   const int64_t global = globalBatch();
   std::vector<int64_t> mine(static_cast<size_t>(batchesPerEpoch_ * local));
+  if (options_.replacement) {
+    for (int64_t b = 0; b < batchesPerEpoch_; ++b) {
+      for (int64_t j = 0; j < local; ++j) mine[static_cast<size_t>(b * local + j)] = draw(epoch * batchesPerEpoch_ + b, rank_ + j * worldSize_);
+    }
+    return mine;
+  }
+  const std::vector<int64_t> order = permutation(epoch);
   for (int64_t b = 0; b < batchesPerEpoch_; ++b) {
     for (int64_t j = 0; j < local; ++j) {
       const int64_t position = b * global + rank_ + j * worldSize_;  // interleaved; past the end wraps (padding)
@@ -63,6 +76,12 @@ std::vector<int64_t> DistributedSampler::rankIndices(int64_t epoch) const {
 std::vector<int64_t> DistributedSampler::batchIndices(int64_t epoch, int64_t batch) const {
   if (batch < 0 || batch >= batchesPerEpoch_) {
     throw InvalidArgument(str("DistributedSampler: batch ", batch, " outside [0, ", batchesPerEpoch_, ") of epoch ", epoch));
+  }
+  if (options_.replacement) {
+    if (epoch < 0) throw InvalidArgument(str("DistributedSampler: epoch ", epoch, " must be non-negative"));
+    std::vector<int64_t> mine;
+    for (int64_t j = 0; j < localBatchSize(); ++j) mine.push_back(draw(epoch * batchesPerEpoch_ + batch, rank_ + j * worldSize_));
+    return mine;
   }
   const std::vector<int64_t> all = rankIndices(epoch);
   const auto begin = all.begin() + batch * localBatchSize();

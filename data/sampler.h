@@ -16,6 +16,12 @@
 //    the epoch's first indices (repeated, as PyTorch pads), so every rank has the same number
 //    of full batches per epoch and no rank waits for another at the end of an epoch.
 //  * shuffle = false keeps the dataset order (for evaluation; padding still applies).
+//  * replacement = true draws every slot independently instead (for datasets of overlapping
+//    windows of one text, where a permutation of millions of windows buys nothing): position
+//    p of the global batch at step s = epoch x batchesPerEpoch + batch is draw s x G + p of a
+//    counter-based stream of `seed` (Generator state {seed, s G + p}), modulo the dataset size.
+//    Any world size with the same global batch draws the same examples, a position needs no
+//    history, and an epoch is a nominal ceil(N / G) steps (examples may repeat or be missed).
 //  * Pure and immutable: every method is const and thread-safe. Bad arguments throw
 //    InvalidArgument naming the value.
 #pragma once
@@ -33,6 +39,7 @@ struct DistributedSamplerOptions {
   bool shuffle = true;
   uint64_t seed = 0;      // must be the same on every rank
   bool dropLast = false;
+  bool replacement = false;  // independent draws per slot (see the contract); shuffle is then ignored
 };
 
 // Where a job stands: the next batch to train on. Independent of the world size as long as
@@ -67,7 +74,7 @@ class DistributedSampler {
   // The epoch's order of the whole dataset: a permutation of [0, datasetSize).
   std::vector<int64_t> permutation(int64_t epoch) const;
   // This rank's indices for the epoch, batch after batch (batchesPerEpoch x batchSize).
-  std::vector<int64_t> rankIndices(int64_t epoch) const;
+  std::vector<int64_t> rankIndices(int64_t epoch) const;  // replacement: the draws, computed
   // This rank's indices for one batch.
   std::vector<int64_t> batchIndices(int64_t epoch, int64_t batch) const;
 
@@ -81,6 +88,8 @@ class DistributedSampler {
   int rank_;
   DistributedSamplerOptions options_;
   int64_t batchesPerEpoch_ = 0;
+  // replacement: the example at position `position` of global batch number `step`.
+  int64_t draw(int64_t step, int64_t position) const;
 };
 
 }  // namespace dt::data

@@ -8,7 +8,6 @@
 
 #include "common/errors.h"
 #include "common/strings.h"
-#include "tensor/generator.h"
 #include "tensor/ops.h"
 
 namespace dt::data {
@@ -123,31 +122,6 @@ Batch TextWindows::get(std::span<const int64_t> indices) const {
 
 std::string TextWindows::describe() const {
   return str(name_, ": ", text_.size(), " bytes, windows of ", contextLength_, " tokens");
-}
-
-RandomWindowSampler::RandomWindowSampler(int64_t windowCount, int worldSize, int rank, RandomWindowSamplerOptions options)
-    : windowCount_(windowCount), worldSize_(worldSize), rank_(rank), options_(options) {
-  if (windowCount_ < 1) throw InvalidArgument(str("RandomWindowSampler: window count ", windowCount_, " must be positive"));
-  if (worldSize_ < 1 || rank_ < 0 || rank_ >= worldSize_) {
-    throw InvalidArgument(str("RandomWindowSampler: rank ", rank_, " outside [0, ", worldSize_, ")"));
-  }
-  if (options_.batchSize < 1) {
-    throw InvalidArgument(str("RandomWindowSampler: batch size ", options_.batchSize, " must be positive"));
-  }
-}
-
-std::vector<int64_t> RandomWindowSampler::batchIndices(int64_t step) const {
-  if (step < 0) throw InvalidArgument(str("RandomWindowSampler: step ", step, " must be non-negative"));
-  std::vector<int64_t> out;
-  out.reserve(static_cast<size_t>(options_.batchSize));
-  for (int64_t i = 0; i < options_.batchSize; ++i) {
-    const int64_t slot = rank_ + i * worldSize_;
-    // The stream's draw number step * G + slot: its state is just that counter (counter-based).
-    Generator g;
-    g.setState({options_.seed, static_cast<uint64_t>(step * globalBatch() + slot), false, 0.0});
-    out.push_back(static_cast<int64_t>(g.nextUint64() % static_cast<uint64_t>(windowCount_)));
-  }
-  return out;
 }
 
 }  // namespace dt::data

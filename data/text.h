@@ -1,10 +1,11 @@
 // Text for language models: a corpus split into train and validation text, byte-level tokens,
-// random context windows, and which windows each rank trains on at each step.
+// and context windows as a dataset (drawn at random by DistributedSampler's replacement mode:
+// data/sampler.h).
 //
 //   auto corpus = dt::data::loadFortunes(dt::data::kFortunesDir);      // Debian's `fortunes`
 //   auto train = std::make_shared<dt::data::TextWindows>(corpus.train, 128, "fortunes train");
-//   dt::data::RandomWindowSampler sampler(train->size(), world, rank, {.batchSize = 8, .seed = 0});
-//   dt::data::Batch b = train->get(sampler.batchIndices(step));        // int64 [8, 128] twice
+//   dt::data::DistributedSampler sampler(train->size(), world, rank, {.batchSize = 8, .replacement = true});
+//   dt::data::Batch b = train->get(sampler.batchIndices(0, step));     // int64 [8, 128] twice
 //
 // Contract:
 //  * Tokens are bytes (vocabulary 256): nothing to download or train, any text works, and a
@@ -20,13 +21,7 @@
 //  * TextWindows is a Dataset whose example i is the window starting at byte i: inputs are
 //    tokens [i, i + T) and targets [i + 1, i + T + 1) (the next byte of each), as int64 [B, T].
 //    size() = bytes - T windows.
-//  * RandomWindowSampler: at step s, global batch slot j (0 <= j < world x batch) is the window
-//    starting at draw number s x G + j of a counter-based random stream seeded by `seed`, modulo
-//    the window count. Rank r takes slots r, r + W, r + 2W, ... (DistributedSampler's
-//    interleaving). So a step's windows depend only on (seed, step, global batch): 1, 2 or 4
-//    ranks with the same global batch train on the same windows, and a job resumed at step s
-//    continues exactly, with nothing to save but s.
-//  * Everything is immutable after construction; get() and batchIndices() are const and
+//  * Everything is immutable after construction; get() is const and
 //    thread-safe. Bad arguments throw InvalidArgument naming the value.
 #pragma once
 
@@ -71,28 +66,6 @@ class TextWindows : public Dataset {
   std::string text_;
   int64_t contextLength_;
   std::string name_;
-};
-
-struct RandomWindowSamplerOptions {
-  int64_t batchSize = 1;  // windows per rank per step
-  uint64_t seed = 0;      // the same on every rank
-};
-
-class RandomWindowSampler {
- public:
-  RandomWindowSampler(int64_t windowCount, int worldSize, int rank, RandomWindowSamplerOptions options = {});
-  int64_t globalBatch() const { return options_.batchSize * worldSize_; }
-  int worldSize() const { return worldSize_; }
-  int rank() const { return rank_; }
-  const RandomWindowSamplerOptions& options() const { return options_; }
-  // This rank's window starts for step `step` (batchSize of them).
-  std::vector<int64_t> batchIndices(int64_t step) const;
-
- private:
-  int64_t windowCount_;
-  int worldSize_;
-  int rank_;
-  RandomWindowSamplerOptions options_;
 };
 
 }  // namespace dt::data

@@ -12,13 +12,15 @@
 //              micro-batches (noSync on all but the last), the gradients averaged by DDP, or
 //              by ZeRO-1/2 on DDP's buckets, or by the fully sharded wrapper (--sharding)
 //
-// Rank 0 prints a progress line every --log-every steps (loss, learning rate, gradient norm,
-// tokens/s, elapsed, ETA) and the validation loss every --eval-every steps; --metrics FILE
-// writes the same as one JSON object a line (scripts/plot_metrics.py draws it). At the end it
-// prints a text sample generated from --prompt. Checkpoints and resume work as the trainer's
-// (checkpoint/checkpoint_dir.h): the ranks write model, optimizer and every rank's RNG state
-// every --checkpoint-every steps, at the end and on SIGTERM/SIGUSR1/SIGINT; a restart resumes
-// from the newest one, bitwise exactly (the windows of step s depend on the seed and s alone).
+// The training loop is the library's (train/loop.h, docs/train.md): this file is the data, the
+// model, the optimizer, the validation loss and the output. Rank 0 prints a progress line every
+// --log-every steps (loss, learning rate, gradient norm, tokens/s, elapsed, ETA) and the
+// validation loss every --eval-every steps; --metrics FILE writes the same as one JSON object a
+// line (scripts/plot_metrics.py draws it). At the end it prints a text sample generated from
+// --prompt. From the loop: checkpoints of the model, the optimizer and every rank's dropout
+// stream every --checkpoint-every steps, at the end and on SIGTERM/SIGUSR1/SIGINT; a restart
+// resumes from the newest one, bitwise exactly (the windows of step s depend on the seed and s
+// alone); under `dtrun --elastic` a lost rank costs no restart and replacements join.
 // `gpt --help` lists the flags.
 #include <unistd.h>
 
@@ -28,29 +30,22 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "collectives/coalesce.h"
-#include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
 #include "data/text.h"
-#include "ddp/ddp.h"
-#include "ddp/zero.h"
-#include "fsdp/fully_shard.h"
 #include "examples/run_support.h"
-#include "process_group/init.h"
-#include "tensor/nn/clip_grad.h"
 #include "tensor/memory_stats.h"
 #include "tensor/nn/gpt.h"
 #include "tensor/optim/optim.h"
 #include "tensor/optim/schedule.h"
 #include "tensor/parallel.h"
 #include "tensor/storage.h"
+#include "train/loop.h"
 
 namespace {
 
@@ -97,7 +92,8 @@ constexpr const char* kUsage = R"(usage: gpt [flags]          (run it under dtru
 
 Data-parallel training of a GPT-style byte-level language model on Debian's fortunes, with
 validation loss, checkpoints and exact resume, pre-emption (SIGTERM/SIGUSR1/SIGINT: checkpoint
-at the next step, exit 0) and a generated sample at the end.
+at the next step, exit 0), in-place recovery under dtrun --elastic, and a generated sample at
+the end.
 
 data and model
   --data DIR              folder of fortune files (default /usr/share/games/fortunes, Debian's fortunes)
@@ -107,7 +103,7 @@ data and model
   --activation-checkpointing  recompute each block's activations in backward instead of keeping them
 training
   --steps N               optimizer steps (default 250)
-  --global-batch G        sequences per step over all ranks (default 16; a multiple of ranks x micro-batches)
+  --global-batch G        sequences per step over all ranks (default 16; a multiple of the ranks)
   --micro-batches K       gradient accumulation: each rank runs K micro-batches per step (default 1)
   --lr LR --min-lr LR     peak and final learning rate of the cosine schedule (default 0.002, 0.0002)
   --warmup N              linear warm-up steps (default 25)
@@ -221,11 +217,12 @@ std::string tokensToText(const std::vector<int64_t>& tokens) {
 }
 
 // One evaluation's loss: the first `count` windows at stride T of the validation text (the
-// same set for every world size), rank r taking windows r, r + W, ...; sums allreduced.
-double validationLoss(dt::nn::Gpt& model, const dt::data::TextWindows& val, int64_t count, dt::ProcessGroup& group) {
+// same set for every world size), rank r taking windows r, r + W, ...; sums allreduced. Through
+// the loop's wrapper, which gathers what a sharded model needs (a collective).
+double validationLoss(dt::train::Loop& loop, const dt::data::TextWindows& val, int64_t count) {
   dt::NoGradGuard noGrad;
-  const bool wasTraining = model.isTraining();
-  model.eval();
+  dt::ProcessGroup& group = loop.group();
+  loop.model().eval();
   const int64_t stride = val.contextLength();
   const int64_t available = std::min<int64_t>(count, (val.size() + stride - 1) / stride);
   std::vector<int64_t> mine;
@@ -235,396 +232,187 @@ double validationLoss(dt::nn::Gpt& model, const dt::data::TextWindows& val, int6
   for (size_t begin = 0; begin < mine.size(); begin += kBatch) {
     const size_t n = std::min(kBatch, mine.size() - begin);
     const dt::data::Batch b = val.get(std::span<const int64_t>(mine.data() + begin, n));
-    const dt::Tensor logits = model(b.inputs);
+    const dt::Tensor logits = loop.forward(b.inputs);
     const int64_t rows = logits.sizes()[0] * logits.sizes()[1];
     lossSum += dt::crossEntropy(logits.reshape({rows, logits.sizes()[2]}), b.targets.reshape({rows}),
                                 {.reduction = dt::Reduction::Sum})
                    .item<double>();
     tokens += static_cast<double>(rows);
   }
-  model.train(wasTraining);
+  loop.model().train();
   dt::Tensor sums = dt::fromVector<double>({lossSum, tokens});
   group.allreduce(sums)->wait();
   const auto s = sums.toVector<double>();
   return s[0] / s[1];
 }
 
-class GptJob {
- public:
-  GptJob(Config config, std::shared_ptr<dt::ProcessGroup> group)
-      : c_(std::move(config)), group_(std::move(group)), rank_(group_->rank()), world_(group_->size()) {}
-  int run();
-
- private:
-  void say(const std::string& line) const {
-    if (rank_ == 0 && !c_.quiet) std::printf("%s\n", line.c_str());
+double valueOf(const std::vector<std::pair<std::string, double>>& values, const std::string& name) {
+  for (const auto& [key, v] : values) {
+    if (key == name) return v;
   }
-  std::vector<std::pair<std::string, std::string>> resumeKeys() const;
-  void resumeOrStart();
-  dt::TrainingState trainingState();
-  void saveCheckpoint(int64_t step, const std::string& reason);
-  void settleBuckets(int64_t microBatch);
-  // The model wrapped as --sharding says, and its optimizer on what this rank updates.
-  void wrapModel();
-  dt::Tensor forward(const dt::Tensor& tokens);
-  double clipGradients();
-  // The whole parameters on every rank (a collective for fsdp; zero: gathered first).
-  std::vector<dt::Tensor> wholeParameters();
-
-  Config c_;
-  std::shared_ptr<dt::ProcessGroup> group_;
-  int rank_;
-  int world_;
-  int64_t restartCount_ = 0;
-  std::shared_ptr<dt::data::TextWindows> train_, val_;
-  dt::Generator initRng_, dropoutRng_;
-  std::shared_ptr<dt::nn::Gpt> model_;
-  std::shared_ptr<dt::DistributedDataParallel> ddp_;
-  std::unique_ptr<dt::ZeroRedundancy> zero_;
-  std::unique_ptr<dt::FullyShardedDataParallel> fsdp_;
-  std::unique_ptr<dt::optim::AdamW> optimizer_;
-  std::optional<dt::CheckpointDir> checkpoints_;
-  int64_t startStep_ = 0;
-  double priorSeconds_ = 0;
-  double recentLoss_ = 0;
-  double runSeconds_ = 0;
-  std::optional<double> lastValLoss_;
-};
-
-std::vector<std::pair<std::string, std::string>> GptJob::resumeKeys() const {
-  return {{"model", modelName(c_.model)},
-          {"dropout", examples::exactText(c_.model.dropout)},
-          {"lr", examples::exactText(c_.lr)},
-          {"min_lr", examples::exactText(c_.minLr)},
-          {"warmup", std::to_string(c_.warmup)},
-          {"weight_decay", examples::exactText(c_.weightDecay)},
-          {"grad_clip", examples::exactText(c_.gradClip)},
-          {"seed", std::to_string(c_.seed)},
-          {"global_batch", std::to_string(c_.globalBatch)},
-          {"micro_batches", std::to_string(c_.microBatches)},
-          {"train_bytes", std::to_string(train_->text().size())}};
+  return std::nan("");
 }
 
-dt::TrainingState GptJob::trainingState() {
-  dt::TrainingState state(rank_, world_);
-  if (fsdp_) {
-    state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
-  } else if (zero_) {
-    state.add("model", zero_->modelState()).addOptimizer("optim", *optimizer_, zero_->parameterMap());
-  } else {
-    state.addModule("model", *model_).addOptimizer("optim", *optimizer_, dt::ParameterMap::replicated(*model_));
-  }
-  state.addGenerator("rng", dropoutRng_);
-  return state;
-}
-
-void GptJob::wrapModel() {
-  const auto groups = dt::optim::decayGroups(*model_, c_.weightDecay);
-  const dt::optim::AdamWOptions adamw{.lr = c_.lr, .beta2 = 0.95};
-  if (c_.fullySharded()) {
-    dt::FullyShardOptions options;
-    for (const auto& [name, block] : model_->h->namedChildren()) options.units.push_back(block);
-    options.reshardAfterForward = c_.sharding == "fsdp";
-    fsdp_ = std::make_unique<dt::FullyShardedDataParallel>(model_, group_, options);
-    optimizer_ = std::make_unique<dt::optim::AdamW>(fsdp_->paramGroups(groups), adamw);
-    return;
-  }
-  ddp_ = std::make_shared<dt::DistributedDataParallel>(model_, group_);
-  if (c_.sharding == "ddp") {
-    optimizer_ = std::make_unique<dt::optim::AdamW>(groups, adamw);
-  } else {
-    zero_ = std::make_unique<dt::ZeroRedundancy>(*ddp_, dt::ZeroOptions{.stage = c_.sharding == "zero1" ? 1 : 2});
-    optimizer_ = std::make_unique<dt::optim::AdamW>(zero_->paramGroups(groups), adamw);
-  }
-}
-
-dt::Tensor GptJob::forward(const dt::Tensor& tokens) { return fsdp_ ? (*fsdp_)(tokens) : (*ddp_)(tokens); }
-
-double GptJob::clipGradients() {
-  const double maxNorm = c_.gradClip > 0 ? c_.gradClip : std::numeric_limits<double>::max();
-  if (fsdp_) return dt::nn::clipGradNorm(fsdp_->parameters(), maxNorm, {.reducePartial = fsdp_->gradNormReducer()});
-  if (zero_) return dt::nn::clipGradNorm(zero_->parameters(), maxNorm, {.reducePartial = zero_->gradNormReducer()});
-  return dt::nn::clipGradNorm(model_->parameters(), maxNorm);
-}
-
-std::vector<dt::Tensor> GptJob::wholeParameters() {
-  std::vector<dt::Tensor> out;
-  if (fsdp_) {
-    const auto full = fsdp_->gatherFullParameters();
-    for (const dt::Tensor& p : model_->parameters()) out.push_back(p.detach().clone());
-    return out;
-  }
-  if (zero_) zero_->synchronize();
-  return model_->parameters();
-}
-
-void GptJob::resumeOrStart() {
-  if (!checkpoints_) return;
-  if (c_.resume == "never" && restartCount_ == 0) {
-    examples::clearCheckpoints(*group_, *checkpoints_, kProgram, c_.quiet);
-    return;
-  }
-  const std::optional<dt::CheckpointRef> ref = checkpoints_->latestAgreed(*group_);
-  if (!ref) return;
-  checkpoints_->readManifest(*ref).requireSame(
-      resumeKeys(), "config.", "Resume with the same settings, or start afresh with --resume never or another --checkpoint-dir");
-  dt::TrainingState state = trainingState();
-  const dt::CheckpointManifest m = checkpoints_->load(*ref, state, group_.get());
-  if (m.worldSize != world_ && c_.model.dropout > 0) {
-    say(str("gpt: note: checkpoint written by ", m.worldSize, " ranks, resumed by ", world_,
-            ": the per-rank dropout streams restart from the seed, so this resume is not bitwise exact"));
-  }
-  startStep_ = state.step;
-  priorSeconds_ = static_cast<double>(m.integer("train_ms")) / 1000.0;
-  recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
-  say(str("gpt: resumed from ", ref->manifest.string(), " (step ", startStep_, ", written by ", m.worldSize, " rank(s), ",
-          m.text("reason"), ")", restartCount_ > 0 ? str(" after restart ", restartCount_) : ""));
-}
-
-void GptJob::saveCheckpoint(int64_t step, const std::string& reason) {
-  dt::TrainingState state = trainingState();
-  state.step = step;
-  auto& m = state.metadata;
-  m["total_steps"] = std::to_string(c_.steps);
-  m["tokens_seen"] = std::to_string(step * c_.globalBatch * c_.model.contextLength);
-  m["train_ms"] = std::to_string(static_cast<int64_t>((priorSeconds_ + runSeconds_) * 1000.0));
-  m["reason"] = reason;
-  m["train_loss"] = str(recentLoss_);
-  for (const auto& [key, value] : resumeKeys()) m["config." + key] = value;
-  const dt::CheckpointRef ref = checkpoints_->save(state, group_.get());
-  say(str("gpt: checkpoint at step ", step, " (", reason, ") written to ", ref.tensors.string()));
-}
-
-// DDP rebuilds its buckets after the first iteration (docs/ddp.md); one throwaway iteration,
-// in eval mode (no dropout draws) and with no optimizer step, makes every real step of a
-// fresh and of a resumed run use the same bucket layout, so resume stays bitwise exact (and
-// ZeRO's parts are placed on the final layout before the first step).
-void GptJob::settleBuckets(int64_t microBatch) {
-  if (!ddp_) return;  // the sharded wrapper has no buckets to settle
-  model_->eval();
-  const dt::Tensor tokens = dt::zeros({microBatch, c_.model.contextLength}, dt::DType::Int64);
-  dt::nn::Gpt::loss((*ddp_)(tokens), tokens).backward();
-  optimizer_->zeroGrad();
-  model_->train();
-}
-
-int GptJob::run() {
-  restartCount_ = dt::env::getInt("DT_RESTART_COUNT");
-  if (c_.globalBatch % (world_ * c_.microBatches) != 0) {
-    throw InvalidArgument(str("gpt: --global-batch ", c_.globalBatch, " is not divisible by ", world_, " rank(s) x ",
-                              c_.microBatches, " micro-batch(es); use a multiple of ", world_ * c_.microBatches));
-  }
-  const int64_t perRank = c_.globalBatch / world_;
-  const int64_t microBatch = perRank / c_.microBatches;
-  const int64_t T = c_.model.contextLength;
-  if (!c_.quiet) std::printf("gpt: rank %d/%d pid %d attempt %lld\n", rank_, world_, static_cast<int>(getpid()), static_cast<long long>(restartCount_ + 1));
-
-  const dt::data::TextSplit corpus = dt::data::loadFortunes(c_.data);
-  train_ = std::make_shared<dt::data::TextWindows>(corpus.train, T, "train");
-  val_ = std::make_shared<dt::data::TextWindows>(corpus.validation, T, "validation");
-  const dt::data::RandomWindowSampler sampler(train_->size(), world_, rank_, {.batchSize = perRank, .seed = c_.seed});
-
-  initRng_.manualSeed(c_.seed);
-  dropoutRng_.manualSeed(c_.seed * 0x9e3779b97f4a7c15ull + 1000 + static_cast<uint64_t>(rank_));
-  // The runtime's own memory (libraries, the corpus, the process group) before the model exists.
-  const double fixedRss = rssMib("VmRSS:");
-  model_ = std::make_shared<dt::nn::Gpt>(c_.model, initRng_, &dropoutRng_);
-  if (!c_.initOut.empty() && rank_ == 0) dt::saveSafetensors(c_.initOut, model_->stateDict());
-  wrapModel();
-  settleBuckets(microBatch);
-  if (c_.bench) {
-    // The whole model each rank built before sharding it: freed, and left out of the peak.
-    dt::emptyCpuCache();
-    resetPeakRss();
-    dt::resetPeakMemoryStats();
-  }
-  const dt::optim::WarmupCosineSchedule schedule(c_.lr, c_.warmup, c_.steps, c_.minLr);
-  if (c_.checkpoints()) checkpoints_.emplace(c_.checkpointDir, c_.keep);
-  resumeOrStart();
-  if (checkpoints_ && rank_ == 0) checkpoints_->removeTemporaries();
-  say(str("gpt: ", world_, " rank(s); ", corpus.source, ": train ", corpus.train.size(), " bytes (", corpus.trainDocuments,
-          " fortunes), validation ", corpus.validation.size(), " bytes (", corpus.validationDocuments, "); GPT ",
-          modelName(c_.model), " (", c_.model.parameterCount(), " parameters, vocabulary 256 bytes); AdamW lr ", c_.lr,
-          " warm-up ", c_.warmup, " cosine to ", c_.minLr, ", weight decay ", c_.weightDecay, ", clip ", c_.gradClip,
-          "; global batch ", c_.globalBatch, " x ", T, " tokens (", perRank, " per rank", c_.microBatches > 1 ? str(" in ", c_.microBatches, " micro-batches") : "",
-          "); ", c_.steps, " steps; ", c_.sharding == "ddp" ? std::string("DDP") : str("--sharding ", c_.sharding)));
-  std::optional<dt::train::MetricsFile> metrics;
-  if (rank_ == 0 && !c_.metrics.empty()) metrics.emplace(c_.metrics, startStep_, kProgram);
-  // A value that is not known (the loss before any step, a step without evaluation) is null.
-  auto writeMetrics = [&](int64_t at, double loss, std::optional<double> val, double lr, double norm, double rate, double elapsed) {
-    if (metrics) {
-      metrics->write(at, {{"loss", loss}, {"val_loss", val.value_or(std::nan(""))}, {"lr", lr}, {"grad_norm", norm},
-                          {"tokens_per_s", rate}, {"elapsed_s", elapsed}});
+int run(const Config& c) {
+  const dt::data::TextSplit corpus = dt::data::loadFortunes(c.data);
+  const int64_t T = c.model.contextLength;
+  auto train = std::make_shared<dt::data::TextWindows>(corpus.train, T, "train");
+  const dt::data::TextWindows val(corpus.validation, T, "validation");
+  dt::train::LoopOptions options{
+      .program = kProgram, .steps = c.steps, .globalBatch = c.globalBatch, .microBatches = static_cast<int>(c.microBatches),
+      .clipGradNorm = c.gradClip, .seed = c.seed, .replacement = true, .unit = "tokens", .unitsPerExample = T,
+      .checkpointDir = c.checkpoints() ? c.checkpointDir : "", .checkpointEvery = c.checkpointEvery, .keep = c.keep,
+      .resume = c.resume == "auto", .logEvery = c.logEvery, .quiet = c.quiet, .metricsFile = c.metrics,
+      .evalEvery = c.evalEvery, .evalAtStart = c.evalEvery > 0};
+  options.config = {{"model", modelName(c.model)},
+                    {"dropout", examples::exactText(c.model.dropout)},
+                    {"lr", examples::exactText(c.lr)},
+                    {"min_lr", examples::exactText(c.minLr)},
+                    {"warmup", std::to_string(c.warmup)},
+                    {"weight_decay", examples::exactText(c.weightDecay)},
+                    {"grad_clip", examples::exactText(c.gradClip)},
+                    {"seed", std::to_string(c.seed)},
+                    {"global_batch", std::to_string(c.globalBatch)},
+                    {"micro_batches", std::to_string(c.microBatches)},
+                    {"train_bytes", std::to_string(corpus.train.size())}};
+  options.sharding = c.sharding == "ddp"     ? dt::train::Sharding::None
+                     : c.sharding == "zero1" ? dt::train::Sharding::Zero1
+                     : c.sharding == "zero2" ? dt::train::Sharding::Zero2
+                                             : dt::train::Sharding::Full;
+  options.hooks.onLog = [&](const dt::train::Progress& p) {
+    if (c.quiet) return;
+    const double valLoss = valueOf(p.metrics, "val_loss");
+    if (p.step == 0) {
+      std::printf("gpt: step 0 validation loss %.4f\n", valLoss);
+      return;
     }
+    char v[40] = "";
+    if (!std::isnan(valLoss)) std::snprintf(v, sizeof(v), "  val loss %.4f", valLoss);
+    std::printf("step %lld/%lld  loss %.4f%s  lr %.2e  grad norm %.3f  %.0f tokens/s  elapsed %s  ETA %s\n",
+                static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, v, p.lr, p.gradNorm, p.rate,
+                examples::formatSeconds(p.elapsed).c_str(), examples::formatSeconds(p.left).c_str());
+    std::fflush(stdout);
+  };
+  // --bench: the steps after the warm-up, the peak memory of training (not of building the
+  // whole model before it was sharded), and what one forward keeps for backward.
+  int64_t benchFrom = -1;
+  std::optional<Clock::time_point> benchStart, benchEnd;
+  double activationMib = 0;
+  options.hooks.at = [&](int64_t step, dt::train::Phase phase) {
+    if (!c.bench || phase != dt::train::Phase::Begin) return;
+    if (benchFrom < 0) {
+      benchFrom = step + c.benchWarmup;
+      dt::emptyCpuCache();
+      resetPeakRss();
+      dt::resetPeakMemoryStats();
+    }
+    if (step == benchFrom) benchStart = Clock::now();
+  };
+  options.hooks.afterStep = [&](const dt::train::StepDone& done) {
+    if (done.steps == c.steps) benchEnd = Clock::now();
   };
 
-  dt::Tensor control = dt::zeros({2}, dt::DType::Float64);  // {stop requested, previous step's loss}, summed
-  const int64_t tokensPerStep = c_.globalBatch * T;
-  double lastLoss = 0, windowLoss = 0;
-  int64_t windowLosses = 0, step = startStep_;
-  int stopSignal = 0;
-  const Clock::time_point loopStart = Clock::now();
-  Clock::time_point windowStart = loopStart;
-  int64_t windowStartStep = step;
-  std::optional<Clock::time_point> benchStart;
-  const int64_t benchFrom = startStep_ + c_.benchWarmup;
-  double gradNorm = 0;
-  double activationMib = 0;  // --bench: what one forward keeps for backward (allocator bytes)
-
-  if (step == 0 && c_.evalEvery > 0) {
-    // Where the curve starts: the untrained model's validation loss (about ln 256 = 5.55).
-    lastValLoss_ = validationLoss(*model_, *val_, c_.evalWindows, *group_);
-    writeMetrics(0, std::nan(""), lastValLoss_, schedule.at(0), 0.0, 0.0, 0.0);
-    say(str("gpt: step 0 validation loss ", *lastValLoss_));
-  }
-  while (step < c_.steps) {
-    if (c_.bench && step == benchFrom) benchStart = Clock::now();
-    double* ctl = control.data<double>();
-    ctl[0] = examples::stopSignal().load() != 0 ? 1.0 : 0.0;
-    ctl[1] = lastLoss;
-    dt::WorkPtr controlWork = group_->allreduce(control);
-
-    optimizer_->setLr(schedule.at(step));
-    optimizer_->zeroGrad();
-    const std::vector<int64_t> windows = sampler.batchIndices(step);
-    double stepLoss = 0;
-    for (int64_t micro = 0; micro < c_.microBatches; ++micro) {
-      const dt::data::Batch b = train_->get(std::span<const int64_t>(windows.data() + micro * microBatch, static_cast<size_t>(microBatch)));
-      // All but the last micro-batch accumulate locally; the last one's backward reduces the sum.
-      std::optional<dt::DistributedDataParallel::NoSyncGuard> noSync;
-      std::optional<dt::FullyShardedDataParallel::NoSyncGuard> shardedNoSync;
-      if (micro + 1 < c_.microBatches) {
-        if (fsdp_) shardedNoSync.emplace(fsdp_->noSync());
-        else noSync.emplace(ddp_->noSync());
-      }
-      const size_t before = c_.bench ? dt::memoryStats().allocatedBytes : 0;
-      dt::Tensor loss = dt::nn::Gpt::loss(forward(b.inputs), b.targets);
-      if (c_.bench && step == benchFrom && micro == 0) {
-        activationMib = static_cast<double>(dt::memoryStats().allocatedBytes - before) / (1 << 20);
-      }
-      stepLoss += loss.item<float>() / static_cast<double>(c_.microBatches);
-      dt::mul(loss, 1.0 / static_cast<double>(c_.microBatches)).backward();
-    }
-    gradNorm = clipGradients();
-    optimizer_->step();
-    if (zero_) zero_->gatherParameters();  // on the wire while the next step begins
-    lastLoss = stepLoss;
-    controlWork->wait();
-    ++step;
-    runSeconds_ = std::chrono::duration<double>(Clock::now() - loopStart).count();
-    if (step > startStep_ + 1) {  // the reduced loss is the previous step's
-      windowLoss += control.data<double>()[1] / world_;
-      ++windowLosses;
-    }
-    const bool stop = control.data<double>()[0] > 0;
-    if (stop) {
-      stopSignal = examples::stopSignal().load();
-      break;
-    }
-    const bool evalNow = step == c_.steps || (c_.evalEvery > 0 && step % c_.evalEvery == 0);
-    std::optional<double> valLoss;
-    if (evalNow) {
-      valLoss = validationLoss(*model_, *val_, c_.evalWindows, *group_);
-      lastValLoss_ = valLoss;
-    }
-    if (step % c_.logEvery == 0 || step == c_.steps || evalNow) {
-      recentLoss_ = windowLosses > 0 ? windowLoss / static_cast<double>(windowLosses) : lastLoss;
-      const double now = std::chrono::duration<double>(Clock::now() - windowStart).count();
-      const double rate = static_cast<double>((step - windowStartStep) * tokensPerStep) / std::max(now, 1e-9);
-      const double perStep = runSeconds_ / static_cast<double>(step - startStep_);
-      const double lr = schedule.at(step - 1);
-      if (rank_ == 0) {
-        writeMetrics(step, recentLoss_, valLoss, lr, gradNorm, rate, priorSeconds_ + runSeconds_);
-        if (!c_.quiet) {
-          char val[40] = "";
-          if (valLoss) std::snprintf(val, sizeof(val), "  val loss %.4f", *valLoss);
-          std::printf("step %lld/%lld  loss %.4f%s  lr %.2e  grad norm %.3f  %.0f tokens/s  elapsed %s  ETA %s\n",
-                      static_cast<long long>(step), static_cast<long long>(c_.steps), recentLoss_, val, lr, gradNorm,
-                      rate, examples::formatSeconds(priorSeconds_ + runSeconds_).c_str(),
-                      examples::formatSeconds(perStep * static_cast<double>(c_.steps - step)).c_str());
-        }
-      }
-      windowLoss = 0;
-      windowLosses = 0;
-      windowStart = Clock::now();
-      windowStartStep = step;
-    }
-    if (checkpoints_ && c_.checkpointEvery > 0 && step % c_.checkpointEvery == 0 && step < c_.steps) {
-      saveCheckpoint(step, "periodic");
-    }
-  }
-  const double trainSeconds = runSeconds_;
-  const Clock::time_point loopEnd = Clock::now();
-  if (step < c_.steps) {
-    const std::string why = stopSignal != 0 ? examples::signalName(stopSignal) : "a stop request on another rank";
-    if (checkpoints_) saveCheckpoint(step, str("stopped by ", why));
-    group_->barrier()->wait();
-    say(str("gpt: stopped by ", why, " after step ", step, " of ", c_.steps,
-            checkpoints_ ? str("; checkpoint written, run again to resume from step ", step) : std::string("; no checkpoint")));
-    group_->destroy();
+  dt::train::Loop loop(options);
+  if (loop.jobFinished()) {
+    loop.run({});  // says why there is nothing to do
     return 0;
   }
-  // The peak of the training (before fsdp gathers the whole model below); each over the ranks.
+  const int rank = loop.rank(), world = loop.worldSize();
+  if (!c.quiet) std::printf("gpt: rank %d/%d pid %d attempt %lld\n", rank, world, static_cast<int>(getpid()), static_cast<long long>(loop.restartCount() + 1));
+  dt::Generator initRng, dropoutRng;
+  initRng.manualSeed(c.seed);
+  dropoutRng.manualSeed(c.seed * 0x9e3779b97f4a7c15ull + 1000 + static_cast<uint64_t>(rank));
+  const double fixedRss = rssMib("VmRSS:");  // libraries, the corpus, the process group: before the model exists
+  auto model = std::make_shared<dt::nn::Gpt>(c.model, initRng, &dropoutRng);
+  if (!c.initOut.empty() && rank == 0) dt::saveSafetensors(c.initOut, model->stateDict());
+  dt::FullyShardOptions sharded;
+  for (const auto& [name, block] : model->h->namedChildren()) sharded.units.push_back(block);
+  sharded.reshardAfterForward = c.sharding == "fsdp";
+  loop.setModel(model, sharded);
+  const dt::optim::WarmupCosineSchedule schedule(c.lr, c.warmup, c.steps, c.minLr);
+  loop.setOptimizer(
+      [&](dt::train::Loop& l) {
+        return std::make_unique<dt::optim::AdamW>(l.paramGroups(dt::optim::decayGroups(*model, c.weightDecay)),
+                                                  dt::optim::AdamWOptions{.lr = c.lr, .beta2 = 0.95});
+      },
+      [&](int64_t step) { return schedule.at(step); });
+  loop.setData(train);
+  loop.addState("rng", dropoutRng);
+  loop.setEvaluation([&] { return std::vector<std::pair<std::string, double>>{{"val_loss", validationLoss(loop, val, c.evalWindows)}}; },
+                     {"val_loss"});
+  if (rank == 0 && !c.quiet) {
+    std::printf("gpt: %d rank(s); %s: train %zu bytes (%lld fortunes), validation %zu bytes (%lld); GPT %s (%lld parameters, "
+                "vocabulary 256 bytes); AdamW lr %g warm-up %lld cosine to %g, weight decay %g, clip %g; global batch %lld x "
+                "%lld tokens (%lld per rank%s); %lld steps; %s\n",
+                world, corpus.source.c_str(), corpus.train.size(), static_cast<long long>(corpus.trainDocuments),
+                corpus.validation.size(), static_cast<long long>(corpus.validationDocuments), modelName(c.model).c_str(),
+                static_cast<long long>(c.model.parameterCount()), c.lr, static_cast<long long>(c.warmup), c.minLr,
+                c.weightDecay, c.gradClip, static_cast<long long>(c.globalBatch), static_cast<long long>(T),
+                static_cast<long long>(c.globalBatch / world),
+                c.microBatches > 1 ? str(" in ", c.microBatches, " micro-batches").c_str() : "", static_cast<long long>(c.steps),
+                c.sharding == "ddp" ? "DDP" : str("--sharding ", c.sharding).c_str());
+  }
+  const dt::train::LoopResult r = loop.run([&](const dt::data::Batch& b) {
+    const bool measure = c.bench && loop.step() == benchFrom && activationMib == 0;
+    const size_t before = measure ? dt::memoryStats().allocatedBytes : 0;
+    dt::Tensor loss = dt::nn::Gpt::loss(loop.forward(b.inputs), b.targets);
+    if (measure) activationMib = static_cast<double>(dt::memoryStats().allocatedBytes - before) / (1 << 20);
+    return dt::train::StepOutput{loss};
+  });
+  if (r.stopped) return 0;  // the loop said so, and wrote the checkpoint
+  // The peak of the training, each over the ranks.
   dt::Tensor memory = dt::fromVector<double>(
       {peakRssMib(), fixedRss, activationMib, static_cast<double>(dt::memoryStats().peakAllocatedBytes) / (1 << 20)});
-  group_->allreduce(memory, {.reduceOp = dt::ReduceOp::Max})->wait();
+  loop.group().allreduce(memory, {.reduceOp = dt::ReduceOp::Max})->wait();
   const auto mem = memory.toVector<double>();
-  dt::Tensor rss = dt::fromVector<double>({mem[0]});
-  if (checkpoints_ && step > startStep_) saveCheckpoint(step, "final");
-  if (!lastValLoss_) lastValLoss_ = validationLoss(*model_, *val_, c_.evalWindows, *group_);
-
-  // Identical parameters everywhere: max and min over ranks must agree.
-  const std::vector<dt::Tensor> params = wholeParameters();
-  const double spread = examples::parameterSpread(*group_, params);
-
-  if (c_.bench && rank_ == 0) {
-    if (!benchStart) {
+  const double valLoss = valueOf(r.evaluation, "val_loss");
+  const int64_t tokensPerStep = c.globalBatch * T;
+  if (c.bench && rank == 0) {
+    if (!benchStart || !benchEnd) {
       std::fprintf(stderr, "gpt: --bench measured nothing: it needs more than --bench-warmup %lld steps\n",
-                   static_cast<long long>(c_.benchWarmup));
+                   static_cast<long long>(c.benchWarmup));
     } else {
-      const double seconds = std::chrono::duration<double>(loopEnd - *benchStart).count();
-      const int64_t measured = step - benchFrom;
+      const double seconds = std::chrono::duration<double>(*benchEnd - *benchStart).count();
+      const int64_t measured = c.steps - benchFrom;
       std::printf("RESULT gpt impl=dtrain world=%d global_batch=%lld model=%s steps=%lld step_ms=%.3f tokens_per_s=%.1f "
                   "peak_rss_mb=%.1f val_loss_nats=%.5f sharding=%s parameters=%lld fixed_rss_mb=%.1f activation_mb=%.1f "
                   "peak_alloc_mb=%.1f blas=%s\n",
-                  world_, static_cast<long long>(c_.globalBatch), modelName(c_.model).c_str(), static_cast<long long>(c_.steps),
+                  world, static_cast<long long>(c.globalBatch), modelName(c.model).c_str(), static_cast<long long>(c.steps),
                   1e3 * seconds / static_cast<double>(measured), static_cast<double>(measured * tokensPerStep) / seconds,
-                  mem[0], *lastValLoss_, c_.sharding.c_str(), static_cast<long long>(c_.model.parameterCount()), mem[1],
-                  mem[2], mem[3], dt::blasKernelName().c_str());
+                  mem[0], valLoss, c.sharding.c_str(), static_cast<long long>(c.model.parameterCount()), mem[1], mem[2],
+                  mem[3], dt::blasKernelName().c_str());
     }
   }
-  if (!c_.quiet) {
-    std::printf("gpt: rank %d/%d final parameters fingerprint %016" PRIx64 " (spread across ranks %.3g)\n", rank_, world_,
-                examples::fingerprint(params), spread);
+  if (!c.quiet) {
+    std::printf("gpt: rank %d/%d final parameters fingerprint %016" PRIx64 " (spread across ranks %.3g)\n", rank, world,
+                r.fingerprint, r.parameterSpread);
   }
   // fsdp: the whole model on every rank while rank 0 samples alone (no collective meanwhile).
   std::optional<dt::FullyShardedDataParallel::FullParametersGuard> whole;
-  if (fsdp_ && c_.sampleTokens > 0) whole.emplace(fsdp_->gatherFullParameters());
-  if (rank_ == 0) {
-    const double rate = static_cast<double>((step - startStep_) * tokensPerStep) / std::max(trainSeconds, 1e-9);
+  if (loop.fullySharded() != nullptr && c.sampleTokens > 0) whole.emplace(loop.fullySharded()->gatherFullParameters());
+  if (rank == 0) {
+    const double rate = static_cast<double>((r.steps - r.firstStep) * tokensPerStep) / std::max(r.seconds, 1e-9);
     std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; validation loss %.4f; peak RSS %.0f MiB per rank\n",
-                static_cast<long long>(step), examples::formatSeconds(priorSeconds_ + trainSeconds).c_str(),
-                step > startStep_ ? rate : 0.0, recentLoss_, *lastValLoss_, rss.item<double>());
-    if (c_.sampleTokens > 0) {
-      dt::Generator sampleRng(c_.seed + 7);
-      model_->eval();
+                static_cast<long long>(r.steps), examples::formatSeconds(r.elapsed).c_str(), r.steps > r.firstStep ? rate : 0.0,
+                r.loss, valLoss, mem[0]);
+    if (c.sampleTokens > 0) {
+      dt::Generator sampleRng(c.seed + 7);
+      model->eval();
       std::vector<int64_t> prompt;
-      for (unsigned char ch : c_.prompt) prompt.push_back(ch);
-      const auto text = model_->generate(prompt, c_.sampleTokens, {.temperature = c_.temperature, .topK = c_.topK}, sampleRng);
-      std::printf("gpt: sample (temperature %g, top-k %lld):\n%s\n", c_.temperature, static_cast<long long>(c_.topK),
+      for (unsigned char ch : c.prompt) prompt.push_back(ch);
+      const auto text = model->generate(prompt, c.sampleTokens, {.temperature = c.temperature, .topK = c.topK}, sampleRng);
+      std::printf("gpt: sample (temperature %g, top-k %lld):\n%s\n", c.temperature, static_cast<long long>(c.topK),
                   tokensToText(text).c_str());
     }
   }
-  group_->barrier()->wait();
+  loop.group().barrier()->wait();
   whole.reset();
-  group_->destroy();
-  if (spread != 0.0) {
-    std::fprintf(stderr, "gpt: rank %d/%d: parameters differ across ranks (max difference %g)\n", rank_, world_, spread);
+  if (r.parameterSpread != 0.0) {
+    std::fprintf(stderr, "gpt: rank %d/%d: parameters differ across ranks (max difference %g)\n", rank, world, r.parameterSpread);
     return 1;
   }
   return 0;
 }
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -635,9 +423,6 @@ int main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
-    examples::installStopHandlers(kProgram);
-    auto group = dt::initProcessGroup();
-    GptJob job(config, group);
-    return job.run();
+    return run(config);
   });
 }

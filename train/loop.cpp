@@ -159,6 +159,11 @@ void Loop::setModel(std::shared_ptr<nn::Module> model) {
   fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, group_, sharded);
 }
 
+void Loop::setModel(std::shared_ptr<nn::Module> model, FullyShardOptions sharded) {
+  options_.fullyShard = std::move(sharded);
+  setModel(std::move(model));
+}
+
 void Loop::requireParts() const {
   if (!model_) throw InvalidArgument(str(options_.program, ": parameters() before setModel()"));
   if (zeroSharded() && !zero_) {
@@ -246,7 +251,10 @@ void Loop::setData(std::shared_ptr<const data::Dataset> dataset) {
   dataset_ = std::move(dataset);
 }
 
-void Loop::setEvaluation(EvalFunction evaluate) { evaluate_ = std::move(evaluate); }
+void Loop::setEvaluation(EvalFunction evaluate, std::vector<std::string> names) {
+  evaluate_ = std::move(evaluate);
+  evaluationNames_ = std::move(names);
+}
 
 void Loop::addState(const std::string& name, Tensor tensor) {
   if (!tensor.defined()) throw InvalidArgument(str(options_.program, ": addState(\"", name, "\"): the tensor is undefined"));
@@ -344,7 +352,8 @@ void Loop::splitData() {
                                                    .globalBatchSize = elastic_ ? options_.globalBatch : 0,
                                                    .shuffle = options_.shuffle,
                                                    .seed = options_.seed,
-                                                   .dropLast = options_.dropLast});
+                                                   .dropLast = options_.dropLast,
+                                                   .replacement = options_.replacement});
   // DDP averages over the ranks: a rank with n of the global batch's G examples weighs its
   // mean loss by n W / G, so the average is the mean over the global batch (1 when even).
   const int64_t share = sampler_->localBatchSize();
@@ -725,36 +734,50 @@ void Loop::log(Window& window) {
     for (const auto& [name, sum] : window.metricSums) {
       progress.metrics.emplace_back(name, sum / static_cast<double>(std::max<int64_t>(window.metricSteps, 1)));
     }
-    if (evalNow) progress.metrics.insert(progress.metrics.end(), evaluation_.begin(), evaluation_.end());
-    if (metrics_) {
-      std::vector<std::pair<std::string, double>> values = {{"loss", progress.loss},
-                                                            {"lr", progress.lr},
-                                                            {"grad_norm", progress.gradNorm},
-                                                            {options_.unit + "_per_s", progress.rate},
-                                                            {"elapsed_s", progress.elapsed}};
-      values.insert(values.end(), progress.metrics.begin(), progress.metrics.end());
-      metrics_->write(step_, values);
+    if (evalNow) {
+      progress.metrics.insert(progress.metrics.end(), evaluation_.begin(), evaluation_.end());
+    } else {
+      for (const std::string& name : evaluationNames_) progress.metrics.emplace_back(name, std::nan(""));
     }
-    if (options_.hooks.onLog) {
-      options_.hooks.onLog(progress);
-    } else if (!options_.quiet) {
-      std::string line = str(options_.program, ": epoch ", progress.epoch, "/", progress.epochs, "  step ", step_, "/",
-                             options_.steps);
-      char buf[160];
-      std::snprintf(buf, sizeof(buf), "  loss %.4f", progress.loss);
-      line += buf;
-      for (const auto& [name, v] : progress.metrics) {
-        std::snprintf(buf, sizeof(buf), "  %s %.4g", name.c_str(), v);
-        line += buf;
-      }
-      std::snprintf(buf, sizeof(buf), "  %.0f %s/s  elapsed %s  left %s", progress.rate, options_.unit.c_str(),
-                    formatSeconds(progress.elapsed).c_str(), formatSeconds(progress.left).c_str());
-      line += buf;
-      std::printf("%s\n", line.c_str());
-      std::fflush(stdout);
-    }
+    report(progress);
   }
   window.reset(step_);
+}
+
+void Loop::report(const Progress& progress) {
+  if (metrics_) {
+    std::vector<std::pair<std::string, double>> values = {{"loss", progress.loss},
+                                                          {"lr", progress.lr},
+                                                          {"grad_norm", progress.gradNorm},
+                                                          {options_.unit + "_per_s", progress.rate},
+                                                          {"elapsed_s", progress.elapsed}};
+    values.insert(values.end(), progress.metrics.begin(), progress.metrics.end());
+    metrics_->write(progress.step, values);
+  }
+  if (options_.hooks.onLog) {
+    options_.hooks.onLog(progress);
+    return;
+  }
+  if (options_.quiet) return;
+  std::string line = str(options_.program, ": epoch ", progress.epoch, "/", progress.epochs, "  step ", progress.step, "/",
+                         options_.steps);
+  char buf[160];
+  if (!std::isnan(progress.loss)) {
+    std::snprintf(buf, sizeof(buf), "  loss %.4f", progress.loss);
+    line += buf;
+  }
+  for (const auto& [name, v] : progress.metrics) {
+    if (std::isnan(v)) continue;
+    std::snprintf(buf, sizeof(buf), "  %s %.4g", name.c_str(), v);
+    line += buf;
+  }
+  if (progress.step > 0) {
+    std::snprintf(buf, sizeof(buf), "  %.0f %s/s  elapsed %s  left %s", progress.rate, options_.unit.c_str(),
+                  formatSeconds(progress.elapsed).c_str(), formatSeconds(progress.left).c_str());
+    line += buf;
+  }
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
 }
 
 int Loop::memberId() const { return elastic_ ? elastic_->memberId() : group_->rank(); }
@@ -860,6 +883,19 @@ LoopResult Loop::run(StepFunction fn) {
     metrics_ = std::make_unique<MetricsFile>(options_.metricsFile, startStep_, options_.program);
   }
   startLoader();
+  if (options_.evalAtStart && evaluate_ && step_ == 0 && !joining_) {
+    // Where the curve starts: the untrained model.
+    evaluation_ = evaluate_();
+    if (group_->rank() == 0) {
+      Progress start;
+      start.steps = options_.steps;
+      start.epochs = (options_.steps + sampler_->batchesPerEpoch() - 1) / sampler_->batchesPerEpoch();
+      start.loss = std::nan("");
+      start.lr = learningRate_ ? learningRate_(0) : optimizer_->lr();
+      start.metrics = evaluation_;
+      report(start);
+    }
+  }
   loopStart_ = Clock::now();
   Window window;
   window.reset(step_);

@@ -115,13 +115,15 @@ struct Progress {
   int64_t steps = 0;  // of the whole job
   int64_t epoch = 0;  // data epoch of the last step, from 1
   int64_t epochs = 0;
-  double loss = 0;          // mean over the ranks and the window's steps
+  double loss = 0;          // mean over the ranks and the window's steps (NaN at step 0)
   double rate = 0;          // units (samples, tokens) per second of the whole job over the window
   double lr = 0;            // of the last step
   double gradNorm = 0;      // before clipping, of the last step (0 without clipping)
   double elapsed = 0;       // seconds of training, earlier runs included
   double left = 0;          // seconds, estimated from this run's pace
-  std::vector<std::pair<std::string, double>> metrics;  // the step function's, window means, then evaluate()'s
+  // The step function's, window means, then evaluate()'s (NaN for setEvaluation's names at a
+  // step without an evaluation).
+  std::vector<std::pair<std::string, double>> metrics;
 };
 
 struct JoinInfo {
@@ -199,6 +201,9 @@ struct LoopOptions {
   uint64_t seed = 0;
   bool shuffle = true;
   bool dropLast = false;
+  // Each slot of a global batch an independent draw instead of a permutation per epoch (for
+  // overlapping windows of one text: data/sampler.h's replacement).
+  bool replacement = false;
   int prefetch = 8;
   // Throughput unit: `unitsPerExample` (the context length) `unit` ("tokens") per example.
   std::string unit = "samples";
@@ -215,6 +220,7 @@ struct LoopOptions {
   bool quiet = false;
   std::string metricsFile;  // rank 0 writes one JSON object per logged step
   int64_t evalEvery = 0;    // run setEvaluation's function every this many steps and at the end
+  bool evalAtStart = false;  // and before a fresh run's first step (a progress line at step 0, loss null)
   // Profile steps [profileFrom, profileFrom + profileSteps) (tensor/profiler.h): each rank
   // writes a Chrome trace to profileTrace with "{rank}" replaced by its rank, and rank 0
   // prints its busiest rows. -1: no profiling.
@@ -283,6 +289,9 @@ class Loop {
   // shards; ZeRO wraps in run(), once it knows DDP's bucket layout (from the checkpoint, or
   // one settling iteration: the step function on the first batch in eval mode, not applied).
   void setModel(std::shared_ptr<nn::Module> model);
+  // Sharding::Full with these wrapper options instead of LoopOptions::fullyShard (its units are
+  // modules of the model, which usually exists only after the loop: rank-dependent streams).
+  void setModel(std::shared_ptr<nn::Module> model, FullyShardOptions sharded);
   // What the optimizer updates: the model's own parameters with Sharding::None, the shards
   // otherwise (ZeRO's only inside setOptimizer's factory).
   std::vector<Tensor> parameters() const;
@@ -293,7 +302,9 @@ class Loop {
   void setOptimizer(optim::Optimizer& optimizer, std::function<double(int64_t)> learningRate = {});
   void setOptimizer(OptimizerFactory make, std::function<double(int64_t)> learningRate = {});
   void setData(std::shared_ptr<const data::Dataset> dataset);
-  void setEvaluation(EvalFunction evaluate);
+  // `names`: what it returns, so that the metrics lines of steps without an evaluation carry
+  // them as null (and Progress::metrics as NaN), and every line has the same keys.
+  void setEvaluation(EvalFunction evaluate, std::vector<std::string> names = {});
   // Extra state, checkpointed and sent to joiners with the model: a tensor restored in place
   // (replicated: the same on every rank), a random stream per rank, or an integer value.
   void addState(const std::string& name, Tensor tensor);
@@ -344,6 +355,8 @@ class Loop {
   void regroup();
   void transferState();
   void log(Window& window);
+  // Rank 0: the metrics line and the progress line (or LoopHooks::onLog).
+  void report(const Progress& progress);
   void checkSetUp() const;
   // Phase::Backward (LoopHooks::atBackward, a fail-at in backward): a hook on every gradient.
   void armBackwardHook();
@@ -366,6 +379,7 @@ class Loop {
   std::function<double(int64_t)> learningRate_;
   std::shared_ptr<const data::Dataset> dataset_;
   EvalFunction evaluate_;
+  std::vector<std::string> evaluationNames_;
   std::vector<std::pair<std::string, Tensor>> extraTensors_;
   std::vector<std::pair<std::string, Generator*>> extraStreams_;
   std::vector<std::pair<std::string, int64_t*>> extraValues_;

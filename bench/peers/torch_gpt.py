@@ -218,7 +218,7 @@ def splitmix64(x):
 
 
 def window_starts(seed, step, global_batch, world, rank, per_rank, windows):
-    """dtrain's RandomWindowSampler: slot j of step s is draw s*G + j (counter-based) of seed's stream."""
+    """dtrain's DistributedSampler with replacement: slot j of step s is draw s*G + j (counter-based) of seed's stream."""
     base = splitmix64(seed)
     out = []
     for i in range(per_rank):

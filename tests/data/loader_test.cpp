@@ -80,6 +80,18 @@ TEST(PrefetchLoader, DeliversTheSamplersBatchesInOrderAcrossEpochs) {
   EXPECT_EQ(loader.stats().batches, 21);
 }
 
+TEST(PrefetchLoader, WithReplacementDeliversTheSamplersDraws) {
+  auto ds = std::make_shared<CountingDataset>(50);
+  DistributedSampler sampler(50, 2, 1, {.batchSize = 4, .seed = 9, .replacement = true});
+  PrefetchLoader loader(ds, sampler, {.prefetch = 3});
+  loader.start({1, 5});
+  for (int64_t step = 12; step < 30; ++step) {
+    const LoadedBatch b = loader.next();
+    EXPECT_EQ(b.position, sampler.positionAfter(step));
+    EXPECT_EQ(asIndices(b.batch), sampler.batchIndices(b.position.epoch, b.position.batch)) << "step " << step;
+  }
+}
+
 TEST(PrefetchLoader, PreparesBatchesAheadButNoMoreThanPrefetchAndRefillsAtHalf) {
   auto ds = std::make_shared<CountingDataset>(1000);
   PrefetchLoader loader(ds, DistributedSampler(1000, 1, 0, {.batchSize = 10}), {.prefetch = 4});

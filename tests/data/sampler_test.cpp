@@ -9,6 +9,7 @@
 
 #include "common/errors.h"
 #include "data/sampler.h"
+#include "tensor/generator.h"
 #include "tests/testing/testing.h"
 
 namespace dt::data {
@@ -132,6 +133,42 @@ TEST(DistributedSampler, SameGlobalBatchGivesTheSameExamplesPerStepAtAnyWorldSiz
         EXPECT_EQ(batch, reference) << "epoch " << epoch << " step " << step << " world " << world;
       }
     }
+  }
+}
+
+// With replacement each slot is its own counter-based draw: slot p of step s is draw s G + p of
+// the seed's stream, whatever the world size (even or not) and the epoch length.
+TEST(DistributedSampler, WithReplacementEverySlotIsACounterBasedDraw) {
+  const int64_t windows = 1'000'003, global = 8;
+  auto drawAt = [&](uint64_t seed, int64_t step, int64_t slot) {
+    Generator g;
+    g.setState({seed, static_cast<uint64_t>(step * global + slot), false, 0.0});
+    return static_cast<int64_t>(g.nextUint64() % static_cast<uint64_t>(windows));
+  };
+  for (int world : {1, 2, 3, 4}) {
+    for (int rank = 0; rank < world; ++rank) {
+      const DistributedSampler s(windows, world, rank, {.globalBatchSize = global, .seed = 5, .replacement = true});
+      ASSERT_EQ(s.batchesPerEpoch(), (windows + global - 1) / global);
+      for (int64_t step : {int64_t{0}, int64_t{77}, s.batchesPerEpoch() + 3}) {
+        const SamplerPosition at = s.positionAfter(step);
+        const auto mine = s.batchIndices(at.epoch, at.batch);
+        ASSERT_EQ(static_cast<int64_t>(mine.size()), s.localBatchSize());
+        for (size_t i = 0; i < mine.size(); ++i) {
+          EXPECT_EQ(mine[i], drawAt(5, step, rank + static_cast<int64_t>(i) * world)) << "world " << world << " rank " << rank << " step " << step;
+        }
+      }
+    }
+  }
+  const DistributedSampler s(windows, 1, 0, {.batchSize = 64, .seed = 5, .replacement = true});
+  std::set<int64_t> distinct;
+  for (int64_t step = 0; step < 10; ++step) {
+    for (int64_t w : s.batchIndices(0, step)) distinct.insert(w);
+  }
+  EXPECT_GT(distinct.size(), 630u);  // random, not repeating
+  const DistributedSampler small(20, 2, 1, {.batchSize = 3, .seed = 2, .replacement = true});
+  const auto epoch = small.rankIndices(1);
+  for (int64_t b = 0; b < small.batchesPerEpoch(); ++b) {
+    EXPECT_EQ(std::vector<int64_t>(epoch.begin() + b * 3, epoch.begin() + b * 3 + 3), small.batchIndices(1, b));
   }
 }
 

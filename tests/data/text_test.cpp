@@ -1,4 +1,4 @@
-// data/text.h: the document split, the fortunes reader, text windows and the window sampler.
+// data/text.h: the document split, the fortunes reader, and text windows (the random windows: DistributedSampler's replacement mode, sampler_test.cpp).
 #include <set>
 
 #include <gtest/gtest.h>
@@ -64,33 +64,6 @@ TEST(TextWindows, InputsAreBytesAndTargetsTheNextBytes) {
   const std::vector<int64_t> bad{5};
   testing::expectThrowsWith<InvalidArgument>([&] { w.get(bad); }, {"window 5", "[0, 5)"});
   testing::expectThrowsWith<InvalidArgument>([] { TextWindows("abc", 3, "short"); }, {"short", "3 bytes"});
-}
-
-TEST(RandomWindowSampler, RanksShareOutTheSameGlobalBatchAtAnyWorldSize) {
-  const int64_t windows = 1'000'003, global = 8;
-  for (int64_t step : {0, 1, 77}) {
-    const std::vector<int64_t> one = RandomWindowSampler(windows, 1, 0, {.batchSize = global, .seed = 5}).batchIndices(step);
-    for (int world : {2, 4}) {
-      std::vector<int64_t> merged(static_cast<size_t>(global));
-      for (int r = 0; r < world; ++r) {
-        const auto mine = RandomWindowSampler(windows, world, r, {.batchSize = global / world, .seed = 5}).batchIndices(step);
-        for (size_t i = 0; i < mine.size(); ++i) merged[r + i * world] = mine[i];  // slot r + iW
-      }
-      EXPECT_EQ(merged, one) << "world " << world << " step " << step;
-    }
-  }
-  const RandomWindowSampler s(windows, 1, 0, {.batchSize = 64, .seed = 5});
-  std::set<int64_t> distinct;
-  for (int64_t step = 0; step < 10; ++step) {
-    for (int64_t w : s.batchIndices(step)) {
-      EXPECT_GE(w, 0);
-      EXPECT_LT(w, windows);
-      distinct.insert(w);
-    }
-  }
-  EXPECT_GT(distinct.size(), 630u);  // random, not repeating
-  EXPECT_NE(s.batchIndices(3), RandomWindowSampler(windows, 1, 0, {.batchSize = 64, .seed = 6}).batchIndices(3));
-  testing::expectThrowsWith<InvalidArgument>([] { RandomWindowSampler(10, 2, 2); }, {"rank 2", "[0, 2)"});
 }
 
 }  // namespace
