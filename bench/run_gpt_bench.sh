@@ -15,6 +15,8 @@
 #
 # usage: bench/run_gpt_bench.sh   (env: WORLDS="1 2 4" REPS=2 STEPS=100 WARMUP=10 BATCH=16 MICRO_REPS=20
 #                                   DT_BUILD_DIR=build-bench OUT=file)
+#   BEFORE=path/to/an/older/gpt also runs that build in the same loop, as impl=dtrain-before
+#   (after dtrain at each world and repetition), and prints the dtrain : dtrain-before ratios.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -28,6 +30,8 @@ micro_reps=${MICRO_REPS:-20}
 peers=$repo/bench/peers
 out=${OUT:-$(mktemp /tmp/gpt-bench.XXXXXX.txt)}
 py=/usr/bin/python3
+before=${BEFORE:-}
+[ -z "$before" ] || [ -x "$before" ] || { echo "BEFORE=$before is not an executable gpt" >&2; exit 2; }
 lr_warmup=$((steps / 10))
 
 # Same BLAS for both: OpenBLAS (pthread build), one thread (see bench/peers/README.md).
@@ -52,12 +56,16 @@ init=$(mktemp /tmp/gpt-init.XXXXXX.safetensors)
 common=(--steps "$steps" --warmup "$lr_warmup" --global-batch "$batch")
 
 echo "# run_gpt_bench: worlds=[$worlds] reps=$reps steps=$steps warmup=$warmup global_batch=$batch $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
+run_dtrain() {  # binary, world, impl label
+  echo "## world $2, repetition $rep: $3" >&2
+  timeout 900 "$dtrun" --standalone --nproc "$2" --prefix none "$1" --bench --quiet --checkpoint-dir none \
+    --bench-warmup "$warmup" --eval-every 0 --sample-tokens 0 --init-out "$init" "${common[@]}" \
+    2>>"$out.log" | grep '^RESULT' | sed "s/ impl=dtrain / impl=$3 /" | tee -a "$out"
+}
 for ((rep = 1; rep <= reps; rep++)); do
   for n in $worlds; do
-    echo "## world $n, repetition $rep: dtrain" >&2
-    timeout 900 "$dtrun" --standalone --nproc "$n" --prefix none "$gpt" --bench --quiet --checkpoint-dir none \
-      --bench-warmup "$warmup" --eval-every 0 --sample-tokens 0 --init-out "$init" "${common[@]}" \
-      2>>"$out.log" | grep '^RESULT' | tee -a "$out"
+    run_dtrain "$gpt" "$n" dtrain
+    [ -z "$before" ] || run_dtrain "$before" "$n" dtrain-before
     [ $have_torch = 1 ] || continue
     echo "## world $n, repetition $rep: torch" >&2
     timeout 900 "$py" "$peers/torchrun_py311.py" --nproc_per_node "$n" --standalone "$peers/torch_gpt.py" \
@@ -75,6 +83,7 @@ rm -f "$init"
 echo
 echo "# medians ($out; stderr of the runs in $out.log)"
 "$py" "$peers/summarize.py" "$out"
+[ -z "$before" ] || { echo; "$py" "$peers/summarize.py" "$out" --ratio dtrain:dtrain-before; }
 [ $have_torch = 1 ] || exit 0
 echo
 "$py" "$peers/summarize.py" "$out" --ratio dtrain:torch

@@ -11,6 +11,8 @@
 # usage: bench/run_trainer_bench.sh   (env: WORLDS="1 2 4" REPS=3 STEPS=300 WARMUP=20 BATCH=128
 #                                       DATA=/usr/share/datasets/fashion-mnist TORCH_WORKERS=0
 #                                       DT_BUILD_DIR=build-bench OUT=file)
+#   BEFORE=path/to/an/older/trainer also runs that build in the same loop, as impl=dtrain-before
+#   (after dtrain at each world and repetition), and prints the dtrain : dtrain-before ratios.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -25,6 +27,8 @@ torch_workers=${TORCH_WORKERS:-0}
 peers=$repo/bench/peers
 out=${OUT:-$(mktemp /tmp/trainer-bench.XXXXXX.txt)}
 py=/usr/bin/python3
+before=${BEFORE:-}
+[ -z "$before" ] || [ -x "$before" ] || { echo "BEFORE=$before is not an executable trainer" >&2; exit 2; }
 
 # Same BLAS for both: OpenBLAS (pthread build), one thread (see bench/peers/README.md).
 openblas_dir=/usr/lib/x86_64-linux-gnu/openblas-pthread
@@ -47,12 +51,16 @@ have_torch=1
 "$py" -c "import torch, numpy" 2>/dev/null || { have_torch=0; echo "# torch peer skipped: $py cannot import torch and numpy (scripts/setup.sh --peers)" >&2; }
 
 echo "# run_trainer_bench: worlds=[$worlds] reps=$reps steps=$steps warmup=$warmup global_batch=$batch torch_workers=$torch_workers $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
+run_dtrain() {  # binary, world, impl label
+  echo "## world $2, repetition $rep: $3" >&2
+  timeout 900 "$dtrun" --standalone --nproc "$2" --prefix none "$1" --bench --quiet --no-eval \
+    --checkpoint-dir none --data "$data" --global-batch "$batch" --steps $((warmup + steps)) --bench-warmup "$warmup" \
+    2>>"$out.log" | grep '^RESULT' | sed "s/ impl=dtrain / impl=$3 /" | tee -a "$out"
+}
 for ((rep = 1; rep <= reps; rep++)); do
   for n in $worlds; do
-    echo "## world $n, repetition $rep: dtrain" >&2
-    timeout 900 "$dtrun" --standalone --nproc "$n" --prefix none "$trainer" --bench --quiet --no-eval \
-      --checkpoint-dir none --data "$data" --global-batch "$batch" --steps $((warmup + steps)) --bench-warmup "$warmup" \
-      2>>"$out.log" | grep '^RESULT' | tee -a "$out"
+    run_dtrain "$trainer" "$n" dtrain
+    [ -z "$before" ] || run_dtrain "$before" "$n" dtrain-before
     [ $have_torch = 1 ] || continue
     echo "## world $n, repetition $rep: torch" >&2
     timeout 900 "$py" "$peers/torchrun_py311.py" --nproc_per_node "$n" --standalone \
@@ -64,6 +72,7 @@ done
 echo
 echo "# medians ($out; stderr of the runs in $out.log)"
 "$py" "$peers/summarize.py" "$out"
+[ -z "$before" ] || { echo; "$py" "$peers/summarize.py" "$out" --ratio dtrain:dtrain-before; }
 [ $have_torch = 1 ] || exit 0
 echo
 "$py" "$peers/summarize.py" "$out" --ratio dtrain:torch

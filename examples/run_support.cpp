@@ -59,8 +59,87 @@ std::string exactText(double value) {
   return buf;
 }
 
-bool forEachFlag(const std::string& program, int argc, char** argv, const std::vector<std::string>& switches,
-                 const std::function<void(const std::string& flag, const std::string& value)>& onFlag) {
+Flags::Flags(std::string program, std::string intro) : program_(std::move(program)), text_(std::move(intro)) {}
+
+Flags& Flags::section(const std::string& title) {
+  text_ += title + "\n";
+  return *this;
+}
+
+void Flags::describe(const std::string& left, const std::string& help, const std::string& defaultText) {
+  constexpr size_t kColumn = 26;
+  std::string line = "  " + left;
+  line += line.size() + 1 < kColumn ? std::string(kColumn - line.size(), ' ') : "\n" + std::string(kColumn, ' ');
+  std::string body = help;
+  if (!defaultText.empty() && help.find("(default") == std::string::npos) body += str(body.empty() ? "" : " ", "(default ", defaultText, ")");
+  for (size_t at = 0; (at = body.find('\n', at)) != std::string::npos; at += kColumn + 1) body.insert(at + 1, kColumn, ' ');
+  text_ += line + body + "\n";
+}
+
+Flags& Flags::bind(const std::string& name, const std::string& metavar, const std::string& help, const std::string& defaultText,
+                   bool isSwitch, std::function<void(const std::string&)> set) {
+  describe(metavar.empty() ? name : name + " " + metavar, help, defaultText);
+  flags_.push_back({name, isSwitch, std::move(set)});
+  return *this;
+}
+
+Flags& Flags::add(const std::string& name, int64_t& target, const std::string& metavar, const std::string& help, int64_t minimum) {
+  return bind(name, metavar, help, std::to_string(target), false,
+              [this, &target, name, minimum](const std::string& v) { target = parsePositive(program_, v, name, minimum); });
+}
+
+Flags& Flags::add(const std::string& name, int& target, const std::string& metavar, const std::string& help, int64_t minimum) {
+  return bind(name, metavar, help, std::to_string(target), false, [this, &target, name, minimum](const std::string& v) {
+    target = static_cast<int>(std::min<int64_t>(parsePositive(program_, v, name, minimum), 1 << 30));
+  });
+}
+
+Flags& Flags::add(const std::string& name, uint64_t& target, const std::string& metavar, const std::string& help) {
+  return bind(name, metavar, help, std::to_string(target), false,
+              [this, &target, name](const std::string& v) { target = static_cast<uint64_t>(parsePositive(program_, v, name, 0)); });
+}
+
+Flags& Flags::add(const std::string& name, double& target, const std::string& metavar, const std::string& help, double minimum,
+                  double maximum) {
+  return bind(name, metavar, help, str(target), false, [this, &target, name, minimum, maximum](const std::string& v) {
+    target = parseDouble(program_, v, name, minimum, maximum);
+  });
+}
+
+Flags& Flags::add(const std::string& name, std::optional<double>& target, const std::string& metavar, const std::string& help,
+                  double minimum, double maximum) {
+  return bind(name, metavar, help, "", false, [this, &target, name, minimum, maximum](const std::string& v) {
+    target = parseDouble(program_, v, name, minimum, maximum);
+  });
+}
+
+Flags& Flags::add(const std::string& name, std::string& target, const std::string& metavar, const std::string& help,
+                  std::vector<std::string> allowed) {
+  const std::string shown = metavar.empty() ? dt::join(allowed, "|") : metavar;
+  return bind(name, shown, help, target.empty() ? "" : target.find(' ') != std::string::npos ? str("\"", target, "\"") : target, false,
+              [this, &target, name, allowed](const std::string& v) { target = allowed.empty() ? v : choice(program_, v, name, allowed); });
+}
+
+Flags& Flags::add(const std::string& name, bool& target, const std::string& help, bool value) {
+  return bind(name, "", help, "", true, [&target, value](const std::string&) { target = value; });
+}
+
+Flags& Flags::add(const std::string& name, const std::string& metavar, const std::string& help,
+                  std::function<void(const std::string& value)> set) {
+  return bind(name, metavar, help, "", false, std::move(set));
+}
+
+Flags& Flags::alsoAccept(std::function<bool(const std::string& flag, const std::string& value)> take,
+                         std::vector<std::string> switches, std::string usage) {
+  others_.push_back(std::move(take));
+  otherSwitches_.insert(otherSwitches_.end(), switches.begin(), switches.end());
+  otherUsage_ += usage;
+  return *this;
+}
+
+std::string Flags::usage() const { return text_ + otherUsage_; }
+
+bool Flags::parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     std::optional<std::string> inlineValue;
@@ -68,14 +147,23 @@ bool forEachFlag(const std::string& program, int argc, char** argv, const std::v
       inlineValue = flag.substr(eq + 1);
       flag = flag.substr(0, eq);
     }
-    if (flag == "--help" || flag == "-h") return false;
-    if (std::find(switches.begin(), switches.end(), flag) != switches.end()) {
-      onFlag(flag, "");
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(usage().c_str(), stdout);
+      return false;
+    }
+    if (!flag.starts_with("--")) throw InvalidArgument(str(program_, ": unexpected argument \"", flag, "\"; see --help"));
+    const auto own = std::find_if(flags_.begin(), flags_.end(), [&](const Flag& f) { return f.name == flag; });
+    const bool isSwitch = own != flags_.end() ? own->isSwitch
+                                              : std::find(otherSwitches_.begin(), otherSwitches_.end(), flag) != otherSwitches_.end();
+    if (!isSwitch && !inlineValue && i + 1 >= argc) throw InvalidArgument(str(program_, ": ", flag, " needs a value; see --help"));
+    const std::string value = isSwitch ? std::string() : inlineValue ? *inlineValue : std::string(argv[++i]);
+    if (own != flags_.end()) {
+      own->set(value);
       continue;
     }
-    if (!flag.starts_with("--")) throw InvalidArgument(str(program, ": unexpected argument \"", flag, "\"; see --help"));
-    if (!inlineValue && i + 1 >= argc) throw InvalidArgument(str(program, ": ", flag, " needs a value; see --help"));
-    onFlag(flag, inlineValue ? *inlineValue : std::string(argv[++i]));
+    if (std::none_of(others_.begin(), others_.end(), [&](const auto& take) { return take(flag, value); })) {
+      throw InvalidArgument(str(program_, ": unknown flag ", flag, "; see --help"));
+    }
   }
   return true;
 }
@@ -169,6 +257,41 @@ void TestFlags::apply(dt::train::LoopOptions& options, std::function<std::shared
     for (const auto& [name, t] : model()->namedParameters()) tensors.emplace_back(name, t.to(dt::Device::cpu()));
     dt::saveSafetensors(std::filesystem::path(dir) / str("step-", done.steps, ".safetensors"), tensors);
   };
+}
+
+void BenchWindow::attach(dt::train::LoopOptions& options, int64_t warmup, std::function<void()> onFirstStep) {
+  auto at = options.hooks.at;
+  options.hooks.at = [this, at, warmup, onFirstStep](int64_t step, dt::train::Phase phase) {
+    if (at) at(step, phase);
+    if (phase != dt::train::Phase::Begin) return;
+    if (from_ < 0) {
+      from_ = step + warmup;
+      if (onFirstStep) onFirstStep();
+    }
+    if (step == from_) start_ = std::chrono::steady_clock::now();
+  };
+  auto afterStep = options.hooks.afterStep;
+  options.hooks.afterStep = [this, afterStep, total = options.steps](const dt::train::StepDone& done) {
+    if (afterStep) afterStep(done);
+    if (done.steps != total) return;
+    end_ = std::chrono::steady_clock::now();
+    steps_ = done.steps - from_;
+  };
+}
+
+double BenchWindow::seconds() const {
+  return measured() ? std::chrono::duration<double>(*end_ - *start_).count() : 0.0;
+}
+
+int reportParameters(const std::string& program, const dt::train::Loop& loop, const dt::train::LoopResult& r, bool quiet) {
+  if (!quiet) {
+    std::printf("%s: rank %d/%d final parameters fingerprint %016llx (spread across ranks %.3g)\n", program.c_str(), loop.rank(),
+                loop.worldSize(), static_cast<unsigned long long>(r.fingerprint), r.parameterSpread);
+  }
+  if (r.parameterSpread == 0.0) return 0;
+  std::fprintf(stderr, "%s: rank %d/%d: parameters differ across ranks (max difference %g)\n", program.c_str(), loop.rank(),
+               loop.worldSize(), r.parameterSpread);
+  return 1;
 }
 
 int runMain(const std::string& program, const std::function<int()>& body) {

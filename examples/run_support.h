@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -47,12 +48,62 @@ using dt::train::stopSignal;
 // A double with all 17 significant digits (checkpoint manifests compare them as text).
 std::string exactText(double value);
 
-// Walks argv[1..]: "--flag value" and "--flag=value" call onFlag(flag, value); a flag named in
-// `switches` takes no value (onFlag(flag, "")). Returns false, calling nothing more, at
-// --help/-h. A bare word or a missing value throws InvalidArgument; onFlag throws for an
-// unknown flag.
-bool forEachFlag(const std::string& program, int argc, char** argv, const std::vector<std::string>& switches,
-                 const std::function<void(const std::string& flag, const std::string& value)>& onFlag);
+// Flags bound to the program's variables, and the --help text made from them: a flag's default
+// is its variable's value when it is bound (appended as "(default X)" unless the help names
+// one), so the text cannot drift from the code.
+//
+//   examples::Flags flags("gpt", "usage: gpt [flags]\n\nWhat it does.\n");
+//   flags.section("training").add("--steps", c.steps, "N", "optimizer steps");
+//   if (!flags.parse(argc, argv)) return 0;  // --help: usage() printed
+//
+// "--flag value" and "--flag=value" both work. parse() throws InvalidArgument "<program>: <flag>
+// ..." for an unknown flag, a bare word, a missing value, or a value out of range (naming it).
+class Flags {
+ public:
+  Flags(std::string program, std::string intro);
+  Flags& section(const std::string& title);
+  // A whole number of at least `minimum`.
+  Flags& add(const std::string& name, int64_t& target, const std::string& metavar, const std::string& help, int64_t minimum = 1);
+  Flags& add(const std::string& name, int& target, const std::string& metavar, const std::string& help, int64_t minimum = 1);
+  Flags& add(const std::string& name, uint64_t& target, const std::string& metavar, const std::string& help);
+  Flags& add(const std::string& name, double& target, const std::string& metavar, const std::string& help, double minimum,
+             double maximum);
+  // Unset unless given (the help states the default).
+  Flags& add(const std::string& name, std::optional<double>& target, const std::string& metavar, const std::string& help,
+             double minimum, double maximum);
+  // Text; with `allowed`, one of them (the metavar lists them when empty).
+  Flags& add(const std::string& name, std::string& target, const std::string& metavar, const std::string& help,
+             std::vector<std::string> allowed = {});
+  // A switch: takes no value, sets `target`.
+  Flags& add(const std::string& name, bool& target, const std::string& help, bool value = true);
+  // Anything else: `set` parses the value (InvalidArgument naming it); the help states the default.
+  Flags& add(const std::string& name, const std::string& metavar, const std::string& help,
+             std::function<void(const std::string& value)> set);
+  // Flags another parser takes (TestFlags): `take(flag, value)` returns whether it did; `switches`
+  // take no value; `usage` is appended to the help as it is.
+  Flags& alsoAccept(std::function<bool(const std::string& flag, const std::string& value)> take,
+                    std::vector<std::string> switches, std::string usage);
+  // False at --help/-h (after printing usage()).
+  bool parse(int argc, char** argv);
+  std::string usage() const;
+
+ private:
+  struct Flag {
+    std::string name;
+    bool isSwitch = false;
+    std::function<void(const std::string&)> set;
+  };
+  void describe(const std::string& left, const std::string& help, const std::string& defaultText);
+  Flags& bind(const std::string& name, const std::string& metavar, const std::string& help, const std::string& defaultText,
+              bool isSwitch, std::function<void(const std::string&)> set);
+
+  std::string program_;
+  std::string text_;  // the help so far
+  std::vector<Flag> flags_;
+  std::vector<std::function<bool(const std::string&, const std::string&)>> others_;
+  std::vector<std::string> otherSwitches_;
+  std::string otherUsage_;
+};
 
 // The switches only tests and benchmarks use, shared by the example programs and carried out by
 // the training loop's hooks (train/loop.h): kUsage lists them for --help.
@@ -91,6 +142,27 @@ struct TestFlags {
   void apply(dt::train::LoopOptions& options, std::function<std::shared_ptr<dt::nn::Module>()> model,
              const std::string& program) const;
 };
+
+// --bench's clock, through the loop's hooks (chained after those already set): from the start
+// of the step `warmup` steps into this run to the end of the job's last step. `onFirstStep`
+// runs at the start of this run's first step (to reset peak-memory counters). attach() keeps
+// `this`: the window must stay where it is while the loop runs.
+class BenchWindow {
+ public:
+  void attach(dt::train::LoopOptions& options, int64_t warmup, std::function<void()> onFirstStep = {});
+  bool measured() const { return start_.has_value() && end_.has_value(); }
+  int64_t firstMeasuredStep() const { return from_; }
+  int64_t steps() const { return steps_; }
+  double seconds() const;
+
+ private:
+  int64_t from_ = -1, steps_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> start_, end_;
+};
+
+// After run(): every rank's "<program>: rank R/W final parameters fingerprint ..." line (unless
+// quiet); 1 (with a line on stderr) when the ranks' parameters differ, else 0.
+int reportParameters(const std::string& program, const dt::train::Loop& loop, const dt::train::LoopResult& result, bool quiet);
 
 // main()'s body: line-buffered stdout (whole lines reach dtrun and SLURM's files), and an
 // exception printed as "<program> (rank R/W): <what>" with exit code 1.

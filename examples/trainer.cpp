@@ -7,8 +7,6 @@
 // replacements that join the running job. A final line ends in "test accuracy 0.8912"; every
 // rank prints the fingerprint of its final parameters, which must be identical.
 // `trainer --help` lists the flags and their defaults.
-#include <chrono>
-#include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <numbers>
@@ -38,131 +36,80 @@ using dt::str;
 
 struct Config {
   std::string data = dt::data::kFashionMnistDir;
-  int64_t epochs = 10;
-  int64_t steps = 0;  // 0: epochs x batches per epoch
-  int64_t globalBatch = 128;
+  int64_t epochs = 10, steps = 0, globalBatch = 128;  // steps 0: epochs x batches per epoch
   std::vector<int64_t> hidden = {256, 128};
-  std::string optimizer = "adamw";
-  std::optional<double> lr;           // adamw 1e-3, sgd 0.05
-  std::optional<double> weightDecay;  // adamw 1e-4, sgd 0
-  double momentum = 0.9;
-  std::string schedule = "cosine";
-  double dropout = 0.0;
+  std::string optimizer = "adamw", schedule = "cosine";
+  std::optional<double> lr, weightDecay;  // adamw 1e-3 and 1e-4, sgd 0.05 and 0
+  double momentum = 0.9, dropout = 0.0;
   uint64_t seed = 0;
-  bool dropLast = false;
-  int prefetch = 8;
-  int64_t logEvery = 100;
-  bool quiet = false;
-  std::string checkpointDir = "trainer-checkpoints";
-  int64_t checkpointEvery = 500;
-  int keep = 3;
-  std::string resume = "auto";
-  std::string device = "cpu";
-  bool eval = true;
-  bool bench = false;
-  int64_t benchWarmup = 20;
+  bool dropLast = false, quiet = false, eval = true, bench = false;
   bool elastic = false;  // dtrun --elastic (DT_ELASTIC) or --elastic
+  int prefetch = 8, keep = 3;
+  int64_t logEvery = 100, checkpointEvery = 500, benchWarmup = 20;
+  std::string checkpointDir = "trainer-checkpoints", resume = "auto", device = "cpu";
   examples::TestFlags test;
 
   double learningRate() const { return lr.value_or(optimizer == "sgd" ? 0.05 : 1e-3); }
   double decay() const { return weightDecay.value_or(optimizer == "sgd" ? 0.0 : 1e-4); }
 };
 
-constexpr const char* kUsage = R"(usage: trainer [flags]          (run it under dtrun: dtrun --nproc 4 ./trainer)
+// Every flag, bound to its place in `c`; false at --help (printed).
+bool parseArgs(int argc, char** argv, Config& c) {
+  c.elastic = dt::env::getBool("DT_ELASTIC");
+  examples::Flags flags("trainer", R"(usage: trainer [flags]          (run it under dtrun: dtrun --nproc 4 ./trainer)
 
 Data-parallel training of an MLP on Fashion-MNIST with checkpoints, exact resume and
 pre-emption (SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step, exit 0; a second such
 signal ends the process at once).
 
-data and model
-  --data DIR              folder with the four gzip'd IDX files (default /usr/share/datasets/fashion-mnist,
-                          where Debian's dataset-fashion-mnist package puts them)
-  --hidden H1,H2,...      hidden layer sizes of the MLP 784-H1-...-10 (default 256,128)
-  --dropout P             dropout after each hidden layer (default 0)
-  --device cpu|cuda|cuda:N  (default cpu; cuda: each rank takes GPU LOCAL_RANK mod the GPU count)
-training
-  --epochs E              passes over the training set (default 10)
-  --steps N               total steps instead of epochs (default 0: use --epochs)
-  --global-batch G        examples per step over all ranks; each rank takes G / world (default 128)
-  --optimizer adamw|sgd   (default adamw)
-  --lr LR                 (default 0.001 for adamw, 0.05 for sgd)
-  --weight-decay WD       (default 0.0001 for adamw, 0 for sgd)
-  --momentum M            sgd momentum (default 0.9)
-  --schedule cosine|constant  learning rate over the steps (default cosine)
-  --seed S                model initialisation, shuffling and dropout (default 0)
-  --drop-last             drop the short last batch of each epoch (default: pad it)
-  --prefetch K            batches the loader thread prepares ahead (default 8)
-checkpoints
-  --checkpoint-dir DIR    (default trainer-checkpoints; none: no checkpoints)
-  --checkpoint-every N    steps between checkpoints; one is also written at the end (default 500)
-  --keep K                checkpoints kept (default 3)
-  --resume auto|never     auto: continue from the newest checkpoint in DIR if there is one;
-                          never: delete DIR's checkpoints and start afresh (after a restart by
-                          dtrun, DT_RESTART_COUNT > 0, the newest checkpoint is always used)
-output
-  --log-every N           progress line every N steps on rank 0 (default 100)
-  --quiet                 only the final line (and errors)
-  --no-eval               skip the test-set evaluation at the end
-  --bench                 print a RESULT line with samples/s (after --bench-warmup steps, default 20)
-elastic (docs/elastic.md)
-  --elastic               a rank that dies is left behind and the others go on in place from the same
-                          step, with the same global batch (default: on when dtrun --elastic started it);
-                          a replacement (dtrun --max-restarts) is admitted at the next step boundary and
-                          receives the whole training state from the members, no checkpoint read
-)";
-
-int64_t parsePositive(const std::string& value, const std::string& flag, int64_t minimum = 1) {
-  return examples::parsePositive("trainer", value, flag, minimum);
-}
-
-double parseDouble(const std::string& value, const std::string& flag, double minimum, double maximum) {
-  return examples::parseDouble("trainer", value, flag, minimum, maximum);
-}
-
-std::string choice(const std::string& value, const std::string& flag, const std::vector<std::string>& allowed) {
-  return examples::choice("trainer", value, flag, allowed);
-}
-
-Config parseArgs(int argc, char** argv, bool& help) {
-  Config c;
-  c.elastic = dt::env::getBool("DT_ELASTIC");
-  help = !examples::forEachFlag("trainer", argc, argv, {"--quiet", "--drop-last", "--no-eval", "--bench", "--elastic", "--measure-transfer"},
-                                [&](const std::string& flag, const std::string& value) {
-    if (flag == "--quiet") c.quiet = true;
-    else if (flag == "--elastic") c.elastic = true;
-    else if (c.test.parse("trainer", flag, value)) {}
-    else if (flag == "--drop-last") c.dropLast = true;
-    else if (flag == "--no-eval") c.eval = false;
-    else if (flag == "--bench") c.bench = true;
-    else if (flag == "--data") c.data = value;
-    else if (flag == "--epochs") c.epochs = parsePositive(value, flag);
-    else if (flag == "--steps") c.steps = parsePositive(value, flag, 0);
-    else if (flag == "--global-batch") c.globalBatch = parsePositive(value, flag);
-    else if (flag == "--hidden") {
-      c.hidden.clear();
-      for (const auto& part : dt::split(value, ',')) c.hidden.push_back(parsePositive(std::string(part), "--hidden"));
-    }
-    else if (flag == "--optimizer") c.optimizer = choice(value, flag, {"adamw", "sgd"});
-    else if (flag == "--lr") c.lr = parseDouble(value, flag, 0.0, 10.0);
-    else if (flag == "--weight-decay") c.weightDecay = parseDouble(value, flag, 0.0, 1.0);
-    else if (flag == "--momentum") c.momentum = parseDouble(value, flag, 0.0, 0.999);
-    else if (flag == "--schedule") c.schedule = choice(value, flag, {"cosine", "constant"});
-    else if (flag == "--dropout") c.dropout = parseDouble(value, flag, 0.0, 0.95);
-    else if (flag == "--seed") c.seed = static_cast<uint64_t>(parsePositive(value, flag, 0));
-    else if (flag == "--prefetch") c.prefetch = static_cast<int>(parsePositive(value, flag));
-    else if (flag == "--log-every") c.logEvery = parsePositive(value, flag);
-    else if (flag == "--checkpoint-dir") c.checkpointDir = value;
-    else if (flag == "--checkpoint-every") c.checkpointEvery = parsePositive(value, flag, 0);
-    else if (flag == "--keep") c.keep = static_cast<int>(parsePositive(value, flag));
-    else if (flag == "--resume") c.resume = choice(value, flag, {"auto", "never"});
-    else if (flag == "--device") c.device = examples::deviceName("trainer", value, flag);
-    else if (flag == "--bench-warmup") c.benchWarmup = parsePositive(value, flag, 0);
-    else throw InvalidArgument(str("trainer: unknown flag ", flag, "; see --help"));
-  });
-  if (help) return c;
+)");
+  flags.section("data and model")
+      .add("--data", c.data, "DIR", "folder with the four gzip'd IDX files (where Debian's\ndataset-fashion-mnist package puts them)")
+      .add("--hidden", "H1,H2,...", "hidden layer sizes of the MLP 784-H1-...-10 (default 256,128)",
+           [&](const std::string& v) {
+             c.hidden.clear();
+             for (const auto& part : dt::split(v, ',')) c.hidden.push_back(examples::parsePositive("trainer", std::string(part), "--hidden"));
+           })
+      .add("--dropout", c.dropout, "P", "dropout after each hidden layer", 0.0, 0.95)
+      .add("--device", "cpu|cuda|cuda:N", "(default cpu; cuda: each rank takes GPU LOCAL_RANK mod the GPU count)",
+           [&](const std::string& v) { c.device = examples::deviceName("trainer", v, "--device"); });
+  flags.section("training")
+      .add("--epochs", c.epochs, "E", "passes over the training set")
+      .add("--steps", c.steps, "N", "total steps instead of epochs (0: use --epochs)", 0)
+      .add("--global-batch", c.globalBatch, "G", "examples per step over all ranks; each rank takes G / world")
+      .add("--optimizer", c.optimizer, "", "", {"adamw", "sgd"})
+      .add("--lr", c.lr, "LR", "(default 0.001 for adamw, 0.05 for sgd)", 0.0, 10.0)
+      .add("--weight-decay", c.weightDecay, "WD", "(default 0.0001 for adamw, 0 for sgd)", 0.0, 1.0)
+      .add("--momentum", c.momentum, "M", "sgd momentum", 0.0, 0.999)
+      .add("--schedule", c.schedule, "", "learning rate over the steps", {"cosine", "constant"})
+      .add("--seed", c.seed, "S", "model initialisation, shuffling and dropout")
+      .add("--drop-last", c.dropLast, "drop the short last batch of each epoch (default: pad it)")
+      .add("--prefetch", c.prefetch, "K", "batches the loader thread prepares ahead");
+  flags.section("checkpoints")
+      .add("--checkpoint-dir", c.checkpointDir, "DIR", "none: no checkpoints")
+      .add("--checkpoint-every", c.checkpointEvery, "N", "steps between checkpoints; one is also written at the end", 0)
+      .add("--keep", c.keep, "K", "checkpoints kept")
+      .add("--resume", c.resume, "auto|never",
+           "auto: continue from the newest checkpoint in DIR if there is one;\nnever: delete DIR's checkpoints and start afresh (after a "
+           "restart by\ndtrun, DT_RESTART_COUNT > 0, the newest checkpoint is always used)",
+           {"auto", "never"});
+  flags.section("output")
+      .add("--log-every", c.logEvery, "N", "progress line every N steps on rank 0")
+      .add("--quiet", c.quiet, "only the final line (and errors)")
+      .add("--no-eval", c.eval, "skip the test-set evaluation at the end", false)
+      .add("--bench", c.bench, "print a RESULT line with samples/s (after --bench-warmup steps)")
+      .add("--bench-warmup", c.benchWarmup, "N", "steps --bench leaves out", 0);
+  flags.section("elastic (docs/elastic.md)")
+      .add("--elastic", c.elastic,
+           "a rank that dies is left behind and the others go on in place from the same\nstep, with the same global batch (default: on "
+           "when dtrun --elastic started it);\na replacement (dtrun --max-restarts) is admitted at the next step boundary and\nreceives "
+           "the whole training state from the members, no checkpoint read")
+      .alsoAccept([&](const std::string& flag, const std::string& v) { return c.test.parse("trainer", flag, v); }, {"--measure-transfer"},
+                  examples::TestFlags::kUsage);
+  if (!flags.parse(argc, argv)) return false;
   if (c.checkpointDir.empty()) throw InvalidArgument("trainer: --checkpoint-dir is empty (use none to write no checkpoints)");
   if (c.checkpointDir == "none") c.checkpointDir.clear();
-  return c;
+  return true;
 }
 
 // ---- helpers ------------------------------------------------------------------------------------------------------
@@ -192,16 +139,9 @@ std::shared_ptr<dt::nn::Sequential> buildModel(const Config& c, int64_t inputs, 
 
 // The settings a checkpoint must share with the run that resumes it (config.* in the manifest).
 std::vector<std::pair<std::string, std::string>> resumeKeys(const Config& c, const std::string& model, int64_t trainSize) {
-  return {{"model", model},
-          {"dropout", exact(c.dropout)},
-          {"optimizer", c.optimizer},
-          {"lr", exact(c.learningRate())},
-          {"weight_decay", exact(c.decay())},
-          {"momentum", c.optimizer == "sgd" ? exact(c.momentum) : "-"},
-          {"schedule", c.schedule},
-          {"seed", std::to_string(c.seed)},
-          {"global_batch", std::to_string(c.globalBatch)},
-          {"drop_last", c.dropLast ? "yes" : "no"},
+  return {{"model", model}, {"dropout", exact(c.dropout)}, {"optimizer", c.optimizer}, {"lr", exact(c.learningRate())},
+          {"weight_decay", exact(c.decay())}, {"momentum", c.optimizer == "sgd" ? exact(c.momentum) : "-"}, {"schedule", c.schedule},
+          {"seed", std::to_string(c.seed)}, {"global_batch", std::to_string(c.globalBatch)}, {"drop_last", c.dropLast ? "yes" : "no"},
           {"train_examples", std::to_string(trainSize)}};
 }
 
@@ -248,18 +188,8 @@ int run(const Config& c, dt::Device device) {
                                  .config = resumeKeys(c, name, train->size()), .logEvery = c.logEvery, .quiet = c.quiet,
                                  .forceElastic = c.elastic};
   c.test.apply(options, [&] { return model; }, "trainer");
-  std::optional<std::chrono::steady_clock::time_point> benchStart, benchEnd;
-  int64_t benchFrom = -1;
-  options.hooks.at = [&](int64_t step, dt::train::Phase phase) {
-    if (phase != dt::train::Phase::Begin) return;
-    if (benchFrom < 0) benchFrom = step + c.benchWarmup;
-    if (step == benchFrom) benchStart = std::chrono::steady_clock::now();
-  };
-  auto stepLog = options.hooks.afterStep;
-  options.hooks.afterStep = [&, stepLog](const dt::train::StepDone& done) {
-    if (stepLog) stepLog(done);
-    if (done.steps == totalSteps) benchEnd = std::chrono::steady_clock::now();
-  };
+  examples::BenchWindow bench;
+  if (c.bench) bench.attach(options, c.benchWarmup);
   options.hooks.onLog = [&](const dt::train::Progress& p) {
     if (c.quiet) return;
     std::printf("epoch %lld/%lld  step %lld/%lld  loss %.4f  %.0f samples/s  elapsed %s  left %s\n", static_cast<long long>(p.epoch),
@@ -314,28 +244,19 @@ int run(const Config& c, dt::Device device) {
     if (!c.quiet) std::printf("trainer: rank %d/%d stopped cleanly after step %lld\n", loop.rank(), loop.worldSize(), static_cast<long long>(r.steps));
     return 0;
   }
-  if (c.bench && loop.rank() == 0) {
-    if (!benchStart || !benchEnd) {
-      std::fprintf(stderr, "trainer: --bench measured nothing: it needs more than --bench-warmup %lld steps (ran %lld)\n",
-                   static_cast<long long>(c.benchWarmup), static_cast<long long>(r.steps - r.firstStep));
-    } else {
-      const double seconds = std::chrono::duration<double>(*benchEnd - *benchStart).count();
-      const int64_t measured = r.steps - benchFrom;
-      std::printf("RESULT trainer impl=dtrain device=%s world=%d global_batch=%lld model=%s optimizer=%s steps=%lld step_ms=%.3f "
-                  "samples_per_s=%.1f data_wait_ms=%.3f\n",
-                  device.isCpu() ? "cpu" : "cuda", loop.worldSize(), static_cast<long long>(c.globalBatch), name.c_str(), c.optimizer.c_str(),
-                  static_cast<long long>(measured), 1e3 * seconds / static_cast<double>(measured),
-                  static_cast<double>(measured * c.globalBatch) / seconds, r.dataWaitMs);
-    }
+  if (c.bench && loop.rank() == 0 && !bench.measured()) {
+    std::fprintf(stderr, "trainer: --bench measured nothing: it needs more than --bench-warmup %lld steps (ran %lld)\n",
+                 static_cast<long long>(c.benchWarmup), static_cast<long long>(r.steps - r.firstStep));
+  } else if (c.bench && loop.rank() == 0) {
+    const double seconds = bench.seconds();
+    const int64_t measured = bench.steps();
+    std::printf("RESULT trainer impl=dtrain device=%s world=%d global_batch=%lld model=%s optimizer=%s steps=%lld step_ms=%.3f "
+                "samples_per_s=%.1f data_wait_ms=%.3f\n",
+                device.isCpu() ? "cpu" : "cuda", loop.worldSize(), static_cast<long long>(c.globalBatch), name.c_str(), c.optimizer.c_str(),
+                static_cast<long long>(measured), 1e3 * seconds / static_cast<double>(measured),
+                static_cast<double>(measured * c.globalBatch) / seconds, r.dataWaitMs);
   }
-  if (!c.quiet) {
-    std::printf("trainer: rank %d/%d final parameters fingerprint %016" PRIx64 " (spread across ranks %.3g)\n", loop.rank(), loop.worldSize(),
-                r.fingerprint, r.parameterSpread);
-  }
-  if (r.parameterSpread != 0.0) {
-    std::fprintf(stderr, "trainer: rank %d/%d: parameters differ across ranks (max difference %g)\n", loop.rank(), loop.worldSize(), r.parameterSpread);
-    return 1;
-  }
+  if (const int code = examples::reportParameters("trainer", loop, r, c.quiet)) return code;
   if (loop.rank() == 0) {
     std::string line = str("trainer: done: ", r.steps, " steps (", epochs, " epoch(s)) in ", examples::formatSeconds(r.elapsed));
     char buf[96];
@@ -360,13 +281,8 @@ int run(const Config& c, dt::Device device) {
 
 int main(int argc, char** argv) {
   return examples::runMain("trainer", [&] {
-    bool help = false;
-    const Config config = parseArgs(argc, argv, help);
-    if (help) {
-      std::fputs(kUsage, stdout);
-      std::fputs(examples::TestFlags::kUsage, stdout);
-      return 0;
-    }
+    Config config;
+    if (!parseArgs(argc, argv, config)) return 0;
     const dt::Device device = examples::deviceFor("trainer", config.device);
     dt::setCurrentDevice(device);  // before any CUDA call, so no rank opens a context on cuda:0 too
     return run(config, device);

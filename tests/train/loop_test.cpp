@@ -192,14 +192,14 @@ TEST_F(TrainLoop, MisuseReadsAsAnErrorAtTheCall) {
   }
 }
 
-TEST_F(TrainLoop, FullyShardedUnderElasticALossGoesBackToTheCheckpointAndAJoinerGetsTheShards) {
+// Member 1 dies in step 15's backward (reduce-scatters in flight): the others go back to step
+// 10's checkpoint at world 3; its replacement joins by step 30 and receives its parts.
+void expectShardedRecoveryFromTheCheckpoint(const std::string& data, const std::vector<std::string>& sharding) {
   TempDir out;
-  const std::string data = data_->path().string();
-  // Member 1 dies in step 15's backward (reduce-scatters in flight): the others go back to step
-  // 10's checkpoint at world 3; its replacement joins by step 30 and receives its shards.
-  const auto r = runProcess(dtrunProgram(4, {"--elastic", "--max-restarts", "1"}, kLoopWorker,
-                                  {data, out.path().string(), "40", "--pause-ms", "20", "--sharding", "full"}),
-                            240s, {"DT_TEST_FAIL_AT=1:15:backward", "DT_TEST_WAIT_FOR_JOINER_AT=30"});
+  std::vector<std::string> argv{data, out.path().string(), "40", "--pause-ms", "20"};
+  argv.insert(argv.end(), sharding.begin(), sharding.end());
+  const auto r = runProcess(dtrunProgram(4, {"--elastic", "--max-restarts", "1"}, kLoopWorker, argv), 240s,
+                            {"DT_TEST_FAIL_AT=1:15:backward", "DT_TEST_WAIT_FOR_JOINER_AT=30"});
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("go on from step 10 (the newest checkpoint: the lost shards have no other copy) without"));
   EXPECT_THAT(r.out, HasSubstr("its shards received in"));
@@ -210,6 +210,10 @@ TEST_F(TrainLoop, FullyShardedUnderElasticALossGoesBackToTheCheckpointAndAJoiner
     EXPECT_EQ(line.params, lines.at(0).params) << "rank " << rank << ": the whole parameters differ";
     EXPECT_EQ(line.ema, lines.at(0).ema) << "rank " << rank;
   }
+}
+
+TEST_F(TrainLoop, FullyShardedUnderElasticALossGoesBackToTheCheckpointAndAJoinerGetsTheShards) {
+  expectShardedRecoveryFromTheCheckpoint(data_->path().string(), {"--sharding", "full"});
 }
 
 // ZeRO's parts are cut on DDP's bucket layout, which a resumed run restores before it cuts
@@ -239,21 +243,7 @@ TEST_F(TrainLoop, ZeroTwoResumesBitwise) {
 // the optimizer for the new group and go back to the newest checkpoint; a joiner receives its
 // parts from the members.
 TEST_F(TrainLoop, ZeroTwoUnderElasticALossGoesBackToTheCheckpointAndAJoinerGetsItsParts) {
-  TempDir out;
-  const auto r = runProcess(dtrunProgram(4, {"--elastic", "--max-restarts", "1"}, kLoopWorker,
-                                         {data_->path().string(), out.path().string(), "40", "--pause-ms", "20",
-                                          "--sharding", "zero2", "--clip", "1"}),
-                            240s, {"DT_TEST_FAIL_AT=1:15:backward", "DT_TEST_WAIT_FOR_JOINER_AT=30"});
-  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
-  EXPECT_THAT(r.out, HasSubstr("go on from step 10 (the newest checkpoint: the lost shards have no other copy) without"));
-  EXPECT_THAT(r.out, HasSubstr("its shards received in"));
-  const auto lines = workerLines(r.out);
-  ASSERT_EQ(lines.size(), 4u) << r.out;
-  for (const auto& [rank, line] : lines) {
-    EXPECT_EQ(line.counter, 40) << "rank " << rank;
-    EXPECT_EQ(line.params, lines.at(0).params) << "rank " << rank << ": the parameters differ";
-    EXPECT_EQ(line.ema, lines.at(0).ema) << "rank " << rank;
-  }
+  expectShardedRecoveryFromTheCheckpoint(data_->path().string(), {"--sharding", "zero2", "--clip", "1"});
 }
 
 TEST_F(TrainLoop, AProfileWindowAndAnomalyModeAreOptions) {
