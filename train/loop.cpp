@@ -864,7 +864,9 @@ LoopResult Loop::run(StepFunction fn) {
     const std::optional<CheckpointRef> ref = findCheckpoint();
     if (zeroSharded()) {
       wrapReplicated(true);
-      if (!ref) settleBuckets(fn);
+      // A checkpoint without DDP's bucket order (written by another mode, or before DDP had
+      // settled) settles here too: ZeRO's parts must not be cut again once its state is loaded.
+      if (!ref || bucketOrder_.empty()) settleBuckets(fn);
       shardOptimizerState();
     }
     if (ref) resume(*ref);
