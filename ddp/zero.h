@@ -37,9 +37,10 @@
 //    synchronize() waits for all of them (what a checkpoint, or code that reads the
 //    parameters, calls first; modelState() does).
 //  * DDP must not change its buckets after the optimizer's first step: its one rebuild happens
-//    after the first iteration, so run one iteration before the first step (examples/gpt's
-//    settleBuckets) or plan the buckets from a saved order; a later change throws
-//    InvalidArgument.
+//    after the first iteration, so run one iteration before the first step (the training loop's
+//    settleBuckets, train/loop.cpp) or plan the buckets from a saved order; a later change throws
+//    InvalidArgument. Loading optimizer state does not count as a step: load it only after
+//    the buckets are settled or planned.
 //  * Not thread-safe, as DDP. Construction is local (no collective); it must happen on every
 //    rank, between iterations. The ZeroRedundancy must outlive its use by DDP's hooks and be
 //    destroyed before the DDP module (it reinstalls the default hook).

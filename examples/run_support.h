@@ -1,9 +1,12 @@
-// What the example training programs (trainer, gpt) share: flag values and main()'s error
-// handling. Stop signals, fingerprints and the like are the training library's
-// (train/support.h), re-exported here; checkpoints are checkpoint/checkpoint_dir.h's.
+// What the example training programs (trainer, gpt) share: flags and their --help, the test
+// switches, --bench's clock, the final fingerprint lines and main()'s error handling. Stop
+// signals, fingerprints and the like are the training library's (train/support.h), re-exported
+// here; checkpoints are checkpoint/checkpoint_dir.h's.
 //
-// Contract: parse helpers throw dt::InvalidArgument "<program>: <flag> ..." naming the value and
-// what was expected. Nothing keeps state.
+// Contract: parse helpers and Flags::parse throw dt::InvalidArgument "<program>: <flag> ..."
+// naming the value and what was expected. Flags keeps references to the variables bound
+// to it and BenchWindow::attach leaves `this` in the loop's hooks: both must outlive their use.
+// Everything here is for main()'s thread.
 #pragma once
 
 #include <atomic>
