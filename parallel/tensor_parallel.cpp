@@ -1,0 +1,487 @@
+#include "parallel/tensor_parallel.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string_view>
+
+#include "common/check.h"
+#include "common/strings.h"
+#include "tensor/autograd/function.h"
+
+namespace dt {
+namespace {
+
+// ---- counting -----------------------------------------------------------------------------------
+// Counts live beside the groups, keyed by address; the weak pointer tells a group that died
+// (its address may be reused by a new one, which must start from zero).
+struct CountsEntry {
+  std::weak_ptr<ProcessGroup> owner;
+  TpCollectiveCounts counts;
+};
+std::mutex countsMutex;
+std::map<const ProcessGroup*, CountsEntry> countsByGroup;
+
+enum class Collective { AllReduce, AllGather, ReduceScatter };
+
+void recordCollective(const ProcessGroupPtr& group, Collective kind, int64_t elements) {
+  std::lock_guard<std::mutex> lock(countsMutex);
+  auto it = countsByGroup.find(group.get());
+  if (it == countsByGroup.end() || it->second.owner.lock() != group) {
+    std::erase_if(countsByGroup, [](const auto& item) { return item.second.owner.expired(); });
+    it = countsByGroup.insert_or_assign(group.get(), CountsEntry{group, {}}).first;
+  }
+  TpCollectiveCounts& counts = it->second.counts;
+  switch (kind) {
+    case Collective::AllReduce:
+      ++counts.allReduces;
+      break;
+    case Collective::AllGather:
+      ++counts.allGathers;
+      break;
+    case Collective::ReduceScatter:
+      ++counts.reduceScatters;
+      break;
+  }
+  counts.elements += elements;
+}
+
+// ---- the collectives, synchronous and counted ---------------------------------------------------
+void requireGroup(const ProcessGroupPtr& group, std::string_view op) {
+  DT_REQUIRE(group != nullptr, op, ": the tensor-parallel group is null");
+  DT_REQUIRE(group->isMember(), op, ": this process is not a member of tensor-parallel group ", group->name(),
+             " (ranks ", formatRanges(group->parentRanks()), "); pass this rank's group, e.g. mesh[\"tp\"]");
+}
+
+std::string groupText(const ProcessGroup& group) {
+  return str("rank ", group.rank(), "/", group.size(), " pg=", group.name());
+}
+
+// The size of x's dimension `dim` over the degree; InvalidArgument when the degree does not divide it.
+int64_t blockOf(const Tensor& x, int64_t dim, const ProcessGroup& group, std::string_view op) {
+  const int64_t whole = x.size(dim);
+  DT_REQUIRE(whole % group.size() == 0, op, ": dim ", dim, " of ", x.describe(), " has size ", whole,
+             ", which the tensor-parallel degree ", group.size(), " (", groupText(group), ") does not divide");
+  return whole / group.size();
+}
+
+Tensor allReduced(const Tensor& x, const ProcessGroupPtr& group, ReduceOp op = ReduceOp::Sum) {
+  if (group->size() == 1) return x;
+  Tensor out = x.clone();
+  group->allreduce(out, AllreduceOptions{.reduceOp = op})->wait();
+  recordCollective(group, Collective::AllReduce, out.numel());
+  return out;
+}
+
+// Rank r's block of x along dim (a copy, so that the result owns its memory).
+Tensor splitAlong(const Tensor& x, int64_t dim, const ProcessGroupPtr& group) {
+  if (group->size() == 1) return x;
+  const int64_t block = x.size(dim) / group->size();
+  return x.narrow(dim, group->rank() * block, block).clone();
+}
+
+// Every rank's x side by side along dim: gathered into [t, *x.shape] (blocks along dim 0, as the
+// backends cut them), then the t axis moved in front of dim and merged with it.
+Tensor gatherAlong(const Tensor& x, int64_t dim, const ProcessGroupPtr& group) {
+  const int t = group->size();
+  if (t == 1) return x;
+  Shape bufferShape{t};
+  bufferShape.insert(bufferShape.end(), x.sizes().begin(), x.sizes().end());
+  Tensor buffer = empty(bufferShape, x.options());
+  group->allgatherIntoTensor(buffer, x.contiguous())->wait();
+  recordCollective(group, Collective::AllGather, buffer.numel());
+  Shape order;
+  for (int64_t d = 1; d <= dim; ++d) order.push_back(d);
+  order.push_back(0);
+  for (int64_t d = dim + 1; d <= x.dim(); ++d) order.push_back(d);
+  Shape whole = x.sizes();
+  whole[dim] *= t;
+  return buffer.permute(order).reshape(whole);
+}
+
+// The sum over ranks of x, of which this rank keeps block r along dim: x viewed as
+// [..., t, block, ...], the t axis moved to the front, reduce-scattered by blocks of dim 0.
+Tensor reduceScatterAlong(const Tensor& x, int64_t dim, const ProcessGroupPtr& group) {
+  const int64_t t = group->size();
+  if (t == 1) return x;
+  Shape split = x.sizes();
+  const int64_t block = split[dim] / t;
+  split[dim] = block;
+  split.insert(split.begin() + dim, t);
+  Shape order{dim};
+  for (int64_t d = 0; d < static_cast<int64_t>(split.size()); ++d) {
+    if (d != dim) order.push_back(d);
+  }
+  Tensor input = x.reshape(split).permute(order).contiguous();
+  Shape outShape = x.sizes();
+  outShape[dim] = block;
+  Tensor out = empty(outShape, x.options());
+  group->reduceScatterTensor(out, input)->wait();
+  recordCollective(group, Collective::ReduceScatter, input.numel());
+  return out;
+}
+
+using autograd::FunctionContext;
+
+const ProcessGroupPtr& groupOf(const FunctionContext& ctx) { return ctx.get<ProcessGroupPtr>("group"); }
+int64_t dimOf(const FunctionContext& ctx) { return ctx.get<int64_t>("dim"); }
+
+struct CopyToRegion : autograd::Function<CopyToRegion> {
+  static constexpr std::string_view name = "CopyToTensorParallelRegion";
+  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group) {
+    ctx.set("group", group);
+    return x;
+  }
+  static Tensor backward(FunctionContext& ctx, const TensorList& grads) { return allReduced(grads[0], groupOf(ctx)); }
+};
+
+struct ReduceFromRegion : autograd::Function<ReduceFromRegion> {
+  static constexpr std::string_view name = "ReduceFromTensorParallelRegion";
+  static Tensor forward(FunctionContext&, const Tensor& x, const ProcessGroupPtr& group) {
+    return allReduced(x, group);
+  }
+  static Tensor backward(FunctionContext&, const TensorList& grads) { return grads[0]; }
+};
+
+// Forward keeps this rank's block along dim; backward gathers the blocks' gradients.
+struct SplitRegion : autograd::Function<SplitRegion> {
+  static constexpr std::string_view name = "SplitToParallelRegion";
+  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
+    ctx.set("group", group);
+    ctx.set("dim", dim);
+    return splitAlong(x, dim, group);
+  }
+  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
+    return gatherAlong(grads[0], dimOf(ctx), groupOf(ctx));
+  }
+};
+
+// Forward gathers the blocks along dim; backward keeps this rank's block of the gradient.
+struct GatherRegion : autograd::Function<GatherRegion> {
+  static constexpr std::string_view name = "GatherFromParallelRegion";
+  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
+    ctx.set("group", group);
+    ctx.set("dim", dim);
+    return gatherAlong(x, dim, group);
+  }
+  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
+    return splitAlong(grads[0], dimOf(ctx), groupOf(ctx));
+  }
+};
+
+// Sequence parallelism's pair: entering a TP region from a sequence shard, every rank needs the
+// whole sequence (all-gather) and its gradient there is a partial sum of the ranks' (their
+// heads or columns each contribute), so backward sums and keeps this rank's block.
+struct GatherSequence : autograd::Function<GatherSequence> {
+  static constexpr std::string_view name = "GatherFromSequenceParallelRegion";
+  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
+    ctx.set("group", group);
+    ctx.set("dim", dim);
+    return gatherAlong(x, dim, group);
+  }
+  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
+    return reduceScatterAlong(grads[0], dimOf(ctx), groupOf(ctx));
+  }
+};
+
+// Leaving a TP region into a sequence shard: the partial sums are reduced and each rank keeps
+// its block of the sequence; the gradient of a block is needed whole on every rank.
+struct ReduceScatterSequence : autograd::Function<ReduceScatterSequence> {
+  static constexpr std::string_view name = "ReduceScatterToSequenceParallelRegion";
+  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
+    ctx.set("group", group);
+    ctx.set("dim", dim);
+    return reduceScatterAlong(x, dim, group);
+  }
+  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
+    return gatherAlong(grads[0], dimOf(ctx), groupOf(ctx));
+  }
+};
+
+// The checked dimension for a region function: wrapped, and (for a split) divisible by the degree.
+int64_t regionDim(const Tensor& x, int64_t dim, const ProcessGroupPtr& group, std::string_view op, bool splits) {
+  requireGroup(group, op);
+  DT_REQUIRE(x.defined() && x.dim() >= 1, op, ": needs a tensor of at least one dimension, got ",
+             x.defined() ? x.describe() : std::string("an undefined tensor"));
+  DT_REQUIRE(dim >= -x.dim() && dim < x.dim(), op, ": dim ", dim, " is out of range for ", x.describe());
+  const int64_t wrapped = dim < 0 ? dim + x.dim() : dim;
+  if (splits) blockOf(x, wrapped, *group, op);
+  return wrapped;
+}
+
+// ---- vocab-parallel cross-entropy ----------------------------------------------------------------
+struct VocabParallelCrossEntropyFunction : autograd::Function<VocabParallelCrossEntropyFunction> {
+  static constexpr std::string_view name = "VocabParallelCrossEntropy";
+
+  static Tensor forward(FunctionContext& ctx, const Tensor& localLogits, const Tensor& targets,
+                        const ProcessGroupPtr& group, VocabParallelCrossEntropyOptions options) {
+    const int64_t localVocab = localLogits.sizes().back();
+    const int64_t rows = localLogits.numel() / localVocab;
+    const int64_t vocabStart = group->rank() * localVocab;
+    const int64_t vocab = localVocab * group->size();
+    // From the targets (the same on every rank): which rows count, and the one-hot of each
+    // target on this rank's block of the vocabulary (zero rows where the target is elsewhere).
+    const std::vector<int64_t> target = targets.to(DType::Int64).toVector<int64_t>();
+    std::vector<double> valid(static_cast<size_t>(rows), 0.0);
+    std::vector<double> oneHot(static_cast<size_t>(rows * localVocab), 0.0);
+    int64_t counted = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t t = target[static_cast<size_t>(i)];
+      if (t == options.ignoreIndex) continue;
+      DT_REQUIRE(t >= 0 && t < vocab, "vocabParallelCrossEntropy: target ", t, " at flat index ", i,
+                 " is outside the vocabulary [0, ", vocab, ") (", localVocab, " logits per rank x degree ",
+                 group->size(), ", ", groupText(*group), ")");
+      valid[static_cast<size_t>(i)] = 1.0;
+      ++counted;
+      if (t >= vocabStart && t < vocabStart + localVocab) {
+        oneHot[static_cast<size_t>(i * localVocab + (t - vocabStart))] = 1.0;
+      }
+    }
+    const TensorOptions like = localLogits.options();
+    const Tensor validRows = fromVector(valid, {rows}, like);
+    const Tensor targetMask = fromVector(oneHot, {rows, localVocab}, like);
+
+    const Tensor logits = localLogits.reshape({rows, localVocab});
+    const Tensor rowMax = allReduced(amax(logits, {1}), group, ReduceOp::Max);
+    const Tensor shifted = logits - rowMax.unsqueeze(1);
+    const Tensor expShifted = exp(shifted);
+    const Tensor sumExp = allReduced(sum(expShifted, {1}), group);
+    // Adding zeros is exact: each row's target logit comes from the one rank that holds it.
+    const Tensor targetLogit = allReduced(sum(shifted * targetMask, {1}), group);
+    const Tensor perRow = (log(sumExp) - targetLogit) * validRows;
+
+    ctx.saveForBackward(expShifted / sumExp.unsqueeze(1), targetMask, validRows);
+    ctx.set("shape", localLogits.sizes());
+    ctx.set("reduction", options.reduction);
+    ctx.set("counted", counted);
+    switch (options.reduction) {
+      case Reduction::None:
+        return perRow.reshape(targets.sizes());
+      case Reduction::Sum:
+        return sum(perRow);
+      case Reduction::Mean:
+        break;
+    }
+    return sum(perRow) / static_cast<double>(counted);
+  }
+
+  static TensorList backward(FunctionContext& ctx, const TensorList& grads) {
+    const TensorList saved = ctx.savedTensors();
+    const Tensor& softmax = saved[0];
+    const Tensor& targetMask = saved[1];
+    const Tensor& validRows = saved[2];
+    Tensor rowScale;
+    switch (ctx.get<Reduction>("reduction")) {
+      case Reduction::None:
+        rowScale = grads[0].reshape({-1}) * validRows;
+        break;
+      case Reduction::Sum:
+        rowScale = validRows * grads[0];
+        break;
+      case Reduction::Mean:
+        rowScale = validRows * grads[0] / static_cast<double>(ctx.get<int64_t>("counted"));
+        break;
+    }
+    const Tensor gradLogits = (softmax - targetMask) * rowScale.unsqueeze(1);
+    return {gradLogits.reshape(ctx.get<Shape>("shape")), Tensor()};
+  }
+};
+
+}  // namespace
+
+TpCollectiveCounts operator-(const TpCollectiveCounts& a, const TpCollectiveCounts& b) {
+  return {a.allReduces - b.allReduces, a.allGathers - b.allGathers, a.reduceScatters - b.reduceScatters,
+          a.elements - b.elements};
+}
+
+TpCollectiveCounts tpCollectiveCounts(const ProcessGroup& group) {
+  std::lock_guard<std::mutex> lock(countsMutex);
+  const auto it = countsByGroup.find(&group);
+  if (it == countsByGroup.end() || it->second.owner.lock().get() != &group) return {};
+  return it->second.counts;
+}
+
+// ---- region functions ---------------------------------------------------------------------------
+Tensor copyToTensorParallelRegion(const Tensor& x, const ProcessGroupPtr& group) {
+  requireGroup(group, "copyToTensorParallelRegion");
+  return CopyToRegion::apply(x, group);
+}
+
+Tensor reduceFromTensorParallelRegion(const Tensor& x, const ProcessGroupPtr& group) {
+  requireGroup(group, "reduceFromTensorParallelRegion");
+  return ReduceFromRegion::apply(x, group);
+}
+
+Tensor scatterToTensorParallelRegion(const Tensor& x, const ProcessGroupPtr& group) {
+  return SplitRegion::apply(x, group, regionDim(x, -1, group, "scatterToTensorParallelRegion", true));
+}
+
+Tensor gatherFromTensorParallelRegion(const Tensor& x, const ProcessGroupPtr& group) {
+  return GatherRegion::apply(x, group, regionDim(x, -1, group, "gatherFromTensorParallelRegion", false));
+}
+
+Tensor scatterToSequenceParallelRegion(const Tensor& x, const ProcessGroupPtr& group, int64_t seqDim) {
+  return SplitRegion::apply(x, group, regionDim(x, seqDim, group, "scatterToSequenceParallelRegion", true));
+}
+
+Tensor gatherFromSequenceParallelRegion(const Tensor& x, const ProcessGroupPtr& group, int64_t seqDim) {
+  return GatherSequence::apply(x, group, regionDim(x, seqDim, group, "gatherFromSequenceParallelRegion", false));
+}
+
+Tensor reduceScatterToSequenceParallelRegion(const Tensor& x, const ProcessGroupPtr& group, int64_t seqDim) {
+  return ReduceScatterSequence::apply(
+      x, group, regionDim(x, seqDim, group, "reduceScatterToSequenceParallelRegion", true));
+}
+
+// ---- layers -------------------------------------------------------------------------------------
+TensorParallelModule::TensorParallelModule(ProcessGroupPtr group) : group_(std::move(group)) {
+  requireGroup(group_, "TensorParallelModule");
+}
+
+Tensor TensorParallelModule::shardOf(const Tensor& whole, int64_t dim, const char* module, const char* what) const {
+  const int64_t size = whole.size(dim);
+  const int degree = group_->size();
+  DT_REQUIRE(size % degree == 0, module, ": ", size, " ", what, " do not split over the tensor-parallel degree ",
+             degree, " (", groupText(*group_), "); choose a size that ", degree, " divides");
+  const int64_t block = size / degree;
+  NoGradGuard noGrad;
+  return whole.detach().narrow(dim, group_->rank() * block, block).clone();
+}
+
+namespace {
+
+void requireLinear(const Tensor& weight, const Tensor& bias, const char* module) {
+  DT_REQUIRE(weight.defined() && weight.dim() == 2, module, ": the whole weight must be [out, in], got ",
+             weight.defined() ? weight.describe() : std::string("an undefined tensor"));
+  DT_REQUIRE(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), module, ": the bias ",
+             bias.defined() ? bias.describe() : std::string(), " does not fit the weight ", weight.describe(),
+             " (want [", weight.size(0), "])");
+}
+
+void requireFeatures(const Tensor& x, int64_t features, const char* module, const char* what) {
+  DT_REQUIRE(x.defined() && x.dim() >= 1 && x.sizes().back() == features, module, ": input ",
+             x.defined() ? x.describe() : std::string("(undefined)"), " must end in ", features, " ", what);
+}
+
+}  // namespace
+
+ColumnParallelLinear::ColumnParallelLinear(const Tensor& fullWeight, const Tensor& fullBias, ProcessGroupPtr group,
+                                           ColumnParallelOptions options)
+    : TensorParallelModule(std::move(group)), options_(options) {
+  requireLinear(fullWeight, fullBias, "ColumnParallelLinear");
+  outFeatures_ = fullWeight.size(0);
+  inFeatures_ = fullWeight.size(1);
+  weight = registerParameter("weight", shardOf(fullWeight, 0, "ColumnParallelLinear", "output features"));
+  if (fullBias.defined()) bias = registerParameter("bias", shardOf(fullBias, 0, "ColumnParallelLinear", "output features"));
+}
+
+ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& full, ProcessGroupPtr group, ColumnParallelOptions options)
+    : ColumnParallelLinear(full.weight, full.bias, std::move(group), options) {}
+
+Tensor ColumnParallelLinear::forward(const Tensor& x) {
+  requireFeatures(x, inFeatures_, "ColumnParallelLinear", "input features");
+  const Tensor local = linear(copyToTensorParallelRegion(x, group_), weight, bias);
+  return options_.gatherOutput ? gatherFromTensorParallelRegion(local, group_) : local;
+}
+
+std::vector<ParameterShard> ColumnParallelLinear::parameterShards() const {
+  const int64_t offset = group_->rank() * weight.size(0);
+  std::vector<ParameterShard> shards{{"weight", {outFeatures_, inFeatures_}, 0, offset}};
+  if (bias.defined()) shards.push_back({"bias", {outFeatures_}, 0, offset});
+  return shards;
+}
+
+RowParallelLinear::RowParallelLinear(const Tensor& fullWeight, const Tensor& fullBias, ProcessGroupPtr group,
+                                     RowParallelOptions options)
+    : TensorParallelModule(std::move(group)), options_(options) {
+  requireLinear(fullWeight, fullBias, "RowParallelLinear");
+  outFeatures_ = fullWeight.size(0);
+  inFeatures_ = fullWeight.size(1);
+  weight = registerParameter("weight", shardOf(fullWeight, 1, "RowParallelLinear", "input features"));
+  if (fullBias.defined()) {
+    NoGradGuard noGrad;
+    bias = registerParameter("bias", fullBias.detach().clone());
+  }
+}
+
+RowParallelLinear::RowParallelLinear(const nn::Linear& full, ProcessGroupPtr group, RowParallelOptions options)
+    : RowParallelLinear(full.weight, full.bias, std::move(group), options) {}
+
+Tensor RowParallelLinear::forward(const Tensor& x) {
+  Tensor input = x;
+  if (options_.inputIsParallel) {
+    requireFeatures(x, weight.size(1), "RowParallelLinear", "input features (this rank's block)");
+  } else {
+    requireFeatures(x, inFeatures_, "RowParallelLinear", "input features");
+    input = scatterToTensorParallelRegion(x, group_);
+  }
+  // The partial products are summed first and the bias added once: added before the
+  // all-reduce it would count t times.
+  const Tensor summed = reduceFromTensorParallelRegion(linear(input, weight), group_);
+  return bias.defined() ? summed + bias : summed;
+}
+
+std::vector<ParameterShard> RowParallelLinear::parameterShards() const {
+  std::vector<ParameterShard> shards{{"weight", {outFeatures_, inFeatures_}, 1, group_->rank() * weight.size(1)}};
+  if (bias.defined()) shards.push_back({"bias", {outFeatures_}, -1, 0});
+  return shards;
+}
+
+VocabParallelEmbedding::VocabParallelEmbedding(const Tensor& fullWeight, ProcessGroupPtr group)
+    : TensorParallelModule(std::move(group)) {
+  DT_REQUIRE(fullWeight.defined() && fullWeight.dim() == 2,
+             "VocabParallelEmbedding: the whole table must be [vocabulary, dim], got ",
+             fullWeight.defined() ? fullWeight.describe() : std::string("an undefined tensor"));
+  vocabSize_ = fullWeight.size(0);
+  weight = registerParameter("weight", shardOf(fullWeight, 0, "VocabParallelEmbedding", "vocabulary rows"));
+  vocabStart_ = group_->rank() * weight.size(0);
+}
+
+VocabParallelEmbedding::VocabParallelEmbedding(const nn::Embedding& full, ProcessGroupPtr group)
+    : VocabParallelEmbedding(full.weight, std::move(group)) {}
+
+Tensor VocabParallelEmbedding::forward(const Tensor& tokens) {
+  DT_REQUIRE(tokens.defined() && (tokens.dtype() == DType::Int64 || tokens.dtype() == DType::Int32),
+             "VocabParallelEmbedding: tokens must be int32 or int64, got ",
+             tokens.defined() ? tokens.describe() : std::string("an undefined tensor"));
+  const std::vector<int64_t> ids = tokens.to(DType::Int64).toVector<int64_t>();
+  const int64_t rows = weight.size(0);
+  std::vector<int64_t> local(ids.size(), 0);
+  std::vector<double> here(ids.size(), 0.0);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int64_t token = ids[i];
+    DT_REQUIRE(token >= 0 && token < vocabSize_, "VocabParallelEmbedding: token ", token, " at flat index ", i,
+               " is outside the vocabulary [0, ", vocabSize_, ")");
+    if (token < vocabStart_ || token >= vocabStart_ + rows) continue;
+    local[i] = token - vocabStart_;
+    here[i] = 1.0;
+  }
+  // Tokens of other ranks look up row 0 and are zeroed by the mask (so their gradient is too).
+  const Tensor lookedUp = embedding(weight, fromVector(local, tokens.sizes()));
+  const Tensor mask = fromVector(here, tokens.sizes(), weight.options()).unsqueeze(-1);
+  return reduceFromTensorParallelRegion(lookedUp * mask, group_);
+}
+
+std::vector<ParameterShard> VocabParallelEmbedding::parameterShards() const {
+  return {{"weight", {vocabSize_, weight.size(1)}, 0, vocabStart_}};
+}
+
+Tensor vocabParallelCrossEntropy(const Tensor& localLogits, const Tensor& targets, const ProcessGroupPtr& group,
+                                 const VocabParallelCrossEntropyOptions& options) {
+  requireGroup(group, "vocabParallelCrossEntropy");
+  DT_REQUIRE(localLogits.defined() && localLogits.dim() >= 1 &&
+                 (localLogits.dtype() == DType::Float32 || localLogits.dtype() == DType::Float64),
+             "vocabParallelCrossEntropy: logits must be float32 or float64 [*, vocabulary / t], got ",
+             localLogits.defined() ? localLogits.describe() : std::string("an undefined tensor"));
+  DT_REQUIRE(targets.defined() && (targets.dtype() == DType::Int64 || targets.dtype() == DType::Int32),
+             "vocabParallelCrossEntropy: targets must be int32 or int64, got ",
+             targets.defined() ? targets.describe() : std::string("an undefined tensor"));
+  Shape rowShape = localLogits.sizes();
+  rowShape.pop_back();
+  DT_REQUIRE(targets.sizes() == rowShape, "vocabParallelCrossEntropy: targets ", targets.describe(),
+             " must have the logits' shape without the last dim ", describeShape(rowShape), " (logits ",
+             localLogits.describe(), ")");
+  return VocabParallelCrossEntropyFunction::apply(localLogits, targets, group, options);
+}
+
+}  // namespace dt

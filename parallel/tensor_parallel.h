@@ -1,0 +1,197 @@
+// Tensor parallelism (Megatron-LM's layers; PyTorch's ColwiseParallel / RowwiseParallel /
+// SequenceParallel / loss_parallel): one layer's weights split over a tensor-parallel (TP)
+// group, the conjugate collectives in forward and backward that keep the result equal to the
+// unsplit layer's.
+//
+//   auto mesh = dt::DeviceMesh::create(world, {{"dp", 2}, {"tp", 2}});
+//   dt::nn::Linear fc(h, 4 * h, true, gen), proj(4 * h, h, true, gen);   // same seed on every rank
+//   dt::ColumnParallelLinear up(fc, mesh["tp"]);      // rows of fc.weight: out features / t
+//   dt::RowParallelLinear down(proj, mesh["tp"]);     // columns of proj.weight: in features / t
+//   dt::Tensor y = down(dt::gelu(up(x)));              // = proj(gelu(fc(x))), one all-reduce each way
+//
+// The region functions (the autograd functions underneath), as Megatron names them; "region"
+// is the stretch of the model whose activations are split over the group:
+//                                        forward                 backward
+//   copyToTensorParallelRegion           identity                all-reduce (sum)
+//   reduceFromTensorParallelRegion       all-reduce (sum)        identity
+//   scatterToTensorParallelRegion        split the last dim      all-gather the last dim
+//   gatherFromTensorParallelRegion       all-gather the last dim split the last dim
+//   scatterToSequenceParallelRegion      split seqDim            all-gather seqDim
+//   gatherFromSequenceParallelRegion     all-gather seqDim       reduce-scatter seqDim (sum)
+//   reduceScatterToSequenceParallelRegion reduce-scatter seqDim  all-gather seqDim
+// Rank r of the group holds block r of a split dimension (equal blocks, in group rank order).
+// seqDim defaults to 1, the T of dtrain's [B, T, C] activations (Megatron's [s, b, h] uses 0).
+//
+// Contract:
+//  * Collective: every rank of the TP group runs the same layers on tensors of the same shapes
+//    in the same order, forward and backward (the collectives run inside them, synchronously:
+//    a call returns once its collective has completed, and a failed or timed-out collective
+//    throws the group's error from forward or from backward()). Inputs of a replicated region
+//    must be equal on every rank of the group (the same batch); nothing checks it.
+//  * Gradients: a split parameter's .grad is this rank's block of the full gradient; a
+//    replicated one (RowParallelLinear's bias) gets the same full gradient on every rank.
+//    Data-parallel reduction over other mesh dimensions is the caller's (DDP, the sharded
+//    wrapper), never these layers'.
+//  * Counting: every collective these functions and layers issue is counted per group
+//    (tpCollectiveCounts), so tests pin how many ran rather than time them.
+//  * Errors: InvalidArgument in one line at the call, naming the module or function, the size
+//    and the TP degree: a width, vocabulary or split dimension the degree does not divide (no
+//    uneven shards yet), shapes that do not fit the layer; a null or non-member group.
+//  * Ownership and threads: modules own their shards (plain leaf tensors registered as
+//    parameters "weight" / "bias", so optimizers, DDP and state dicts see them as any module's);
+//    they keep the group alive. Not thread-safe (as nn::Module); the functions may run on any
+//    thread but one group's collectives must be issued from one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "process_group/process_group.h"
+#include "tensor/nn/module.h"
+#include "tensor/ops.h"
+
+namespace dt {
+
+// ---- counting ---------------------------------------------------------------------------------
+struct TpCollectiveCounts {
+  int64_t allReduces = 0;
+  int64_t allGathers = 0;
+  int64_t reduceScatters = 0;
+  // Elements of the whole tensor of each collective (the all-reduced tensor, the gathered
+  // output, the reduce-scattered input), summed: the traffic formulas are in these.
+  int64_t elements = 0;
+  int64_t total() const { return allReduces + allGathers + reduceScatters; }
+};
+TpCollectiveCounts operator-(const TpCollectiveCounts& a, const TpCollectiveCounts& b);
+// What the functions of this header issued on `group` since it was created (zeros for a group
+// they never used). Thread-safe; a group's counts go when the group does.
+TpCollectiveCounts tpCollectiveCounts(const ProcessGroup& group);
+
+// ---- region functions (see the table above) ---------------------------------------------------
+Tensor copyToTensorParallelRegion(const Tensor& x, const ProcessGroupPtr& group);
+Tensor reduceFromTensorParallelRegion(const Tensor& x, const ProcessGroupPtr& group);
+Tensor scatterToTensorParallelRegion(const Tensor& x, const ProcessGroupPtr& group);
+Tensor gatherFromTensorParallelRegion(const Tensor& x, const ProcessGroupPtr& group);
+Tensor scatterToSequenceParallelRegion(const Tensor& x, const ProcessGroupPtr& group, int64_t seqDim = 1);
+Tensor gatherFromSequenceParallelRegion(const Tensor& x, const ProcessGroupPtr& group, int64_t seqDim = 1);
+Tensor reduceScatterToSequenceParallelRegion(const Tensor& x, const ProcessGroupPtr& group, int64_t seqDim = 1);
+
+// ---- layers -------------------------------------------------------------------------------------
+// Where one parameter of a TP layer sits in the whole (unsplit) parameter: what a checkpoint
+// needs to save a shard under the global name and shape and load it at another degree.
+struct ParameterShard {
+  std::string name;  // as the module's namedParameters() spells it
+  Shape globalShape;
+  int64_t dim = -1;     // the dimension split over the group; -1: replicated (the whole tensor here)
+  int64_t offset = 0;   // where this rank's block starts along dim
+};
+
+class TensorParallelModule : public nn::Module {
+ public:
+  explicit TensorParallelModule(ProcessGroupPtr group);
+  const ProcessGroupPtr& group() const { return group_; }
+  // One entry per parameter of this module (not of its children), in registration order.
+  virtual std::vector<ParameterShard> parameterShards() const = 0;
+
+ protected:
+  // The block of `whole` along `dim` that this rank keeps, as a fresh leaf (a copy: the whole
+  // tensor may go away). InvalidArgument naming `module`, `what`, the size and the degree when
+  // the degree does not divide it.
+  Tensor shardOf(const Tensor& whole, int64_t dim, const char* module, const char* what) const;
+  ProcessGroupPtr group_;
+};
+
+struct ColumnParallelOptions {
+  // All-gather the output's last dim so that the caller gets the whole [*, out] (the layer is
+  // then a drop-in Linear); off, the output is this rank's [*, out / t] block.
+  bool gatherOutput = false;
+};
+
+// y = x W^T + b with W's rows (the output features) and b split over the group. Forward:
+// copyToTensorParallelRegion(x) (the input is replicated; backward all-reduces its gradient),
+// then the local linear, then gatherFromTensorParallelRegion when gatherOutput.
+class ColumnParallelLinear : public TensorParallelModule {
+ public:
+  // fullWeight [out, in], fullBias [out] or undefined: the whole layer, the same on every rank.
+  ColumnParallelLinear(const Tensor& fullWeight, const Tensor& fullBias, ProcessGroupPtr group,
+                       ColumnParallelOptions options = {});
+  ColumnParallelLinear(const nn::Linear& full, ProcessGroupPtr group, ColumnParallelOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  std::string typeName() const override { return "ColumnParallelLinear"; }
+  std::vector<ParameterShard> parameterShards() const override;
+  int64_t inFeatures() const { return inFeatures_; }
+  int64_t outFeatures() const { return outFeatures_; }  // the whole layer's
+  Tensor weight;  // [out / t, in]
+  Tensor bias;    // [out / t] or undefined
+
+ private:
+  int64_t inFeatures_;
+  int64_t outFeatures_;
+  ColumnParallelOptions options_;
+};
+
+struct RowParallelOptions {
+  // The input is already split on its last dim (a ColumnParallelLinear's output); off, the
+  // whole input comes in and is split here (scatterToTensorParallelRegion).
+  bool inputIsParallel = true;
+};
+
+// y = x W^T + b with W's columns (the input features) split over the group: each rank computes
+// its partial product, reduceFromTensorParallelRegion sums them (one all-reduce), and the bias,
+// whole on every rank, is added once after the sum.
+class RowParallelLinear : public TensorParallelModule {
+ public:
+  RowParallelLinear(const Tensor& fullWeight, const Tensor& fullBias, ProcessGroupPtr group,
+                    RowParallelOptions options = {});
+  RowParallelLinear(const nn::Linear& full, ProcessGroupPtr group, RowParallelOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  std::string typeName() const override { return "RowParallelLinear"; }
+  std::vector<ParameterShard> parameterShards() const override;
+  int64_t inFeatures() const { return inFeatures_; }  // the whole layer's
+  int64_t outFeatures() const { return outFeatures_; }
+  Tensor weight;  // [out, in / t]
+  Tensor bias;    // [out] (replicated) or undefined
+
+ private:
+  int64_t inFeatures_;
+  int64_t outFeatures_;
+  RowParallelOptions options_;
+};
+
+// An embedding table whose rows (the vocabulary) are split over the group: rank r holds tokens
+// [r V/t, (r+1) V/t). A token outside this rank's rows looks up zeros here; the all-reduce of
+// reduceFromTensorParallelRegion then gives every rank the whole [*, dim] lookup.
+class VocabParallelEmbedding : public TensorParallelModule {
+ public:
+  VocabParallelEmbedding(const Tensor& fullWeight, ProcessGroupPtr group);
+  VocabParallelEmbedding(const nn::Embedding& full, ProcessGroupPtr group);
+  // tokens int32/int64 of any shape, each in [0, V) -> [*tokens.shape, dim].
+  Tensor forward(const Tensor& tokens) override;
+  std::string typeName() const override { return "VocabParallelEmbedding"; }
+  std::vector<ParameterShard> parameterShards() const override;
+  int64_t vocabSize() const { return vocabSize_; }  // the whole vocabulary
+  int64_t vocabStart() const { return vocabStart_; }  // this rank's first token
+  Tensor weight;  // [V / t, dim]
+
+ private:
+  int64_t vocabSize_;
+  int64_t vocabStart_;
+};
+
+struct VocabParallelCrossEntropyOptions {
+  int64_t ignoreIndex = -100;  // targets equal to it add no loss and no gradient
+  Reduction reduction = Reduction::Mean;  // mean over the targets not ignored (NaN if none)
+};
+
+// Cross-entropy of logits whose last dim (the vocabulary) is split over the group, as a
+// ColumnParallelLinear without gatherOutput or a tied VocabParallelEmbedding makes them: rank r
+// holds the logits of tokens [r V/t, (r+1) V/t). localLogits [*, V/t] (float32 or float64),
+// targets int64 [*] of the whole vocabulary. The full logits are never gathered: exactly three
+// all-reduces of one value per row (the row max, the sum of exp(logit - max), the target's
+// logit); the backward, softmax minus the one-hot target on this rank's block, needs none.
+// Every rank gets the same loss.
+Tensor vocabParallelCrossEntropy(const Tensor& localLogits, const Tensor& targets, const ProcessGroupPtr& group,
+                                 const VocabParallelCrossEntropyOptions& options = {});
+
+}  // namespace dt

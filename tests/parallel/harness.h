@@ -1,0 +1,23 @@
+// Shared by the parallel tests: threads as ranks over one in-process store, gathering a
+// tensor's blocks with plain allgathers (not the code under test), and the numeric bars.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "process_group/process_group.h"
+#include "tensor/tensor.h"
+
+namespace dt::testing {
+
+// Runs fn(rank, world group) on `world` threads (30 s group timeout, 120 s deadline).
+void withWorld(int world, const std::function<void(int rank, const ProcessGroupPtr& group)>& fn);
+
+// Every rank's `local` side by side along `dim` (ranks in group order).
+Tensor gatherBlocks(ProcessGroup& group, const Tensor& local, int64_t dim);
+
+// float64: max |actual - expected| <= 1e-12 max |expected|; float32: PyTorch's
+// assert_close bar, |actual - expected| <= 1e-5 + 1.3e-6 |expected| elementwise.
+void expectMatches(const Tensor& actual, const Tensor& expected, const std::string& what);
+
+}  // namespace dt::testing
