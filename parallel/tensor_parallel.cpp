@@ -1,5 +1,6 @@
 #include "parallel/tensor_parallel.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -143,60 +144,40 @@ struct ReduceFromRegion : autograd::Function<ReduceFromRegion> {
   static Tensor backward(FunctionContext&, const TensorList& grads) { return grads[0]; }
 };
 
+// A string usable as a template argument: each region function's autograd name.
+template <size_t N>
+struct FunctionName {
+  constexpr FunctionName(const char (&text)[N]) { std::copy_n(text, N, chars); }
+  constexpr std::string_view view() const { return {chars, N - 1}; }
+  char chars[N];
+};
+
+// A region function along one dimension: forward and backward are each one of the helpers
+// above, the group and the dimension kept for backward.
+template <FunctionName Name, auto Forward, auto Backward>
+struct RegionAlong : autograd::Function<RegionAlong<Name, Forward, Backward>> {
+  static constexpr std::string_view name = Name.view();
+  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
+    ctx.set("group", group);
+    ctx.set("dim", dim);
+    return Forward(x, dim, group);
+  }
+  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
+    return Backward(grads[0], dimOf(ctx), groupOf(ctx));
+  }
+};
+
 // Forward keeps this rank's block along dim; backward gathers the blocks' gradients.
-struct SplitRegion : autograd::Function<SplitRegion> {
-  static constexpr std::string_view name = "SplitToParallelRegion";
-  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
-    ctx.set("group", group);
-    ctx.set("dim", dim);
-    return splitAlong(x, dim, group);
-  }
-  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
-    return gatherAlong(grads[0], dimOf(ctx), groupOf(ctx));
-  }
-};
-
+using SplitRegion = RegionAlong<"SplitToParallelRegion", splitAlong, gatherAlong>;
 // Forward gathers the blocks along dim; backward keeps this rank's block of the gradient.
-struct GatherRegion : autograd::Function<GatherRegion> {
-  static constexpr std::string_view name = "GatherFromParallelRegion";
-  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
-    ctx.set("group", group);
-    ctx.set("dim", dim);
-    return gatherAlong(x, dim, group);
-  }
-  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
-    return splitAlong(grads[0], dimOf(ctx), groupOf(ctx));
-  }
-};
-
-// Sequence parallelism's pair: entering a TP region from a sequence shard, every rank needs the
-// whole sequence (all-gather) and its gradient there is a partial sum of the ranks' (their
+using GatherRegion = RegionAlong<"GatherFromParallelRegion", gatherAlong, splitAlong>;
+// Sequence parallelism's pair. Entering a TP region from a sequence shard, every rank needs the
+// whole sequence (all-gather), and the gradient there is a partial sum of the ranks' (their
 // heads or columns each contribute), so backward sums and keeps this rank's block.
-struct GatherSequence : autograd::Function<GatherSequence> {
-  static constexpr std::string_view name = "GatherFromSequenceParallelRegion";
-  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
-    ctx.set("group", group);
-    ctx.set("dim", dim);
-    return gatherAlong(x, dim, group);
-  }
-  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
-    return reduceScatterAlong(grads[0], dimOf(ctx), groupOf(ctx));
-  }
-};
-
+using GatherSequence = RegionAlong<"GatherFromSequenceParallelRegion", gatherAlong, reduceScatterAlong>;
 // Leaving a TP region into a sequence shard: the partial sums are reduced and each rank keeps
 // its block of the sequence; the gradient of a block is needed whole on every rank.
-struct ReduceScatterSequence : autograd::Function<ReduceScatterSequence> {
-  static constexpr std::string_view name = "ReduceScatterToSequenceParallelRegion";
-  static Tensor forward(FunctionContext& ctx, const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
-    ctx.set("group", group);
-    ctx.set("dim", dim);
-    return reduceScatterAlong(x, dim, group);
-  }
-  static Tensor backward(FunctionContext& ctx, const TensorList& grads) {
-    return gatherAlong(grads[0], dimOf(ctx), groupOf(ctx));
-  }
-};
+using ReduceScatterSequence = RegionAlong<"ReduceScatterToSequenceParallelRegion", reduceScatterAlong, gatherAlong>;
 
 // The checked dimension for a region function: wrapped, and (for a split) divisible by the degree.
 int64_t regionDim(const Tensor& x, int64_t dim, const ProcessGroupPtr& group, std::string_view op, bool splits) {

@@ -1,30 +1,10 @@
 #include "tests/parallel/harness.h"
 
-#include <chrono>
-
 #include <gtest/gtest.h>
 
-#include "store/hash_store.h"
 #include "tensor/ops.h"
-#include "tests/testing/testing.h"
 
 namespace dt::testing {
-
-using namespace std::chrono_literals;
-
-void withWorld(int world, const std::function<void(int, const ProcessGroupPtr&)>& fn) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(
-      world,
-      [&](int rank) {
-        ProcessGroupOptions options;
-        options.timeout = 30s;
-        auto group = ProcessGroup::create(store, rank, world, options);
-        fn(rank, group);
-        group->destroy();
-      },
-      120s);
-}
 
 Tensor gatherBlocks(ProcessGroup& group, const Tensor& local, int64_t dim) {
   std::vector<Tensor> blocks;

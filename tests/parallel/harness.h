@@ -1,17 +1,13 @@
-// Shared by the parallel tests: threads as ranks over one in-process store, gathering a
+// Shared by the parallel tests (threads as ranks: withRanks of tests/fsdp/harness.h): gathering a
 // tensor's blocks with plain allgathers (not the code under test), and the numeric bars.
 #pragma once
 
-#include <functional>
 #include <string>
 
 #include "process_group/process_group.h"
 #include "tensor/tensor.h"
 
 namespace dt::testing {
-
-// Runs fn(rank, world group) on `world` threads (30 s group timeout, 120 s deadline).
-void withWorld(int world, const std::function<void(int rank, const ProcessGroupPtr& group)>& fn);
 
 // Every rank's `local` side by side along `dim` (ranks in group order).
 Tensor gatherBlocks(ProcessGroup& group, const Tensor& local, int64_t dim);

@@ -10,6 +10,7 @@
 
 #include "common/errors.h"
 #include "parallel/mesh.h"
+#include "tests/fsdp/harness.h"
 #include "tests/parallel/harness.h"
 #include "tests/testing/testing.h"
 
@@ -46,7 +47,7 @@ void expectMeshLayout(int world, const std::vector<MeshDimension>& dimensions, c
   for (size_t d = 0; d < dimensions.size(); ++d) {
     EXPECT_EQ(DeviceMesh::groupsAlong(shape, {d}), table.at(dimensions[d].name)) << dimensions[d].name;
   }
-  withWorld(world, [&](int rank, const ProcessGroupPtr& group) {
+  withRanks(world, [&](int rank, const ProcessGroupPtr& group) {
     const DeviceMesh mesh = DeviceMesh::create(group, dimensions);
     expectLayout(mesh, rank, table);
   });
@@ -84,7 +85,7 @@ TEST(DeviceMesh, SixteenRanksFourDimensions) {
 TEST(DeviceMesh, FlattenMergesDimensionsOnceAndCachesTheGroup) {
   const Table flattened{{"dp", {{0, 2, 4, 6}, {1, 3, 5, 7}}}};
   EXPECT_EQ(DeviceMesh::groupsAlong({2, 2, 2}, {0, 1}), flattened.at("dp"));
-  withWorld(8, [&](int rank, const ProcessGroupPtr& group) {
+  withRanks(8, [&](int rank, const ProcessGroupPtr& group) {
     DeviceMesh mesh = DeviceMesh::create(group, {{"dp_replicate", 2}, {"dp_shard", 2}, {"tp", 2}});
     const ProcessGroupPtr dp = mesh.flatten({"dp_replicate", "dp_shard"}, "dp");
     expectLayout(mesh, rank, flattened);
@@ -102,7 +103,7 @@ TEST(DeviceMesh, FlattenMergesDimensionsOnceAndCachesTheGroup) {
 }
 
 TEST(DeviceMesh, ASizeOneDimensionAndAOneDimensionalMesh) {
-  withWorld(4, [&](int rank, const ProcessGroupPtr& group) {
+  withRanks(4, [&](int rank, const ProcessGroupPtr& group) {
     const DeviceMesh mesh = DeviceMesh::create(group, {{"pp", 1}, {"dp", 4}, {"tp", 1}});
     expectLayout(mesh, rank, {{"pp", {{0}, {1}, {2}, {3}}}, {"dp", {{0, 1, 2, 3}}}, {"tp", {{0}, {1}, {2}, {3}}}});
     const DeviceMesh flat = DeviceMesh::create(group, {{"dp", 4}});
@@ -112,7 +113,7 @@ TEST(DeviceMesh, ASizeOneDimensionAndAOneDimensionalMesh) {
 }
 
 TEST(DeviceMesh, BadShapesNamesAndSizesAreRefusedBeforeAnyCommunication) {
-  withWorld(4, [&](int, const ProcessGroupPtr& group) {
+  withRanks(4, [&](int, const ProcessGroupPtr& group) {
     expectThrowsWith<InvalidArgument>([&] { DeviceMesh::create(group, {{"dp", 2}, {"tp", 3}}); },
                                       {"DeviceMesh [dp=2, tp=3]", "multiply to 6", "group default has 4 ranks"});
     expectThrowsWith<InvalidArgument>([&] { DeviceMesh::create(group, {{"tp", 2}, {"tp", 2}}); },
@@ -142,7 +143,7 @@ MeshOptions onHost(int rank, int ranksPerHost) {
 }
 
 TEST(DeviceMesh, ATensorParallelGroupAcrossHostsIsRefusedUnlessAllowed) {
-  withWorld(4, [&](int rank, const ProcessGroupPtr& group) {
+  withRanks(4, [&](int rank, const ProcessGroupPtr& group) {
     // Two hosts of two ranks: tp=2 innermost stays on each host, so it is accepted.
     const DeviceMesh fits = DeviceMesh::create(group, {{"dp", 2}, {"tp", 2}}, onHost(rank, 2));
     EXPECT_EQ(fits.ranks("tp"), (rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3}));

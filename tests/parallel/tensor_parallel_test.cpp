@@ -14,6 +14,7 @@
 #include "parallel/mesh.h"
 #include "parallel/tensor_parallel.h"
 #include "tensor/optim/optim.h"
+#include "tests/fsdp/harness.h"
 #include "tests/parallel/harness.h"
 #include "tests/testing/testing.h"
 
@@ -62,7 +63,7 @@ std::unique_ptr<optim::Optimizer> makeOptimizer(Optimizer kind, std::vector<Tens
 // The single-process MLP and its TP split trained side by side: after the first backward the
 // output and every gradient (gathered) agree, after `steps` optimizer steps every weight.
 void checkMlp(const Case& c, Optimizer optimizer, int steps) {
-  withWorld(c.degree, [&](int rank, const ProcessGroupPtr& world) {
+  withRanks(c.degree, [&](int rank, const ProcessGroupPtr& world) {
     const std::string label = describeCase(c);
     const DeviceMesh mesh = DeviceMesh::create(world, {{"tp", c.degree}});
     const ProcessGroupPtr& tp = mesh["tp"];
@@ -130,7 +131,7 @@ TEST(TensorParallel, MlpColumnGeluRowMatchesTheSingleProcessMlpWithAdamW) {
 
 TEST(TensorParallel, ColumnWithGatheredOutputAndRowWithAWholeInputAreDropInLinears) {
   for (const Case& c : kCases) {
-    withWorld(c.degree, [&](int, const ProcessGroupPtr& tp) {
+    withRanks(c.degree, [&](int, const ProcessGroupPtr& tp) {
       const std::string label = describeCase(c);
       MlpData reference(c.dtype), whole(c.dtype);
       ColumnParallelLinear up(whole.w1, whole.b1, tp, {.gatherOutput = true});
@@ -156,7 +157,7 @@ TEST(TensorParallel, ColumnWithGatheredOutputAndRowWithAWholeInputAreDropInLinea
 
 TEST(TensorParallel, VocabParallelEmbeddingMatchesTheWholeTable) {
   for (const Case& c : kCases) {
-    withWorld(c.degree, [&](int, const ProcessGroupPtr& tp) {
+    withRanks(c.degree, [&](int, const ProcessGroupPtr& tp) {
       const std::string label = describeCase(c);
       Generator init(5);
       nn::Embedding table(12, 5, init);
@@ -181,7 +182,7 @@ TEST(TensorParallel, VocabParallelEmbeddingMatchesTheWholeTable) {
 
 // Logits [2, 3, 12] (one target ignored) against crossEntropy of the whole [6, 12] logits.
 void checkCrossEntropy(const Case& c, Reduction reduction) {
-  withWorld(c.degree, [&](int rank, const ProcessGroupPtr& tp) {
+  withRanks(c.degree, [&](int rank, const ProcessGroupPtr& tp) {
     const std::string label = describeCase(c) + (reduction == Reduction::Mean ? " mean" : reduction == Reduction::Sum ? " sum" : " none");
     constexpr int64_t kVocab = 12;
     Generator data(11);
@@ -225,7 +226,7 @@ TEST(TensorParallel, VocabParallelCrossEntropyMatchesCrossEntropyWithThreeSmallA
 
 TEST(TensorParallel, RegionFunctionsAgainstPlainTensors) {
   for (const Case& c : kCases) {
-    withWorld(c.degree, [&](int rank, const ProcessGroupPtr& tp) {
+    withRanks(c.degree, [&](int rank, const ProcessGroupPtr& tp) {
       const std::string label = describeCase(c);
       const int t = c.degree;
       Generator data(21);
@@ -290,7 +291,7 @@ TEST(TensorParallel, RegionFunctionsAgainstPlainTensors) {
 }
 
 TEST(TensorParallel, SizesTheDegreeDoesNotDivideAreRefusedNamingModuleSizeAndDegree) {
-  withWorld(4, [&](int, const ProcessGroupPtr& tp) {
+  withRanks(4, [&](int, const ProcessGroupPtr& tp) {
     Generator init(3);
     nn::Linear narrowOut(8, 10, true, init), narrowIn(6, 8, true, init);
     nn::Embedding table(10, 4, init);
@@ -316,7 +317,7 @@ TEST(TensorParallel, SizesTheDegreeDoesNotDivideAreRefusedNamingModuleSizeAndDeg
 }
 
 TEST(TensorParallel, ShardsReportTheirPlaceInTheWholeParameter) {
-  withWorld(2, [&](int rank, const ProcessGroupPtr& tp) {
+  withRanks(2, [&](int rank, const ProcessGroupPtr& tp) {
     Generator init(8);
     ColumnParallelLinear column(nn::Linear(6, 4, true, init), tp);
     RowParallelLinear row(nn::Linear(4, 6, true, init), tp);
