@@ -319,14 +319,19 @@ TensorParallelModule::TensorParallelModule(ProcessGroupPtr group) : group_(std::
   requireGroup(group_, "TensorParallelModule");
 }
 
-Tensor TensorParallelModule::shardOf(const Tensor& whole, int64_t dim, const char* module, const char* what) const {
+Tensor TensorParallelModule::shardOf(const Tensor& whole, int64_t dim, const char* module, const char* what,
+                                     int64_t parts) const {
   const int64_t size = whole.size(dim);
   const int degree = group_->size();
-  DT_REQUIRE(size % degree == 0, module, ": ", size, " ", what, " do not split over the tensor-parallel degree ",
-             degree, " (", groupText(*group_), "); choose a size that ", degree, " divides");
-  const int64_t block = size / degree;
+  DT_REQUIRE(size % (parts * degree) == 0, module, ": ", size, " ", what,
+             parts > 1 ? str(" (", parts, " parts)") : std::string(), " do not split over the tensor-parallel degree ",
+             degree, " (", groupText(*group_), "); choose a size that ", parts * degree, " divides");
+  const int64_t part = size / parts;
+  const int64_t block = part / degree;
   NoGradGuard noGrad;
-  return whole.detach().narrow(dim, group_->rank() * block, block).clone();
+  std::vector<Tensor> blocks;
+  for (int64_t p = 0; p < parts; ++p) blocks.push_back(whole.detach().narrow(dim, p * part + group_->rank() * block, block));
+  return blocks.size() == 1 ? blocks[0].clone() : cat(blocks, dim);
 }
 
 namespace {
@@ -352,8 +357,11 @@ ColumnParallelLinear::ColumnParallelLinear(const Tensor& fullWeight, const Tenso
   requireLinear(fullWeight, fullBias, "ColumnParallelLinear");
   outFeatures_ = fullWeight.size(0);
   inFeatures_ = fullWeight.size(1);
-  weight = registerParameter("weight", shardOf(fullWeight, 0, "ColumnParallelLinear", "output features"));
-  if (fullBias.defined()) bias = registerParameter("bias", shardOf(fullBias, 0, "ColumnParallelLinear", "output features"));
+  DT_REQUIRE(options_.parts >= 1, "ColumnParallelLinear: parts must be at least 1, got ", options_.parts);
+  weight = registerParameter("weight", shardOf(fullWeight, 0, "ColumnParallelLinear", "output features", options_.parts));
+  if (fullBias.defined()) {
+    bias = registerParameter("bias", shardOf(fullBias, 0, "ColumnParallelLinear", "output features", options_.parts));
+  }
 }
 
 ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& full, ProcessGroupPtr group, ColumnParallelOptions options)
@@ -366,9 +374,9 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) {
 }
 
 std::vector<ParameterShard> ColumnParallelLinear::parameterShards() const {
-  const int64_t offset = group_->rank() * weight.size(0);
-  std::vector<ParameterShard> shards{{"weight", {outFeatures_, inFeatures_}, 0, offset}};
-  if (bias.defined()) shards.push_back({"bias", {outFeatures_}, 0, offset});
+  const int64_t offset = group_->rank() * (weight.size(0) / options_.parts);
+  std::vector<ParameterShard> shards{{"weight", {outFeatures_, inFeatures_}, 0, offset, options_.parts}};
+  if (bias.defined()) shards.push_back({"bias", {outFeatures_}, 0, offset, options_.parts});
   return shards;
 }
 
@@ -445,6 +453,30 @@ Tensor VocabParallelEmbedding::forward(const Tensor& tokens) {
 
 std::vector<ParameterShard> VocabParallelEmbedding::parameterShards() const {
   return {{"weight", {vocabSize_, weight.size(1)}, 0, vocabStart_}};
+}
+
+ParallelSelfAttention::ParallelSelfAttention(const Tensor& qkvWeight, const Tensor& qkvBias, const Tensor& projWeight,
+                                             const Tensor& projBias, int64_t heads, ProcessGroupPtr group) {
+  requireGroup(group, "ParallelSelfAttention");
+  DT_REQUIRE(heads >= 1 && heads % group->size() == 0, "ParallelSelfAttention: ", heads,
+             " heads do not split over the tensor-parallel degree ", group->size(), " (", groupText(*group),
+             "); choose a head count that ", group->size(), " divides");
+  DT_REQUIRE(qkvWeight.defined() && qkvWeight.dim() == 2 && qkvWeight.size(0) == 3 * qkvWeight.size(1),
+             "ParallelSelfAttention: the fused projection must be [3C, C], got ",
+             qkvWeight.defined() ? qkvWeight.describe() : std::string("an undefined tensor"));
+  localHeads_ = heads / group->size();
+  c_attn = registerModule("c_attn", std::make_shared<ColumnParallelLinear>(qkvWeight, qkvBias, group,
+                                                                           ColumnParallelOptions{.parts = 3}));
+  c_proj = registerModule("c_proj", std::make_shared<RowParallelLinear>(projWeight, projBias, std::move(group)));
+}
+
+ParallelSelfAttention::ParallelSelfAttention(const nn::CausalSelfAttention& full, int64_t heads, ProcessGroupPtr group)
+    : ParallelSelfAttention(full.c_attn->weight, full.c_attn->bias, full.c_proj->weight, full.c_proj->bias, heads,
+                            std::move(group)) {}
+
+Tensor ParallelSelfAttention::forward(const Tensor& x) {
+  const Tensor qkv = (*c_attn)(x);
+  return (*c_proj)(selfAttention(qkv, localHeads_, {.causal = true, .dropoutP = 0.0, .training = isTraining()}));
 }
 
 Tensor vocabParallelCrossEntropy(const Tensor& localLogits, const Tensor& targets, const ProcessGroupPtr& group,

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "process_group/process_group.h"
+#include "tensor/nn/gpt.h"
 #include "tensor/nn/module.h"
 #include "tensor/ops.h"
 
@@ -84,7 +85,10 @@ struct ParameterShard {
   std::string name;  // as the module's namedParameters() spells it
   Shape globalShape;
   int64_t dim = -1;     // the dimension split over the group; -1: replicated (the whole tensor here)
-  int64_t offset = 0;   // where this rank's block starts along dim
+  int64_t offset = 0;   // where this rank's block starts along dim (within each part)
+  // dim is made of `parts` equal parts split alike (a fused q/k/v projection: 3): this rank holds
+  // [offset, offset + its size / parts) of every part, the parts one after another.
+  int64_t parts = 1;
 };
 
 class TensorParallelModule : public nn::Module {
@@ -96,9 +100,9 @@ class TensorParallelModule : public nn::Module {
 
  protected:
   // The block of `whole` along `dim` that this rank keeps, as a fresh leaf (a copy: the whole
-  // tensor may go away). InvalidArgument naming `module`, `what`, the size and the degree when
-  // the degree does not divide it.
-  Tensor shardOf(const Tensor& whole, int64_t dim, const char* module, const char* what) const;
+  // tensor may go away); with parts > 1, its block of each of the dim's equal parts, concatenated.
+  // InvalidArgument naming `module`, `what`, the size and the degree when they do not divide it.
+  Tensor shardOf(const Tensor& whole, int64_t dim, const char* module, const char* what, int64_t parts = 1) const;
   ProcessGroupPtr group_;
 };
 
@@ -106,6 +110,9 @@ struct ColumnParallelOptions {
   // All-gather the output's last dim so that the caller gets the whole [*, out] (the layer is
   // then a drop-in Linear); off, the output is this rank's [*, out / t] block.
   bool gatherOutput = false;
+  // The output features are `parts` equal parts split alike (a fused q/k/v projection: 3, so
+  // that each rank holds the q, k and v features of its own heads, [q_r; k_r; v_r]).
+  int64_t parts = 1;
 };
 
 // y = x W^T + b with W's rows (the output features) and b split over the group. Forward:
@@ -177,6 +184,29 @@ class VocabParallelEmbedding : public TensorParallelModule {
  private:
   int64_t vocabSize_;
   int64_t vocabStart_;
+};
+
+// Multi-head self-attention (nn::CausalSelfAttention's: fused q/k/v projection c_attn, the
+// fused causal selfAttention op, output projection c_proj) with its heads split over the group:
+// rank r runs heads [r H/t, (r+1) H/t). c_attn is a ColumnParallelLinear of 3 parts (each rank
+// takes the q, k and v features of its heads, not a raw range of c_attn's rows), c_proj a
+// RowParallelLinear (the heads' outputs are contiguous columns): one all-reduce forward (c_proj's)
+// and one backward (c_attn's copy). Children and parameter names as CausalSelfAttention's.
+// Attention dropout is not supported yet (off: a sharded region must draw differently per rank).
+class ParallelSelfAttention : public nn::Module {
+ public:
+  // The whole projections: qkvWeight [3C, C] (q rows, then k, then v), projWeight [C, C].
+  ParallelSelfAttention(const Tensor& qkvWeight, const Tensor& qkvBias, const Tensor& projWeight,
+                        const Tensor& projBias, int64_t heads, ProcessGroupPtr group);
+  ParallelSelfAttention(const nn::CausalSelfAttention& full, int64_t heads, ProcessGroupPtr group);
+  Tensor forward(const Tensor& x) override;  // [B, T, C] -> [B, T, C], replicated in and out
+  std::string typeName() const override { return "ParallelSelfAttention"; }
+  int64_t localHeads() const { return localHeads_; }
+  std::shared_ptr<ColumnParallelLinear> c_attn;
+  std::shared_ptr<RowParallelLinear> c_proj;
+
+ private:
+  int64_t localHeads_;
 };
 
 struct VocabParallelCrossEntropyOptions {

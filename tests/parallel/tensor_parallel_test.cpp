@@ -290,6 +290,63 @@ TEST(TensorParallel, RegionFunctionsAgainstPlainTensors) {
   }
 }
 
+// Rank r's rows of a fused [3C, ...] q/k/v tensor: the q, k and v rows of its heads.
+Tensor headRows(const Tensor& fused, int rank, int degree) {
+  const int64_t width = fused.size(0) / 3, block = width / degree;
+  return cat({fused.narrow(0, rank * block, block), fused.narrow(0, width + rank * block, block),
+              fused.narrow(0, 2 * width + rank * block, block)});
+}
+
+TEST(TensorParallel, AttentionSplitByHeadMatchesTheWholeAttention) {
+  for (const Case& c : kCases) {
+    withRanks(c.degree, [&](int rank, const ProcessGroupPtr& tp) {
+      const std::string label = describeCase(c) + " attention";
+      const nn::GptConfig config{.vocabSize = 16, .contextLength = 8, .layers = 1, .heads = 4, .width = 16};
+      Generator init(17);
+      nn::CausalSelfAttention full(config, init, init);
+      const Tensor qkvWeight = leaf(full.c_attn->weight, c.dtype), qkvBias = leaf(full.c_attn->bias, c.dtype);
+      const Tensor projWeight = leaf(full.c_proj->weight, c.dtype), projBias = leaf(full.c_proj->bias, c.dtype);
+      ParallelSelfAttention parallel(qkvWeight, qkvBias, projWeight, projBias, config.heads, tp);
+      EXPECT_EQ(parallel.localHeads(), config.heads / c.degree);
+      EXPECT_EQ(parallel.c_attn->parameterShards()[0].parts, 3);
+      Generator data(18);
+      const Tensor x = leaf(randn({2, 6, config.width}, data), c.dtype);
+      const Tensor xParallel = leaf(x, c.dtype);
+      const Tensor outputGrad = randn({2, 6, config.width}, data).to(c.dtype);
+
+      const Tensor expected = linear(selfAttention(linear(x, qkvWeight, qkvBias), config.heads), projWeight, projBias);
+      if (c.dtype == DType::Float32) expectMatches(full(x.detach()), expected.detach(), label + ": the module itself");
+      const TpCollectiveCounts before = tpCollectiveCounts(*tp);
+      const Tensor actual = parallel(xParallel);
+      const TpCollectiveCounts forward = tpCollectiveCounts(*tp) - before;
+      sum(actual * outputGrad).backward();
+      const TpCollectiveCounts backward = tpCollectiveCounts(*tp) - before - forward;
+      EXPECT_EQ(forward.allReduces, 1) << label;
+      EXPECT_EQ(forward.total(), 1) << label;
+      EXPECT_EQ(backward.allReduces, 1) << label;
+      EXPECT_EQ(backward.total(), 1) << label;
+      sum(expected * outputGrad).backward();
+      expectMatches(actual, expected, label + " output");
+      expectMatches(xParallel.grad(), x.grad(), label + " input gradient");
+      expectMatches(parallel.c_attn->weight, headRows(qkvWeight, rank, c.degree).detach(), label + " q/k/v rows of my heads");
+      expectMatches(parallel.c_attn->weight.grad(), headRows(qkvWeight.grad(), rank, c.degree), label + " c_attn weight gradient");
+      expectMatches(parallel.c_attn->bias.grad(), headRows(qkvBias.grad(), rank, c.degree), label + " c_attn bias gradient");
+      expectMatches(gatherBlocks(*tp, parallel.c_proj->weight.grad(), 1), projWeight.grad(), label + " c_proj weight gradient");
+      expectMatches(parallel.c_proj->bias.grad(), projBias.grad(), label + " c_proj bias gradient");
+      std::vector<std::string> names;
+      for (const auto& [name, unused] : parallel.namedParameters()) names.push_back(name);
+      EXPECT_EQ(names, (std::vector<std::string>{"c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias"}));
+    });
+  }
+  withRanks(4, [&](int, const ProcessGroupPtr& tp) {
+    const nn::GptConfig config{.vocabSize = 16, .contextLength = 8, .layers = 1, .heads = 6, .width = 24};
+    Generator init(19);
+    nn::CausalSelfAttention full(config, init, init);
+    expectThrowsWith<InvalidArgument>([&] { ParallelSelfAttention layer(full, config.heads, tp); },
+                                      {"ParallelSelfAttention: 6 heads", "tensor-parallel degree 4"});
+  });
+}
+
 TEST(TensorParallel, SizesTheDegreeDoesNotDivideAreRefusedNamingModuleSizeAndDegree) {
   withRanks(4, [&](int, const ProcessGroupPtr& tp) {
     Generator init(3);
