@@ -373,6 +373,39 @@ TEST(TensorParallel, SizesTheDegreeDoesNotDivideAreRefusedNamingModuleSizeAndDeg
   });
 }
 
+TEST(TensorParallel, AtDegreeOneTheLayersAreThePlainLayersAndCommunicateNothing) {
+  withRanks(2, [&](int, const ProcessGroupPtr& world) {
+    const DeviceMesh mesh = DeviceMesh::create(world, {{"dp", 2}, {"tp", 1}});
+    const ProcessGroupPtr& tp = mesh["tp"];
+    MlpData reference(DType::Float64), whole(DType::Float64);
+    ColumnParallelLinear up(whole.w1, whole.b1, tp);
+    RowParallelLinear down(whole.w2, whole.b2, tp);
+    const uint64_t seqBefore = tp->lastSeq();
+    const Tensor actual = down(gelu(up(whole.x)));
+    sum(actual * whole.outputGrad).backward();
+    const Tensor expected = linear(gelu(linear(reference.x, reference.w1, reference.b1)), reference.w2, reference.b2);
+    sum(expected * reference.outputGrad).backward();
+    expectMatches(actual, expected, "TP=1 output");
+    expectMatches(up.weight.grad(), reference.w1.grad(), "TP=1 fc weight gradient");
+    expectMatches(whole.x.grad(), reference.x.grad(), "TP=1 input gradient");
+    EXPECT_EQ(tpCollectiveCounts(*tp).total(), 0);
+    EXPECT_EQ(tp->lastSeq(), seqBefore);
+  });
+}
+
+TEST(TensorParallel, AMeshOrLayerOnAGroupThisRankIsNotInIsRefused) {
+  withRanks(4, [&](int rank, const ProcessGroupPtr& world) {
+    const ProcessGroupPtr firstTwo = world->newGroup({0, 1});
+    if (firstTwo->isMember()) return;
+    expectThrowsWith<InvalidArgument>([&] { DeviceMesh::create(firstTwo, {{"tp", 2}}); },
+                                      {"not a member of group", "rank -1/2"});
+    Generator init(4);
+    expectThrowsWith<InvalidArgument>([&] { ColumnParallelLinear layer(nn::Linear(4, 4, true, init), firstTwo); },
+                                      {"not a member of tensor-parallel group", "ranks 0-1", "mesh[\"tp\"]"});
+    (void)rank;
+  });
+}
+
 TEST(TensorParallel, ShardsReportTheirPlaceInTheWholeParameter) {
   withRanks(2, [&](int rank, const ProcessGroupPtr& tp) {
     Generator init(8);
