@@ -38,8 +38,9 @@
 //    and the TP degree: a width, vocabulary or split dimension the degree does not divide (no
 //    uneven shards yet), shapes that do not fit the layer; a null or non-member group.
 //  * Ownership and threads: modules own their shards (plain leaf tensors registered as
-//    parameters "weight" / "bias", so optimizers, DDP and state dicts see them as any module's);
-//    they keep the group alive. Not thread-safe (as nn::Module); the functions may run on any
+//    parameters "weight" / "bias", so optimizers, DDP and state dicts see them as any module's;
+//    ParallelSelfAttention's are its children's, named as nn::CausalSelfAttention's); they keep
+//    the group alive. Not thread-safe (as nn::Module); the functions may run on any
 //    thread but one group's collectives must be issued from one thread at a time.
 #pragma once
 
