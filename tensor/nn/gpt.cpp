@@ -10,6 +10,14 @@
 
 namespace dt::nn {
 
+namespace {
+// The typed handle to a replaced child: the new module when it is of that type, else null.
+template <typename M>
+void follow(std::shared_ptr<M>& handle, const std::shared_ptr<Module>& module) {
+  handle = std::dynamic_pointer_cast<M>(module);
+}
+}  // namespace
+
 void GptConfig::validate() const {
   auto positive = [](int64_t v, const char* name) {
     if (v < 1) throw InvalidArgument(str("GptConfig: ", name, " must be at least 1, got ", v));
@@ -39,10 +47,14 @@ CausalSelfAttention::CausalSelfAttention(const GptConfig& config, Generator& ini
 }
 
 Tensor CausalSelfAttention::forward(const Tensor& x) {
-  const Tensor qkv = (*c_attn)(x);
+  const Tensor qkv = (*child("c_attn"))(x);
   const Tensor y = selfAttention(qkv, heads_, {.causal = true, .dropoutP = dropout_, .training = isTraining()},
                                  *dropoutGenerator_);
-  return dropout((*c_proj)(y), dropout_, isTraining(), *dropoutGenerator_);
+  return dropout((*child("c_proj"))(y), dropout_, isTraining(), *dropoutGenerator_);
+}
+
+void CausalSelfAttention::childReplaced(const std::string& name, const std::shared_ptr<Module>& module) {
+  follow(name == "c_attn" ? c_attn : c_proj, module);
 }
 
 Mlp::Mlp(const GptConfig& config, Generator& init, Generator& dropout)
@@ -52,7 +64,11 @@ Mlp::Mlp(const GptConfig& config, Generator& init, Generator& dropout)
 }
 
 Tensor Mlp::forward(const Tensor& x) {
-  return dropout((*c_proj)(gelu((*c_fc)(x))), dropout_, isTraining(), *dropoutGenerator_);
+  return dropout((*child("c_proj"))(gelu((*child("c_fc"))(x))), dropout_, isTraining(), *dropoutGenerator_);
+}
+
+void Mlp::childReplaced(const std::string& name, const std::shared_ptr<Module>& module) {
+  follow(name == "c_fc" ? c_fc : c_proj, module);
 }
 
 TransformerBlock::TransformerBlock(const GptConfig& config, Generator& init, Generator& dropout)
@@ -72,8 +88,15 @@ Tensor TransformerBlock::forward(const Tensor& x) {
 }
 
 Tensor TransformerBlock::body(const Tensor& x) {
-  const Tensor h1 = add(x, (*attn)((*ln_1)(x)));
-  return add(h1, (*mlp)((*ln_2)(h1)));
+  const Tensor h1 = add(x, (*child("attn"))((*child("ln_1"))(x)));
+  return add(h1, (*child("mlp"))((*child("ln_2"))(h1)));
+}
+
+void TransformerBlock::childReplaced(const std::string& name, const std::shared_ptr<Module>& module) {
+  if (name == "ln_1") follow(ln_1, module);
+  if (name == "attn") follow(attn, module);
+  if (name == "ln_2") follow(ln_2, module);
+  if (name == "mlp") follow(mlp, module);
 }
 
 Gpt::Gpt(const GptConfig& config, Generator& init, Generator* dropout)
@@ -86,6 +109,7 @@ Gpt::Gpt(const GptConfig& config, Generator& init, Generator* dropout)
     h->pushBack(std::make_shared<TransformerBlock>(config, init, *dropoutGenerator_));
   }
   ln_f = registerModule("ln_f", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
+  tiedWeight_ = wte->weight;
   // GPT-2's initialisation, in registration order.
   const double residualStd = 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers));
   NoGradGuard ng;
@@ -113,10 +137,34 @@ Tensor Gpt::forward(const Tensor& tokens) {
                               config_.contextLength));
   }
   const Tensor positions = arange(len, TensorOptions().dtype(DType::Int64).device(tokens.device()));
-  Tensor x = add((*wte)(tokens), (*wpe)(positions));
+  Tensor x = add((*child("wte"))(tokens), (*child("wpe"))(positions));
+  if (layout_) x = layout_->enterBlocks(x);
   x = dropout(x, config_.dropout, isTraining(), *dropoutGenerator_);
-  x = (*ln_f)((*h)(x));
-  return linear(x, wte->weight);  // the output layer is the token embedding (tied)
+  x = (*child("ln_f"))((*child("h"))(x));
+  if (layout_) x = layout_->enterHead(x);
+  return linear(x, tiedWeight_);  // the output layer is the token embedding (tied)
+}
+
+Tensor Gpt::nextTokenLoss(const Tensor& logits, const Tensor& targets) const {
+  return layout_ ? layout_->loss(logits, targets) : loss(logits, targets);
+}
+
+void Gpt::childReplaced(const std::string& name, const std::shared_ptr<Module>& module) {
+  if (name == "wte") {
+    // The output layer is tied to whatever table the embedding holds now (a vocabulary block
+    // under tensor parallelism).
+    const NamedTensors own = module->namedParameters(false);
+    const auto weight = std::find_if(own.begin(), own.end(), [](const auto& entry) { return entry.first == "weight"; });
+    if (weight == own.end()) {
+      throw InvalidArgument(str("Gpt: the replacement for wte (", module->typeName(),
+                                ") has no parameter \"weight\", which the tied output layer uses"));
+    }
+    tiedWeight_ = weight->second;
+    follow(wte, module);
+  }
+  if (name == "wpe") follow(wpe, module);
+  if (name == "h") follow(h, module);
+  if (name == "ln_f") follow(ln_f, module);
 }
 
 Tensor Gpt::loss(const Tensor& logits, const Tensor& targets) {
@@ -161,6 +209,10 @@ int64_t sampleToken(const Tensor& logits, const SamplingOptions& options, Genera
 std::vector<int64_t> Gpt::generate(const std::vector<int64_t>& prompt, int64_t maxNewTokens,
                                    const SamplingOptions& options, Generator& generator) {
   if (prompt.empty()) throw InvalidArgument("Gpt::generate: the prompt needs at least one token");
+  if (layout_) {
+    throw NotSupportedError(str("Gpt::generate: not supported on a model with a layout (", layout_->describe(),
+                                "): its logits may be a block of the vocabulary; generate with the plain model"));
+  }
   NoGradGuard ng;
   std::vector<int64_t> tokens = prompt;
   for (int64_t n = 0; n < maxNewTokens; ++n) {

@@ -26,11 +26,22 @@
 //    vocabSize; otherwise InvalidArgument names the shape or token. CPU tensors: attention has
 //    no CUDA kernel yet (a CUDA model throws NotSupportedError from selfAttention).
 //  * generate() runs under NoGradGuard and does not change train/eval; the caller chooses.
+//  * Children are called through Module (their call operator), so replaceChild() can put any
+//    module with the same forward in a child's place (parallel/'s parallelize() puts tensor-
+//    parallel layers there); the typed members (wte, attn, c_fc, ...) follow a replacement
+//    and are null once the child is of another type: reach it through child(name) then.
+//    The output layer uses whatever parameter "weight" the child "wte" holds.
+//  * A GptLayout (setLayout) changes where the activations are split: the plain model has
+//    none. With one, forward's logits may be a block of the vocabulary: take the loss with
+//    nextTokenLoss(), which uses the layout's (Gpt::loss expects the whole vocabulary), and
+//    generate() is refused.
 //  * Not thread-safe (as Module).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "tensor/nn/module.h"
@@ -61,8 +72,12 @@ class CausalSelfAttention : public Module {
   CausalSelfAttention(const GptConfig& config, Generator& init, Generator& dropout);
   Tensor forward(const Tensor& x) override;  // [B, T, C] -> [B, T, C]
   std::string typeName() const override { return "CausalSelfAttention"; }
+  int64_t heads() const { return heads_; }
   std::shared_ptr<Linear> c_attn;
   std::shared_ptr<Linear> c_proj;
+
+ protected:
+  void childReplaced(const std::string& name, const std::shared_ptr<Module>& module) override;
 
  private:
   int64_t heads_;
@@ -78,6 +93,9 @@ class Mlp : public Module {
   std::string typeName() const override { return "Mlp"; }
   std::shared_ptr<Linear> c_fc;
   std::shared_ptr<Linear> c_proj;
+
+ protected:
+  void childReplaced(const std::string& name, const std::shared_ptr<Module>& module) override;
 
  private:
   double dropout_;
@@ -97,6 +115,9 @@ class TransformerBlock : public Module {
   std::shared_ptr<Mlp> mlp;
   bool checkpointActivations = false;
 
+ protected:
+  void childReplaced(const std::string& name, const std::shared_ptr<Module>& module) override;
+
  private:
   Tensor body(const Tensor& x);
   double dropout_;
@@ -112,6 +133,26 @@ struct SamplingOptions {
 // (ties broken towards the lower token), softmax, then one uniform number from `generator`.
 int64_t sampleToken(const Tensor& logits, const SamplingOptions& options, Generator& generator);
 
+// Where a parallelization changes the layout of Gpt's activations; parallel/ implements it for
+// tensor and sequence parallelism. Each method runs inside Gpt::forward (or nextTokenLoss) on
+// the caller's thread and may issue collectives; it is called the same number of times, in
+// the same order, on every rank that runs the model.
+class GptLayout {
+ public:
+  virtual ~GptLayout() = default;
+  // The embeddings' sum [B, T, C] (before the embedding dropout) -> what the blocks take
+  // (sequence parallelism: this rank's block of T).
+  virtual Tensor enterBlocks(const Tensor& embedded) = 0;
+  // ln_f's output -> the tied output layer's input (tensor parallelism: copied into the
+  // tensor-parallel region; sequence parallelism: the whole sequence gathered).
+  virtual Tensor enterHead(const Tensor& normalized) = 0;
+  // The mean next-token loss of forward's logits (a block of the vocabulary when the output
+  // layer is split) against targets [B, T].
+  virtual Tensor loss(const Tensor& logits, const Tensor& targets) = 0;
+  // For messages: "tensor-parallel over pg=tp0 (degree 2, sequence-parallel)".
+  virtual std::string describe() const = 0;
+};
+
 class Gpt : public Module {
  public:
   // dropout: the generator dropout draws from (init's when null); it must outlive the model.
@@ -120,6 +161,12 @@ class Gpt : public Module {
   std::string typeName() const override { return "Gpt"; }
   // Mean next-token cross-entropy of logits [B, T, V] against targets int64 [B, T].
   static Tensor loss(const Tensor& logits, const Tensor& targets);
+  // The same loss of this model's own logits: loss() for the plain model, the layout's (which
+  // takes a block of the vocabulary) when one is set.
+  Tensor nextTokenLoss(const Tensor& logits, const Tensor& targets) const;
+  // Installs (or with null removes) the layout forward and nextTokenLoss go through.
+  void setLayout(std::shared_ptr<GptLayout> layout) { layout_ = std::move(layout); }
+  const std::shared_ptr<GptLayout>& layout() const { return layout_; }
   // Continues `prompt` (at least one token) by maxNewTokens sampled tokens, feeding the model
   // at most contextLength tokens at a time; returns prompt + the new tokens.
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t maxNewTokens,
@@ -131,9 +178,14 @@ class Gpt : public Module {
   std::shared_ptr<Sequential> h;
   std::shared_ptr<LayerNorm> ln_f;
 
+ protected:
+  void childReplaced(const std::string& name, const std::shared_ptr<Module>& module) override;
+
  private:
   GptConfig config_;
   Generator* dropoutGenerator_;
+  Tensor tiedWeight_;  // the output layer's weight: wte's "weight", whatever module wte is
+  std::shared_ptr<GptLayout> layout_;
 };
 
 }  // namespace dt::nn

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <set>
+#include <utility>
 
 #include "common/errors.h"
 #include "common/strings.h"
@@ -138,6 +139,24 @@ NamedTensors Module::namedBuffers(bool recurse) const {
   return out;
 }
 
+std::shared_ptr<Module> Module::replaceChild(const std::string& name, std::shared_ptr<Module> module) {
+  if (!module) throw InvalidArgument(str(typeName(), ": replacement for submodule \"", name, "\" is null"));
+  for (auto& [n, c] : children_) {
+    if (n != name) continue;
+    std::shared_ptr<Module> old = std::exchange(c, std::move(module));
+    try {
+      childReplaced(name, c);
+    } catch (...) {
+      c = old;  // refused: the old child stays, as if never asked
+      throw;
+    }
+    return old;
+  }
+  throw InvalidArgument(str(typeName(), ": no submodule named \"", name, "\" to replace"));
+}
+
+void Module::childReplaced(const std::string&, const std::shared_ptr<Module>&) {}
+
 std::shared_ptr<Module> Module::child(const std::string& name) const {
   for (auto& [n, c] : children_) {
     if (n == name) return c;
@@ -156,8 +175,18 @@ void Module::zeroGrad(bool setToNone) {
 }
 
 void Module::to(Device device) {
+  convertInPlace([device](const Tensor& t) { return t.device() != device ? t.detach().to(device) : Tensor(); });
+}
+
+void Module::to(DType dtype) {
+  convertInPlace([dtype](const Tensor& t) {
+    return isFloatingPoint(t.dtype()) && t.dtype() != dtype ? t.detach().to(dtype) : Tensor();
+  });
+}
+
+void Module::convertInPlace(const std::function<Tensor(const Tensor&)>& convert) {
   // Every copy is made before any tensor is repointed, so a failed copy (no
-  // such device, out of memory) leaves the whole module where it was.
+  // such device, out of memory) leaves the whole module as it was.
   std::vector<Tensor> tensors;
   for (const auto& [name, p] : namedParameters()) {
     tensors.push_back(p);
@@ -168,10 +197,10 @@ void Module::to(Device device) {
   {
     NoGradGuard noGrad;
     for (const Tensor& t : tensors) {
-      if (t.device() != device) moves.emplace_back(t, t.detach().to(device));
+      if (Tensor converted = convert(t); converted.defined()) moves.emplace_back(t, std::move(converted));
     }
   }
-  // Like PyTorch's param.data = param.data.to(device): the TensorImpl (and
+  // Like PyTorch's param.data = param.data.to(...): the TensorImpl (and
   // its autograd metadata) stays, its memory is the copy's.
   for (auto& [t, moved] : moves) {
     TensorImpl& impl = *t.unsafeImpl();
@@ -179,6 +208,7 @@ void Module::to(Device device) {
     impl.storage = from.storage;
     impl.strides = from.strides;
     impl.offset = from.offset;
+    impl.dtype = from.dtype;
     impl.refreshGeometry();
     impl.version->value.fetch_add(1, std::memory_order_relaxed);
   }

@@ -24,6 +24,13 @@
 //    replace the output. A hook that throws ends the call with its exception
 //    (later hooks do not run). Hooks registered or removed while hooks run take
 //    effect from the next call. forward(x) called directly runs none.
+//  * Replacing a child (what applies a parallel plan to a model as it is):
+//    replaceChild(name, module) puts `module` in the place of the child
+//    registered as `name`, so registration order, and with it every other
+//    parameter's name and position, stays; the replacement's own parameters
+//    appear under the same prefix. A module that keeps typed handles to its
+//    children learns of it through childReplaced() (nn's GPT blocks do, and call
+//    their children through Module, so any module with the same forward fits).
 #pragma once
 
 #include <filesystem>
@@ -83,6 +90,10 @@ class Module : public std::enable_shared_from_this<Module> {
   void removeForwardHook(int handle);
   virtual std::string typeName() const { return "Module"; }
 
+  // Puts `module` where the child `name` was (same place in the registration order) and returns
+  // the old child. InvalidArgument if there is no such child or module is null.
+  std::shared_ptr<Module> replaceChild(const std::string& name, std::shared_ptr<Module> module);
+
   NamedTensors namedParameters(bool recurse = true) const;
   std::vector<Tensor> parameters(bool recurse = true) const;
   NamedTensors namedBuffers(bool recurse = true) const;
@@ -100,6 +111,9 @@ class Module : public std::enable_shared_from_this<Module> {
   // only because those check devices when they start, not because handles
   // break. Not differentiable; a no-op for tensors already there.
   void to(Device device);
+  // Converts every floating-point parameter, buffer and gradient (recursively) to `dtype` in
+  // place, as to(Device) moves them (PyTorch's module.double()): integer buffers stay.
+  void to(DType dtype);
 
   // Parameters then buffers, each in registration order.
   NamedTensors stateDict() const;
@@ -117,8 +131,15 @@ class Module : public std::enable_shared_from_this<Module> {
     return module;
   }
   void registerChild(const std::string& name, std::shared_ptr<Module> module);
+  // Called by replaceChild once `module` is registered as `name`: a module that keeps typed
+  // handles to its children updates them here. Throwing refuses the replacement (the old child
+  // is put back; update nothing before the last check).
+  virtual void childReplaced(const std::string& name, const std::shared_ptr<Module>& module);
 
  private:
+  // Repoints every parameter, buffer and gradient for which convert() gives a new tensor at
+  // that tensor's memory, keeping each one's identity (to(Device), to(DType)).
+  void convertInPlace(const std::function<Tensor(const Tensor&)>& convert);
   void collect(const std::string& prefix, bool params, bool recurse, NamedTensors& out) const;
   void checkName(const std::string& name) const;
   struct ForwardHookEntry {
@@ -162,6 +183,8 @@ class LayerNorm : public Module {
   explicit LayerNorm(std::vector<int64_t> normalizedShape, double eps = 1e-5, bool elementwiseAffine = true);
   Tensor forward(const Tensor& x) override;
   std::string typeName() const override { return "LayerNorm"; }
+  const std::vector<int64_t>& normalizedShape() const { return shape_; }
+  double eps() const { return eps_; }
   Tensor weight;
   Tensor bias;
 

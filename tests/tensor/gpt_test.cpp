@@ -168,6 +168,64 @@ TEST(Gpt, ParametersAreNamedLikeGpt2AndTheTiedWeightIsListedOnce) {
   expectThrowsWith<InvalidArgument>([&] { model(zeros({1, 17}, DType::Int64)); }, {"17 tokens", "context length is 16"});
 }
 
+// What tensor parallelism builds on: a child put in another's place keeps every name and the
+// registration order, runs in that place through Module, and the typed handle follows it (null
+// for another type); the tied output layer follows wte; to(DType) converts the model in place.
+TEST(Gpt, AReplacedChildKeepsNamesAndOrderAndRunsInItsPlace) {
+  // c_fc doubled: a module of another type with the same parameters.
+  struct DoubledLinear : nn::Module {
+    explicit DoubledLinear(const nn::Linear& from) {
+      weight = registerParameter("weight", from.weight.detach().clone());
+      bias = registerParameter("bias", from.bias.detach().clone());
+    }
+    Tensor forward(const Tensor& x) override { return mul(linear(x, weight, bias), 2.0); }
+    Tensor weight, bias;
+  };
+  Generator g(0);
+  nn::Gpt model(tiny(), g);
+  std::vector<std::string> before;
+  for (const auto& [name, p] : model.namedParameters()) before.push_back(name);
+  auto& block = dynamic_cast<nn::TransformerBlock&>(*model.h->child("0"));
+  const auto replacement = std::make_shared<DoubledLinear>(*block.mlp->c_fc);
+  const auto old = block.mlp->replaceChild("c_fc", replacement);
+  EXPECT_EQ(block.mlp->c_fc, nullptr) << "the typed handle of a child of another type";
+  EXPECT_NE(old, nullptr);
+  std::vector<std::string> after;
+  for (const auto& [name, p] : model.namedParameters()) after.push_back(name);
+  EXPECT_EQ(after, before);
+  EXPECT_TRUE(model.namedParameters()[10].second.isSameAs(replacement->weight));
+  Generator data(1);
+  const Tensor tokens = randint(0, 256, {2, 16}, data);
+  // The replacement runs in c_fc's place: the model equals a plain one whose c_fc is doubled.
+  Generator again(0);
+  nn::Gpt reference(tiny(), again);
+  auto& doubledBlock = dynamic_cast<nn::TransformerBlock&>(*reference.h->child("0"));
+  EXPECT_GT(maxAbs(model(tokens), reference(tokens)), 1e-3);
+  {
+    NoGradGuard noGrad;
+    for (Tensor t : {doubledBlock.mlp->c_fc->weight, doubledBlock.mlp->c_fc->bias}) t.copy_(mul(t, 2.0));
+  }
+  EXPECT_TRUE(equalBits(model(tokens), reference(tokens)));
+  // The same type: the typed handle follows; wte's table is the output layer's weight.
+  const auto table = std::make_shared<nn::Embedding>(256, 16, data);
+  model.replaceChild("wte", table);
+  EXPECT_EQ(model.wte, table);
+  {
+    NoGradGuard noGrad;
+    Tensor t = table->weight;
+    t.zero_();
+  }
+  EXPECT_EQ(max(abs(model(tokens))).item<double>(), 0.0) << "the tied output layer still uses the old table";
+  expectThrowsWith<InvalidArgument>([&] { model.replaceChild("nothing", table); }, {"no submodule named \"nothing\""});
+  // A table without "weight" is refused and the old one stays.
+  expectThrowsWith<InvalidArgument>([&] { model.replaceChild("wte", std::make_shared<nn::GELU>()); },
+                                    {"replacement for wte (GELU) has no parameter \"weight\""});
+  EXPECT_EQ(model.child("wte"), table);
+  model.to(DType::Float64);
+  EXPECT_EQ(model(tokens).dtype(), DType::Float64);
+  EXPECT_EQ(table->weight.dtype(), DType::Float64) << "converted in place";
+}
+
 TEST(Gpt, InitialisesLikeGpt2) {
   Generator g(1);
   const nn::GptConfig config{.vocabSize = 256, .contextLength = 64, .layers = 8, .heads = 4, .width = 128};
