@@ -36,12 +36,15 @@ void recordCollective(const ProcessGroupPtr& group, Collective kind, int64_t ele
   switch (kind) {
     case Collective::AllReduce:
       ++counts.allReduces;
+      counts.allReduceElements += elements;
       break;
     case Collective::AllGather:
       ++counts.allGathers;
+      counts.allGatherElements += elements;
       break;
     case Collective::ReduceScatter:
       ++counts.reduceScatters;
+      counts.reduceScatterElements += elements;
       break;
   }
   counts.elements += elements;
@@ -271,8 +274,19 @@ struct VocabParallelCrossEntropyFunction : autograd::Function<VocabParallelCross
 }  // namespace
 
 TpCollectiveCounts operator-(const TpCollectiveCounts& a, const TpCollectiveCounts& b) {
-  return {a.allReduces - b.allReduces, a.allGathers - b.allGathers, a.reduceScatters - b.reduceScatters,
-          a.elements - b.elements};
+  return {a.allReduces - b.allReduces,
+          a.allGathers - b.allGathers,
+          a.reduceScatters - b.reduceScatters,
+          a.elements - b.elements,
+          a.allReduceElements - b.allReduceElements,
+          a.allGatherElements - b.allGatherElements,
+          a.reduceScatterElements - b.reduceScatterElements};
+}
+
+double TpCollectiveCounts::ringElementsPerRank(int degree) const {
+  const double share = static_cast<double>(degree - 1) / degree;
+  return share * (2.0 * static_cast<double>(allReduceElements) +
+                  static_cast<double>(allGatherElements + reduceScatterElements));
 }
 
 TpCollectiveCounts tpCollectiveCounts(const ProcessGroup& group) {
@@ -369,7 +383,9 @@ ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& full, ProcessGroupP
 
 Tensor ColumnParallelLinear::forward(const Tensor& x) {
   requireFeatures(x, inFeatures_, "ColumnParallelLinear", "input features");
-  const Tensor local = linear(copyToTensorParallelRegion(x, group_), weight, bias);
+  const Tensor input = options_.sequenceParallel ? gatherFromSequenceParallelRegion(x, group_)
+                                                 : copyToTensorParallelRegion(x, group_);
+  const Tensor local = linear(input, weight, bias);
   return options_.gatherOutput ? gatherFromTensorParallelRegion(local, group_) : local;
 }
 
@@ -406,8 +422,14 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
   }
   // The partial products are summed first and the bias added once: added before the
   // all-reduce it would count t times.
-  const Tensor summed = reduceFromTensorParallelRegion(linear(input, weight), group_);
-  return bias.defined() ? summed + bias : summed;
+  const Tensor partial = linear(input, weight);
+  if (!options_.sequenceParallel) {
+    const Tensor summed = reduceFromTensorParallelRegion(partial, group_);
+    return bias.defined() ? summed + bias : summed;
+  }
+  const Tensor block = reduceScatterToSequenceParallelRegion(partial, group_);
+  // On a block of the sequence the bias's gradient covers this rank's rows only.
+  return bias.defined() ? block + sumGradientsOverGroup({bias}, group_)[0] : block;
 }
 
 std::vector<ParameterShard> RowParallelLinear::parameterShards() const {
@@ -456,7 +478,8 @@ std::vector<ParameterShard> VocabParallelEmbedding::parameterShards() const {
 }
 
 ParallelSelfAttention::ParallelSelfAttention(const Tensor& qkvWeight, const Tensor& qkvBias, const Tensor& projWeight,
-                                             const Tensor& projBias, int64_t heads, ProcessGroupPtr group) {
+                                             const Tensor& projBias, int64_t heads, ProcessGroupPtr group,
+                                             ParallelAttentionOptions options) {
   requireGroup(group, "ParallelSelfAttention");
   DT_REQUIRE(heads >= 1 && heads % group->size() == 0, "ParallelSelfAttention: ", heads,
              " heads do not split over the tensor-parallel degree ", group->size(), " (", groupText(*group),
@@ -465,18 +488,66 @@ ParallelSelfAttention::ParallelSelfAttention(const Tensor& qkvWeight, const Tens
              "ParallelSelfAttention: the fused projection must be [3C, C], got ",
              qkvWeight.defined() ? qkvWeight.describe() : std::string("an undefined tensor"));
   localHeads_ = heads / group->size();
-  c_attn = registerModule("c_attn", std::make_shared<ColumnParallelLinear>(qkvWeight, qkvBias, group,
-                                                                           ColumnParallelOptions{.parts = 3}));
-  c_proj = registerModule("c_proj", std::make_shared<RowParallelLinear>(projWeight, projBias, std::move(group)));
+  c_attn = registerModule(
+      "c_attn", std::make_shared<ColumnParallelLinear>(
+                    qkvWeight, qkvBias, group,
+                    ColumnParallelOptions{.sequenceParallel = options.sequenceParallel, .parts = 3}));
+  c_proj = registerModule("c_proj", std::make_shared<RowParallelLinear>(
+                                        projWeight, projBias, std::move(group),
+                                        RowParallelOptions{.sequenceParallel = options.sequenceParallel}));
 }
 
-ParallelSelfAttention::ParallelSelfAttention(const nn::CausalSelfAttention& full, int64_t heads, ProcessGroupPtr group)
+ParallelSelfAttention::ParallelSelfAttention(const nn::CausalSelfAttention& full, int64_t heads, ProcessGroupPtr group,
+                                             ParallelAttentionOptions options)
     : ParallelSelfAttention(full.c_attn->weight, full.c_attn->bias, full.c_proj->weight, full.c_proj->bias, heads,
-                            std::move(group)) {}
+                            std::move(group), options) {}
 
 Tensor ParallelSelfAttention::forward(const Tensor& x) {
+  // c_attn gathers a sequence block whole (sequence-parallel) and c_proj scatters it back.
   const Tensor qkv = (*c_attn)(x);
   return (*c_proj)(selfAttention(qkv, localHeads_, {.causal = true, .dropoutP = 0.0, .training = isTraining()}));
+}
+
+std::vector<Tensor> sumGradientsOverGroup(const std::vector<Tensor>& tensors, const ProcessGroupPtr& group) {
+  requireGroup(group, "sumGradientsOverGroup");
+  if (tensors.empty() || group->size() == 1) return tensors;
+  // Packed into one vector so that one all-reduce sums them all: cat's backward hands each
+  // tensor its slice of the summed gradient.
+  std::vector<Tensor> flat;
+  for (const Tensor& t : tensors) flat.push_back(t.reshape({-1}));
+  const Tensor summed = copyToTensorParallelRegion(cat(flat, 0), group);
+  std::vector<Tensor> out;
+  int64_t offset = 0;
+  for (const Tensor& t : tensors) {
+    out.push_back(summed.narrow(0, offset, t.numel()).reshape(t.sizes()));
+    offset += t.numel();
+  }
+  return out;
+}
+
+SequenceParallelLayerNorm::SequenceParallelLayerNorm(const nn::LayerNorm& full, ProcessGroupPtr group)
+    : TensorParallelModule(std::move(group)), shape_(full.normalizedShape()), eps_(full.eps()) {
+  NoGradGuard noGrad;
+  if (full.weight.defined()) weight = registerParameter("weight", full.weight.detach().clone());
+  if (full.bias.defined()) bias = registerParameter("bias", full.bias.detach().clone());
+}
+
+Tensor SequenceParallelLayerNorm::forward(const Tensor& x) {
+  std::vector<Tensor> affine;
+  for (const Tensor& p : {weight, bias}) {
+    if (p.defined()) affine.push_back(p);
+  }
+  affine = sumGradientsOverGroup(affine, group_);
+  const Tensor w = weight.defined() ? affine.front() : Tensor();
+  const Tensor b = bias.defined() ? affine.back() : Tensor();
+  return layerNorm(x, shape_, w, b, eps_);
+}
+
+std::vector<ParameterShard> SequenceParallelLayerNorm::parameterShards() const {
+  std::vector<ParameterShard> shards;
+  if (weight.defined()) shards.push_back({"weight", weight.sizes(), -1, 0});
+  if (bias.defined()) shards.push_back({"bias", bias.sizes(), -1, 0});
+  return shards;
 }
 
 Tensor vocabParallelCrossEntropy(const Tensor& localLogits, const Tensor& targets, const ProcessGroupPtr& group,

@@ -61,9 +61,16 @@ struct TpCollectiveCounts {
   int64_t allGathers = 0;
   int64_t reduceScatters = 0;
   // Elements of the whole tensor of each collective (the all-reduced tensor, the gathered
-  // output, the reduce-scattered input), summed: the traffic formulas are in these.
+  // output, the reduce-scattered input), summed, in all and per kind: the traffic formulas
+  // are in these.
   int64_t elements = 0;
+  int64_t allReduceElements = 0;
+  int64_t allGatherElements = 0;
+  int64_t reduceScatterElements = 0;
   int64_t total() const { return allReduces + allGathers + reduceScatters; }
+  // The elements each rank sends when a ring runs these collectives over `degree` ranks: an
+  // all-reduce of N sends 2 N (t-1)/t, an all-gather or reduce-scatter of N sends N (t-1)/t.
+  double ringElementsPerRank(int degree) const;
 };
 TpCollectiveCounts operator-(const TpCollectiveCounts& a, const TpCollectiveCounts& b);
 // What the functions of this header issued on `group` since it was created (zeros for a group
@@ -111,14 +118,19 @@ struct ColumnParallelOptions {
   // All-gather the output's last dim so that the caller gets the whole [*, out] (the layer is
   // then a drop-in Linear); off, the output is this rank's [*, out / t] block.
   bool gatherOutput = false;
+  // Sequence parallelism: the input is this rank's block of the sequence (dim 1 of [B, T, C]),
+  // all-gathered whole before the product (gatherFromSequenceParallelRegion: its backward
+  // reduce-scatters the input gradient) instead of copied in.
+  bool sequenceParallel = false;
   // The output features are `parts` equal parts split alike (a fused q/k/v projection: 3, so
   // that each rank holds the q, k and v features of its own heads, [q_r; k_r; v_r]).
   int64_t parts = 1;
 };
 
 // y = x W^T + b with W's rows (the output features) and b split over the group. Forward:
-// copyToTensorParallelRegion(x) (the input is replicated; backward all-reduces its gradient),
-// then the local linear, then gatherFromTensorParallelRegion when gatherOutput.
+// copyToTensorParallelRegion(x) (the input is replicated; backward all-reduces its gradient)
+// or, sequence-parallel, gatherFromSequenceParallelRegion(x), then the local linear, then
+// gatherFromTensorParallelRegion when gatherOutput.
 class ColumnParallelLinear : public TensorParallelModule {
  public:
   // fullWeight [out, in], fullBias [out] or undefined: the whole layer, the same on every rank.
@@ -143,11 +155,17 @@ struct RowParallelOptions {
   // The input is already split on its last dim (a ColumnParallelLinear's output); off, the
   // whole input comes in and is split here (scatterToTensorParallelRegion).
   bool inputIsParallel = true;
+  // Sequence parallelism: the partial products are reduce-scattered to this rank's block of
+  // the sequence (dim 1 of [B, T, C]) instead of all-reduced, and the bias is added to that
+  // block. The bias then sees only this rank's rows, so its gradient is summed over the group
+  // inside backward (one all-reduce of [out] per backward, as the sequence-parallel norms').
+  bool sequenceParallel = false;
 };
 
 // y = x W^T + b with W's columns (the input features) split over the group: each rank computes
-// its partial product, reduceFromTensorParallelRegion sums them (one all-reduce), and the bias,
-// whole on every rank, is added once after the sum.
+// its partial product, reduceFromTensorParallelRegion sums them (one all-reduce; sequence-
+// parallel: reduceScatterToSequenceParallelRegion), and the bias, whole on every rank, is added
+// once after the sum.
 class RowParallelLinear : public TensorParallelModule {
  public:
   RowParallelLinear(const Tensor& fullWeight, const Tensor& fullBias, ProcessGroupPtr group,
@@ -187,20 +205,30 @@ class VocabParallelEmbedding : public TensorParallelModule {
   int64_t vocabStart_;
 };
 
+struct ParallelAttentionOptions {
+  // Sequence parallelism: the input and the output are this rank's block of the sequence;
+  // c_attn all-gathers the input and c_proj reduce-scatters the output (see the linears').
+  bool sequenceParallel = false;
+};
+
 // Multi-head self-attention (nn::CausalSelfAttention's: fused q/k/v projection c_attn, the
 // fused causal selfAttention op, output projection c_proj) with its heads split over the group:
 // rank r runs heads [r H/t, (r+1) H/t). c_attn is a ColumnParallelLinear of 3 parts (each rank
 // takes the q, k and v features of its heads, not a raw range of c_attn's rows), c_proj a
 // RowParallelLinear (the heads' outputs are contiguous columns): one all-reduce forward (c_proj's)
-// and one backward (c_attn's copy). Children and parameter names as CausalSelfAttention's.
-// Attention dropout is not supported yet (off: a sharded region must draw differently per rank).
+// and one backward (c_attn's copy); sequence-parallel, an all-gather and a reduce-scatter each
+// way instead. Children and parameter names as CausalSelfAttention's. Attention dropout is not
+// supported yet (off: a sharded region must draw differently per rank).
 class ParallelSelfAttention : public nn::Module {
  public:
   // The whole projections: qkvWeight [3C, C] (q rows, then k, then v), projWeight [C, C].
   ParallelSelfAttention(const Tensor& qkvWeight, const Tensor& qkvBias, const Tensor& projWeight,
-                        const Tensor& projBias, int64_t heads, ProcessGroupPtr group);
-  ParallelSelfAttention(const nn::CausalSelfAttention& full, int64_t heads, ProcessGroupPtr group);
-  Tensor forward(const Tensor& x) override;  // [B, T, C] -> [B, T, C], replicated in and out
+                        const Tensor& projBias, int64_t heads, ProcessGroupPtr group,
+                        ParallelAttentionOptions options = {});
+  ParallelSelfAttention(const nn::CausalSelfAttention& full, int64_t heads, ProcessGroupPtr group,
+                        ParallelAttentionOptions options = {});
+  // [B, T, C] -> [B, T, C], replicated in and out ([B, T/t, C] sequence-parallel)
+  Tensor forward(const Tensor& x) override;
   std::string typeName() const override { return "ParallelSelfAttention"; }
   int64_t localHeads() const { return localHeads_; }
   std::shared_ptr<ColumnParallelLinear> c_attn;
@@ -209,6 +237,31 @@ class ParallelSelfAttention : public nn::Module {
  private:
   int64_t localHeads_;
 };
+
+// LayerNorm on this rank's block of the sequence (sequence parallelism): the whole weight and
+// bias on every rank, but each rank normalises only its rows, so each one's gradients are a
+// partial sum. They enter the norm through sumGradientsOverGroup, whose backward all-reduces
+// them (one all-reduce of weight and bias together), so every rank's .grad is the whole
+// gradient when backward returns (what Megatron-LM#1446 was about: without it the ranks'
+// norms drift apart silently). Parameter names as nn::LayerNorm's.
+class SequenceParallelLayerNorm : public TensorParallelModule {
+ public:
+  SequenceParallelLayerNorm(const nn::LayerNorm& full, ProcessGroupPtr group);
+  Tensor forward(const Tensor& x) override;  // [B, T/t, C] -> [B, T/t, C]
+  std::string typeName() const override { return "SequenceParallelLayerNorm"; }
+  std::vector<ParameterShard> parameterShards() const override;  // replicated (dim -1)
+  Tensor weight;  // whole, or undefined without an affine part
+  Tensor bias;
+
+ private:
+  std::vector<int64_t> shape_;
+  double eps_;
+};
+
+// Identity forward; backward all-reduces (sums) the gradients of `tensors` over the group, in
+// one collective. For replicated parameters used on a sequence shard (the norms, a row-parallel
+// bias under sequence parallelism). Returns new handles in the same order.
+std::vector<Tensor> sumGradientsOverGroup(const std::vector<Tensor>& tensors, const ProcessGroupPtr& group);
 
 struct VocabParallelCrossEntropyOptions {
   int64_t ignoreIndex = -100;  // targets equal to it add no loss and no gradient

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "parallel/tensor_parallel.h"
 #include "process_group/process_group.h"
 #include "tensor/tensor.h"
 
@@ -11,6 +12,11 @@ namespace dt::testing {
 
 // Every rank's `local` side by side along `dim` (ranks in group order).
 Tensor gatherBlocks(ProcessGroup& group, const Tensor& local, int64_t dim);
+
+// The whole parameter of which `local` is this rank's shard, assembled from every rank's (plain
+// allgathers): blocks side by side along shard.dim, each of shard.parts parts in its place; a
+// replicated parameter (dim -1) is `local` itself.
+Tensor wholeParameter(ProcessGroup& group, const Tensor& local, const ParameterShard& shard);
 
 // float64: max |actual - expected| <= 1e-12 max |expected|; float32: PyTorch's
 // assert_close bar, |actual - expected| <= 1e-5 + 1.3e-6 |expected| elementwise.
