@@ -209,6 +209,34 @@ TEST(GptParallel, TensorAndSequenceParallelGptMatchTheSingleProcessModelFloat32)
   }
 }
 
+// Activation checkpointing recomputes each block's forward, collectives included, in backward:
+// the gradients stay the single-process model's, and backward issues each block's forward
+// collectives once more.
+TEST(GptParallel, ActivationCheckpointingRepeatsTheBlocksForwardCollectivesAndStillMatches) {
+  for (bool sequenceParallel : {false, true}) {
+    withRanks(2, [&](int, const ProcessGroupPtr& tp) {
+      const Case c{2, DType::Float64, sequenceParallel};
+      nn::GptConfig config = kConfig;
+      config.activationCheckpointing = true;
+      auto reference = buildGpt(DType::Float64, config);
+      auto model = buildGpt(DType::Float64, config);
+      parallelize(*model, tp, gptParallelPlan({.sequenceParallel = sequenceParallel}));
+      const Batch batch = batchOf(0);
+      nn::Gpt::loss((*reference)(batch.inputs), batch.targets).backward();
+      const Tensor loss = model->nextTokenLoss((*model)(batch.inputs), batch.targets);
+      const TpCollectiveCounts beforeBackward = tpCollectiveCounts(*tp);
+      loss.backward();
+      const TpCollectiveCounts backward = tpCollectiveCounts(*tp) - beforeBackward;
+      const StepCounts plain = expectedStep(c);
+      const int64_t blockForward = sequenceParallel ? 0 : 2;  // all-reduces per block forward
+      EXPECT_EQ(backward.allReduces, plain.backward.allReduces + kConfig.layers * blockForward) << describeCase(c);
+      EXPECT_EQ(backward.allGathers, plain.backward.allGathers + (sequenceParallel ? 2 * kConfig.layers : 0));
+      EXPECT_EQ(backward.reduceScatters, plain.backward.reduceScatters + (sequenceParallel ? 2 * kConfig.layers : 0));
+      expectWholeParameters(*tp, *model, *reference, true, describeCase(c) + " checkpointed");
+    });
+  }
+}
+
 // One block alone, forward and backward: the collectives per block and the traffic per token.
 TEST(GptParallel, OneBlockIssuesItsCollectivesAndMovesEightHTimesTMinusOneOverTElementsPerToken) {
   for (bool sequenceParallel : {false, true}) {
