@@ -55,14 +55,25 @@ double clipGradNorm(const std::vector<Tensor>& parameters, double maxNorm, const
   }
   if (!(maxNorm > 0)) throw InvalidArgument(str("clipGradNorm: maxNorm must be positive, got ", maxNorm));
   NoGradGuard ng;
+  if (static_cast<bool>(options.isSplit) != static_cast<bool>(options.reduceSplitPartial)) {
+    throw InvalidArgument("clipGradNorm: isSplit and reduceSplitPartial go together (one is set without the other)");
+  }
   std::vector<Tensor> grads;
-  double local = 0.0;
-  for (const Tensor& p : parameters) {
-    Tensor g = p.grad();
+  double local = 0.0;  // the whole parameters' (all of them without isSplit)
+  double split = 0.0;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    Tensor g = parameters[i].grad();
     if (!g.defined()) continue;
     grads.push_back(g);
     const double s = statistic(g, maxMode);
-    local = maxMode ? maxKeepNan(local, s) : local + s;
+    double& into = options.isSplit && options.isSplit(i) ? split : local;
+    into = maxMode ? maxKeepNan(into, s) : into + s;
+  }
+  if (options.reduceSplitPartial) {
+    Tensor partial = scalarTensor(split, DType::Float64);
+    options.reduceSplitPartial(partial, maxMode);
+    const double splitTotal = partial.to(Device::cpu()).item<double>();
+    local = maxMode ? maxKeepNan(local, splitTotal) : local + splitTotal;
   }
   double total = local;
   if (options.reducePartial) {

@@ -13,6 +13,11 @@
 //    the sum of squares, or the max |g| when max is true) and must replace it in place by the
 //    total over the shard group (an allreduce with sum, or max). tensor/ knows no process
 //    group; the caller supplies the collective. Every rank of the group must call it.
+//  * Two levels (tensor parallelism, parallel/clip_grad.h): parameters for which `isSplit`
+//    says true hold different blocks on the ranks of another group, while the others are
+//    whole and equal there. The split ones' partial statistic alone goes through
+//    `reduceSplitPartial` (every rank of that group calls it, even with no split parameter),
+//    then the whole ones' is added once, and that sum goes through `reducePartial` if set.
 //  * A non-finite norm: with errorIfNonfinite it throws InvalidArgument naming the first
 //    parameter whose gradient is not finite, and changes nothing; otherwise the gradients
 //    are scaled by a NaN factor, as PyTorch does.
@@ -31,6 +36,8 @@ struct ClipGradNormOptions {
   double normType = 2.0;  // 2.0 or std::numeric_limits<double>::infinity()
   bool errorIfNonfinite = false;
   std::function<void(Tensor& partial, bool max)> reducePartial;
+  std::function<bool(size_t parameterIndex)> isSplit;  // index into `parameters`
+  std::function<void(Tensor& partial, bool max)> reduceSplitPartial;
 };
 
 double clipGradNorm(const std::vector<Tensor>& parameters, double maxNorm, const ClipGradNormOptions& options = {});
