@@ -90,16 +90,18 @@ class CheckpointReader final : public detail::PieceSource {
         const std::string key = keyInFile(t.info, p.rank);
         const size_t file = p.file;
         const StateTensorInfo info = t.info;
-        addPiece(t.info.name, {p.rank, p.offset, p.count, [this, file, key, info](int64_t from, int64_t n, void* dst) {
-                                 const SafetensorsReader& reader = open(file);
-                                 const SafetensorsEntry& entry = reader.entry(key);
-                                 if (entry.dtype != info.dtype) {
-                                   throw InvalidArgument(str(reader.path().string(), ": \"", key, "\" is ",
-                                                             toString(entry.dtype), " but the manifest says ",
-                                                             toString(info.dtype)));
-                                 }
-                                 reader.readElements(entry, from, n, dst);
-                               }});
+        Piece piece{p.rank, p.offset, p.count, [this, file, key, info](int64_t from, int64_t n, void* dst) {
+                      const SafetensorsReader& reader = open(file);
+                      const SafetensorsEntry& entry = reader.entry(key);
+                      if (entry.dtype != info.dtype) {
+                        throw InvalidArgument(str(reader.path().string(), ": \"", key, "\" is ", toString(entry.dtype),
+                                                  " but the manifest says ", toString(info.dtype)));
+                      }
+                      reader.readElements(entry, from, n, dst);
+                    }};
+        piece.stride = p.stride;
+        piece.repeats = p.repeats;
+        addPiece(t.info.name, std::move(piece));
       }
     }
     checkCoverage();
@@ -196,7 +198,8 @@ std::string CheckpointManifest::toJson() const {
     j.set("shape", shapeJson(t.info.shape));
     json::Value pieces = json::Value::array();
     for (const auto& p : t.pieces) {
-      // [file, offset, count], or [file, rank] for a per-rank value.
+      // [file, offset, count], [file, offset, count, stride, repeats] for a strided piece, or
+      // [file, rank] for a per-rank value.
       json::Value piece = json::Value::array();
       piece.push(static_cast<uint64_t>(p.file));
       if (t.info.placement == Placement::PerRank) {
@@ -204,6 +207,10 @@ std::string CheckpointManifest::toJson() const {
       } else {
         piece.push(p.offset);
         piece.push(p.count);
+        if (p.repeats > 1) {
+          piece.push(p.stride);
+          piece.push(p.repeats);
+        }
       }
       pieces.push(std::move(piece));
     }
@@ -250,8 +257,9 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const fs::
       const auto& v = p.items(what, "pieces");
       CheckpointPiece piece;
       const bool perRank = tensor.info.placement == Placement::PerRank;
-      if (v.size() != (perRank ? 2u : 3u)) {
-        throw InvalidArgument(str(what, ": a piece of \"", name, "\" has ", v.size(), " numbers, not ", perRank ? 2 : 3));
+      if (perRank ? v.size() != 2u : (v.size() != 3u && v.size() != 5u)) {
+        throw InvalidArgument(str(what, ": a piece of \"", name, "\" has ", v.size(), " numbers, not ",
+                                  perRank ? "2" : "3 (or 5 when strided)"));
       }
       piece.file = static_cast<size_t>(v[0].asInt(what, "pieces"));
       if (perRank) {
@@ -260,6 +268,10 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const fs::
       } else {
         piece.offset = v[1].asInt(what, "pieces");
         piece.count = v[2].asInt(what, "pieces");
+        if (v.size() == 5u) {
+          piece.stride = v[3].asInt(what, "pieces");
+          piece.repeats = v[4].asInt(what, "pieces");
+        }
       }
       tensor.pieces.push_back(piece);
     }
@@ -415,7 +427,7 @@ CheckpointRef CheckpointDir::save(const TrainingState& state, ProcessGroup* grou
               entry.pieces.push_back({file, owner, 0, shapeNumel(info.shape)});
             }
           } else {
-            entry.pieces.push_back({file, -1, piece.offset, piece.count});
+            entry.pieces.push_back({file, -1, piece.offset, piece.count, piece.stride, piece.repeats});
           }
         }
       }

@@ -9,7 +9,9 @@
 //   step-00000500.rank00003.safetensors   rank 3's shards (only ranks that hold shards)
 //
 // The data files are ordinary safetensors files: a tensor sharded along dim 0 appears in each
-// rank's file under its full name with the rank's rows; consolidate() (and `dtckpt
+// rank's file under its full name with the rank's rows (a strided shard, a tensor-parallel
+// block of a later dimension, as its local tensor: the manifest's piece [file, offset, count,
+// stride, repeats] says where its runs go); consolidate() (and `dtckpt
 // consolidate`) writes one file of whole tensors for inference or other tools.
 //
 // Contract:
@@ -63,6 +65,8 @@ struct CheckpointPiece {
   int rank = -1;       // per-rank tensors: whose value (stored as "<name>.rank<r>")
   int64_t offset = 0;  // first element held (row-major over the global shape)
   int64_t count = 0;
+  int64_t stride = 0;  // a strided piece (StateTensor's): count / repeats elements every stride
+  int64_t repeats = 1;
 };
 
 struct CheckpointTensor {

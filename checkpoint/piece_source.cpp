@@ -11,7 +11,8 @@
 namespace dt::detail {
 
 PieceDescriptor descriptorOf(const StateTensor& tensor, int rank) {
-  return {{tensor.name, tensor.placement, tensor.shape, tensor.local.dtype()}, rank, tensor.offset, tensor.local.numel()};
+  return {{tensor.name, tensor.placement, tensor.shape, tensor.local.dtype()}, rank, tensor.offset, tensor.local.numel(),
+          tensor.stride, tensor.repeats};
 }
 
 json::Value toJson(const PieceDescriptor& piece) {
@@ -25,6 +26,10 @@ json::Value toJson(const PieceDescriptor& piece) {
   p.set("rank", piece.rank);
   p.set("offset", piece.offset);
   p.set("count", piece.count);
+  if (piece.repeats > 1) {
+    p.set("stride", piece.stride);
+    p.set("repeats", piece.repeats);
+  }
   return p;
 }
 
@@ -37,6 +42,10 @@ PieceDescriptor pieceFromJson(const json::Value& value, const std::string& what)
   piece.rank = static_cast<int>(value.get("rank", what).asInt(what, "rank"));
   piece.offset = value.get("offset", what).asInt(what, "offset");
   piece.count = value.get("count", what).asInt(what, "count");
+  if (value.find("repeats")) {
+    piece.stride = value.get("stride", what).asInt(what, "stride");
+    piece.repeats = value.get("repeats", what).asInt(what, "repeats");
+  }
   return piece;
 }
 
@@ -57,10 +66,15 @@ void PieceSource::addPiece(const std::string& name, Piece piece) {
   if (it == entries_.end()) throw InvalidArgument(str(description_, ": a piece of \"", name, "\", which it does not list"));
   const StateTensorInfo& info = it->second.info;
   const int64_t numel = shapeNumel(info.shape);
-  if (piece.offset < 0 || piece.count < 0 || piece.offset + piece.count > numel ||
+  const bool strided = piece.repeats > 1;
+  const int64_t run = strided ? piece.count / piece.repeats : piece.count;
+  const int64_t end = piece.offset + (strided ? (piece.repeats - 1) * piece.stride : 0) + run;
+  if (piece.offset < 0 || piece.count < 0 || end > numel || piece.repeats < 1 ||
+      (strided && (piece.count % piece.repeats != 0 || piece.stride < run || info.placement != Placement::Sharded)) ||
       (info.placement == Placement::PerRank && (piece.offset != 0 || piece.count != numel))) {
-    throw InvalidArgument(str(description_, ": a piece of \"", name, "\" holds elements [", piece.offset, ", ",
-                              piece.offset + piece.count, ") of ", describeShape(info.shape)));
+    throw InvalidArgument(str(description_, ": a piece of \"", name, "\" holds elements [", piece.offset, ", ", end,
+                              strided ? str(") in ", piece.repeats, " runs every ", piece.stride) : std::string(")"),
+                              " of ", describeShape(info.shape)));
   }
   it->second.pieces.push_back(std::move(piece));
 }
@@ -82,11 +96,17 @@ void PieceSource::checkCoverage() const {
       }
       continue;
     }
-    std::sort(pieces.begin(), pieces.end(), [](const Piece* a, const Piece* b) { return a->offset < b->offset; });
-    int64_t covered = 0;
+    // Every run of every piece, [begin, end), sorted.
+    std::vector<std::pair<int64_t, int64_t>> runs;
     for (const Piece* p : pieces) {
-      if (p->offset > covered) break;
-      covered = std::max(covered, p->offset + p->count);
+      const int64_t run = p->count / p->repeats;
+      for (int64_t i = 0; i < p->repeats; ++i) runs.emplace_back(p->offset + i * p->stride, p->offset + i * p->stride + run);
+    }
+    std::sort(runs.begin(), runs.end());
+    int64_t covered = 0;
+    for (const auto& [begin, end] : runs) {
+      if (begin > covered) break;
+      covered = std::max(covered, end);
     }
     if (covered < shapeNumel(e.info.shape)) {
       throw InvalidArgument(str(description_, ": no piece holds element ", covered, " of \"", name, "\" ",
@@ -121,6 +141,28 @@ const PieceSource::Entry& PieceSource::entry(const std::string& name) const {
   return it->second;
 }
 
+const PieceSource::Piece* PieceSource::holding(const Entry& e, int64_t at, int64_t* local, int64_t* inRun) {
+  for (const Piece& p : e.pieces) {
+    if (at < p.offset) continue;
+    if (p.repeats <= 1) {
+      if (at < p.offset + p.count) {
+        *local = at - p.offset;
+        *inRun = p.offset + p.count - at;
+        return &p;
+      }
+      continue;
+    }
+    const int64_t run = p.count / p.repeats;
+    const int64_t index = (at - p.offset) / p.stride, within = (at - p.offset) % p.stride;
+    if (index < p.repeats && within < run) {
+      *local = index * run + within;
+      *inRun = run - within;
+      return &p;
+    }
+  }
+  return nullptr;
+}
+
 void PieceSource::read(const std::string& name, int64_t offset, Tensor& dst, int rank) const {
   const Entry& e = entry(name);
   const int64_t count = dst.numel();
@@ -148,19 +190,14 @@ void PieceSource::read(const std::string& name, int64_t offset, Tensor& dst, int
     int64_t done = 0;  // elements [offset, offset + done) are in place
     while (done < count) {
       const int64_t at = offset + done;
-      const Piece* piece = nullptr;
-      for (const Piece& p : e.pieces) {
-        if (p.offset <= at && at < p.offset + p.count) {
-          piece = &p;
-          break;
-        }
-      }
+      int64_t local = 0, inRun = 0;
+      const Piece* piece = holding(e, at, &local, &inRun);
       if (piece == nullptr) {
         throw InvalidArgument(str(description_, ": no piece holds element ", at, " of \"", name, "\" ",
                                   describeShape(e.info.shape)));
       }
-      const int64_t n = std::min(count - done, piece->offset + piece->count - at);
-      piece->read(at - piece->offset, n, bytes + static_cast<size_t>(done) * width);
+      const int64_t n = std::min(count - done, inRun);
+      piece->read(local, n, bytes + static_cast<size_t>(done) * width);
       done += n;
     }
   }

@@ -71,8 +71,9 @@ class OptimizerPart final : public StateProvider {
       const std::string name = layout.name + "." + state;
       if (t.sizes() != params[index].sizes()) {  // a scalar such as AdamW's step
         out.push_back({name, Placement::Replicated, t.sizes(), 0, t});
-      } else {
-        out.push_back({name, layout.placement, layout.shape, layout.offset, heldElements(t, layout)});
+      } else if (!layout.savedByAnotherRank) {
+        out.push_back({name, layout.placement, layout.shape, layout.offset, heldElements(t, layout), layout.stride,
+                       layout.repeats});
       }
     }
     return out;
@@ -108,12 +109,15 @@ class OptimizerPart final : public StateProvider {
         Tensor value;
         if (info.shape == layout.shape) {
           value = reusable(live, key, params[i]);
-          const bool whole = heldElements(params[i], layout).numel() == params[i].numel();
-          if (!value.defined() && whole) value = adopted(source, info.name, params[i]);
+          // Adopting the source's memory needs the parameter to be the whole tensor.
+          const bool whole = heldElements(params[i], layout).numel() == params[i].numel() && layout.repeats == 1;
+          const bool global = shapeNumel(layout.shape) == params[i].numel();
+          if (!value.defined() && whole && global) value = adopted(source, info.name, params[i]);
           if (value.defined() && !whole) value.zero_();
           if (!value.defined()) value = zerosLike(params[i]);  // padding beyond the held elements stays zero
           Tensor held = heldElements(value, layout);
-          source.read(info.name, layout.placement == Placement::Sharded ? layout.offset : 0, held);
+          readRuns(source, info.name, layout.placement == Placement::Sharded ? layout.offset : 0, layout.stride,
+                   layout.repeats, held);
         } else if (info.placement == Placement::Replicated && info.shape.empty()) {
           const Tensor scalar = zeros({}, info.dtype);  // a scalar: the step count
           value = reusable(live, key, scalar);
@@ -224,6 +228,35 @@ class TensorPart final : public StateProvider {
 };
 
 }  // namespace
+
+void readRuns(const StateSource& source, const std::string& name, int64_t offset, int64_t stride, int64_t repeats,
+              Tensor& dst) {
+  if (repeats <= 1) {
+    source.read(name, offset, dst);
+    return;
+  }
+  if (dst.numel() % repeats != 0) {
+    throw InvalidArgument(str("TrainingState: \"", name, "\": ", dst.numel(), " elements held are not ", repeats,
+                              " equal runs"));
+  }
+  NoGradGuard noGrad;
+  Tensor flat = dst.isContiguous() ? dst.view({-1}) : empty({dst.numel()}, dst.dtype(), dst.device());
+  const int64_t run = dst.numel() / repeats;
+  for (int64_t i = 0; i < repeats; ++i) {
+    Tensor slice = flat.narrow(0, i * run, run);
+    source.read(name, offset + i * stride, slice);
+  }
+  if (!dst.isContiguous()) dst.copy_(flat.view(dst.sizes()));
+}
+
+void restoreRuns(const StateSource& source, const std::string& name, const Shape& globalShape, int64_t offset,
+                 int64_t stride, int64_t repeats, Tensor& dst) {
+  const StateTensorInfo info = require(source, source.find(name), name);
+  requireShape(source, info, globalShape);
+  NoGradGuard noGrad;
+  readRuns(source, name, offset, stride, repeats, dst);
+  dst.bumpVersion();
+}
 
 void restoreTensor(const StateSource& source, const std::string& name, const Shape& globalShape, int64_t offset,
                    Tensor& dst, int rank) {
@@ -350,11 +383,17 @@ std::vector<StateTensor> TrainingState::collect() const {
       t.name = t.name.empty() ? prefix : joinName(prefix, t.name);
       if (!seen.insert(t.name).second) throw InvalidArgument(str("TrainingState: two tensors are named \"", t.name, "\""));
       const int64_t global = shapeNumel(t.shape);
-      if (!t.local.defined() || (t.placement != Placement::Sharded && t.local.numel() != global) ||
-          (t.placement == Placement::Sharded && (t.offset < 0 || t.offset + t.local.numel() > global))) {
+      const int64_t held = t.local.defined() ? t.local.numel() : 0;
+      const bool strided = t.repeats > 1;
+      const int64_t run = strided ? held / t.repeats : held;
+      const bool runsFit = !strided || (held % t.repeats == 0 && t.stride >= run);
+      const int64_t end = t.offset + (strided ? (t.repeats - 1) * t.stride : 0) + run;
+      if (!t.local.defined() || (t.placement != Placement::Sharded && (held != global || strided)) ||
+          (t.placement == Placement::Sharded && (t.offset < 0 || !runsFit || end > global))) {
         throw InvalidArgument(str("TrainingState: tensor \"", t.name, "\" (", placementName(t.placement), ", ",
                                   t.local.defined() ? t.local.describe() : std::string("undefined"), " at offset ",
-                                  t.offset, ") does not fit its global shape ", describeShape(t.shape)));
+                                  t.offset, strided ? str(" in ", t.repeats, " runs every ", t.stride) : std::string(),
+                                  ") does not fit its global shape ", describeShape(t.shape)));
       }
       out.push_back(std::move(t));
     }

@@ -16,7 +16,9 @@
 //    shape and how it is placed. Replicated: every rank holds the same whole tensor (one copy
 //    is saved). Sharded: each rank holds a different run of elements of the tensor flattened
 //    in row-major order (`offset`, `local.numel()`), and the runs of all ranks cover it: a
-//    dim-0 shard is the run of its rows. PerRank: each rank holds its own value of the same
+//    dim-0 shard is the run of its rows. A strided shard (`repeats` > 1: a tensor-parallel
+//    block of a later dimension, or of each part of a fused q/k/v projection) is `repeats`
+//    equal runs, the i-th starting at offset + i * stride, held one after another. PerRank: each rank holds its own value of the same
 //    shape (random-number streams); all ranks' values are saved.
 //  * A StateProvider is one part of the state (a module, an optimizer, a sharded model):
 //    collect() lists its tensors as views of the live state, without copies; restore()
@@ -70,6 +72,10 @@ struct StateTensor {
   Shape shape;         // the global shape (PerRank: the shape of each rank's value)
   int64_t offset = 0;  // Sharded: the first element, row-major over `shape`, that `local` holds
   Tensor local;        // the elements this rank holds (any device; saved as a host copy)
+  // Sharded: local holds `repeats` runs of local.numel() / repeats elements, run i from
+  // offset + i * stride (repeats 1: one run; stride unused).
+  int64_t stride = 0;
+  int64_t repeats = 1;
 };
 
 struct StateTensorInfo {
@@ -123,6 +129,12 @@ struct ParameterLayout {
   Shape shape;                                  // the global parameter's shape
   int64_t offset = 0;                           // Sharded: the first element held
   int64_t count = -1;  // elements held (-1: the whole tensor); the tensor may hold padding after them
+  // A strided shard (StateTensor's stride and repeats): the whole tensor holds `repeats` runs.
+  int64_t stride = 0;
+  int64_t repeats = 1;
+  // Another rank holds the same elements and saves them (a data-parallel replica of a
+  // tensor-parallel shard): this rank's copy is left out of collect(); restore reads as usual.
+  bool savedByAnotherRank = false;
 };
 
 class ParameterMap {
@@ -146,6 +158,13 @@ std::shared_ptr<StateProvider> moduleState(nn::Module& module);
 // value, for a per-rank tensor) are copied into dst in place, bumping dst's version.
 void restoreTensor(const StateSource& source, const std::string& name, const Shape& globalShape, int64_t offset,
                    Tensor& dst, int rank = 0);
+// restoreTensor for a shard of `repeats` runs (readRuns), dst filled in place, its version bumped.
+void restoreRuns(const StateSource& source, const std::string& name, const Shape& globalShape, int64_t offset,
+                 int64_t stride, int64_t repeats, Tensor& dst);
+// Elements of `name` into dst (any layout) as a shard of `repeats` runs holds them: run i of
+// dst.numel() / repeats elements from offset + i * stride (repeats 1: source.read(name, offset)).
+void readRuns(const StateSource& source, const std::string& name, int64_t offset, int64_t stride, int64_t repeats,
+              Tensor& dst);
 // InvalidArgument naming the first source tensor under "<prefix>." that `expected` lacks
 // (`what`: "model", for the message).
 void requireNoOthers(const StateSource& source, const std::string& prefix, const std::vector<std::string>& expected,

@@ -67,6 +67,8 @@ PieceSource::Piece memoryPiece(const PieceDescriptor& d, Tensor data, bool adopt
                              if (src != dst) std::memcpy(dst, src, static_cast<size_t>(n) * width);
                            },
                            Tensor()};
+  piece.stride = d.stride;
+  piece.repeats = d.repeats;
   if (adoptable) piece.adoptable = std::move(data);
   return piece;
 }
@@ -293,6 +295,12 @@ void redistributeState(const std::vector<StateTensor>& held, TrainingState& stat
   // 1. Every rank's held pieces.
   json::Value list = json::Value::array();
   for (const StateTensor& t : held) {
+    // The exchange below cuts runs [offset, offset + count); a strided shard would need it per run.
+    if (t.repeats > 1) {
+      throw NotSupportedError(str("redistributeState (rank ", rank, "/", world, " group ", group.name(), "): \"", t.name,
+                                  "\" is a strided (tensor-parallel) shard, which redistribution does not cut yet; "
+                                  "go through a checkpoint instead"));
+    }
     if (t.placement != Placement::PerRank) list.push(detail::toJson(detail::descriptorOf(t, rank)));
   }
   std::vector<std::vector<PieceDescriptor>> heldBy(static_cast<size_t>(world));

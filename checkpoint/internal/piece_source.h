@@ -5,7 +5,7 @@
 // Contract: addTensor once per name, then addPiece for its pieces (in any order; pieces of one
 // tensor must not overlap). read() copies from every piece that overlaps the range asked for
 // and throws InvalidArgument naming the tensor and the first element no piece holds. The
-// ReadBytes functions are called on the thread calling read(), with counts in elements of the
+// A strided piece's runs may interleave with other ranks' pieces. The ReadBytes functions are called on the thread calling read(), with counts in elements of the
 // stored dtype. Not thread-safe.
 #pragma once
 
@@ -26,7 +26,9 @@ struct PieceDescriptor {
   StateTensorInfo info;
   int rank = 0;
   int64_t offset = 0;
-  int64_t count = 0;
+  int64_t count = 0;  // elements held, in all runs
+  int64_t stride = 0;  // a strided piece: `repeats` runs of count / repeats, run i at offset + i * stride
+  int64_t repeats = 1;
 };
 PieceDescriptor descriptorOf(const StateTensor& tensor, int rank);
 json::Value toJson(const PieceDescriptor& piece);
@@ -40,8 +42,12 @@ class PieceSource : public StateSource {
     int rank = -1;        // PerRank: whose value
     int64_t offset = 0;   // first element of the tensor (flattened) it holds
     int64_t count = 0;
-    ReadBytes read;       // element offsets relative to the piece
+    ReadBytes read;       // element offsets relative to the piece (its runs one after another)
     Tensor adoptable;     // flat host memory holding the piece that a restore may keep (see adoptable())
+    // A strided piece (StateTensor's): `repeats` runs of count / repeats elements, run i at
+    // offset + i * stride of the tensor; repeats 1: the one run [offset, offset + count).
+    int64_t stride = 0;
+    int64_t repeats = 1;
   };
 
   PieceSource(std::string description, int64_t step, int worldSize, std::map<std::string, std::string> metadata);
@@ -68,6 +74,9 @@ class PieceSource : public StateSource {
     std::vector<Piece> pieces;  // sorted by offset (PerRank: by rank) in checkCoverage/read
   };
   const Entry& entry(const std::string& name) const;
+  // The piece holding element `at` of the tensor, and how many elements from `at` it holds in
+  // one run (*local: where `at` is among the piece's elements); null when none does.
+  static const Piece* holding(const Entry& e, int64_t at, int64_t* local, int64_t* inRun);
 
   std::string description_;
   int64_t step_;
