@@ -18,6 +18,8 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "parallel/checkpoint.h"
+#include "parallel/clip_grad.h"
 #include "process_group/init.h"
 #include "tensor/autograd/anomaly.h"
 #include "tensor/autograd/autograd.h"
@@ -125,8 +127,37 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     finished_ = e.what();  // a replacement started after the job ended: nothing to do
     return;
   }
+  if (options_.tensorParallel != 1) {
+    const int world = group_->size(), t = options_.tensorParallel;
+    if (t < 1) throw InvalidArgument(str(p, ": LoopOptions::tensorParallel is ", t, "; it must be 1 (off) or more"));
+    if (options_.sharding != Sharding::None) {
+      throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") with Sharding::",
+                                options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2", " is not supported yet: it composes "
+                                "with DDP (Sharding::None) only"));
+    }
+    if (elastic_) {
+      throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") under dtrun --elastic is not supported "
+                                "yet: recovery would need to drop a whole TP group (one model replica) and regroup the "
+                                "mesh; run without --elastic (dtrun --max-restarts still restarts from a checkpoint)"));
+    }
+    if (world % t != 0) {
+      throw InvalidArgument(str(p, ": tensorParallel ", t, " does not divide the world size ", world,
+                                " (the mesh is {dp: world / tp, tp: tp})"));
+    }
+    mesh_ = DeviceMesh::create(group_, {{"dp", world / t}, {"tp", t}});
+  }
   if (!options_.checkpointDir.empty()) checkpoints_.emplace(options_.checkpointDir, options_.keep);
 }
+
+const DeviceMesh& Loop::mesh() const {
+  if (!mesh_) {
+    throw InvalidArgument(str(options_.program, ": mesh() without tensor parallelism (LoopOptions::tensorParallel is ",
+                              options_.tensorParallel, ")"));
+  }
+  return *mesh_;
+}
+
+ProcessGroup& Loop::dataParallelGroup() const { return mesh_ ? *(*mesh_)["dp"] : group(); }
 
 Loop::~Loop() {
   loader_.reset();
@@ -225,7 +256,7 @@ void Loop::wrapReplicated(bool synchronize) {
   DdpOptions ddpOptions = options_.ddp;
   ddpOptions.bucketOrder = bucketOrder_;
   ddpOptions.syncAtConstruction = synchronize;
-  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions);
+  ddp_ = std::make_unique<DistributedDataParallel>(model_, dataGroup(), ddpOptions);
 }
 
 void Loop::shardOptimizerState() {
@@ -278,9 +309,10 @@ void Loop::checkSetUp() const {
   if (!model_) throw InvalidArgument(str(p, ": run() before setModel()"));
   if (optimizer_ == nullptr && !makeOptimizer_) throw InvalidArgument(str(p, ": run() before setOptimizer()"));
   if (!dataset_) throw InvalidArgument(str(p, ": run() before setData()"));
-  const int world = group_->size();
+  const int world = dataGroup()->size();
   if (!elastic_ && options_.globalBatch % world != 0) {
-    throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " is not divisible by the world size ", world,
+    throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " is not divisible by the ",
+                              mesh_ ? "data-parallel size (world / tensor parallel) " : "world size ", world,
                               " (each rank takes global batch / world); use a multiple of ", world, ", e.g. ",
                               std::max<int64_t>(world, options_.globalBatch / world * world)));
   }
@@ -317,6 +349,11 @@ TrainingState Loop::trainingState() {
     state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
   } else if (zero_) {
     state.add("model", zero_->modelState()).addOptimizer("optim", *optimizer_, zero_->parameterMap());
+  } else if (mesh_) {
+    // The shards by global name and shape; replica 0 of each TP group writes them.
+    const int replica = mesh_->coordinate("dp");
+    state.add("model", tensorParallelModelState(*model_, replica))
+        .addOptimizer("optim", *optimizer_, tensorParallelParameterMap(*model_, replica));
   } else {
     state.addModule("model", *model_).addOptimizer("optim", *optimizer_, ParameterMap::replicated(*model_));
   }
@@ -345,7 +382,7 @@ void restoreValues(const std::map<std::string, std::string>& metadata,
 }  // namespace
 
 void Loop::splitData() {
-  const int world = group_->size(), rank = group_->rank();
+  const int world = dataGroup()->size(), rank = dataGroup()->rank();
   sampler_.emplace(dataset_->size(), world, rank,
                    data::DistributedSamplerOptions{.batchSize = options_.globalBatch / std::max(world, 1),
                                                    // elastic: shares that may differ by one example
@@ -598,7 +635,8 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       nn::ClipGradNormOptions clip;
       if (fsdp_) clip.reducePartial = fsdp_->gradNormReducer();
       if (zero_) clip.reducePartial = zero_->gradNormReducer();
-      gradNorm_ = nn::clipGradNorm(parameters(), options_.clipGradNorm, clip);
+      gradNorm_ = mesh_ ? clipTensorParallelGradNorm(*model_, options_.clipGradNorm, (*mesh_)["tp"])
+                        : nn::clipGradNorm(parameters(), options_.clipGradNorm, clip);
     }
     if (elastic_) {
       group_->allreduce(control_)->wait();
@@ -928,7 +966,7 @@ LoopResult Loop::run(StepFunction fn) {
     saveCheckpoint("final");
   }
   const std::vector<Tensor> params = wholeParameters();
-  result.parameterSpread = parameterSpread(*group_, params);
+  result.parameterSpread = parameterSpread(*dataGroup(), params);
   result.fingerprint = fingerprint(params);
   if (!result.stopped && evaluate_ && evaluation_.empty()) evaluation_ = evaluate_();
   result.evaluation = evaluation_;

@@ -51,6 +51,14 @@
 //    from instead. A failure that cannot be recovered (a non-dt exception, fewer members
 //    than --min-nproc) leaves run() on this rank; the others see the lost member and go on
 //    or stop as the elastic rules say: nobody hangs.
+//  * Tensor parallelism (LoopOptions::tensorParallel = t > 1, docs/parallel.md): the
+//    constructor lays the group out as the mesh {dp: world / t, tp: t} (a collective); the
+//    caller parallelizes the model over mesh() before setModel (dt::parallelize). DDP and the
+//    data split run over mesh()["dp"] (the ranks of one TP group take the same batch), the
+//    step function takes its loss through the model's own (nn::Gpt::nextTokenLoss), clipping
+//    counts each shard once (clipTensorParallelGradNorm), and checkpoints place the shards by
+//    global name and shape, so a run resumes at another t or without TP. Refused in one line
+//    at construction with a Sharding other than None and under --elastic (not built yet).
 //  * Timeouts are the group's (ProcessGroupOptions) and the elastic membership's.
 //  * The loop keeps references to the model, optimizer and dataset: they must outlive it.
 #pragma once
@@ -74,6 +82,7 @@
 #include "ddp/zero.h"
 #include "fsdp/fully_shard.h"
 #include "elastic/elastic_group.h"
+#include "parallel/mesh.h"
 #include "process_group/process_group.h"
 #include "tensor/nn/module.h"
 #include "tensor/optim/optim.h"
@@ -237,6 +246,8 @@ struct LoopOptions {
   // the newest checkpoint (needs checkpointDir); a joiner receives the members' shards.
   Sharding sharding = Sharding::None;
   FullyShardOptions fullyShard;
+  // Tensor parallelism's degree (see the contract); 1: off. The world must be a multiple.
+  int tensorParallel = 1;
   // The elastic membership's options (under dtrun --elastic, DT_ELASTIC=1, or with forceElastic).
   elastic::ElasticOptions elastic;
   bool forceElastic = false;
@@ -259,7 +270,9 @@ struct LoopResult {
   double elapsed = 0;        // of training, earlier runs included (from the checkpoint)
   double dataWaitMs = 0;     // the training loop waited for batches (the loader's stats)
   double parameterSpread = 0;  // max - min of any parameter over the ranks (0: identical)
-  uint64_t fingerprint = 0;  // of the final parameters (equal on every rank when spread is 0)
+  // Of the final parameters (equal on every rank when spread is 0). Tensor parallelism: of this
+  // rank's shards, the spread over its data-parallel group (the replicas of the same shards).
+  uint64_t fingerprint = 0;
   std::vector<std::pair<std::string, double>> evaluation;  // the last evaluate()
 };
 
@@ -284,6 +297,10 @@ class Loop {
   // DT_RESTART_COUNT: how many times dtrun restarted this rank.
   int64_t restartCount() const { return restartCount_; }
   const LoopOptions& options() const { return options_; }
+  // LoopOptions::tensorParallel > 1: the {dp, tp} mesh over the group (InvalidArgument otherwise).
+  const DeviceMesh& mesh() const;
+  // The group DDP and the data split run over: mesh()["dp"] under tensor parallelism, else group().
+  ProcessGroup& dataParallelGroup() const;
 
   // Sharding::Full wraps at once (a collective), so that an optimizer can be made over the
   // shards; ZeRO wraps in run(), once it knows DDP's bucket layout (from the checkpoint, or
@@ -368,6 +385,8 @@ class Loop {
   LoopOptions options_;
   std::unique_ptr<elastic::ElasticGroup> elastic_;
   std::shared_ptr<ProcessGroup> group_;
+  std::optional<DeviceMesh> mesh_;  // tensor parallelism only
+  std::shared_ptr<ProcessGroup> dataGroup() const { return mesh_ ? (*mesh_)["dp"] : group_; }
   bool joining_ = false;
   std::string finished_;  // a replacement that found the job finished: why (run() does nothing)
   int64_t restartCount_ = 0;

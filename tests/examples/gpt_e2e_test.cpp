@@ -1,7 +1,9 @@
 // examples/gpt end to end under dtrun, on a tiny configuration of the real job (Debian's
 // fortunes): 1, 2 and 4 ranks with the same global batch reach the same validation loss
 // (within 1 %), a seed and world size give bitwise the same model, and resuming from a
-// checkpoint is exact; the metrics file and the sample are written.
+// checkpoint is exact; the metrics file and the sample are written; --tp 2 (with and without
+// --sp) reaches DDP's validation loss, its checkpoint resumes at --tp 1, and the combinations
+// not built yet are refused in one line.
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -124,6 +126,54 @@ TEST(GptE2e, EveryShardingModeReachesDdpsValidationLoss) {
   for (const auto& [mode, l] : loss) {
     EXPECT_LT(std::fabs(l - loss["ddp"]) / loss["ddp"], 1e-3) << mode << ": " << l << " vs ddp's " << loss["ddp"];
   }
+}
+
+// Four ranks as {dp: 2, tp: 2}: the same validation loss as DDP over four (the bar of the
+// sharding modes above), and a checkpoint written at --tp 2 resumed at --tp 1 (its shards
+// reassembled into whole tensors by name and global shape) finishes where the --tp 2 run did.
+TEST(GptE2e, TensorParallelReachesDdpsValidationLossAndItsCheckpointResumesWithout) {
+  TempDir dir;
+  const std::string ckpt = (dir.path() / "ckpt").string();
+  const auto ddp = validationLoss(runGpt(4, {"--checkpoint-dir", "none"}).out);
+  ASSERT_TRUE(ddp.has_value());
+  for (bool sequenceParallel : {false, true}) {
+    std::vector<std::string> extra{"--tp", "2", "--checkpoint-dir", sequenceParallel ? "none" : ckpt, "--checkpoint-every", "10"};
+    if (sequenceParallel) extra.emplace_back("--sp");
+    const ProcessResult r = runGpt(4, extra);
+    EXPECT_NE(r.out.find("TP=2"), std::string::npos) << r.out;
+    const auto tp = validationLoss(r.out);
+    ASSERT_TRUE(tp.has_value()) << r.out << r.err;
+    EXPECT_LT(std::fabs(*tp - *ddp) / *ddp, 1e-3) << (sequenceParallel ? "--tp 2 --sp: " : "--tp 2: ") << *tp
+                                                   << " vs ddp's " << *ddp;
+  }
+  const auto tpLoss = validationLoss(runGpt(4, {"--tp", "2", "--checkpoint-dir", "none"}).out);
+  // As if the --tp 2 job had died after step 20; it resumes without tensor parallelism.
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path() / "ckpt")) {
+    if (entry.path().filename().string().starts_with("step-00000030")) std::filesystem::remove(entry.path());
+  }
+  const ProcessResult resumed = runGpt(4, {"--tp", "1", "--checkpoint-dir", ckpt});
+  EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
+  EXPECT_NE(resumed.out.find("step 20"), std::string::npos) << resumed.out;
+  const auto after = validationLoss(resumed.out);
+  ASSERT_TRUE(after.has_value() && tpLoss.has_value()) << resumed.out;
+  EXPECT_LT(std::fabs(*after - *tpLoss) / *tpLoss, 1e-3) << "resumed at --tp 1: " << *after << " vs --tp 2's " << *tpLoss;
+}
+
+TEST(GptE2e, TensorParallelRefusesWhatItDoesNotComposeWithYet) {
+  std::vector<std::string> argv{DTRUN_PATH, "--standalone", "--nproc", "2", GPT_PATH};
+  argv.insert(argv.end(), kTiny.begin(), kTiny.end());
+  for (const char* a : {"--checkpoint-dir", "none", "--tp", "2", "--sharding", "zero1"}) argv.emplace_back(a);
+  const ProcessResult zero = runProcess(argv, 60s);
+  EXPECT_NE(zero.exitCode, 0);
+  EXPECT_NE((zero.out + zero.err).find("--tp 2 with --sharding zero1 is not supported yet"), std::string::npos)
+      << zero.out << zero.err;
+  std::vector<std::string> elastic{DTRUN_PATH, "--standalone", "--elastic", "--nproc", "2", GPT_PATH};
+  elastic.insert(elastic.end(), kTiny.begin(), kTiny.end());
+  for (const char* a : {"--checkpoint-dir", "none", "--tp", "2"}) elastic.emplace_back(a);
+  const ProcessResult refused = runProcess(elastic, 60s);
+  EXPECT_NE(refused.exitCode, 0);
+  EXPECT_NE((refused.out + refused.err).find("under dtrun --elastic is not supported yet"), std::string::npos)
+      << refused.out << refused.err;
 }
 
 }  // namespace
