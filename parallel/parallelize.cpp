@@ -243,9 +243,6 @@ void parallelize(nn::Gpt& model, const ProcessGroupPtr& tensorParallel, const Pa
                             : std::string("a null group"));
   DT_REQUIRE(model.layout() == nullptr, "parallelize: the model is already laid out (", model.layout()->describe(),
              "); parallelize a plain model once");
-  DT_REQUIRE(model.config().dropout == 0.0, "parallelize: Gpt dropout ", model.config().dropout,
-             " is not supported under tensor parallelism yet (a sharded region must draw different masks per rank); "
-             "build the model with GptConfig::dropout = 0");
 
   std::vector<Site> sites;
   collectSites(model, "", sites);
@@ -279,6 +276,16 @@ void parallelize(nn::Gpt& model, const ProcessGroupPtr& tensorParallel, const Pa
   for (const Assignment& a : assignments) {
     a.site->parent->replaceChild(a.site->name, a.replacement);
     vocabParallel = vocabParallel || (a.site->path == "wte" && a.style == ParallelStyle::Vocab);
+  }
+  if (plan.sequenceParallel) {
+    // The residual stream is a block of the sequence: its dropouts draw that block of the mask.
+    const double p = model.config().dropout;
+    Generator& replicated = model.dropoutGenerator();
+    model.replaceChild("drop", std::make_shared<SequenceParallelDropout>(p, replicated, tensorParallel));
+    for (const auto& [index, block] : model.h->namedChildren()) {
+      nn::Module& mlp = *block->child("mlp");
+      mlp.replaceChild("dropout", std::make_shared<SequenceParallelDropout>(p, replicated, tensorParallel));
+    }
   }
   if (vocabParallel || plan.sequenceParallel) {
     model.setLayout(std::make_shared<TensorParallelGptLayout>(tensorParallel, plan.sequenceParallel, vocabParallel));

@@ -36,11 +36,14 @@
 //    The model then runs under tensor_parallel.h's contract: every rank runs the same steps.
 //  * Validation before any change: a pattern that matches no module, a module matched twice
 //    or inside another matched module, a style on a module of the wrong type, a size the
-//    degree does not divide (the layer's message, prefixed by the module path), dropout > 0
-//    (sharded regions would need per-rank draws: not supported yet), and, with
+//    degree does not divide (the layer's message, prefixed by the module path), and, with
 //    sequenceParallel, a module on the residual stream left out of the plan: InvalidArgument
 //    in one line naming the module path, and the model is left as it was. A sequence length
 //    the degree does not divide is refused by forward, naming T and t.
+//  * Dropout (GptConfig::dropout > 0) draws as tensor_parallel.h's "dropout under tensor
+//    parallelism" says: the heads' probabilities per rank, the replicated stream's masks the
+//    single process's; with sequenceParallel, "drop" and each "h.<i>.mlp.dropout" become
+//    SequenceParallelDropout (this rank's block of the single process's mask).
 //  * Patterns: module paths as namedParameters() spells their prefixes ("h.0.mlp.c_fc");
 //    "*" stands for exactly one name ("h.*.attn").
 //  * Ownership: the model owns its new layers; each keeps the group alive. The old children

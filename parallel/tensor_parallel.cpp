@@ -487,7 +487,13 @@ ParallelSelfAttention::ParallelSelfAttention(const Tensor& qkvWeight, const Tens
   DT_REQUIRE(qkvWeight.defined() && qkvWeight.dim() == 2 && qkvWeight.size(0) == 3 * qkvWeight.size(1),
              "ParallelSelfAttention: the fused projection must be [3C, C], got ",
              qkvWeight.defined() ? qkvWeight.describe() : std::string("an undefined tensor"));
+  DT_REQUIRE(options.dropout == 0.0 || options.dropoutGenerator != nullptr, "ParallelSelfAttention: dropout ",
+             options.dropout, " needs ParallelAttentionOptions::dropoutGenerator (the replicated stream, e.g. "
+             "the model's dropout generator)");
+  heads_ = heads;
   localHeads_ = heads / group->size();
+  group_ = group;
+  options_ = options;
   c_attn = registerModule(
       "c_attn", std::make_shared<ColumnParallelLinear>(
                     qkvWeight, qkvBias, group,
@@ -500,12 +506,83 @@ ParallelSelfAttention::ParallelSelfAttention(const Tensor& qkvWeight, const Tens
 ParallelSelfAttention::ParallelSelfAttention(const nn::CausalSelfAttention& full, int64_t heads, ProcessGroupPtr group,
                                              ParallelAttentionOptions options)
     : ParallelSelfAttention(full.c_attn->weight, full.c_attn->bias, full.c_proj->weight, full.c_proj->bias, heads,
-                            std::move(group), options) {}
+                            std::move(group),
+                            ParallelAttentionOptions{.sequenceParallel = options.sequenceParallel,
+                                                     .dropout = full.dropoutProbability(),
+                                                     .dropoutGenerator = &full.dropoutGenerator()}) {}
 
 Tensor ParallelSelfAttention::forward(const Tensor& x) {
   // c_attn gathers a sequence block whole (sequence-parallel) and c_proj scatters it back.
   const Tensor qkv = (*c_attn)(x);
-  return (*c_proj)(selfAttention(qkv, localHeads_, {.causal = true, .dropoutP = 0.0, .training = isTraining()}));
+  const AttentionOptions attention{.causal = true, .dropoutP = options_.dropout, .training = isTraining()};
+  if (!isTraining() || options_.dropout == 0.0) return (*c_proj)(selfAttention(qkv, localHeads_, attention));
+  Generator& replicated = *options_.dropoutGenerator;
+  // This rank's heads are a sharded region: their own stream; the replicated stream then moves
+  // past the whole layer's draws there (one per visible score: T (T + 1) / 2 per head and row).
+  Generator shardStream = shardDropoutStream(replicated, *group_);
+  const Tensor attended = selfAttention(qkv, localHeads_, attention, shardStream);
+  const int64_t rows = qkv.size(0), len = qkv.size(1);
+  skipDraws(replicated, rows * heads_ * len * (len + 1) / 2);
+  const Tensor out = (*c_proj)(attended);
+  return options_.sequenceParallel ? sequenceBlockDropout(out, options_.dropout, true, replicated, *group_)
+                                   : dropout(out, options_.dropout, true, replicated);
+}
+
+Generator shardDropoutStream(const Generator& replicated, const ProcessGroup& group) {
+  const GeneratorState at = replicated.state();
+  // Distinct odd multipliers keep (position, rank) pairs apart; Generator hashes the seed again.
+  return Generator(at.seed ^ (at.counter * 0x9e3779b97f4a7c15ull) ^
+                   (static_cast<uint64_t>(group.rank() + 1) * 0xd1b54a32d192ed03ull));
+}
+
+void skipDraws(Generator& generator, int64_t draws) {
+  DT_REQUIRE(draws >= 0, "skipDraws: cannot move a generator back by ", -draws, " draws");
+  GeneratorState state = generator.state();
+  state.counter += static_cast<uint64_t>(draws);
+  generator.setState(state);
+}
+
+Tensor sequenceBlockDropout(const Tensor& x, double p, bool training, Generator& generator, const ProcessGroup& group,
+                            int64_t seqDim) {
+  // Nothing drawn, or nothing random (p = 1), or a bad p: dropout()'s own answer or message.
+  if (!training || p <= 0.0 || p >= 1.0) return dropout(x, p, training, generator);
+  DT_REQUIRE(x.defined() && seqDim >= 0 && seqDim < x.dim(), "sequenceBlockDropout: sequence dim ", seqDim,
+             " is outside ", x.defined() ? x.describe() : std::string("an undefined tensor"), " (rank ", group.rank(),
+             " of ", groupText(group), ")");
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < seqDim; ++d) outer *= x.size(d);
+  for (int64_t d = seqDim + 1; d < x.dim(); ++d) inner *= x.size(d);
+  const int64_t run = x.size(seqDim) * inner;  // this rank's elements per outer index
+  const int64_t wholeRun = run * group.size();
+  const GeneratorState start = generator.state();
+  Tensor mask = empty(x.sizes(), x.dtype(), x.device());
+  {
+    NoGradGuard noGrad;
+    // The same arithmetic as dropout(), so each kept element is scaled bitwise alike.
+    Tensor drawn = empty(x.sizes(), DType::Float32);
+    float* out = drawn.data<float>();
+    const float scale = static_cast<float>(1.0 / (1.0 - p));
+    for (int64_t o = 0; o < outer; ++o) {
+      GeneratorState at = start;
+      at.counter += static_cast<uint64_t>(o * wholeRun + group.rank() * run);
+      generator.setState(at);
+      for (int64_t k = 0; k < run; ++k) out[o * run + k] = generator.nextDouble() >= p ? scale : 0.0f;
+    }
+    mask.copy_(drawn);
+  }
+  GeneratorState end = start;
+  end.counter += static_cast<uint64_t>(outer * wholeRun);
+  generator.setState(end);
+  return mul(x, mask);
+}
+
+SequenceParallelDropout::SequenceParallelDropout(double p, Generator& generator, ProcessGroupPtr group)
+    : p_(p), generator_(&generator), group_(std::move(group)) {
+  requireGroup(group_, "SequenceParallelDropout");
+}
+
+Tensor SequenceParallelDropout::forward(const Tensor& x) {
+  return sequenceBlockDropout(x, p_, isTraining(), *generator_, *group_);
 }
 
 std::vector<Tensor> sumGradientsOverGroup(const std::vector<Tensor>& tensors, const ProcessGroupPtr& group) {

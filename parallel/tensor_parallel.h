@@ -209,6 +209,11 @@ struct ParallelAttentionOptions {
   // Sequence parallelism: the input and the output are this rank's block of the sequence;
   // c_attn all-gathers the input and c_proj reduce-scatters the output (see the linears').
   bool sequenceParallel = false;
+  // Dropout on the attention probabilities and on the output, while training; the generator is
+  // the replicated stream (the same seed and position on every rank of the group), required
+  // when dropout > 0. See "Dropout under tensor parallelism" below.
+  double dropout = 0.0;
+  Generator* dropoutGenerator = nullptr;
 };
 
 // Multi-head self-attention (nn::CausalSelfAttention's: fused q/k/v projection c_attn, the
@@ -217,11 +222,14 @@ struct ParallelAttentionOptions {
 // takes the q, k and v features of its heads, not a raw range of c_attn's rows), c_proj a
 // RowParallelLinear (the heads' outputs are contiguous columns): one all-reduce forward (c_proj's)
 // and one backward (c_attn's copy); sequence-parallel, an all-gather and a reduce-scatter each
-// way instead. Children and parameter names as CausalSelfAttention's. Attention dropout is not
-// supported yet (off: a sharded region must draw differently per rank).
+// way instead. Children and parameter names as CausalSelfAttention's. Dropout: this rank's heads'
+// probabilities draw from shardDropoutStream (a sharded region), then the replicated stream
+// skips what the whole layer would have drawn there; the output draws from the replicated
+// stream (sequence-parallel: sequenceBlockDropout), as nn::CausalSelfAttention's does.
 class ParallelSelfAttention : public nn::Module {
  public:
   // The whole projections: qkvWeight [3C, C] (q rows, then k, then v), projWeight [C, C].
+  // The constructor from `full` takes its dropout probability and generator.
   ParallelSelfAttention(const Tensor& qkvWeight, const Tensor& qkvBias, const Tensor& projWeight,
                         const Tensor& projBias, int64_t heads, ProcessGroupPtr group,
                         ParallelAttentionOptions options = {});
@@ -235,7 +243,54 @@ class ParallelSelfAttention : public nn::Module {
   std::shared_ptr<RowParallelLinear> c_proj;
 
  private:
+  int64_t heads_;
   int64_t localHeads_;
+  ProcessGroupPtr group_;
+  ParallelAttentionOptions options_;
+};
+
+// ---- dropout under tensor parallelism --------------------------------------------------------
+// Where an activation is replicated over the TP group (the residual stream and the embeddings
+// without SP), every rank must drop the same elements; where each rank holds a different block
+// (its heads' attention probabilities; under SP its block of the sequence) the ranks must draw
+// differently. Megatron keeps a second, tp-rank-seeded generator for the sharded regions; here
+// there is one stream, the model's dropout generator (replicated: the same seed and position
+// on every rank), and everything else is derived from its position, so one seed reproduces a
+// run, autograd::checkpoint's rewinding of that generator replays every draw, and a checkpoint
+// of its state resumes them:
+//  * replicated regions draw from it as the single process does;
+//  * a sequence block draws exactly the single process's mask for its block (the generator is
+//    counter-based: it jumps to the block's draws, then past the whole tensor's);
+//  * a head-sharded region draws from shardDropoutStream, then the replicated stream skips the
+//    draws the whole layer makes there (skipDraws), so the later replicated masks still equal
+//    the single process's. The sharded masks themselves are not the single process's.
+
+// A generator for this rank's draws of a tensor-parallel-sharded region: seeded from the
+// replicated stream's seed and position and the rank, so the ranks' streams differ, repeat with
+// the seed, and never depend on how many sharded regions ran before.
+Generator shardDropoutStream(const Generator& replicated, const ProcessGroup& group);
+
+// Moves `generator` past `draws` uniform draws, as if it had made them (its spare normal kept).
+void skipDraws(Generator& generator, int64_t draws);
+
+// dropout() of this rank's block of the sequence (dim `seqDim` of x, block r of t equal blocks in
+// group rank order): the mask is the rank's block of the mask dropout() would draw for the
+// whole tensor from `generator`'s position, bitwise, and the generator ends where that whole
+// draw would leave it. Draws nothing when !training or p == 0 (as dropout()).
+Tensor sequenceBlockDropout(const Tensor& x, double p, bool training, Generator& generator,
+                            const ProcessGroup& group, int64_t seqDim = 1);
+
+// nn::Dropout for a sequence-parallel region (sequenceBlockDropout); no parameters.
+class SequenceParallelDropout : public nn::Module {
+ public:
+  SequenceParallelDropout(double p, Generator& generator, ProcessGroupPtr group);
+  Tensor forward(const Tensor& x) override;  // [B, T/t, ...] -> the same
+  std::string typeName() const override { return "SequenceParallelDropout"; }
+
+ private:
+  double p_;
+  Generator* generator_;
+  ProcessGroupPtr group_;
 };
 
 // LayerNorm on this rank's block of the sequence (sequence parallelism): the whole weight and

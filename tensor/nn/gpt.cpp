@@ -57,18 +57,19 @@ void CausalSelfAttention::childReplaced(const std::string& name, const std::shar
   follow(name == "c_attn" ? c_attn : c_proj, module);
 }
 
-Mlp::Mlp(const GptConfig& config, Generator& init, Generator& dropout)
-    : dropout_(config.dropout), dropoutGenerator_(&dropout) {
+Mlp::Mlp(const GptConfig& config, Generator& init, Generator& dropout) {
   c_fc = registerModule("c_fc", std::make_shared<Linear>(config.width, 4 * config.width, true, init));
   c_proj = registerModule("c_proj", std::make_shared<Linear>(4 * config.width, config.width, true, init));
+  registerModule("dropout", std::make_shared<Dropout>(config.dropout, dropout));
 }
 
 Tensor Mlp::forward(const Tensor& x) {
-  return dropout((*child("c_proj"))(gelu((*child("c_fc"))(x))), dropout_, isTraining(), *dropoutGenerator_);
+  return (*child("dropout"))((*child("c_proj"))(gelu((*child("c_fc"))(x))));
 }
 
 void Mlp::childReplaced(const std::string& name, const std::shared_ptr<Module>& module) {
-  follow(name == "c_fc" ? c_fc : c_proj, module);
+  if (name == "c_fc") follow(c_fc, module);
+  if (name == "c_proj") follow(c_proj, module);
 }
 
 TransformerBlock::TransformerBlock(const GptConfig& config, Generator& init, Generator& dropout)
@@ -109,6 +110,8 @@ Gpt::Gpt(const GptConfig& config, Generator& init, Generator* dropout)
     h->pushBack(std::make_shared<TransformerBlock>(config, init, *dropoutGenerator_));
   }
   ln_f = registerModule("ln_f", std::make_shared<LayerNorm>(std::vector<int64_t>{config.width}, config.layerNormEps));
+  // Registered last so the children before it keep their places (no parameters).
+  registerModule("drop", std::make_shared<Dropout>(config.dropout, *dropoutGenerator_));
   tiedWeight_ = wte->weight;
   // GPT-2's initialisation, in registration order.
   const double residualStd = 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers));
@@ -139,7 +142,7 @@ Tensor Gpt::forward(const Tensor& tokens) {
   const Tensor positions = arange(len, TensorOptions().dtype(DType::Int64).device(tokens.device()));
   Tensor x = add((*child("wte"))(tokens), (*child("wpe"))(positions));
   if (layout_) x = layout_->enterBlocks(x);
-  x = dropout(x, config_.dropout, isTraining(), *dropoutGenerator_);
+  x = (*child("drop"))(x);
   x = (*child("ln_f"))((*child("h"))(x));
   if (layout_) x = layout_->enterHead(x);
   return linear(x, tiedWeight_);  // the output layer is the token embedding (tied)

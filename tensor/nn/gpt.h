@@ -21,7 +21,9 @@
 //    registration order: the same seed gives the same model on every machine.
 //  * Dropout (embeddings, attention probabilities, both residual branches) draws from the
 //    dropout generator passed to the constructor (the init generator if none) while training;
-//    eval() turns it off.
+//    eval() turns it off. The embeddings' dropout is the child "drop" and the MLP's the child
+//    "h.<i>.mlp.dropout" (nn::Dropout, no parameters), so a parallelization can put a dropout
+//    that draws another way in their place (sequence parallelism: this rank's block of the mask).
 //  * forward takes int64 (or int32) tokens [B, T] with T <= contextLength, each below
 //    vocabSize; otherwise InvalidArgument names the shape or token. CPU tensors: attention has
 //    no CUDA kernel yet (a CUDA model throws NotSupportedError from selfAttention).
@@ -73,6 +75,10 @@ class CausalSelfAttention : public Module {
   Tensor forward(const Tensor& x) override;  // [B, T, C] -> [B, T, C]
   std::string typeName() const override { return "CausalSelfAttention"; }
   int64_t heads() const { return heads_; }
+  // What the attention probabilities and the output draw their dropout with (for a tensor-
+  // parallel replacement, which must draw the replicated output's mask as this one does).
+  double dropoutProbability() const { return dropout_; }
+  Generator& dropoutGenerator() const { return *dropoutGenerator_; }
   std::shared_ptr<Linear> c_attn;
   std::shared_ptr<Linear> c_proj;
 
@@ -85,7 +91,7 @@ class CausalSelfAttention : public Module {
   Generator* dropoutGenerator_;
 };
 
-// Linear(C, 4C), GELU, Linear(4C, C), dropout.
+// Linear(C, 4C), GELU, Linear(4C, C), dropout (the child "dropout").
 class Mlp : public Module {
  public:
   Mlp(const GptConfig& config, Generator& init, Generator& dropout);
@@ -96,10 +102,6 @@ class Mlp : public Module {
 
  protected:
   void childReplaced(const std::string& name, const std::shared_ptr<Module>& module) override;
-
- private:
-  double dropout_;
-  Generator* dropoutGenerator_;
 };
 
 // Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). With checkpointActivations
@@ -172,6 +174,8 @@ class Gpt : public Module {
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t maxNewTokens,
                                 const SamplingOptions& options, Generator& generator);
   const GptConfig& config() const { return config_; }
+  // The generator every dropout of the model draws from.
+  Generator& dropoutGenerator() const { return *dropoutGenerator_; }
 
   std::shared_ptr<Embedding> wte;
   std::shared_ptr<Embedding> wpe;

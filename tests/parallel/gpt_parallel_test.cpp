@@ -373,10 +373,6 @@ TEST(GptParallel, UndividableSizesAndUnknownPathsAreRefusedInOneLineAndLeaveTheM
                                       {"parallelize: the model is already laid out"});
     expectThrowsWith<NotSupportedError>([&] { evenModel->generate({1, 2}, 1, {}, data); },
                                         {"Gpt::generate: not supported on a model with a layout"});
-    auto dropping = buildGpt(DType::Float32, nn::GptConfig{.vocabSize = 32, .contextLength = 8, .layers = 1,
-                                                            .heads = 4, .width = 16, .dropout = 0.1});
-    expectThrowsWith<InvalidArgument>([&] { parallelize(*dropping, tp, gptParallelPlan()); },
-                                      {"parallelize: Gpt dropout 0.1 is not supported under tensor parallelism"});
   });
 }
 
