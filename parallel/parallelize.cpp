@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 
+#include "checkpoint/exchange.h"
 #include "common/check.h"
 #include "common/errors.h"
 #include "common/strings.h"
@@ -190,6 +191,27 @@ void checkGptPlan(const nn::Gpt& model, const std::vector<Assignment>& assignmen
   }
 }
 
+// What this rank's plan does to each module of the model (every module, so one left out on one
+// rank shows too), whether it is sequence-parallel, and where the dropout stream stands: the
+// lines every rank of the group must agree on before any layer is built.
+std::vector<std::string> planLines(const nn::Gpt& model, const std::vector<Site>& sites, const ParallelPlan& plan) {
+  std::vector<std::string> lines;
+  for (const Site& site : sites) {
+    std::string styles;
+    for (const auto& [pattern, style] : plan.styles) {
+      if (pathMatches(pattern, site.path)) styles += str(styles.empty() ? "" : "+", parallelStyleName(style));
+    }
+    lines.push_back(str(site.path, " -> ", styles.empty() ? "whole" : styles));
+  }
+  lines.push_back(str("sequenceParallel ", plan.sequenceParallel ? "on" : "off"));
+  if (model.config().dropout > 0) {
+    // Replicated regions draw from this stream: it must stand at one place on every rank.
+    const GeneratorState stream = model.dropoutGenerator().state();
+    lines.push_back(str("dropout ", model.config().dropout, " stream seed ", stream.seed, " position ", stream.counter));
+  }
+  return lines;
+}
+
 void collectShards(const nn::Module& module, const std::string& prefix, std::vector<ParameterShard>& out) {
   if (const auto* parallel = dynamic_cast<const TensorParallelModule*>(&module)) {
     for (ParameterShard shard : parallel->parameterShards()) {
@@ -246,6 +268,13 @@ void parallelize(nn::Gpt& model, const ProcessGroupPtr& tensorParallel, const Pa
 
   std::vector<Site> sites;
   collectSites(model, "", sites);
+  // Before anything is checked or built: ranks with different plans would otherwise run
+  // different collectives from the first step on (a hang, or numbers mixed silently).
+  requireSameOnAllRanks(*tensorParallel, planLines(model, sites, plan),
+                        str("parallelize: the ranks of tensor-parallel group ", tensorParallel->name(),
+                            " apply different plans:"),
+                        "module", "give every rank of the group the same plan, model and sequenceParallel, and "
+                        "(with dropout) the same dropout seed: vary it over data-parallel replicas only");
   std::vector<Assignment> assignments;
   std::map<std::string, std::string> claimedBy;  // path -> the pattern that matched it
   for (const auto& [pattern, style] : plan.styles) {

@@ -30,9 +30,13 @@
 // and ln_f's output is gathered before the output layer (backward reduce-scatters).
 //
 // Contract:
-//  * Collective in what it builds, not in what it runs: every rank of the group calls
-//    parallelize with the same plan on a model built from the same seed (the layers keep their
-//    blocks of the whole weights; nothing is exchanged, so different weights go unnoticed).
+//  * Collective: every rank of the group calls parallelize with the same plan on a model built
+//    from the same seed. First, before any check or change, the ranks agree on what the plan
+//    does to each module, on sequenceParallel and (with dropout) on the dropout stream's seed
+//    and position (one allgather of a count and a hash; on a difference every rank throws one
+//    InvalidArgument line naming the first differing module and the ranks on each side). The
+//    weights are not compared (the layers keep their blocks of the whole weights, so different
+//    weights go unnoticed).
 //    The model then runs under tensor_parallel.h's contract: every rank runs the same steps.
 //  * Validation before any change: a pattern that matches no module, a module matched twice
 //    or inside another matched module, a style on a module of the wrong type, a size the
