@@ -28,6 +28,7 @@
 #include "data/text.h"
 #include "examples/run_support.h"
 #include "parallel/parallelize.h"
+#include "parallel/tensor_parallel.h"
 #include "tensor/memory_stats.h"
 #include "tensor/nn/gpt.h"
 #include "tensor/optim/optim.h"
@@ -232,6 +233,14 @@ int run(const Config& c) {
   auto model = std::make_shared<dt::nn::Gpt>(c.model, initRng, &dropoutRng);
   if (!c.initOut.empty() && rank == 0) dt::saveSafetensors(c.initOut, model->stateDict());
   if (c.tp > 1) dt::parallelize(*model, loop.mesh(), dt::gptParallelPlan({.sequenceParallel = c.sp}));
+  int64_t localParameters = 0;  // --bench under --tp: this rank's shards (before any data-parallel sharding)
+  for (const dt::Tensor& p : model->parameters()) localParameters += p.numel();
+  // --bench under --tp: the TP collectives of the measured steps (forward + backward), counted
+  // from the first measured step's start to the last one's (parallel/tensor_parallel.h).
+  const dt::ProcessGroup* tpGroup = c.bench && c.tp > 1 ? loop.mesh()["tp"].get() : nullptr;
+  std::optional<dt::TpCollectiveCounts> tpFirst;
+  dt::TpCollectiveCounts tpLast;
+  int64_t tpFrom = 0, tpTo = 0;
   dt::FullyShardOptions sharded{.reshardAfterForward = c.sharding == "fsdp"};
   for (const auto& [name, block] : model->h->namedChildren()) sharded.units.push_back(block);
   loop.setModel(model, sharded);
@@ -260,6 +269,10 @@ int run(const Config& c) {
   }
   const dt::train::LoopResult r = loop.run([&](const dt::data::Batch& b) {
     const bool measure = c.bench && loop.step() == bench.firstMeasuredStep() && activationMib == 0;
+    if (tpGroup != nullptr && loop.step() >= bench.firstMeasuredStep()) {
+      tpLast = dt::tpCollectiveCounts(*tpGroup), tpTo = loop.step();
+      if (!tpFirst) tpFirst = tpLast, tpFrom = tpTo;
+    }
     const size_t before = measure ? dt::memoryStats().allocatedBytes : 0;
     dt::Tensor loss = model->nextTokenLoss(loop.forward(b.inputs), b.targets);
     if (measure) activationMib = static_cast<double>(dt::memoryStats().allocatedBytes - before) / (1 << 20);
@@ -280,6 +293,15 @@ int run(const Config& c) {
                 1e3 * bench.seconds() / static_cast<double>(bench.steps()), static_cast<double>(bench.steps() * tokensPerStep) / bench.seconds(),
                 mem[0], valLoss, c.sharding.c_str(), static_cast<long long>(c.model.parameterCount()), mem[1], mem[2], mem[3],
                 dt::blasKernelName().c_str());
+    if (tpGroup != nullptr && tpTo > tpFrom) {  // per step: counts, elements of the whole tensors, a ring's elements per rank
+      const dt::TpCollectiveCounts d = tpLast - *tpFirst;
+      const double n = static_cast<double>(tpTo - tpFrom);
+      std::printf("RESULT gpt_tp impl=dtrain world=%d tp=%d sp=%d local_parameters=%lld steps_counted=%lld allreduces=%.1f "
+                  "allgathers=%.1f reduce_scatters=%.1f elements=%.0f ring_elements_per_rank=%.0f\n",
+                  world, c.tp, c.sp ? 1 : 0, static_cast<long long>(localParameters), static_cast<long long>(tpTo - tpFrom),
+                  static_cast<double>(d.allReduces) / n, static_cast<double>(d.allGathers) / n,
+                  static_cast<double>(d.reduceScatters) / n, static_cast<double>(d.elements) / n, d.ringElementsPerRank(c.tp) / n);
+    }
   }
   const int code = examples::reportParameters(kProgram, loop, r, c.quiet);
   // fsdp: the whole model on every rank while rank 0 samples alone (no collective meanwhile).
