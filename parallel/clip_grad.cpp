@@ -11,6 +11,11 @@ namespace dt {
 
 double clipTensorParallelGradNorm(const nn::Module& model, double maxNorm, const ProcessGroupPtr& tensorParallel,
                                   nn::ClipGradNormOptions options) {
+  return clipTensorParallelGradNorm(model, model.parameters(), maxNorm, tensorParallel, std::move(options));
+}
+
+double clipTensorParallelGradNorm(const nn::Module& model, const std::vector<Tensor>& holders, double maxNorm,
+                                  const ProcessGroupPtr& tensorParallel, nn::ClipGradNormOptions options) {
   if (!tensorParallel) throw InvalidArgument("clipTensorParallelGradNorm: the tensor-parallel group is null");
   if (options.isSplit || options.reduceSplitPartial) {
     throw InvalidArgument(str("clipTensorParallelGradNorm (rank ", tensorParallel->rank(), "/", tensorParallel->size(),
@@ -19,22 +24,27 @@ double clipTensorParallelGradNorm(const nn::Module& model, double maxNorm, const
   }
   std::map<std::string, bool> splitByName;
   for (const ParameterShard& shard : parameterShardsOf(model)) splitByName[shard.name] = shard.dim >= 0;
-  std::vector<Tensor> parameters;
+  const NamedTensors named = model.namedParameters();
+  if (holders.size() != named.size()) {
+    throw InvalidArgument(str("clipTensorParallelGradNorm (rank ", tensorParallel->rank(), "/", tensorParallel->size(),
+                              " group ", tensorParallel->name(), "): ", holders.size(), " gradient holders for the ",
+                              named.size(), " parameters of the model; pass one per parameter, in namedParameters() "
+                              "order (a sharded wrapper's parameters())"));
+  }
   std::vector<bool> split;
-  for (const auto& [name, parameter] : model.namedParameters()) {
+  for (const auto& [name, parameter] : named) {
     auto it = splitByName.find(name);
     if (it == splitByName.end()) {
       throw InvalidArgument(str("clipTensorParallelGradNorm (rank ", tensorParallel->rank(), "/", tensorParallel->size(),
                                 "): parameter \"", name, "\" has no entry in parameterShardsOf(model)"));
     }
-    parameters.push_back(parameter);
     split.push_back(it->second);
   }
   options.isSplit = [&split](size_t index) { return split[index]; };
   options.reduceSplitPartial = [&tensorParallel](Tensor& partial, bool max) {
     tensorParallel->allreduce(partial, {.reduceOp = max ? ReduceOp::Max : ReduceOp::Sum})->wait();
   };
-  return nn::clipGradNorm(parameters, maxNorm, options);
+  return nn::clipGradNorm(holders, maxNorm, options);
 }
 
 }  // namespace dt

@@ -15,10 +15,12 @@
 // infinity norm), whatever the model.
 //
 // Composition: under DDP over another mesh dimension the gradients are averaged and equal
-// across replicas when backward returns, so this is all (no dp reduction). ZeRO and the fully
-// sharded wrapper bring their own reducer (gradNormReducer) over flat buckets that mix split
-// and replicated parameters; under tensor parallelism they are not supported yet, and
-// train::Loop refuses that combination.
+// across replicas when backward returns, so this is all (no dp reduction). Under ZeRO-1/2 over
+// dp each parameter's gradient is held by a leaf of this rank's elements (ZeroRedundancy::
+// parameters(), one per parameter in the model's order): pass those as `holders` and the
+// wrapper's gradNormReducer() as options.reducePartial. The split parameters' partial sum is
+// all-reduced over tp first, the replicated ones' added once, and that sum over dp: every
+// element of the whole model counts exactly once.
 //
 // Contract: collective over `tensorParallel` (every rank of it calls it once per step, after
 // backward and before the optimizer step); otherwise nn::clipGradNorm's contract (options as
@@ -26,6 +28,8 @@
 // over an outer group). InvalidArgument when a parameter of `model` is not in
 // parameterShardsOf(model), or when options already carry an isSplit / reduceSplitPartial.
 #pragma once
+
+#include <vector>
 
 #include "parallel/parallelize.h"
 #include "tensor/nn/clip_grad.h"
@@ -36,5 +40,11 @@ namespace dt {
 // maxNorm.
 double clipTensorParallelGradNorm(const nn::Module& model, double maxNorm, const ProcessGroupPtr& tensorParallel,
                                   nn::ClipGradNormOptions options = {});
+
+// The same with the gradients held elsewhere: holders[i] holds the gradient of the i-th of
+// model.namedParameters() (a sharded wrapper's per-parameter leaves). InvalidArgument when the
+// counts differ.
+double clipTensorParallelGradNorm(const nn::Module& model, const std::vector<Tensor>& holders, double maxNorm,
+                                  const ProcessGroupPtr& tensorParallel, nn::ClipGradNormOptions options = {});
 
 }  // namespace dt
