@@ -228,7 +228,10 @@ int run(const Config& c) {
   if (!c.quiet) std::printf("gpt: rank %d/%d pid %d attempt %lld\n", rank, world, static_cast<int>(getpid()), static_cast<long long>(loop.restartCount() + 1));
   dt::Generator initRng, dropoutRng;
   initRng.manualSeed(c.seed);
-  dropoutRng.manualSeed(c.seed * 0x9e3779b97f4a7c15ull + 1000 + static_cast<uint64_t>(rank));
+  // Each data-parallel replica its own masks; the ranks of one TP group share a stream, since its
+  // replicated regions must drop the same elements (parallelize refuses streams that differ).
+  const int dropoutReplica = c.tp > 1 ? loop.mesh().coordinate("dp") : rank;
+  dropoutRng.manualSeed(c.seed * 0x9e3779b97f4a7c15ull + 1000 + static_cast<uint64_t>(dropoutReplica));
   const double fixedRss = rssMib("VmRSS:");  // libraries, the corpus, the process group: before the model exists
   auto model = std::make_shared<dt::nn::Gpt>(c.model, initRng, &dropoutRng);
   if (!c.initOut.empty() && rank == 0) dt::saveSafetensors(c.initOut, model->stateDict());
