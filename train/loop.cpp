@@ -130,10 +130,14 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
   if (options_.tensorParallel != 1) {
     const int world = group_->size(), t = options_.tensorParallel;
     if (t < 1) throw InvalidArgument(str(p, ": LoopOptions::tensorParallel is ", t, "; it must be 1 (off) or more"));
-    if (options_.sharding != Sharding::None) {
+    if (options_.sharding != Sharding::None && !options_.checkpointDir.empty()) {
+      // The wrappers' states name the TP shards by global name with local shapes: every tp rank
+      // would write a different tensor under one name. Until they are placed like
+      // tensorParallelModelState's, no checkpoints.
       throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") with Sharding::",
-                                options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2", " is not supported yet: it composes "
-                                "with DDP (Sharding::None) only"));
+                                options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2",
+                                " trains, but its checkpoints are not supported yet (checkpointDir \"", options_.checkpointDir,
+                                "\"); run without a checkpoint directory, or with Sharding::None (DDP)"));
     }
     if (elastic_) {
       throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") under dtrun --elastic is not supported "
@@ -187,7 +191,7 @@ void Loop::setModel(std::shared_ptr<nn::Module> model) {
   if (!group_ || options_.sharding != Sharding::Full) return;  // DDP and ZeRO: made in run()
   FullyShardOptions sharded = options_.fullyShard;
   sharded.joining = joining_;
-  fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, group_, sharded);
+  fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, dataGroup(), sharded);  // over dp under TP
 }
 
 void Loop::setModel(std::shared_ptr<nn::Module> model, FullyShardOptions sharded) {
@@ -635,7 +639,8 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       nn::ClipGradNormOptions clip;
       if (fsdp_) clip.reducePartial = fsdp_->gradNormReducer();
       if (zero_) clip.reducePartial = zero_->gradNormReducer();
-      gradNorm_ = mesh_ ? clipTensorParallelGradNorm(*model_, options_.clipGradNorm, (*mesh_)["tp"])
+      // Under TP the split parameters' sums go over tp, then (sharded) the wrapper's over dp.
+      gradNorm_ = mesh_ ? clipTensorParallelGradNorm(*model_, parameters(), options_.clipGradNorm, (*mesh_)["tp"], clip)
                         : nn::clipGradNorm(parameters(), options_.clipGradNorm, clip);
     }
     if (elastic_) {

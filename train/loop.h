@@ -57,8 +57,10 @@
 //    data split run over mesh()["dp"] (the ranks of one TP group take the same batch), the
 //    step function takes its loss through the model's own (nn::Gpt::nextTokenLoss), clipping
 //    counts each shard once (clipTensorParallelGradNorm), and checkpoints place the shards by
-//    global name and shape, so a run resumes at another t or without TP. Refused in one line
-//    at construction with a Sharding other than None and under --elastic (not built yet).
+//    global name and shape, so a run resumes at another t or without TP. With Sharding::Zero1,
+//    Zero2 or Full the wrapper shards over mesh()["dp"] with TP inside (clipping through the
+//    wrapper's leaves and reducer), but without checkpoints: refused in one line at
+//    construction with a checkpointDir, and under --elastic (not built yet).
 //  * Timeouts are the group's (ProcessGroupOptions) and the elastic membership's.
 //  * The loop keeps references to the model, optimizer and dataset: they must outlive it.
 #pragma once
