@@ -3,9 +3,14 @@
 // AdamW steps' losses equal one process's on the same global batch (float64: 1e-10 relative;
 // float32: 1e-4), with and without sequence parallelism; DDP's buckets hold the TP shards as
 // ordinary parameters, in the same order on both ranks of each dp group, and the replicas end
-// with bitwise equal shards.
+// with bitwise equal shards. The same mesh with the state sharded over dp and TP inside: ZeRO-1/2
+// (on DDP over mesh["dp"]) or the fully sharded wrapper over mesh["dp"], gradients clipped by
+// clipTensorParallelGradNorm over the wrapper's per-parameter leaves: ten AdamW steps' norms before
+// clipping and losses equal one process's clipped the same way (same bars), SP on and off.
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,8 +18,12 @@
 
 #include "common/strings.h"
 #include "ddp/ddp.h"
+#include "ddp/zero.h"
+#include "fsdp/fully_shard.h"
+#include "parallel/clip_grad.h"
 #include "parallel/mesh.h"
 #include "parallel/parallelize.h"
+#include "tensor/nn/clip_grad.h"
 #include "tensor/optim/optim.h"
 #include "tests/fsdp/harness.h"
 #include "tests/parallel/harness.h"
@@ -41,24 +50,30 @@ Tensor globalBatch(int step) {
 Tensor inputsOf(const Tensor& rows) { return rows.narrow(1, 0, kConfig.contextLength).contiguous(); }
 Tensor targetsOf(const Tensor& rows) { return rows.narrow(1, 1, kConfig.contextLength).contiguous(); }
 
-std::vector<double> singleProcessLosses(DType dtype) {
+// One process on the whole global batch; with maxNorm > 0 its gradients clipped to it.
+struct Curve {
+  std::vector<double> losses, norms;
+};
+
+Curve singleProcess(DType dtype, double maxNorm = 0.0) {
   auto model = buildGpt(dtype);
   optim::AdamW optimizer(model->parameters(), {.lr = 1e-2});
-  std::vector<double> losses;
+  Curve curve;
   for (int step = 0; step < kSteps; ++step) {
     optimizer.zeroGrad();
     const Tensor rows = globalBatch(step);
     const Tensor loss = nn::Gpt::loss((*model)(inputsOf(rows)), targetsOf(rows));
     loss.backward();
+    if (maxNorm > 0) curve.norms.push_back(nn::clipGradNorm(model->parameters(), maxNorm));
     optimizer.step();
-    losses.push_back(loss.item<double>());
+    curve.losses.push_back(loss.item<double>());
   }
-  return losses;
+  return curve;
 }
 
 void checkTensorParallelUnderDdp(DType dtype, bool sequenceParallel) {
   const std::string label = str("TP=2 x DP=2", sequenceParallel ? " SP " : " ", toString(dtype));
-  const std::vector<double> expected = singleProcessLosses(dtype);
+  const std::vector<double> expected = singleProcess(dtype).losses;
   std::vector<std::vector<double>> losses(4);
   std::vector<std::vector<std::string>> bucketOrders(4);
   std::vector<std::vector<Tensor>> finalShards(4);
@@ -120,6 +135,95 @@ TEST(TensorParallelComposition, TensorParallelGptUnderDdpOnATwoByTwoMeshMatchesO
   for (bool sequenceParallel : {false, true}) {
     checkTensorParallelUnderDdp(DType::Float64, sequenceParallel);
     checkTensorParallelUnderDdp(DType::Float32, sequenceParallel);
+  }
+}
+
+constexpr double kMaxNorm = 0.5;     // below the first steps' norms: clipping acts
+
+enum class Sharding { Zero1, Zero2, Full };
+const char* shardingName(Sharding s) { return s == Sharding::Zero1 ? "ZeRO-1" : s == Sharding::Zero2 ? "ZeRO-2" : "fully sharded"; }
+
+void expectClose(const std::vector<double>& actual, const std::vector<double>& expected, double bar,
+                 const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    EXPECT_LE(std::abs(actual[i] - expected[i]), bar * std::abs(expected[i]))
+        << what << " step " << i << ": " << actual[i] << " vs one process's " << expected[i];
+  }
+}
+
+void checkSharded(Sharding sharding, DType dtype, bool sequenceParallel) {
+  const std::string label = str("TP=2 x ", shardingName(sharding), " dp=2", sequenceParallel ? " SP " : " ", toString(dtype));
+  const Curve expected = singleProcess(dtype, kMaxNorm);
+  ASSERT_GT(expected.norms.front(), kMaxNorm) << "the reference must clip";
+  std::vector<Curve> curves(4);
+  withRanks(4, [&](int rank, const ProcessGroupPtr& world) {
+    const DeviceMesh mesh = DeviceMesh::create(world, {{"dp", 2}, {"tp", 2}});
+    auto model = buildGpt(dtype);
+    parallelize(*model, mesh, gptParallelPlan({.sequenceParallel = sequenceParallel}));
+    const int64_t rowsPerReplica = kGlobalBatch / mesh.size("dp");
+    auto rowsAt = [&](int step) {
+      return globalBatch(step).narrow(0, mesh.coordinate("dp") * rowsPerReplica, rowsPerReplica);
+    };
+    std::unique_ptr<DistributedDataParallel> ddp;
+    std::unique_ptr<ZeroRedundancy> zero;
+    std::unique_ptr<FullyShardedDataParallel> fsdp;
+    std::function<Tensor(const Tensor&)> forward;
+    if (sharding == Sharding::Full) {
+      std::vector<std::shared_ptr<nn::Module>> blocks;
+      for (const auto& [name, block] : model->h->namedChildren()) blocks.push_back(block);
+      FullyShardOptions options{.units = blocks};
+      options.mixedPrecision = {.paramDtype = dtype, .reduceDtype = dtype};  // the reference's precision throughout
+      fsdp = std::make_unique<FullyShardedDataParallel>(model, mesh["dp"], options);
+      forward = [&](const Tensor& x) { return (*fsdp)(x); };
+    } else {
+      ddp = std::make_unique<DistributedDataParallel>(model, mesh["dp"],
+                                                      DdpOptions{.bucketCapBytes = 2048, .firstBucketCapBytes = 1024});
+      forward = [&](const Tensor& x) { return (*ddp)(x); };
+      // DDP settles its buckets after one iteration; ZeRO needs them settled (train::Loop does the same).
+      const Tensor rows = rowsAt(0);
+      model->nextTokenLoss(forward(inputsOf(rows)), targetsOf(rows)).backward();
+      model->zeroGrad();
+      zero = std::make_unique<ZeroRedundancy>(*ddp, ZeroOptions{.stage = sharding == Sharding::Zero1 ? 1 : 2});
+    }
+    const std::vector<Tensor> holders = fsdp ? fsdp->parameters() : zero->parameters();
+    optim::AdamW optimizer(holders, {.lr = 1e-2});
+    Curve& curve = curves[static_cast<size_t>(rank)];
+    for (int step = 0; step < kSteps; ++step) {
+      optimizer.zeroGrad();
+      const Tensor rows = rowsAt(step);
+      const Tensor loss = model->nextTokenLoss(forward(inputsOf(rows)), targetsOf(rows));
+      loss.backward();
+      curve.norms.push_back(clipTensorParallelGradNorm(
+          *model, holders, kMaxNorm, mesh["tp"],
+          {.reducePartial = fsdp ? fsdp->gradNormReducer() : zero->gradNormReducer()}));
+      optimizer.step();
+      Tensor total = loss.detach().clone();
+      mesh["dp"]->allreduce(total)->wait();
+      curve.losses.push_back(total.item<double>() / mesh.size("dp"));
+    }
+    if (zero) zero->synchronize();
+  });
+  const double bar = dtype == DType::Float64 ? 1e-10 : 1e-4;
+  for (int rank = 0; rank < 4; ++rank) {
+    expectClose(curves[static_cast<size_t>(rank)].norms, expected.norms, bar, str(label, " rank ", rank, " norm"));
+    expectClose(curves[static_cast<size_t>(rank)].losses, expected.losses, bar, str(label, " rank ", rank, " loss"));
+  }
+}
+
+TEST(TensorParallelShardedComposition, ZeroOneAndTwoWithTensorParallelClipAndTrainLikeOneProcess) {
+  for (Sharding sharding : {Sharding::Zero1, Sharding::Zero2}) {
+    for (bool sequenceParallel : {false, true}) {
+      checkSharded(sharding, DType::Float64, sequenceParallel);
+      checkSharded(sharding, DType::Float32, sequenceParallel);
+    }
+  }
+}
+
+TEST(TensorParallelShardedComposition, FullyShardedOverDpWithTensorParallelInsideClipsAndTrainsLikeOneProcess) {
+  for (bool sequenceParallel : {false, true}) {
+    checkSharded(Sharding::Full, DType::Float64, sequenceParallel);
+    checkSharded(Sharding::Full, DType::Float32, sequenceParallel);
   }
 }
 
