@@ -13,6 +13,7 @@ packages=(
   libgtest-dev libgmock-dev
   libgloo-dev libopenblas-dev zlib1g-dev
   iproute2 procps psmisc util-linux
+  lld ninja-build                 # faster links of the ~80 test binaries (DT_USE_LLD); the build tool (scripts/build.sh)
   python3-torch
   slurmctld slurmd slurm-client   # the SLURM tests' private cluster (tests/slurm/cluster.sh)
   dataset-fashion-mnist           # examples/trainer's data: /usr/share/datasets/fashion-mnist/*.gz
