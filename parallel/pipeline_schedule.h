@@ -118,7 +118,8 @@ struct Schedule {
 };
 
 // The rank a SEND or RECV on `rank` talks to (the runtime's send/recv peer within the pp
-// group). InvalidArgument for a compute action or an edge that leaves the pipeline.
+// group). InvalidArgument for a compute action, an edge that leaves the pipeline, or one
+// between two stages on the same rank.
 int peerRank(const Schedule& schedule, int rank, const Action& action);
 
 // ---- Generators. Each refuses bad input at once: InvalidArgument naming the value. ----
