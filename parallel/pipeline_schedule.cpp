@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -376,53 +377,86 @@ Schedule interleavedOneFOneB(int p, int m, int v) {
   return withCommunication(std::move(s), orders);
 }
 
+namespace {
+
+// The zero-bubble schedules' list scheduler, in unit time steps (F = I = W = 1 per chunk).
+// Priorities on a free rank: an I whose gradient has arrived (the previous stage waits for
+// it), the deeper chunk first; a W when `pendingLimit` of them wait (bounds the state W
+// holds); an F, the deeper chunk first, while fewer than inFlightLimit(r) chunk-forwards wait
+// for their I (the activation memory); any pending W (it fills what would be bubble), oldest
+// first.
+template <typename InFlightLimit>
+std::vector<std::vector<Action>> zeroBubbleOrders(const Schedule& s, InFlightLimit inFlightLimit,
+                                                  int pendingLimit) {
+  const int p = s.p, m = s.m, v = s.v, stages = s.numStages();
+  auto slot = [&](int microBatch, int stage) { return static_cast<size_t>(microBatch) * stages + stage; };
+  std::vector<long long> forwardEnd(static_cast<size_t>(m) * stages, -1);
+  std::vector<long long> inputGradEnd(static_cast<size_t>(m) * stages, -1);
+  std::vector<std::vector<int>> forwards(p, std::vector<int>(v, 0)), inputGrads = forwards;
+  std::vector<std::vector<Action>> pendingW(p);  // per rank, oldest first
+  std::vector<size_t> pendingHead(p, 0);
+  std::vector<int> inFlight(p, 0);
+  std::vector<long long> freeAt(p, 0);
+  std::vector<std::vector<Action>> orders(p);
+  long long remaining = 3LL * m * v * p;
+  const long long limit = 10LL * (3LL * m * v + p) + 10;
+  for (long long time = 0; remaining > 0; ++time) {
+    DT_INTERNAL_CHECK(time < limit, s.name, " list scheduler made no progress by time ", time);
+    auto done = [&](long long end) { return end >= 0 && end <= time; };
+    for (int r = 0; r < p; ++r) {
+      if (freeAt[r] > time) continue;
+      const size_t pending = pendingW[r].size() - pendingHead[r];
+      std::optional<Action> chosen;
+      for (int c = v - 1; c >= 0 && !chosen; --c) {
+        const int stage = s.stageOf(r, c), i = inputGrads[r][c];
+        if (i < m && done(forwardEnd[slot(i, stage)]) &&
+            (stage + 1 == stages || done(inputGradEnd[slot(i, stage + 1)]))) {
+          chosen = Action{ActionKind::I, i, c};
+          inputGradEnd[slot(i, stage)] = time + 1;
+          ++inputGrads[r][c];
+          --inFlight[r];
+          pendingW[r].push_back({ActionKind::W, i, c});
+        }
+      }
+      if (!chosen && pending >= static_cast<size_t>(pendingLimit)) chosen = pendingW[r][pendingHead[r]++];
+      for (int c = v - 1; c >= 0 && !chosen && inFlight[r] < inFlightLimit(r); --c) {
+        const int stage = s.stageOf(r, c), f = forwards[r][c];
+        if (f < m && (stage == 0 || done(forwardEnd[slot(f, stage - 1)]))) {
+          chosen = Action{ActionKind::F, f, c};
+          forwardEnd[slot(f, stage)] = time + 1;
+          ++forwards[r][c];
+          ++inFlight[r];
+        }
+      }
+      if (!chosen && pending > 0) chosen = pendingW[r][pendingHead[r]++];
+      if (!chosen) continue;
+      orders[r].push_back(*chosen);
+      freeAt[r] = time + 1;
+      --remaining;
+    }
+  }
+  return orders;
+}
+
+}  // namespace
+
 Schedule zeroBubbleH1(int p, int m) {
   requireParameters("ZB-H1", p, m, 1);
   DT_REQUIRE(m >= p, "pipeline schedule ZB-H1: m=", m, " is below p=", p,
              " (the deferred weight gradients fill the bubble only with m >= p micro-batches)");
   Schedule s = emptySchedule("ZB-H1", p, m, 1, Placement::Interleaved);
-  // A list scheduler in unit time steps. Priorities on a free rank: I when its gradient has
-  // arrived (the previous stage waits for it); W when p of them are pending (bounds the state
-  // W holds); F while fewer than p-r forwards wait for their I (1F1B's memory); W otherwise
-  // (it fills what would be bubble).
-  auto slot = [&](int microBatch, int rank) { return static_cast<size_t>(microBatch) * p + rank; };
-  std::vector<long long> forwardEnd(static_cast<size_t>(m) * p, -1);
-  std::vector<long long> inputGradEnd(static_cast<size_t>(m) * p, -1);
-  std::vector<int> forwards(p, 0), inputGrads(p, 0), weightGrads(p, 0);
-  std::vector<long long> freeAt(p, 0);
-  std::vector<std::vector<Action>> orders(p);
-  long long remaining = 3LL * m * p;
-  const long long limit = 10LL * (3LL * m + p) + 10;
-  for (long long time = 0; remaining > 0; ++time) {
-    DT_INTERNAL_CHECK(time < limit, "ZB-H1 list scheduler made no progress by time ", time);
-    auto done = [&](long long end) { return end >= 0 && end <= time; };
-    for (int r = 0; r < p; ++r) {
-      if (freeAt[r] > time) continue;
-      const int i = inputGrads[r], f = forwards[r];
-      const int pending = inputGrads[r] - weightGrads[r];
-      const bool canI = i < m && done(forwardEnd[slot(i, r)]) &&
-                        (r == p - 1 || done(inputGradEnd[slot(i, r + 1)]));
-      const bool canF = f < m && f - inputGrads[r] < p - r &&
-                        (r == 0 || done(forwardEnd[slot(f, r - 1)]));
-      Action a;
-      if (canI) {
-        a = {ActionKind::I, i, 0};
-        inputGradEnd[slot(i, r)] = time + 1;
-        ++inputGrads[r];
-      } else if (pending >= p || (!canF && pending > 0)) {
-        a = {ActionKind::W, weightGrads[r]++, 0};
-      } else if (canF) {
-        a = {ActionKind::F, f, 0};
-        forwardEnd[slot(f, r)] = time + 1;
-        ++forwards[r];
-      } else {
-        continue;
-      }
-      orders[r].push_back(a);
-      freeAt[r] = time + 1;
-      --remaining;
-    }
-  }
+  // 1F1B's memory: rank r holds at most p - r forwards before their I.
+  auto orders = zeroBubbleOrders(s, [p](int r) { return p - r; }, p);
+  return withCommunication(std::move(s), orders);
+}
+
+Schedule zeroBubbleV(int p, int m) {
+  requireParameters("ZBV", p, m, 2);
+  DT_REQUIRE(m % p == 0, "pipeline schedule ZBV: m=", m, " is not a multiple of p=", p,
+             " (its list schedule reaches the bubble formula for m = p, 2p, 3p, ...)");
+  Schedule s = emptySchedule("ZBV", p, m, 2, Placement::V);
+  // 2p chunk-forwards of half a stage each: the activations of p whole stages, 1F1B's rank 0.
+  auto orders = zeroBubbleOrders(s, [p](int) { return 2 * p; }, p);
   return withCommunication(std::move(s), orders);
 }
 

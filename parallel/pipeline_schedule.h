@@ -51,16 +51,18 @@
 //     bubble = sum_r idle_r / sum_r busy_r,
 // i.e. idle time over ideal compute time (equal per rank in every built-in schedule, so the
 // fraction is also each rank's). The built-in schedules give exactly:
-//     GPipe and 1F1B (p-1)/m;  interleaved 1F1B (p-1)/(v m);  ZB-H1 (p-1)/(3m)
-// (p=4, m=8: 0.375, 0.1875 with v=2, 0.125). A chunk's costs are per chunk: with v chunks
-// each costs 1/v of a whole stage's, and the formulas compare at the same total work.
+//     GPipe and 1F1B (p-1)/m;  interleaved 1F1B (p-1)/(v m);  ZB-H1 (p-1)/(3m);  ZBV (p-1)/(6m)
+// (p=4, m=8: 0.375, 0.1875 with v=2, 0.125, 0.0625). The unit costs are per chunk: with v
+// chunks a chunk is 1/v of a whole stage, the ideal compute per rank is 3mv units, and the
+// fractions compare schedules at the same total work.
 //
 // Memory (simulate): peakInFlight[r] counts the (micro-batch, chunk) forwards rank r has run
 // whose B or I has not run yet: their activations are alive. We count them freed at I, not W:
 // W still holds the stage's inputs and output gradients (a part of the activations, the
 // zero-bubble paper's accounting), which peakPendingWeightGrads[r] counts separately (I done,
 // W not yet). 1F1B: min(p, m) on rank 0 (p - r on rank r); GPipe: m on every rank; ZB-H1 the
-// same as 1F1B, with at most p pending W per rank.
+// same as 1F1B, with p pending W at most in the tested sweeps. For v > 1 the count is of chunk-forwards,
+// each 1/v of a stage's activations (interleaved: 2(p-1-r) + (v-1)p + 1; ZBV: 2p).
 //
 // Text format (format/parse round-trip), whitespace-separated tokens, '#' to the end of a line
 // is a comment, blank lines are ignored:
@@ -135,6 +137,11 @@ Schedule interleavedOneFOneB(int p, int m, int v);
 // Zero-bubble ZB-H1 (Qi et al., 2024): 1F1B's forwards and in-flight limit with B split into
 // I and W; W runs when nothing else can, or when p of them are pending. Needs m >= p.
 Schedule zeroBubbleH1(int p, int m);
+// ZBV-shaped zero bubble over the V placement (v = 2; each chunk half a stage): the same list
+// scheduler as ZB-H1 with at most 2p chunk-forwards in flight per rank (p whole stages' worth,
+// 1F1B's rank 0). Not the paper's hand-drawn ZB-V order; it reaches (p-1)/(6m) with unit costs.
+// Needs m a multiple of p.
+Schedule zeroBubbleV(int p, int m);
 
 // ---- Checking and simulating. ----
 

@@ -134,11 +134,33 @@ TEST(PipelineSchedule, ZeroBubbleH1BubbleIsPMinusOneOverThreeMWithOneFOneBsMemor
   }
 }
 
+TEST(PipelineSchedule, ZeroBubbleVBubbleIsPMinusOneOverSixMOnTheVPlacement) {
+  for (auto [p, m] : sweep()) {
+    SCOPED_TRACE(::testing::Message() << "p=" << p << " m=" << m);
+    const Schedule s = zeroBubbleV(p, m);
+    EXPECT_EQ(s.placement, Placement::V);
+    EXPECT_EQ(s.v, 2);
+    const SimulationResult r = checkedSimulation(s);
+    EXPECT_NEAR(r.bubble, double(p - 1) / (6 * m), kTolerance);
+    EXPECT_NEAR(r.makespan, 6.0 * m + (p - 1), kTolerance);
+    for (int rank = 0; rank < p; ++rank) EXPECT_LE(r.peakInFlight[rank], 2 * p) << "rank " << rank;
+    // The V's tip: stages p-1 and p both on rank p-1, handed over without a SEND/RECV.
+    for (const Action& a : s.ranks[p - 1])
+      EXPECT_FALSE((a.kind == ActionKind::SendF && a.chunk == 0) ||
+                   (a.kind == ActionKind::RecvF && a.chunk == 1))
+          << toString(a, true);
+  }
+  EXPECT_NE(invalidArgument([] { zeroBubbleV(4, 6); }).find("m=6 is not a multiple of p=4"),
+            std::string::npos);
+  EXPECT_NE(invalidArgument([] { zeroBubbleV(4, 2); }).find("m=2"), std::string::npos);
+}
+
 TEST(PipelineSchedule, TheIssuesNumbersForFourRanksAndEightMicroBatches) {
   EXPECT_NEAR(simulate(gpipe(4, 8)).bubble, 0.375, kTolerance);
   EXPECT_NEAR(simulate(oneFOneB(4, 8)).bubble, 0.375, kTolerance);
   EXPECT_NEAR(simulate(interleavedOneFOneB(4, 8, 2)).bubble, 0.1875, kTolerance);
   EXPECT_NEAR(simulate(zeroBubbleH1(4, 8)).bubble, 0.125, kTolerance);
+  EXPECT_NEAR(simulate(zeroBubbleV(4, 8)).bubble, 0.0625, kTolerance);
   EXPECT_EQ(simulate(oneFOneB(4, 8)).peakInFlight[0], 4);
   EXPECT_EQ(simulate(gpipe(4, 8)).peakInFlight[0], 8);
 }
@@ -171,7 +193,8 @@ TEST(PipelineSchedule, BadParametersAreRefusedNamingTheValue) {
 }
 
 TEST(PipelineSchedule, OneRankIsAPipelineWithoutBubbleOrCommunication) {
-  for (const Schedule& s : {gpipe(1, 3), oneFOneB(1, 3), interleavedOneFOneB(1, 3, 2), zeroBubbleH1(1, 3)}) {
+  for (const Schedule& s : {gpipe(1, 3), oneFOneB(1, 3), interleavedOneFOneB(1, 3, 2), zeroBubbleH1(1, 3),
+                            zeroBubbleV(1, 3)}) {
     SCOPED_TRACE(s.name);
     EXPECT_NEAR(checkedSimulation(s).bubble, 0, kTolerance);
     for (const Action& a : s.ranks[0]) EXPECT_TRUE(isCompute(a.kind)) << toString(a, true);
