@@ -40,7 +40,8 @@
 //  * No deadlock under strict rendezvous: the lists are run with blocking, unbuffered
 //    sends (a SEND completes only together with its RECV, both at the head of their ranks'
 //    lists). An order that passes cannot deadlock with any transport, buffered or not, that
-//    matches a pair's messages in order (NCCL's and Gloo's send/recv do).
+//    matches the messages between two ranks in the order they are posted (NCCL's send/recv
+//    does; a tag per message makes any transport do it).
 //
 // Cost model and bubble (simulate): F costs costs.f, B costs.b, I costs.i, W costs.w;
 // sends and receives cost nothing. A rank runs its list in order; a compute starts when the
