@@ -70,9 +70,11 @@ namespace {
 
 // A bound on p*v*m so that a typo in a user's text ("m=80000000") is refused with a reason
 // instead of allocating gigabytes of bookkeeping.
-constexpr long long kMaxWork = 10'000'000;
+constexpr long long kMaxWork = 1'000'000;
 
-std::string describe(const Schedule& s) {
+constexpr size_t kActionKinds = 8;  // ActionKind's values, F through RecvB
+
+std::string title(const Schedule& s) {
   return str("pipeline schedule ", s.name.empty() ? "(unnamed)" : s.name, " p=", s.p, " m=",
              s.m, " v=", s.v);
 }
@@ -104,7 +106,7 @@ ActionKind counterpart(ActionKind kind) {
 class Positions {
  public:
   explicit Positions(const Schedule& s) : m_(s.m), v_(s.v) {
-    table_.assign(static_cast<size_t>(s.p) * 8 * s.m * s.v, -1);
+    table_.assign(static_cast<size_t>(s.p) * kActionKinds * s.m * s.v, -1);
   }
   int& at(int rank, ActionKind kind, int microBatch, int chunk) {
     return table_[index(rank, kind, microBatch, chunk)];
@@ -120,7 +122,7 @@ class Positions {
 
  private:
   size_t index(int rank, ActionKind kind, int microBatch, int chunk) const {
-    return ((static_cast<size_t>(rank) * 8 + static_cast<size_t>(kind)) * m_ +
+    return ((static_cast<size_t>(rank) * kActionKinds + static_cast<size_t>(kind)) * m_ +
             static_cast<size_t>(microBatch)) * v_ + static_cast<size_t>(chunk);
   }
   int m_, v_;
@@ -128,15 +130,15 @@ class Positions {
 };
 
 void requireShape(const Schedule& s) {
-  DT_REQUIRE(s.p >= 1, describe(s), ": p=", s.p, " pipeline ranks (needs p >= 1)");
-  DT_REQUIRE(s.m >= 1, describe(s), ": m=", s.m, " micro-batches (needs m >= 1)");
-  DT_REQUIRE(s.v >= 1, describe(s), ": v=", s.v, " chunks per rank (needs v >= 1)");
-  DT_REQUIRE(s.placement != Placement::V || s.v == 2, describe(s),
+  DT_REQUIRE(s.p >= 1, title(s), ": p=", s.p, " pipeline ranks (needs p >= 1)");
+  DT_REQUIRE(s.m >= 1, title(s), ": m=", s.m, " micro-batches (needs m >= 1)");
+  DT_REQUIRE(s.v >= 1, title(s), ": v=", s.v, " chunks per rank (needs v >= 1)");
+  DT_REQUIRE(s.placement != Placement::V || s.v == 2, title(s),
              ": the V placement holds exactly 2 chunks per rank, not v=", s.v);
-  DT_REQUIRE(static_cast<long long>(s.p) * s.m * s.v <= kMaxWork, describe(s),
+  DT_REQUIRE(static_cast<long long>(s.p) * s.m * s.v <= kMaxWork, title(s),
              ": p*m*v=", static_cast<long long>(s.p) * s.m * s.v, " exceeds the ", kMaxWork,
              " stage-micro-batches this checker simulates");
-  DT_REQUIRE(static_cast<int>(s.ranks.size()) == s.p, describe(s), ": has ", s.ranks.size(),
+  DT_REQUIRE(static_cast<int>(s.ranks.size()) == s.p, title(s), ": has ", s.ranks.size(),
              " rank lists for p=", s.p, " ranks");
 }
 
@@ -144,7 +146,7 @@ void requireShape(const Schedule& s) {
                        const std::string& what) {
   std::string listing = actionGrid(s, marks);
   if (!listing.empty() && listing.back() == '\n') listing.pop_back();
-  throw InvalidArgument(str(describe(s), " is invalid: ", what, "\n", listing));
+  throw InvalidArgument(str(title(s), " is invalid: ", what, "\n", listing));
 }
 
 std::string at(const Schedule& s, int rank, int index) {
@@ -259,11 +261,12 @@ Schedule withCommunication(Schedule s, const std::vector<std::vector<Action>>& o
     }
   };
   std::vector<std::vector<Placed>> placed(s.p);
+  // A rank's computes start in list order, one after the other: binary search on the starts.
   auto receiverPosition = [&](int rank, double time) {
     const auto& row = spans[rank];
-    size_t j = 0;
-    while (j < row.size() && row[j].start < time) ++j;
-    return j;
+    return static_cast<size_t>(
+        std::partition_point(row.begin(), row.end(), [&](const Span& span) { return span.start < time; }) -
+        row.begin());
   };
   for (int r = 0; r < s.p; ++r) {
     for (size_t k = 0; k < orders[r].size(); ++k) {
@@ -306,14 +309,14 @@ Schedule withCommunication(Schedule s, const std::vector<std::vector<Action>>& o
 }  // namespace
 
 int peerRank(const Schedule& schedule, int rank, const Action& action) {
-  DT_REQUIRE(!isCompute(action.kind), describe(schedule), ": ", toString(action, true),
+  DT_REQUIRE(!isCompute(action.kind), title(schedule), ": ", toString(action, true),
              " is a compute action and has no peer");
   const int other = otherStage(schedule, rank, action);
-  DT_REQUIRE(other >= 0 && other < schedule.numStages(), describe(schedule), ": rank ", rank,
+  DT_REQUIRE(other >= 0 && other < schedule.numStages(), title(schedule), ": rank ", rank,
              "'s ", toString(action, true), " goes to stage ", other,
              ", outside the pipeline's stages [0, ", schedule.numStages(), ")");
   const int peer = schedule.rankOfStage(other);
-  DT_REQUIRE(peer != rank, describe(schedule), ": rank ", rank, "'s ", toString(action, true),
+  DT_REQUIRE(peer != rank, title(schedule), ": rank ", rank, "'s ", toString(action, true),
              " goes to stage ", other, " on the same rank, whose data stays local");
   return peer;
 }
@@ -720,7 +723,7 @@ SimulationResult simulate(const Schedule& s, const Costs& costs) {
     }
   }
   for (int r = 0; r < s.p; ++r)
-    DT_INTERNAL_CHECK(next[r] == static_cast<int>(s.ranks[r].size()), describe(s),
+    DT_INTERNAL_CHECK(next[r] == static_cast<int>(s.ranks[r].size()), title(s),
                       ": simulation stalled on rank ", r, " after validation passed");
   result.makespan = *std::max_element(clock.begin(), clock.end());
   double idle = 0, busy = 0;
