@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -948,6 +949,23 @@ Schedule parse(const std::string& text) {
       throw InvalidArgument(str("pipeline schedule text: no line for rank ", r,
                                 " (expected one 'rank <r>:' line for each of the p=", s.p, " ranks)"));
   return s;
+}
+
+Schedule parseFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DT_REQUIRE(in, "pipeline schedule file ", path, ": cannot be opened");
+  std::ostringstream text;
+  text << in.rdbuf();
+  DT_REQUIRE(!in.bad(), "pipeline schedule file ", path, ": read failed");
+  try {
+    return parse(text.str());
+  } catch (const InvalidArgument& e) {
+    // parse's errors say "pipeline schedule text, line N: ..."; name the file instead.
+    const std::string_view prefix = "pipeline schedule text";
+    std::string_view message = e.what();
+    if (message.starts_with(prefix)) message.remove_prefix(prefix.size());
+    throw InvalidArgument(str("pipeline schedule file ", path, message));
+  }
 }
 
 }  // namespace dt::pipeline

@@ -185,5 +185,8 @@ std::string actionGrid(const Schedule& schedule, const std::vector<ActionRef>& m
 
 std::string format(const Schedule& schedule);
 Schedule parse(const std::string& text);
+// parse() of a file's contents; errors name the file instead of "text" (InvalidArgument also
+// when it cannot be read).
+Schedule parseFile(const std::string& path);
 
 }  // namespace dt::pipeline

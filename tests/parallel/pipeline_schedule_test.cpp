@@ -3,10 +3,13 @@
 // and peak in-flight counts equal the formulas; the text format round-trips; a swapped
 // send/recv pair, missing or misplaced actions, bad text and bad parameters are refused with
 // messages that say where. One small grid is pinned so that any change to it shows.
+#include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "common/errors.h"
 #include "parallel/pipeline_schedule.h"
@@ -365,6 +368,27 @@ TEST(PipelineSchedule, TextAcceptsCommentsBlankLinesAndASeparateColon) {
   ASSERT_EQ(s.ranks.size(), 1u);
   EXPECT_EQ(s.ranks[0], (std::vector<Action>{{ActionKind::F, 0, 0}, {ActionKind::B, 0, 0}}));
   EXPECT_NO_THROW(validate(s));
+}
+
+TEST(PipelineSchedule, AScheduleFileIsReadAndItsErrorsNameTheFile) {
+  // The process id keeps concurrent runs (the Release and sanitizer builds side by side) apart.
+  const std::string path =
+      ::testing::TempDir() + "pipeline_schedule_test_" + std::to_string(getpid()) + ".txt";
+  {
+    std::ofstream out(path);
+    out << kVShape;
+  }
+  EXPECT_EQ(parseFile(path), parse(kVShape));
+  {
+    std::ofstream out(path);
+    out << "schedule s p=2 m=2\nrank 0: F0 Q1\n";
+  }
+  std::string message = invalidArgument([&] { parseFile(path); });
+  EXPECT_NE(message.find("pipeline schedule file " + path + ", line 2: token 'Q1'"), std::string::npos)
+      << message;
+  std::remove(path.c_str());
+  message = invalidArgument([&] { parseFile(path); });
+  EXPECT_NE(message.find("cannot be opened"), std::string::npos) << message;
 }
 
 }  // namespace
