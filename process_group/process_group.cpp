@@ -423,10 +423,25 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
   checkBackendName(group->options_);
   group->cpuBackend_ = makeCpuBackend(group->store_, group->rank_, group->size_, cpuOptions(group->options_),
                                       group->timeout_, group->parentRanks_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::erase_if(children_, [](const std::weak_ptr<ProcessGroup>& c) { return c.expired(); });
+    children_.push_back(group);
+  }
+  // Broken while the subgroup was being made: it is born broken, as abort() would have left it.
+  if (std::exception_ptr cause = brokenCause()) group->abort(cause);
   return group;
 }
 
 void ProcessGroup::abort(std::exception_ptr cause) {
+  std::vector<std::shared_ptr<ProcessGroup>> children;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& weak : children_) {
+      if (auto child = weak.lock()) children.push_back(std::move(child));
+    }
+  }
+  for (const auto& child : children) child->abort(cause);
   BackendPtr backend, nccl;
   {
     std::lock_guard<std::mutex> lock(mutex_);

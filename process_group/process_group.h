@@ -135,6 +135,9 @@ class ProcessGroup {
   Backend& backendFor(const Device& device);
   // Breaks the group with `cause`: every op in flight or queued on any of its
   // backends fails at once with it, and so does every later op (Backend::abort).
+  // The subgroups newGroup made from it (still alive) break too: a member lost to the
+  // group is lost to them, and a rank waiting in one (a mesh's dp or tp group) must not
+  // wait out the timeout for a peer that left through the parent.
   // Any thread; idempotent. destroy() still releases the group.
   void abort(std::exception_ptr cause);
   // Shuts the backends down; later calls fail with "destroyed".
@@ -159,6 +162,7 @@ class ProcessGroup {
   mutable std::mutex mutex_;
   uint64_t seq_ = 0;
   int subgroups_ = 0;
+  std::vector<std::weak_ptr<ProcessGroup>> children_;  // newGroup's member handles, for abort()
   bool destroyed_ = false;
 };
 
