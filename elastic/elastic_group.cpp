@@ -72,11 +72,12 @@ struct ElasticGroup::Decision {
   int64_t resume = 0;
   std::vector<int> lost;
   std::vector<int> joined;
+  std::vector<int> left;  // live members dropped with their replica (ElasticOptions::replicaSize)
   int64_t joiners = 0;
 
   std::string encode() const {
     return str("members=", listIds(members), ";resume=", resume, ";lost=", listIds(lost), ";joined=", listIds(joined),
-               ";joiners=", joiners);
+               ";left=", listIds(left), ";joiners=", joiners);
   }
   static Decision decode(const std::string& text) {
     Decision d;
@@ -89,6 +90,7 @@ struct ElasticGroup::Decision {
       if (key == "members") d.members = parseIds(value);
       if (key == "lost") d.lost = parseIds(value);
       if (key == "joined") d.joined = parseIds(value);
+      if (key == "left") d.left = parseIds(value);
     }
     return d;
   }
@@ -301,10 +303,62 @@ std::shared_ptr<ProcessGroup> ElasticGroup::makeGroup(uint64_t epoch, int rank, 
 }
 
 bool ElasticGroup::joinersWaiting() const {
-  return watcher_->joinersRegistered.load(std::memory_order_relaxed) > joinersDecided_;
+  // Replicas come back whole: fewer joiners than one replica's worth keep waiting.
+  return watcher_->joinersRegistered.load(std::memory_order_relaxed) - joinersDecided_ >= std::max(options_.replicaSize, 1);
 }
 
 bool ElasticGroup::joinedNow() const { return contains(membership_.joined, memberId_); }
+
+bool ElasticGroup::hasLeft() const { return membership_.rank < 0 && contains(membership_.left, memberId_); }
+
+void ElasticGroup::dropBrokenReplicas(const Membership& before, Decision& d) const {
+  const int size = std::max(options_.replicaSize, 1);
+  if (size == 1 || d.lost.empty()) return;
+  for (size_t first = 0; first < before.members.size(); first += static_cast<size_t>(size)) {
+    const size_t last = std::min(before.members.size(), first + static_cast<size_t>(size));
+    bool broken = false;
+    for (size_t r = first; r < last; ++r) broken = broken || contains(d.lost, before.members[r]);
+    if (!broken) continue;
+    for (size_t r = first; r < last; ++r) {
+      const int m = before.members[r];
+      if (!contains(d.members, m)) continue;
+      d.left.push_back(m);
+      d.members.erase(std::find(d.members.begin(), d.members.end(), m));
+    }
+  }
+  std::erase_if(d.joined, [&](int m) { return contains(d.left, m); });
+}
+
+std::vector<std::vector<int>> ElasticGroup::brokenReplicas(const std::vector<int>& before, const Decision& d) const {
+  std::vector<std::vector<int>> out;
+  const size_t size = static_cast<size_t>(std::max(options_.replicaSize, 1));
+  if (size == 1) return out;
+  for (size_t first = 0; first < before.size(); first += size) {
+    std::vector<int> replica(before.begin() + static_cast<std::ptrdiff_t>(first),
+                             before.begin() + static_cast<std::ptrdiff_t>(std::min(before.size(), first + size)));
+    if (std::any_of(replica.begin(), replica.end(), [&](int m) { return contains(d.lost, m); })) out.push_back(std::move(replica));
+  }
+  return out;
+}
+
+const Membership& ElasticGroup::leave(uint64_t epoch, const Decision& d, std::vector<std::string> lost) {
+  const Membership before = membership_;
+  membership_.epoch = epoch;
+  membership_.members = d.members;
+  membership_.rank = -1;
+  membership_.resumeStep = d.resume;
+  membership_.lost = std::move(lost);
+  membership_.joined.clear();
+  membership_.left = d.left;
+  membership_.brokenReplicas = brokenReplicas(before.members, d);
+  joinersDecided_ = std::max(joinersDecided_, d.joiners);
+  // Before this process exits: dtrun must not take its exit 0 for the job finishing.
+  membership::postLeft(*store_, memberId_, str("its replica lost a member at step ", d.resume, " (",
+                                              dt::join(membership_.lost, "; "), ")"));
+  logger("elastic")->info("[member {}] leaves the job at step {}: its replica lost a member ({})", memberId_, d.resume,
+                          dt::join(membership_.lost, "; "));
+  return membership_;
+}
 
 ElasticGroup::Decision ElasticGroup::agree(const Membership& before, int64_t stepsApplied, bool admitting) {
   store_->set(reportKey(before.epoch, memberId_), std::to_string(stepsApplied));
@@ -339,6 +393,7 @@ ElasticGroup::Decision ElasticGroup::agree(const Membership& before, int64_t ste
         }
       }
       if (waitingFor.empty()) {
+        dropBrokenReplicas(before, d);
         d.joiners = joinersDecided_;
         // Joiners admitted into `before` whose epoch committed no step may not have the
         // state yet (its transfer may be what failed): they are sent it again.
@@ -349,13 +404,20 @@ ElasticGroup::Decision ElasticGroup::agree(const Membership& before, int64_t ste
         }
         if (admitting) {
           const int64_t registered = membership::joinerCount(*store_);
+          std::vector<std::pair<int64_t, int>> live;  // (registration, member id)
           for (int64_t n = joinersDecided_ + 1; n <= registered; ++n) {
             const int joiner = membership::joinerAt(*store_, n);
             if (membership::deathOf(*store_, joiner) || contains(d.members, joiner)) continue;
-            d.members.push_back(joiner);
-            d.joined.push_back(joiner);
+            live.emplace_back(n, joiner);
           }
-          d.joiners = registered;
+          // Whole replicas only: the rest stay registered and undecided, for a later admission.
+          const size_t replica = static_cast<size_t>(std::max(options_.replicaSize, 1));
+          const size_t admitted = live.size() / replica * replica;
+          for (size_t k = 0; k < admitted; ++k) {
+            d.members.push_back(live[k].second);
+            d.joined.push_back(live[k].second);
+          }
+          d.joiners = admitted < live.size() ? live[admitted].first - 1 : registered;
           std::sort(d.members.begin(), d.members.end());
         }
         store_->compareSet(key, "", d.encode());
@@ -397,12 +459,14 @@ const Membership& ElasticGroup::enter(uint64_t epoch, const Decision& d, std::ve
                               dt::join(left, ", "), "), fewer than the minimum of ", options_.minSize, " (--min-nproc); lost: ",
                               dt::join(lost, "; ")));
   }
+  membership_.brokenReplicas = brokenReplicas(membership_.members, d);
   membership_.epoch = epoch;
   membership_.members = d.members;
   membership_.rank = rankOf(d.members, memberId_);
   membership_.resumeStep = d.resume;
   membership_.lost = std::move(lost);
   membership_.joined = d.joined;
+  membership_.left = d.left;
   joinersDecided_ = std::max(joinersDecided_, d.joiners);
   try {
     group_ = makeGroup(membership_.epoch, membership_.rank, membership_.size());
@@ -437,6 +501,7 @@ const Membership& ElasticGroup::recover(std::exception_ptr cause, int64_t stepsA
   if (d.lost.empty()) std::rethrow_exception(cause);  // nobody died: a failure of another kind
   std::vector<std::string> lost = describeLost(before.members, d.lost);
   const std::string said = dt::join(lost, "; ");
+  if (contains(d.left, memberId_)) return leave(before.epoch + 1, d, std::move(lost));
   const Membership& now = enter(before.epoch + 1, d, std::move(lost), stepsApplied);
   logger("elastic")->info("[{}] continues from step {} without {}", who(), d.resume, said);
   return now;
@@ -448,6 +513,7 @@ const Membership& ElasticGroup::admit(int64_t stepsApplied) {
   // group goes once all have reported, so that none is still using it.
   const Decision d = agree(before, stepsApplied, /*admitting=*/true);
   leaveGroup(nullptr);
+  if (contains(d.left, memberId_)) return leave(before.epoch + 1, d, describeLost(before.members, d.lost));
   const Membership& now = enter(before.epoch + 1, d, describeLost(before.members, d.lost), stepsApplied);
   logger("elastic")->info("[{}] admitted {} joiner(s) at step {}", who(), d.joined.size(), d.resume);
   return now;

@@ -67,6 +67,12 @@
 //    A joiner that dies before or during that transfer fails the new group's collective,
 //    and recover() drops it like any member; the others' state is untouched.
 //    recover() never admits joiners: they wait for the next admit().
+//  * Replicas (ElasticOptions::replicaSize = t > 1, tensor parallelism): each decision also
+//    drops the live members of a replica (t consecutive ranks) that lost one
+//    (Membership::left); recover()/admit() return to them with hasLeft() and no group, and
+//    they record it in the store (membership::postLeft) so that dtrun neither counts their
+//    exit as the job finishing nor as a death, and replaces them under --max-restarts.
+//    Joiners are admitted only in whole replicas, in registration order.
 //  * Not thread-safe: one training thread calls group() and recover(); the
 //    watcher thread only aborts. The destructor stops the watcher and
 //    destroys the group.
@@ -96,6 +102,13 @@ struct ElasticOptions {
   // A joiner: how long it waits for the members to admit it (they do at their next step
   // boundary once they see it).
   std::chrono::milliseconds joinTimeout = std::chrono::minutes(5);
+  // Members form replicas of this many consecutive ranks (a tensor-parallel group: one model
+  // replica split over them), which only work whole. A loss takes its whole replica out: the
+  // decision drops the replica's survivors too (Membership::left; recover() returns to them
+  // with hasLeft() and no group), so the ranks left still form whole replicas, each rank at
+  // its old position inside its replica. Joiners are admitted replicaSize at a time; fewer
+  // wait (joinersWaiting() stays false until replicaSize registered). 1: every member alone.
+  int replicaSize = 1;
 };
 
 struct Membership {
@@ -109,6 +122,11 @@ struct Membership {
   // The members admitted into this epoch (admit(), or the joiner's own admission): they
   // have no training state yet.
   std::vector<int> joined;
+  // The live members dropped with a lost member's replica (ElasticOptions::replicaSize).
+  std::vector<int> left;
+  // ElasticOptions::replicaSize > 1: the previous epoch's replicas (member ids in rank order)
+  // that lost a member in this decision.
+  std::vector<std::vector<int>> brokenReplicas;
   int size() const { return static_cast<int>(members.size()); }
 };
 
@@ -130,6 +148,9 @@ class ElasticGroup {
   int memberId() const { return memberId_; }
 
   const Membership& recover(std::exception_ptr cause, int64_t stepsApplied);
+  // The last decision dropped this live member with its replica (ElasticOptions::replicaSize):
+  // it has no group and takes no part in the job any more; its process may end (exit 0).
+  bool hasLeft() const;
 
   // True once a joiner registered that the members have not decided on yet. Cheap (an
   // atomic read of what the watcher thread saw), for the commit vote of every step.
@@ -152,6 +173,12 @@ class ElasticGroup {
   // The agreement of recover() and admit(): every member of `before` reports or dies; the
   // lowest-numbered live one decides (and with `admitting`, adds the live joiners).
   Decision agree(const Membership& before, int64_t stepsApplied, bool admitting);
+  // Drops the live members of replicas that lost one (ElasticOptions::replicaSize).
+  void dropBrokenReplicas(const Membership& before, Decision& d) const;
+  // The replicas of `before` (member ids in rank order) that lost a member in `d`.
+  std::vector<std::vector<int>> brokenReplicas(const std::vector<int>& before, const Decision& d) const;
+  // This member was dropped with its replica: the membership says so, without a group.
+  const Membership& leave(uint64_t epoch, const Decision& d, std::vector<std::string> lost);
   // Moves to the epoch `d` describes (makes its group; a death meanwhile: recover()).
   const Membership& enter(uint64_t epoch, const Decision& d, std::vector<std::string> lost, int64_t stepsApplied);
   // "rank 2 (member 2) exited: signal SIGKILL" for each of `lost`.

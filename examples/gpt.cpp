@@ -281,15 +281,18 @@ int run(const Config& c) {
     if (measure) activationMib = static_cast<double>(dt::memoryStats().allocatedBytes - before) / (1 << 20);
     return dt::train::StepOutput{loss};
   });
+  // Its replica broke under --elastic: the loop said why; the other replicas finish the job.
+  if (r.left) return 0;
   if (r.stopped) return 0;  // the loop said so, and wrote the checkpoint
+  const int finalRank = loop.rank();  // under --elastic not the starting rank after a loss
   // The peak of the training, each the maximum over the ranks.
   dt::Tensor memory = dt::fromVector<double>({rssMib("VmHWM:"), fixedRss, activationMib, dt::memoryStats().peakAllocatedBytes / 1048576.0});
   loop.group().allreduce(memory, {.reduceOp = dt::ReduceOp::Max})->wait();
   const auto mem = memory.toVector<double>();
   const double valLoss = valueOf(r.evaluation, "val_loss");
-  if (c.bench && rank == 0 && !bench.measured()) {
+  if (c.bench && finalRank == 0 && !bench.measured()) {
     std::fprintf(stderr, "gpt: --bench measured nothing: it needs more than --bench-warmup %lld steps\n", static_cast<long long>(c.benchWarmup));
-  } else if (c.bench && rank == 0) {
+  } else if (c.bench && finalRank == 0) {
     std::printf("RESULT gpt impl=dtrain world=%d global_batch=%lld model=%s steps=%lld step_ms=%.3f tokens_per_s=%.1f peak_rss_mb=%.1f "
                 "val_loss_nats=%.5f sharding=%s parameters=%lld fixed_rss_mb=%.1f activation_mb=%.1f peak_alloc_mb=%.1f blas=%s\n",
                 world, static_cast<long long>(c.globalBatch), modelName(c.model).c_str(), static_cast<long long>(c.steps),
@@ -310,7 +313,7 @@ int run(const Config& c) {
   // fsdp: the whole model on every rank while rank 0 samples alone (no collective meanwhile).
   std::optional<dt::FullyShardedDataParallel::FullParametersGuard> whole;
   if (loop.fullySharded() != nullptr && c.sampleTokens > 0) whole.emplace(loop.fullySharded()->gatherFullParameters());
-  if (rank == 0) {
+  if (finalRank == 0) {
     const double rate = static_cast<double>((r.steps - r.firstStep) * tokensPerStep) / std::max(r.seconds, 1e-9);
     std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; validation loss %.4f; peak RSS %.0f MiB per rank\n",
                 static_cast<long long>(r.steps), examples::formatSeconds(r.elapsed).c_str(), r.steps > r.firstStep ? rate : 0.0, r.loss,

@@ -47,6 +47,9 @@ struct Worker {
   WorkerOutcome outcome;
   // --elastic: posted dead (the others go on without it), and its heartbeat.
   bool lost = false;
+  // --elastic: it exited 0 after the job dropped it with its replica (store/membership.h's
+  // elastic/left): not the job finishing; replaced under --max-restarts.
+  bool leftJob = false;
   std::string killedBecause;  // dtrun sent this worker alone SIGKILL, and why
   int64_t oomKillsAtStart = -1;  // oomKillCount() when it started
   std::optional<uint64_t> beat;
@@ -827,7 +830,7 @@ struct Agent::Impl {
       ++w.replacements;
       const std::string before = nameOf(w);
       w.member = member;
-      w.reaped = w.lost = false;
+      w.reaped = w.lost = w.leftJob = false;
       w.killedBecause.clear();
       w.beat.reset();
       w.beatSeenMs = 0;
@@ -933,6 +936,7 @@ struct Agent::Impl {
 
     auto reapAll = [&] {
       std::vector<Worker*> failedNow;
+      std::vector<Worker*> leftNow;  // --elastic: exited 0 after the job dropped them with their replica
       int status = 0;
       pid_t pid;
       while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
@@ -955,11 +959,24 @@ struct Agent::Impl {
             out.oomKillsMeanwhile = oomKills >= 0 && w.oomKillsAtStart >= 0 ? oomKills - w.oomKillsAtStart : -1;
           }
           if (out.failed() && !stopping) failedNow.push_back(&w);
+          if (!out.failed() && o.elastic && !stopping) {
+            std::optional<std::string> why;
+            try {
+              why = membership::leftOf(*store, w.member);
+            } catch (const std::exception&) {
+              // The store is gone: the exit counts as the job finishing, as before.
+            }
+            if (why) {
+              w.leftJob = true;
+              leftNow.push_back(&w);
+              say(str(nameOf(w), " (pid ", w.pid, ") left the job: ", *why));
+            }
+          }
         }
       }
       if (o.elastic && !stopping && !jobFinishing) {
         for (const auto& w : workers) {
-          if (w.reaped && !w.outcome.failed() && w.pid > 0) jobFinishing = true;
+          if (w.reaped && !w.outcome.failed() && w.pid > 0 && !w.leftJob) jobFinishing = true;
         }
         if (jobFinishing) {
           try {  // a replacement still waiting to be admitted gives up (ElasticGroup)
@@ -968,6 +985,9 @@ struct Agent::Impl {
           }
         }
       }
+      // Its replica comes back whole only when every rank of it is replaced.
+      for (Worker* w : leftNow) replaceWorker(*w);
+      leftNow.clear();
       if (!failedNow.empty() && o.elastic && checkJobStop()) {
         for (Worker* w : failedNow) w->outcome.stoppedByLauncher = true;  // they ended because the job stops
         return;

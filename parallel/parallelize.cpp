@@ -46,6 +46,9 @@ class TensorParallelGptLayout : public nn::GptLayout {
     return vocabParallelCrossEntropy(logits, targets, group_);
   }
 
+  const ProcessGroupPtr& group() const { return group_; }
+  void rebindGroup(ProcessGroupPtr group) { group_ = std::move(group); }
+
   std::string describe() const override {
     return str("tensor-parallel over pg=", group_->name(), ", degree ", group_->size(),
                sequenceParallel_ ? ", sequence-parallel" : "", vocabParallel_ ? ", vocab-parallel output" : "");
@@ -323,6 +326,42 @@ void parallelize(nn::Gpt& model, const ProcessGroupPtr& tensorParallel, const Pa
 
 void parallelize(nn::Gpt& model, const DeviceMesh& mesh, const ParallelPlan& plan, const std::string& dimension) {
   parallelize(model, mesh[dimension], plan);
+}
+
+namespace {
+void rebindModules(nn::Module& module, const ProcessGroupPtr& group, int& rebound) {
+  if (auto* layer = dynamic_cast<TensorParallelModule*>(&module)) {
+    layer->rebindGroup(group);
+    ++rebound;
+  } else if (auto* attention = dynamic_cast<ParallelSelfAttention*>(&module)) {
+    attention->rebindGroup(group);
+    ++rebound;
+  } else if (auto* dropout = dynamic_cast<SequenceParallelDropout*>(&module)) {
+    dropout->rebindGroup(group);
+    ++rebound;
+  }
+  for (const auto& [name, child] : module.namedChildren()) rebindModules(*child, group, rebound);
+}
+}  // namespace
+
+int rebindTensorParallel(nn::Module& model, const ProcessGroupPtr& group) {
+  DT_REQUIRE(group != nullptr && group->isMember(), "rebindTensorParallel: the new tensor-parallel group is null or "
+             "this process is not a member of it; pass this rank's group, e.g. mesh[\"tp\"]");
+  int rebound = 0;
+  // The layout first: it checks the place once, before any layer moves.
+  if (auto* gpt = dynamic_cast<nn::Gpt*>(&model)) {
+    if (auto layout = std::dynamic_pointer_cast<TensorParallelGptLayout>(gpt->layout())) {
+      const ProcessGroupPtr& old = layout->group();
+      DT_REQUIRE(old->size() == group->size() && old->rank() == group->rank(), "rebindTensorParallel: cannot move the "
+                 "model from tensor-parallel rank ", old->rank(), "/", old->size(), " (pg=", old->name(), ") to rank ",
+                 group->rank(), "/", group->size(), " (pg=", group->name(), "): its shards are rank ", old->rank(),
+                 "'s blocks; the new group must give this process the same rank out of the same size");
+      layout->rebindGroup(group);
+      ++rebound;
+    }
+  }
+  rebindModules(model, group, rebound);
+  return rebound;
 }
 
 std::vector<ParameterShard> parameterShardsOf(const nn::Module& model) {

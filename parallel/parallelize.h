@@ -88,6 +88,14 @@ void parallelize(nn::Gpt& model, const ProcessGroupPtr& tensorParallel, const Pa
 // The same over mesh[dimension].
 void parallelize(nn::Gpt& model, const DeviceMesh& mesh, const ParallelPlan& plan, const std::string& dimension = "tp");
 
+// Moves every tensor-parallel layer of `model` (and a Gpt's tensor-parallel layout) onto
+// `group`, which must give this process the same rank out of the same size as the group they
+// were built on (an elastic job's next epoch, whose mesh keeps each rank's tp coordinate): the
+// shards stay what they are and nothing is communicated. Returns how many it moved.
+// InvalidArgument naming both groups when the rank or size differs (the model is then left on
+// its old group when the layout caught it, which it does first for a parallelized Gpt).
+int rebindTensorParallel(nn::Module& model, const ProcessGroupPtr& group);
+
 // Where every parameter of `model` sits in the whole model, named as namedParameters() names
 // them: the tensor-parallel layers' shards, and every other parameter replicated (dim -1).
 std::vector<ParameterShard> parameterShardsOf(const nn::Module& model);

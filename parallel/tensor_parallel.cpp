@@ -61,6 +61,20 @@ std::string groupText(const ProcessGroup& group) {
   return str("rank ", group.rank(), "/", group.size(), " pg=", group.name());
 }
 
+}  // namespace
+
+// A layer's shards are this rank's blocks of a degree-t split: only a group where it has the
+// same rank out of the same size keeps them right.
+static void requireSamePlace(const ProcessGroupPtr& from, const ProcessGroupPtr& to, std::string_view layer) {
+  requireGroup(to, layer);
+  DT_REQUIRE(to->size() == from->size() && to->rank() == from->rank(), layer, ": cannot move onto tensor-parallel group ",
+             groupText(*to), " from ", groupText(*from),
+             ": its shards are the blocks of rank ", from->rank(), " of ", from->size(),
+             "; the new group must give this process the same rank out of the same size");
+}
+
+namespace {
+
 // The size of x's dimension `dim` over the degree; InvalidArgument when the degree does not divide it.
 int64_t blockOf(const Tensor& x, int64_t dim, const ProcessGroup& group, std::string_view op) {
   const int64_t whole = x.size(dim);
@@ -329,6 +343,21 @@ Tensor reduceScatterToSequenceParallelRegion(const Tensor& x, const ProcessGroup
 }
 
 // ---- layers -------------------------------------------------------------------------------------
+void TensorParallelModule::rebindGroup(ProcessGroupPtr group) {
+  requireSamePlace(group_, group, typeName());
+  group_ = std::move(group);
+}
+
+void ParallelSelfAttention::rebindGroup(ProcessGroupPtr group) {
+  requireSamePlace(group_, group, typeName());
+  group_ = std::move(group);
+}
+
+void SequenceParallelDropout::rebindGroup(ProcessGroupPtr group) {
+  requireSamePlace(group_, group, typeName());
+  group_ = std::move(group);
+}
+
 TensorParallelModule::TensorParallelModule(ProcessGroupPtr group) : group_(std::move(group)) {
   requireGroup(group_, "TensorParallelModule");
 }

@@ -103,6 +103,10 @@ class TensorParallelModule : public nn::Module {
  public:
   explicit TensorParallelModule(ProcessGroupPtr group);
   const ProcessGroupPtr& group() const { return group_; }
+  // Moves the layer onto another group of the same size in which this process has the same
+  // rank (an elastic job's next epoch: its shards stay valid, nothing moves). InvalidArgument
+  // naming both groups otherwise.
+  void rebindGroup(ProcessGroupPtr group);
   // One entry per parameter of this module (not of its children), in registration order.
   virtual std::vector<ParameterShard> parameterShards() const = 0;
 
@@ -239,6 +243,8 @@ class ParallelSelfAttention : public nn::Module {
   Tensor forward(const Tensor& x) override;
   std::string typeName() const override { return "ParallelSelfAttention"; }
   int64_t localHeads() const { return localHeads_; }
+  // As TensorParallelModule::rebindGroup; c_attn and c_proj are rebound on their own.
+  void rebindGroup(ProcessGroupPtr group);
   std::shared_ptr<ColumnParallelLinear> c_attn;
   std::shared_ptr<RowParallelLinear> c_proj;
 
@@ -286,6 +292,7 @@ class SequenceParallelDropout : public nn::Module {
   SequenceParallelDropout(double p, Generator& generator, ProcessGroupPtr group);
   Tensor forward(const Tensor& x) override;  // [B, T/t, ...] -> the same
   std::string typeName() const override { return "SequenceParallelDropout"; }
+  void rebindGroup(ProcessGroupPtr group);  // as TensorParallelModule::rebindGroup
 
  private:
   double p_;

@@ -58,6 +58,14 @@ int64_t registerJoiner(Store& store, int member) {
 
 void markFinished(Store& store) { store.set("elastic/finished", "1"); }
 
+void postLeft(Store& store, int member, const std::string& why) { store.set(str("elastic/left/", member), why); }
+
+std::optional<std::string> leftOf(Store& store, int member) {
+  const std::string key = str("elastic/left/", member);
+  if (!store.check({key})) return std::nullopt;
+  return store.get(key);
+}
+
 bool finished(Store& store) { return store.check({"elastic/finished"}); }
 
 bool postJobStop(Store& store, const std::string& why) {

@@ -13,6 +13,8 @@
 //   elastic/joiner/<n>      the member id of the n-th joiner (1, 2, ...)
 //   elastic/node_members/<node>  the member ids running on node <node> ("4,1"; dtrun, so that
 //                           a lost node's members are posted dead)
+//   elastic/left/<member>   why a live member left the job (its replica lost a member): its
+//                           exit 0 is not the job finishing, and dtrun may replace it
 //   elastic/finished        a worker finished the job (a joiner not admitted yet gives up)
 //   elastic/stopped         why the job stops (fell below --min-nproc), once; the launcher
 //                           stops every worker and names it as the cause
@@ -58,6 +60,10 @@ int newMemberId(Store& store, int initialWorld);
 // Registers `member` as a joiner; returns its registration number n (1, 2, ...).
 int64_t registerJoiner(Store& store, int member);
 void markFinished(Store& store);
+// A live member dropped from the job (elastic/elastic_group.h: ElasticOptions::replicaSize)
+// records why before it exits; leftOf reads it (nullopt: it did not leave that way).
+void postLeft(Store& store, int member, const std::string& why);
+std::optional<std::string> leftOf(Store& store, int member);
 bool finished(Store& store);
 // Records why the whole job stops; the first reason wins (false: one was recorded already).
 bool postJobStop(Store& store, const std::string& why);

@@ -114,9 +114,34 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
   }
   restartCount_ = env::getInt("DT_RESTART_COUNT");
   options_.test = TestSwitches::fromEnvironment(options_.test);
+  const bool elastic = options_.forceElastic || env::getBool("DT_ELASTIC");
+  if (const int t = options_.tensorParallel; t != 1) {
+    if (t < 1) throw InvalidArgument(str(p, ": LoopOptions::tensorParallel is ", t, "; it must be 1 (off) or more"));
+    const char* sharding = options_.sharding == Sharding::Full    ? "Full"
+                           : options_.sharding == Sharding::Zero1 ? "Zero1"
+                                                                  : "Zero2";
+    if (options_.sharding != Sharding::None && !options_.checkpointDir.empty()) {
+      // The wrappers' states name the TP shards by global name with local shapes: every tp rank
+      // would write a different tensor under one name. Until they are placed like
+      // tensorParallelModelState's, no checkpoints.
+      throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") with Sharding::", sharding,
+                                " trains, but its checkpoints are not supported yet (checkpointDir \"", options_.checkpointDir,
+                                "\"); run without a checkpoint directory, or with Sharding::None (DDP)"));
+    }
+    if (options_.sharding != Sharding::None && elastic) {
+      // A lost rank's shards of the sharded wrappers have no other copy: recovery reloads them
+      // from the newest checkpoint, which TP inside these wrappers cannot write yet.
+      throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") with Sharding::", sharding,
+                                " under dtrun --elastic is not supported yet: after a loss the sharded wrapper reloads "
+                                "the lost shards from the newest checkpoint, and TP inside it has no checkpoints yet; "
+                                "use Sharding::None (DDP over the replicas) under --elastic"));
+    }
+    // A loss takes its whole TP group (one model replica) out; joiners come back t at a time.
+    options_.elastic.replicaSize = t;
+  }
   if (options_.stopOnSignals) installStopHandlers(p);
   try {
-    if (options_.forceElastic || env::getBool("DT_ELASTIC")) {
+    if (elastic) {
       elastic_ = elastic::ElasticGroup::fromEnvironment(options_.elastic);
       group_ = elastic_->group();
       joining_ = elastic_->joinedNow();
@@ -129,28 +154,20 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
   }
   if (options_.tensorParallel != 1) {
     const int world = group_->size(), t = options_.tensorParallel;
-    if (t < 1) throw InvalidArgument(str(p, ": LoopOptions::tensorParallel is ", t, "; it must be 1 (off) or more"));
-    if (options_.sharding != Sharding::None && !options_.checkpointDir.empty()) {
-      // The wrappers' states name the TP shards by global name with local shapes: every tp rank
-      // would write a different tensor under one name. Until they are placed like
-      // tensorParallelModelState's, no checkpoints.
-      throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") with Sharding::",
-                                options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2",
-                                " trains, but its checkpoints are not supported yet (checkpointDir \"", options_.checkpointDir,
-                                "\"); run without a checkpoint directory, or with Sharding::None (DDP)"));
-    }
-    if (elastic_) {
-      throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") under dtrun --elastic is not supported "
-                                "yet: recovery would need to drop a whole TP group (one model replica) and regroup the "
-                                "mesh; run without --elastic (dtrun --max-restarts still restarts from a checkpoint)"));
-    }
     if (world % t != 0) {
       throw InvalidArgument(str(p, ": tensorParallel ", t, " does not divide the world size ", world,
                                 " (the mesh is {dp: world / tp, tp: tp})"));
     }
-    mesh_ = DeviceMesh::create(group_, {{"dp", world / t}, {"tp", t}});
+    makeMesh();
   }
   if (!options_.checkpointDir.empty()) checkpoints_.emplace(options_.checkpointDir, options_.keep);
+}
+
+void Loop::makeMesh() {
+  // Row-major with tp innermost: a replica is t adjacent ranks, which the elastic membership
+  // keeps together (ElasticOptions::replicaSize), so a rank's tp coordinate never changes.
+  const int t = options_.tensorParallel;
+  mesh_ = DeviceMesh::create(group_, {{"dp", group_->size() / t}, {"tp", t}});
 }
 
 const DeviceMesh& Loop::mesh() const {
@@ -347,7 +364,16 @@ void Loop::checkOptimizer() const {
   }
 }
 
-TrainingState Loop::trainingState() {
+TrainingState Loop::trainingState(bool replicaLocal) {
+  if (replicaLocal && mesh_) {
+    // What the ranks of one dp group hold alike: this rank's shards as local tensors under
+    // the local names, which a joiner at the same tp coordinate holds the same shapes of.
+    ProcessGroup& dp = *dataGroup();
+    TrainingState state(dp.rank(), dp.size());
+    state.addModule("model", *model_).addOptimizer("optim", *optimizer_, ParameterMap::replicated(*model_));
+    addExtraState(state);
+    return state;
+  }
   TrainingState state(group_->rank(), group_->size());
   if (fsdp_) {
     state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
@@ -361,6 +387,11 @@ TrainingState Loop::trainingState() {
   } else {
     state.addModule("model", *model_).addOptimizer("optim", *optimizer_, ParameterMap::replicated(*model_));
   }
+  addExtraState(state);
+  return state;
+}
+
+void Loop::addExtraState(TrainingState& state) {
   for (auto& [name, t] : extraTensors_) state.addTensor(name, t);
   for (auto& [name, g] : extraStreams_) state.addGenerator(name, *g);
   state.step = step_;
@@ -370,7 +401,6 @@ TrainingState Loop::trainingState() {
   char loss[32];
   std::snprintf(loss, sizeof(loss), "%.6f", recentLoss_);
   m["train_loss"] = loss;
-  return state;
 }
 
 // The values addState(int64_t&) registered, from a state's metadata.
@@ -470,25 +500,49 @@ void Loop::periodicCheckpoint() {
     } catch (const Error&) {
       if (!elastic_) throw;
       recover(std::current_exception());  // every member is at this step: write it again
+      if (!left_.empty()) return;
     }
   }
 }
 
 void Loop::regroup() {
   group_ = elastic_->group();
+  if (mesh_) {
+    // Whole replicas only, each rank at its old tp coordinate: the shards stay valid, the
+    // layers move onto the new tp group and DDP onto the new dp group.
+    makeMesh();
+    rebindTensorParallel(*model_, (*mesh_)["tp"]);
+  }
   if (fsdp_) {
     fsdp_->rebind(group_);  // a collective: the shards cut for the new group, zero until restored
   } else {
-    ddp_->rebind(group_);
+    ddp_->rebind(dataGroup());
     if (zero_) shardOptimizerState();  // the parts cut for the new group, the state empty until restored
   }
   splitData();
   startLoader();
 }
 
+void Loop::leaveJob(const elastic::Membership& m) {
+  loader_.reset();
+  std::vector<std::string> replicas;
+  for (const auto& replica : m.brokenReplicas) {
+    std::vector<std::string> ids;
+    for (int member : replica) ids.push_back(std::to_string(member));
+    replicas.push_back(join(ids, ", "));
+  }
+  const int t = options_.tensorParallel;
+  left_ = str(options_.program, ": member ", elastic_->memberId(), " leaves at step ", step_, ": its tensor-parallel group (members ",
+              join(replicas, "; "), ") lost ", join(m.lost, "; "), "; the other replicas go on (", m.size(), " rank(s), ",
+              m.size() / std::max(t, 1), " replica(s)) and this process ends");
+  std::fprintf(stderr, "%s\n", left_.c_str());
+  std::fflush(stderr);
+}
+
 void Loop::recover(std::exception_ptr cause) {
   loader_.reset();  // its thread prepares batches for the old split
   const elastic::Membership& m = elastic_->recover(cause, step_);
+  if (elastic_->hasLeft()) return leaveJob(m);
   if (fsdp_ || zero_) {
     // The lost rank's shards exist nowhere else: every member goes back to the newest checkpoint.
     regroup();
@@ -509,7 +563,15 @@ void Loop::recover(std::exception_ptr cause) {
   regroup();
   if (!m.joined.empty()) transferState();  // an admission whose transfer failed: again
   say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_, " without ",
-          join(m.lost, ", ")));
+          join(m.lost, ", "), leftNote(m)));
+}
+
+std::string Loop::leftNote(const elastic::Membership& m) const {
+  if (m.left.empty()) return "";
+  std::vector<std::string> ids;
+  for (int member : m.left) ids.push_back(std::to_string(member));
+  return str("; member(s) ", join(ids, ", "), " left with their tensor-parallel group (", m.size() / options_.tensorParallel,
+             " replica(s) of ", options_.tensorParallel, " go on)");
 }
 
 void Loop::admitJoiners() {
@@ -517,6 +579,7 @@ void Loop::admitJoiners() {
   std::vector<StateTensor> held;  // the shards in the old layout, which the rebind replaces
   if (fsdp_ || zero_) held = trainingState().collect();
   const elastic::Membership& m = elastic_->admit(step_);
+  if (elastic_->hasLeft()) return leaveJob(m);  // a member of its replica died meanwhile
   someoneJoined_ = someoneJoined_ || !m.joined.empty();
   regroup();
   if (fsdp_ || zero_) {
@@ -528,17 +591,20 @@ void Loop::admitJoiners() {
   for (int member : m.joined) joined.push_back(str("member ", member));
   say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_,
           m.joined.empty() ? std::string(" (the joiners that waited died first)") : str(" with ", join(joined, ", ")),
-          m.lost.empty() ? std::string() : str(" without ", join(m.lost, ", "))));
+          m.lost.empty() ? std::string() : str(" without ", join(m.lost, ", ")), leftNote(m)));
 }
 
 void Loop::transferState() {
-  TrainingState state = trainingState();
+  // Under TP along each dp group (its rank 0 an old member at the joiner's tp coordinate,
+  // holding the same shards), else over the whole group.
+  TrainingState state = trainingState(/*replicaLocal=*/true);
+  ProcessGroup& over = mesh_ ? *dataGroup() : *group_;
   const Device device = model_->parameters().empty() ? Device::cpu() : model_->parameters().front().device();
   // --measure-transfer times the transfer alone: a joiner would otherwise count its wait for
   // the members to reach the step boundary.
   if (options_.measureTransfer) group_->barrier()->wait();
   const auto start = Clock::now();
-  broadcastState(state, *group_, 0, elastic_->joinedNow(), {.device = device});
+  broadcastState(state, over, 0, elastic_->joinedNow(), {.device = device});
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   int64_t bytes = 0;
   for (const auto& t : state.collect()) bytes += t.local.numel() * static_cast<int64_t>(itemSize(t.local.dtype()));
@@ -661,8 +727,9 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
   } catch (const Error&) {
     if (!elastic_) throw;
     recover(std::current_exception());
-    return true;
+    return left_.empty();
   }
+  if (!left_.empty()) return false;  // an admission dropped this rank's replica
   runSeconds_ = std::chrono::duration<double>(Clock::now() - loopStart_).count();
   if (step_ > startStep_ + 1) {  // the reduced loss is the previous step's
     window.lossSum += ctl[1] / group_->size();
@@ -948,9 +1015,20 @@ LoopResult Loop::run(StepFunction fn) {
   // write it at the end of the step whose boundary admitted it, after the admission.
   if (joining_) periodicCheckpoint();
   bool goOn = true;
-  while (step_ < options_.steps && goOn) {
+  while (step_ < options_.steps && goOn && left_.empty()) {
     goOn = trainStep(fn, window);
     if (goOn) periodicCheckpoint();
+  }
+  if (!left_.empty()) {
+    // Its replica is gone and so is its group: nothing collective is left to do here.
+    result.left = true;
+    result.stopReason = left_;
+    result.steps = step_;
+    result.firstStep = startStep_;
+    result.seconds = runSeconds_;
+    result.elapsed = priorSeconds_ + runSeconds_;
+    result.loss = recentLoss_;
+    return result;
   }
   profile();  // a window that reached the end
   result.seconds = runSeconds_;

@@ -60,7 +60,16 @@
 //    global name and shape, so a run resumes at another t or without TP. With Sharding::Zero1,
 //    Zero2 or Full the wrapper shards over mesh()["dp"] with TP inside (clipping through the
 //    wrapper's leaves and reducer), but without checkpoints: refused in one line at
-//    construction with a checkpointDir, and under --elastic (not built yet).
+//    construction with a checkpointDir, and under --elastic (a loss would reload the lost
+//    shards from a checkpoint).
+//  * Elastic tensor parallelism (Sharding::None): a replica is one TP group of t adjacent
+//    ranks (ElasticOptions::replicaSize = t). A loss takes its whole replica out: the live
+//    ranks of its TP group leave (run() prints one line on stderr and returns on them with
+//    LoopResult::left, no group left: end the process, exit 0), the whole replicas keep their
+//    tp coordinates and shards, rebuild the mesh {dp: n / t, tp: t}, move the TP layers onto
+//    the new tp group (rebindTensorParallel), rebind DDP on mesh()["dp"], re-split the data
+//    (the same global batch and examples) and redo the step. Joiners come t at a time, as a
+//    replica, and receive their shards from rank 0 of their dp group (docs/parallel.md).
 //  * Timeouts are the group's (ProcessGroupOptions) and the elastic membership's.
 //  * The loop keeps references to the model, optimizer and dataset: they must outlive it.
 #pragma once
@@ -266,6 +275,10 @@ struct LoopResult {
   int64_t steps = 0;         // applied when run() returned (the job's total unless stopped)
   int64_t firstStep = 0;     // where this run started (a resumed run: the checkpoint's step)
   bool stopped = false;      // by a signal (a checkpoint was written when there is a folder)
+  // Elastic tensor parallelism: this rank's replica lost a member and the others went on
+  // without it; this process has no group any more (no collective; end it, exit 0).
+  // stopReason says why (the line run() printed on stderr).
+  bool left = false;
   std::string stopReason;    // "SIGTERM", "a stop request on another rank"
   double loss = 0;           // the last window's mean loss
   double seconds = 0;        // of training in this run
@@ -344,7 +357,16 @@ class Loop {
 
  private:
   struct Window;
-  TrainingState trainingState();
+  // replicaLocal: under TP this rank's shards as plain local tensors, over its dp group (what
+  // a joiner at the same tp coordinate receives); else the checkpoint's state over the group.
+  TrainingState trainingState(bool replicaLocal = false);
+  void addExtraState(TrainingState& state);
+  // The {dp: world / t, tp: t} mesh over group_ (a collective).
+  void makeMesh();
+  // The membership dropped this rank with its replica: say why and end run() on this rank.
+  void leaveJob(const elastic::Membership& m);
+  // "; member(s) 3 left with their tensor-parallel group (...)" when m dropped live members.
+  std::string leftNote(const elastic::Membership& m) const;
   void say(const std::string& line) const;
   void connect();
   void splitData();
@@ -391,6 +413,7 @@ class Loop {
   std::shared_ptr<ProcessGroup> dataGroup() const { return mesh_ ? (*mesh_)["dp"] : group_; }
   bool joining_ = false;
   std::string finished_;  // a replacement that found the job finished: why (run() does nothing)
+  std::string left_;      // elastic TP: this rank left with its broken replica (why)
   int64_t restartCount_ = 0;
 
   std::shared_ptr<nn::Module> model_;
