@@ -560,8 +560,13 @@ void Loop::recover(std::exception_ptr cause) {
     ++step_;
     if (options_.hooks.afterStep) options_.hooks.afterStep({step_, m.epoch, m.rank, m.size()});
   }
-  regroup();
-  if (!m.joined.empty()) transferState();  // an admission whose transfer failed: again
+  try {
+    regroup();  // under TP a collective: the new mesh's groups
+    if (!m.joined.empty()) transferState();  // an admission whose transfer failed: again
+  } catch (const Error&) {
+    // A member of the new epoch died meanwhile: one more round (each drops at least one member).
+    return recover(std::current_exception());
+  }
   say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_, " without ",
           join(m.lost, ", "), leftNote(m)));
 }
@@ -736,7 +741,19 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     ++window.losses;
   }
   if (ctl[0] > 0) return false;
-  log(window);
+  // An evaluation's collectives come after the step was applied everywhere: a loss there is
+  // recovered from like one in the step, and the evaluation done again on the new group.
+  for (const int64_t at = step_;;) {
+    try {
+      log(window);
+      break;
+    } catch (const Error&) {
+      if (!elastic_) throw;
+      recover(std::current_exception());
+      if (!left_.empty()) return false;
+      if (step_ != at) break;  // sharded: back at the newest checkpoint's step
+    }
+  }
   return true;
 }
 
@@ -1019,17 +1036,8 @@ LoopResult Loop::run(StepFunction fn) {
     goOn = trainStep(fn, window);
     if (goOn) periodicCheckpoint();
   }
-  if (!left_.empty()) {
-    // Its replica is gone and so is its group: nothing collective is left to do here.
-    result.left = true;
-    result.stopReason = left_;
-    result.steps = step_;
-    result.firstStep = startStep_;
-    result.seconds = runSeconds_;
-    result.elapsed = priorSeconds_ + runSeconds_;
-    result.loss = recentLoss_;
-    return result;
-  }
+  // Its replica is gone and so is its group: nothing collective is left to do here.
+  if (!left_.empty()) return leftResult();
   profile();  // a window that reached the end
   result.seconds = runSeconds_;
   result.elapsed = priorSeconds_ + runSeconds_;
@@ -1045,15 +1053,37 @@ LoopResult Loop::run(StepFunction fn) {
     group_->barrier()->wait();
     say(str(options_.program, ": stopped by ", result.stopReason, " after step ", step_, " of ", options_.steps,
             checkpoints_ ? str("; checkpoint written, run again to resume from step ", step_) : std::string("; no checkpoint")));
-  } else if (checkpoints_ && step_ > startStep_) {
-    saveCheckpoint("final");
   }
-  const std::vector<Tensor> params = wholeParameters();
-  result.parameterSpread = parameterSpread(*dataGroup(), params);
-  result.fingerprint = fingerprint(params);
-  if (!result.stopped && evaluate_ && evaluation_.empty()) evaluation_ = evaluate_();
-  result.evaluation = evaluation_;
-  group_->barrier()->wait();
+  while (true) {
+    try {
+      if (!result.stopped && checkpoints_ && step_ > startStep_) saveCheckpoint("final");
+      const std::vector<Tensor> params = wholeParameters();
+      result.parameterSpread = parameterSpread(*dataGroup(), params);
+      result.fingerprint = fingerprint(params);
+      if (!result.stopped && evaluate_ && evaluation_.empty()) evaluation_ = evaluate_();
+      result.evaluation = evaluation_;
+      group_->barrier()->wait();
+      return result;
+    } catch (const Error&) {
+      // A member lost after the last step (its commit vote passed everywhere): the others
+      // recover as in a step and do the end again on the new group. A sharded model would go
+      // back to its newest checkpoint, before the end: not here.
+      if (!elastic_ || fsdp_ || zero_ || result.stopped) throw;
+      recover(std::current_exception());
+      if (!left_.empty()) return leftResult();
+    }
+  }
+}
+
+LoopResult Loop::leftResult() const {
+  LoopResult result;
+  result.left = true;
+  result.stopReason = left_;
+  result.steps = step_;
+  result.firstStep = startStep_;
+  result.seconds = runSeconds_;
+  result.elapsed = priorSeconds_ + runSeconds_;
+  result.loss = recentLoss_;
   return result;
 }
 

@@ -367,6 +367,7 @@ class Loop {
   void leaveJob(const elastic::Membership& m);
   // "; member(s) 3 left with their tensor-parallel group (...)" when m dropped live members.
   std::string leftNote(const elastic::Membership& m) const;
+  LoopResult leftResult() const;  // what run() returns on a rank that left
   void say(const std::string& line) const;
   void connect();
   void splitData();
