@@ -1,0 +1,536 @@
+#include "parallel/pipeline.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "common/errors.h"
+#include "common/logging.h"
+#include "common/strings.h"
+#include "tensor/ops.h"
+
+namespace dt::pipeline {
+namespace {
+
+// Registers the blocks under their indices in the unsplit model's "h", so that a chunk's
+// parameters carry the unsplit names ("h.5.ln_1.weight").
+class BlockRange : public nn::Module {
+ public:
+  BlockRange(const nn::Sequential& h, int begin, int end) {
+    const auto& all = h.namedChildren();
+    for (int i = begin; i < end; ++i) blocks_.push_back(registerModule(all[static_cast<size_t>(i)].first, all[static_cast<size_t>(i)].second));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor y = x;
+    for (const auto& block : blocks_) y = (*block)(y);
+    return y;
+  }
+  std::string typeName() const override { return "BlockRange"; }
+
+ private:
+  std::vector<std::shared_ptr<nn::Module>> blocks_;
+};
+
+// The last stage's copy of the tied weight, named as the unsplit model's ("wte.weight").
+class TiedHead : public nn::Module {
+ public:
+  explicit TiedHead(const Tensor& weight) { this->weight = registerParameter("weight", weight.detach().clone()); }
+  std::string typeName() const override { return "TiedHead"; }
+  Tensor weight;
+};
+
+class GptChunk : public nn::Module {
+ public:
+  GptChunk(nn::Gpt& model, int stage, int numStages, int begin, int end, const std::shared_ptr<nn::Module>& sharedWte)
+      : first_(stage == 0), last_(stage == numStages - 1) {
+    if (first_) {
+      wte_ = registerModule("wte", model.child("wte"));
+      wpe_ = registerModule("wpe", model.child("wpe"));
+    } else if (last_) {
+      // Elsewhere than stage 0 the head needs the weight as a module of its own: a shared one when
+      // stage 0 is on this rank (V placement), a copy otherwise.
+      wte_ = registerModule("wte", sharedWte ? sharedWte : std::make_shared<TiedHead>(tiedOf(*model.child("wte"))));
+    }
+    blocks_ = registerModule("h", std::make_shared<BlockRange>(*model.h, begin, end));
+    if (last_) ln_f_ = registerModule("ln_f", model.child("ln_f"));
+    if (first_) drop_ = registerModule("drop", model.child("drop"));
+  }
+
+  static Tensor tiedOf(const nn::Module& wte) {
+    for (const auto& [name, tensor] : wte.namedParameters(false)) {
+      if (name == "weight") return tensor;
+    }
+    throw InvalidArgument(str("pipeline: splitGpt: the model's wte (", wte.typeName(), ") has no parameter \"weight\""));
+  }
+
+  Tensor forward(const Tensor& input) override {
+    Tensor x = input;
+    if (first_) {
+      const Tensor positions = arange(input.size(1), TensorOptions().dtype(DType::Int64).device(input.device()));
+      x = add((*wte_)(input), (*wpe_)(positions));
+      x = (*drop_)(x);
+    }
+    x = (*blocks_)(x);
+    if (last_) x = linear((*ln_f_)(x), tiedOf(*wte_));
+    return x;
+  }
+  std::string typeName() const override { return "GptChunk"; }
+  const std::shared_ptr<nn::Module>& wte() const { return wte_; }
+
+ private:
+  bool first_, last_;
+  std::shared_ptr<nn::Module> wte_, wpe_, drop_, ln_f_, blocks_;
+};
+
+int64_t countOf(const nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& [name, t] : module.namedParameters()) n += t.numel();
+  return n;
+}
+
+// Per-block parameter count of a GPT block from its config (every block is the same).
+int64_t blockParameters(const nn::GptConfig& c) {
+  const int64_t w = c.width;
+  return 2 * 2 * w + (w * 3 * w + 3 * w) + (w * w + w) + (w * 4 * w + 4 * w) + (4 * w * w + w);
+}
+
+// Tags: one range per message kind, each kind's range indexed by (edge, micro-batch).
+enum Message : std::uint32_t { kDataF, kDataB, kMetaF, kMetaB, kAckF, kAckB, kTied };
+constexpr int kMetaDims = 8;  // dtype, rank, up to 6 sizes
+
+std::string shapeText(DType dtype, const Shape& shape) { return str(toString(dtype), describeShape(shape)); }
+
+Tensor metaOf(DType dtype, const Shape& shape) {
+  std::vector<int64_t> v(kMetaDims + 1, -1);
+  v[0] = static_cast<int64_t>(dtype);
+  v[1] = static_cast<int64_t>(shape.size());
+  for (size_t i = 0; i < shape.size() && i + 2 < v.size(); ++i) v[i + 2] = shape[i];
+  return fromVector(v);
+}
+
+std::pair<DType, Shape> readMeta(const Tensor& meta) {
+  const int64_t* v = meta.data<int64_t>();
+  Shape shape;
+  for (int64_t i = 0; i < v[1] && i + 2 < kMetaDims + 1; ++i) shape.push_back(v[i + 2]);
+  return {static_cast<DType>(v[0]), shape};
+}
+
+}  // namespace
+
+std::vector<int> splitLayers(const nn::GptConfig& config, int numStages, SplitRule rule) {
+  const int layers = static_cast<int>(config.layers);
+  if (numStages < 1 || layers < numStages) {
+    throw InvalidArgument(str("pipeline: splitLayers: ", layers, " blocks cannot fill ", numStages,
+                              " stages (every stage needs at least one block); hint: fewer stages (p*v) or more layers"));
+  }
+  std::vector<int> begin(static_cast<size_t>(numStages) + 1, 0);
+  if (rule == SplitRule::Layers) {
+    const int base = layers / numStages, extra = layers % numStages;
+    for (int s = 0; s < numStages; ++s) begin[static_cast<size_t>(s) + 1] = begin[static_cast<size_t>(s)] + base + (s < extra ? 1 : 0);
+    return begin;
+  }
+  // Parameters: minimise the largest stage's count over contiguous cuts (dynamic programming over
+  // (stages, blocks); layers are few). Stage 0 carries the embeddings, the last stage ln_f and the
+  // head's weight (its compute is the model's largest matmul, tied or not).
+  const int64_t block = blockParameters(config);
+  const int64_t embed = config.vocabSize * config.width + config.contextLength * config.width;
+  const int64_t head = 2 * config.width + config.vocabSize * config.width;
+  auto cost = [&](int s, int a, int b) {
+    int64_t c = static_cast<int64_t>(b - a) * block;
+    if (s == 0) c += embed;
+    if (s == numStages - 1) c += head;
+    return c;
+  };
+  const int64_t inf = std::numeric_limits<int64_t>::max();
+  // best[s][i]: the smallest max over stages 0..s-1 covering blocks 0..i-1.
+  std::vector<std::vector<int64_t>> best(static_cast<size_t>(numStages) + 1, std::vector<int64_t>(static_cast<size_t>(layers) + 1, inf));
+  std::vector<std::vector<int>> cut(best.size(), std::vector<int>(static_cast<size_t>(layers) + 1, 0));
+  best[0][0] = 0;
+  for (int s = 1; s <= numStages; ++s) {
+    for (int i = s; i <= layers; ++i) {
+      for (int j = s - 1; j < i; ++j) {
+        if (best[static_cast<size_t>(s) - 1][static_cast<size_t>(j)] == inf) continue;
+        const int64_t m = std::max(best[static_cast<size_t>(s) - 1][static_cast<size_t>(j)], cost(s - 1, j, i));
+        if (m < best[static_cast<size_t>(s)][static_cast<size_t>(i)]) {
+          best[static_cast<size_t>(s)][static_cast<size_t>(i)] = m;
+          cut[static_cast<size_t>(s)][static_cast<size_t>(i)] = j;
+        }
+      }
+    }
+  }
+  begin[static_cast<size_t>(numStages)] = layers;
+  for (int s = numStages, i = layers; s > 0; --s) {
+    i = cut[static_cast<size_t>(s)][static_cast<size_t>(i)];
+    begin[static_cast<size_t>(s) - 1] = i;
+  }
+  return begin;
+}
+
+RunnerStages GptStages::runnerStages() const {
+  RunnerStages r;
+  r.chunks = chunks;
+  r.loss = [](const Tensor& logits, const Tensor& targets) { return nn::Gpt::loss(logits, targets); };
+  r.tiedCopy = tiedCopy;
+  r.tiedPeer = tiedPeer;
+  r.tiedIsLast = tiedIsLast;
+  return r;
+}
+
+std::vector<Tensor> GptStages::parameters() const {
+  std::vector<Tensor> out;
+  std::set<const void*> seen;
+  for (const auto& chunk : chunks) {
+    for (const auto& [name, t] : chunk->namedParameters()) {
+      if (seen.insert(t.dataPtr()).second) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+NamedTensors GptStages::namedParameters() const {
+  NamedTensors out;
+  for (const auto& chunk : chunks) {
+    for (auto& named : chunk->namedParameters()) out.push_back(named);
+  }
+  return out;
+}
+
+std::string GptStages::summary() const {
+  std::string out;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const int s = stages[c];
+    const int b = stageBegin[static_cast<size_t>(s)], e = stageBegin[static_cast<size_t>(s) + 1];
+    const int last = static_cast<int>(stageBegin.size()) - 2;
+    out += str(out.empty() ? "" : "\n", "pipeline stage ", s, " (chunk ", c, "): blocks ", b, "-", e - 1,
+               s == 0 ? " + embeddings" : "", s == last ? " + ln_f and the tied head" : "", ", ",
+               countOf(*chunks[c]), " parameters");
+  }
+  return out;
+}
+
+GptStages splitGpt(nn::Gpt& model, const Schedule& schedule, int rank, const SplitOptions& options) {
+  if (model.layout()) {
+    throw NotSupportedError(str("pipeline: splitGpt: the model has a layout (", model.layout()->describe(),
+                                "); pipeline stages of a tensor-parallel GPT are not built yet"));
+  }
+  if (rank < 0 || rank >= schedule.p) {
+    throw InvalidArgument(str("pipeline: splitGpt: rank ", rank, " is not in [0, ", schedule.p, ")"));
+  }
+  const int stages = schedule.numStages();
+  GptStages out;
+  out.stageBegin = splitLayers(model.config(), stages, options.rule);
+  const int firstRank = schedule.rankOfStage(0), lastRank = schedule.rankOfStage(stages - 1);
+  std::shared_ptr<nn::Module> sharedWte;
+  // Chunks in local order; on V rank 0 the first stage (chunk 0) comes before the last (chunk 1),
+  // so the last stage can share the first's module.
+  for (int c = 0; c < schedule.v; ++c) {
+    const int s = schedule.stageOf(rank, c);
+    auto chunk = std::make_shared<GptChunk>(model, s, stages, out.stageBegin[static_cast<size_t>(s)],
+                                            out.stageBegin[static_cast<size_t>(s) + 1],
+                                            firstRank == lastRank ? sharedWte : nullptr);
+    if (s == 0) sharedWte = chunk->wte();
+    if (s == stages - 1 && firstRank != lastRank) out.tiedCopy = GptChunk::tiedOf(*chunk->wte());
+    if (s == 0 && firstRank != lastRank) out.tiedCopy = GptChunk::tiedOf(*chunk->wte());
+    out.chunks.push_back(chunk);
+    out.stages.push_back(s);
+  }
+  if (firstRank != lastRank && (rank == firstRank || rank == lastRank)) {
+    out.tiedPeer = rank == firstRank ? lastRank : firstRank;
+    out.tiedIsLast = rank == lastRank;
+  }
+  logger("parallel")->info("{}", out.summary());
+  return out;
+}
+
+// ---- the runner ------------------------------------------------------------------------------
+
+PipelineRunner::PipelineRunner(Schedule schedule, RunnerStages stages, ProcessGroupPtr pp, PipelineOptions options)
+    : schedule_(std::move(schedule)), stages_(std::move(stages)), pp_(std::move(pp)), options_(std::move(options)) {
+  if (!pp_ || !pp_->isMember()) throw InvalidArgument("pipeline: PipelineRunner needs a pp group this rank is a member of");
+  rank_ = pp_->rank();
+  validate(schedule_);
+  if (schedule_.p != pp_->size()) {
+    throw InvalidArgument(str("pipeline: schedule ", schedule_.name, " is for p=", schedule_.p, " ranks but pg=",
+                              pp_->name(), " has ", pp_->size(), "; hint: generate it with p = mesh[\"pp\"]->size()"));
+  }
+  if (static_cast<int>(stages_.chunks.size()) != schedule_.v) {
+    throw InvalidArgument(str("pipeline: rank ", rank_, " holds ", stages_.chunks.size(), " chunks but schedule ",
+                              schedule_.name, " has v=", schedule_.v, " per rank"));
+  }
+  if (options_.activationShape.empty()) throw InvalidArgument("pipeline: PipelineOptions::activationShape is required");
+  if (options_.activationShape.size() > kMetaDims - 2) {
+    throw InvalidArgument(str("pipeline: activations of ", options_.activationShape.size(), " dimensions (at most ",
+                              kMetaDims - 2, ")"));
+  }
+  const uint64_t tags = 7ull * static_cast<uint64_t>(schedule_.numStages()) * static_cast<uint64_t>(schedule_.m) + 1;
+  if (tags > std::numeric_limits<std::uint32_t>::max() - options_.tagBase) {
+    throw InvalidArgument(str("pipeline: ", tags, " tags from ", options_.tagBase, " do not fit 32 bits"));
+  }
+}
+
+void PipelineRunner::setActivation(Shape shape, DType dtype) {
+  options_.activationShape = std::move(shape);
+  options_.activationDType = dtype;
+  checkShapes_ = true;
+}
+
+std::string PipelineRunner::where(int stage) const {
+  return str("pipeline rank ", rank_, "/", schedule_.p, " (pg=", pp_->name(), ") stage ", stage);
+}
+
+struct PipelineRunner::Slot {
+  Tensor input;        // the chunk's input (a leaf that requires grad past stage 0)
+  Tensor output;       // its output (the last stage: the loss)
+  Tensor outputGrad;   // the gradient of the output, received or handed over
+  Tensor inputGrad;    // after backward: what goes to the previous stage
+  bool backwardDone = false;
+};
+
+double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
+  std::vector<double> losses;
+  int current = -1;
+  try {
+    run(inputs, targets, losses, current);
+  } catch (...) {
+    const std::string at = current >= 0
+        ? str(" action #", current, " ", toString(schedule_.ranks[static_cast<size_t>(rank_)][static_cast<size_t>(current)], schedule_.v > 1))
+        : std::string(" (after its actions)");
+    const int stage = current >= 0
+        ? schedule_.stageOf(rank_, schedule_.ranks[static_cast<size_t>(rank_)][static_cast<size_t>(current)].chunk)
+        : schedule_.stageOf(rank_, 0);
+    std::exception_ptr error = withPrefix(
+        std::current_exception(), str(where(stage), " step ", steps_, ",", at, " failed: "),
+        current >= 0 ? "\n" + actionGrid(schedule_, {{rank_, current}}) : std::string());
+    // The others are (or will be) waiting on this rank: break the group so they fail now.
+    pp_->abort(error);
+    ++steps_;
+    std::rethrow_exception(error);
+  }
+  ++steps_;
+  return losses.empty() ? 0.0 : losses.front();
+}
+
+void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets,
+                         std::vector<double>& losses, int& current) {
+  const Schedule& s = schedule_;
+  const int stages = s.numStages(), m = s.m;
+  const bool holdsFirst = s.rankOfStage(0) == rank_, holdsLast = s.rankOfStage(stages - 1) == rank_;
+  if (holdsFirst && static_cast<int>(inputs.size()) != m) {
+    throw InvalidArgument(str(where(0), ": ", inputs.size(), " input micro-batches for a schedule of m=", m));
+  }
+  if (holdsLast && static_cast<int>(targets.size()) != m) {
+    throw InvalidArgument(str(where(stages - 1), ": ", targets.size(), " target micro-batches for a schedule of m=", m));
+  }
+  const Shape& expectShape = options_.activationShape;
+  const DType expectDType = options_.activationDType;
+  const bool check = checkShapes_;
+  auto tag = [&](Message kind, int edge, int mb) {
+    return options_.tagBase + 1 + static_cast<std::uint32_t>((static_cast<int>(kind) * stages + edge) * m + mb);
+  };
+  SendOptions sendOptions;
+  sendOptions.timeout = options_.timeout;
+  RecvOptions recvOptions;
+  recvOptions.timeout = options_.timeout;
+  auto waitFor = [&](const WorkPtr& work) { work->wait(); };
+
+  std::map<std::pair<int, int>, Slot> slots;  // (micro-batch, stage)
+  struct Pending {
+    WorkPtr work;
+    Tensor keep;
+  };
+  std::vector<Pending> sends;
+  Tensor lossSum = scalarTensor(0.0, DType::Float64);
+  double lossTotal = 0;
+
+  // The first step's check: the sender says what it sends, the receiver answers with its verdict
+  // (0 ok, else its expected dtype and shape); a mismatch throws on both ends with one message.
+  auto mismatch = [&](bool forward, int toStage, int mb, DType gotType, const Shape& got) {
+    return InvalidArgument(str("pipeline: stage ", toStage, " expected the ", forward ? "activation" : "gradient",
+                               " of micro-batch ", mb, forward ? " from stage " : " from stage ",
+                               forward ? toStage - 1 : toStage + 1, " as ", shapeText(expectDType, expectShape),
+                               " but received ", shapeText(gotType, got),
+                               "; hint: every stage boundary carries PipelineOptions::activationShape (micro-batch, T, width)"));
+  };
+  auto sendChecked = [&](const Tensor& data, int peer, bool forward, int edge, int mb, int toStage) {
+    const Tensor contiguous = data.contiguous();
+    if (check) {
+      const Tensor meta = metaOf(contiguous.dtype(), contiguous.sizes());
+      waitFor(pp_->send({meta}, peer, {tag(forward ? kMetaF : kMetaB, edge, mb), options_.timeout, 0}));
+      Tensor ack = zeros({kMetaDims + 1}, DType::Int64);
+      waitFor(pp_->recv({ack}, peer, {tag(forward ? kAckF : kAckB, edge, mb), options_.timeout, 0}));
+      if (ack.data<int64_t>()[0] != 0) {
+        // The receiver's expected shape is the one this rank is configured with too, unless the
+        // two were configured differently: report the receiver's.
+        std::vector<int64_t> v(ack.data<int64_t>(), ack.data<int64_t>() + kMetaDims + 1);
+        v[0] = v[kMetaDims];
+        const auto [theirType, theirShape] = readMeta(fromVector(v));
+        throw InvalidArgument(str("pipeline: stage ", toStage, " expected the ", forward ? "activation" : "gradient",
+                                  " of micro-batch ", mb, " from stage ", forward ? toStage - 1 : toStage + 1, " as ",
+                                  shapeText(theirType, theirShape), " but received ",
+                                  shapeText(contiguous.dtype(), contiguous.sizes()),
+                                  "; hint: every stage boundary carries PipelineOptions::activationShape (micro-batch, T, width)"));
+      }
+    }
+    sends.push_back({pp_->send({contiguous}, peer, {tag(forward ? kDataF : kDataB, edge, mb), options_.timeout, 0}), contiguous});
+  };
+  auto recvChecked = [&](int peer, bool forward, int edge, int mb, int toStage) {
+    if (check) {
+      Tensor meta = zeros({kMetaDims + 1}, DType::Int64);
+      waitFor(pp_->recv({meta}, peer, {tag(forward ? kMetaF : kMetaB, edge, mb), options_.timeout, 0}));
+      const auto [gotType, got] = readMeta(meta);
+      const bool ok = gotType == expectDType && got == expectShape;
+      // The verdict: 0, or 1 with our expectation (dtype moved to the last slot, as readMeta's
+      // layout shifted by one).
+      std::vector<int64_t> verdict(kMetaDims + 1, 0);
+      if (!ok) {
+        const Tensor mine = metaOf(expectDType, expectShape);
+        const int64_t* e = mine.data<int64_t>();
+        verdict[0] = 1;
+        for (int i = 1; i < kMetaDims; ++i) verdict[static_cast<size_t>(i)] = e[i];
+        verdict[kMetaDims] = e[0];
+      }
+      waitFor(pp_->send({fromVector(verdict)}, peer, {tag(forward ? kAckF : kAckB, edge, mb), options_.timeout, 0}));
+      if (!ok) throw mismatch(forward, toStage, mb, gotType, got);
+    }
+    Tensor buffer = zeros(expectShape, expectDType);
+    waitFor(pp_->recv({buffer}, peer, {tag(forward ? kDataF : kDataB, edge, mb), options_.timeout, 0}));
+    return buffer;
+  };
+
+  const std::vector<Action>& actions = s.ranks[static_cast<size_t>(rank_)];
+  for (current = 0; current < static_cast<int>(actions.size()); ++current) {
+    const Action& a = actions[static_cast<size_t>(current)];
+    const int stage = s.stageOf(rank_, a.chunk);
+    Slot& slot = slots[{a.microBatch, stage}];
+    const auto& chunk = stages_.chunks[static_cast<size_t>(a.chunk)];
+    switch (a.kind) {
+      case ActionKind::F: {
+        if (stage == 0) {
+          slot.input = inputs[static_cast<size_t>(a.microBatch)];
+        } else if (s.rankOfStage(stage - 1) == rank_) {
+          // Handed over on this rank (V's middle): cut the graph so each stage's B runs its own part.
+          Slot& previous = slots[{a.microBatch, stage - 1}];
+          slot.input = previous.output.detach();
+          slot.input.setRequiresGrad(true);
+        } else if (!slot.input.defined()) {
+          throw InvalidArgument(str("F", a.microBatch, " of stage ", stage, " before its input arrived"));
+        }
+        Tensor out = (*chunk)(slot.input);
+        if (stage == stages - 1) {
+          out = stages_.loss(out, targets[static_cast<size_t>(a.microBatch)]);
+          NoGradGuard ng;
+          lossTotal += out.detach().to(DType::Float64).item<double>();
+        }
+        slot.output = out;
+        break;
+      }
+      case ActionKind::RecvF: {
+        Tensor received = recvChecked(peerRank(s, rank_, a), true, stage - 1, a.microBatch, stage);
+        received.setRequiresGrad(true);
+        slot.input = received;
+        break;
+      }
+      case ActionKind::SendF:
+        sendChecked(slot.output.detach(), peerRank(s, rank_, a), true, stage, a.microBatch, stage + 1);
+        break;
+      case ActionKind::RecvB:
+        slot.outputGrad = recvChecked(peerRank(s, rank_, a), false, stage, a.microBatch, stage);
+        break;
+      case ActionKind::B:
+      case ActionKind::I: {
+        if (stage == stages - 1) {
+          (slot.output * (1.0 / m)).backward();
+        } else {
+          if (s.rankOfStage(stage + 1) == rank_) slot.outputGrad = slots[{a.microBatch, stage + 1}].inputGrad;
+          if (!slot.outputGrad.defined()) {
+            throw InvalidArgument(str("B", a.microBatch, " of stage ", stage, " before its output's gradient arrived"));
+          }
+          slot.output.backward(slot.outputGrad);
+        }
+        if (stage > 0) slot.inputGrad = slot.input.grad();
+        // The graph and activations go now; the input gradient stays until it is sent or handed over.
+        slot.output = Tensor();
+        slot.outputGrad = Tensor();
+        slot.input = Tensor();
+        slot.backwardDone = true;
+        break;
+      }
+      case ActionKind::W:
+        break;  // the backward split is not built: I ran the whole backward
+      case ActionKind::SendB:
+        sendChecked(slot.inputGrad, peerRank(s, rank_, a), false, stage - 1, a.microBatch, stage - 1);
+        slot.inputGrad = Tensor();
+        break;
+    }
+  }
+  current = -1;
+  for (Pending& p : sends) waitFor(p.work);
+  sends.clear();
+  checkShapes_ = false;
+  syncTied();
+  // The mean loss, from the last stage to every rank.
+  lossSum.data<double>()[0] = holdsLast ? lossTotal / m : 0.0;
+  BroadcastOptions b;
+  b.root = s.rankOfStage(stages - 1);
+  b.timeout = options_.timeout;
+  waitFor(pp_->broadcast(lossSum, b));
+  losses.push_back(lossSum.data<double>()[0]);
+}
+
+void PipelineRunner::syncTied() {
+  if (!stages_.tiedCopy.defined() || stages_.tiedPeer < 0) return;
+  Tensor grad = stages_.tiedCopy.grad();
+  if (!grad.defined()) {
+    throw InvalidArgument(str(where(stages_.tiedIsLast ? schedule_.numStages() - 1 : 0),
+                              ": the tied weight has no gradient after the step's backward"));
+  }
+  NoGradGuard ng;
+  const Tensor mine = grad.contiguous().clone();
+  Tensor theirs = zerosLike(mine);
+  const int m = schedule_.m, stages = schedule_.numStages();
+  const std::uint32_t tag = options_.tagBase + 1 + static_cast<std::uint32_t>(kTied * stages * m);
+  P2POp send = P2POp::send({mine}, stages_.tiedPeer, tag);
+  P2POp recv = send;
+  recv.isSend = false;
+  recv.tensors = {theirs};
+  send.timeout = options_.timeout;
+  recv.timeout = options_.timeout;
+  pp_->batchIsendIrecv({send, recv})->wait();
+  // first + last on both ranks: the same sum, bit for bit.
+  grad.copy_(stages_.tiedIsLast ? add(theirs, mine) : add(mine, theirs));
+}
+
+double clipGradNorm(const PipelineRunner& runner, double maxNorm, nn::ClipGradNormOptions options) {
+  const RunnerStages& st = runner.stages();
+  std::vector<Tensor> parameters;
+  std::set<const void*> seen;
+  const bool skipCopy = st.tiedCopy.defined() && st.tiedIsLast;
+  for (const auto& chunk : st.chunks) {
+    for (const auto& [name, t] : chunk->namedParameters()) {
+      if (skipCopy && t.dataPtr() == st.tiedCopy.dataPtr()) continue;
+      if (seen.insert(t.dataPtr()).second) parameters.push_back(t);
+    }
+  }
+  const ProcessGroupPtr& pp = runner.group();
+  options.reducePartial = [&pp](Tensor& partial, bool max) {
+    AllreduceOptions o;
+    o.reduceOp = max ? ReduceOp::Max : ReduceOp::Sum;
+    pp->allreduce(partial, o)->wait();
+  };
+  const double norm = nn::clipGradNorm(parameters, maxNorm, options);
+  // The copy left out of the norm is scaled as clipGradNorm scaled the rest.
+  if (skipCopy && st.tiedCopy.grad().defined()) {
+    const double coefficient = maxNorm / (norm + 1e-6);
+    if (coefficient < 1.0 || std::isnan(coefficient)) {
+      NoGradGuard ng;
+      Tensor g = st.tiedCopy.grad();
+      mul_(g, coefficient);
+    }
+  }
+  return norm;
+}
+
+}  // namespace dt::pipeline
