@@ -353,8 +353,13 @@ const Membership& ElasticGroup::leave(uint64_t epoch, const Decision& d, std::ve
   membership_.brokenReplicas = brokenReplicas(before.members, d);
   joinersDecided_ = std::max(joinersDecided_, d.joiners);
   // Before this process exits: dtrun must not take its exit 0 for the job finishing.
-  membership::postLeft(*store_, memberId_, str("its replica lost a member at step ", d.resume, " (",
-                                              dt::join(membership_.lost, "; "), ")"));
+  try {
+    membership::postLeft(*store_, memberId_, str("its replica lost a member at step ", d.resume, " (",
+                                                dt::join(membership_.lost, "; "), ")"));
+  } catch (const Error& e) {
+    // Without the store dtrun is gone too: leaving is all that is left to do.
+    logger("elastic")->warn("[member {}] cannot record its leaving in the job's store: {}", memberId_, e.what());
+  }
   logger("elastic")->info("[member {}] leaves the job at step {}: its replica lost a member ({})", memberId_, d.resume,
                           dt::join(membership_.lost, "; "));
   return membership_;

@@ -38,9 +38,10 @@ using testing::superviseUntilDone;  // the launcher's part (tests/elastic/superv
 constexpr int64_t kSteps = 30;
 
 // One member's training loop; returns "state=<x> epoch=<e> size=<n> lost=<...>".
-std::string train(RankContext&, int minSize) {
+std::string train(RankContext&, int minSize, int replicaSize = 1) {
   elastic::ElasticOptions options;
   options.minSize = minSize;
+  options.replicaSize = replicaSize;
   options.group.timeout = 60s;
   auto elastic = elastic::ElasticGroup::fromEnvironment(options);
   double state = 0;
@@ -61,6 +62,12 @@ std::string train(RankContext&, int minSize) {
       ++applied;
     } catch (const Error&) {  // MemberLostError, or the transport's own word for the death
       const auto& next = elastic->recover(std::current_exception(), applied);
+      if (elastic->hasLeft()) {
+        std::string replicas;
+        for (const auto& replica : next.brokenReplicas) replicas += str("[", join(replica, ","), "]");
+        return str("left epoch=", next.epoch, " members=", join(next.members, ","), " broken=", replicas,
+                   " group=", elastic->group() ? "yes" : "none");
+      }
       if (next.resumeStep > applied) {  // the others committed the step this rank's commit missed
         state += grad.data<double>()[0];
         ++applied;
@@ -72,12 +79,13 @@ std::string train(RankContext&, int minSize) {
   return str("state=", state, " epoch=", m.epoch, " size=", m.size(), " lost=", lost);
 }
 
-testing::SpawnResult runJob(int world, std::vector<testing::PlanStep> plan, int minSize = 1) {
+testing::SpawnResult runJob(int world, std::vector<testing::PlanStep> plan, int minSize = 1, int replicaSize = 1) {
   testing::SpawnOptions options;
   options.plan = std::move(plan);
   options.killAllOnFailure = false;  // every survivor's own outcome is what the tests check
   options.deadline = 90s;
-  testing::SpawnedRanks ranks(world, [minSize](RankContext& ctx) { return train(ctx, minSize); }, options);
+  testing::SpawnedRanks ranks(world, [minSize, replicaSize](RankContext& ctx) { return train(ctx, minSize, replicaSize); },
+                              options);
   superviseUntilDone(ranks);
   return ranks.wait();
 }
@@ -104,6 +112,35 @@ TEST(ElasticGroup, AKilledMemberIsLeftBehindAndNoStepIsLostWhereverItDies) {
     SCOPED_TRACE(where);
     expectSurvivorsFinished(result, {2}, 1);
     EXPECT_NE(result[0].value.find("rank 2 exited: signal SIGKILL"), std::string::npos) << result[0].value;
+  }
+}
+
+TEST(ElasticGroup, ALossTakesItsWholeReplicaOutInTheSameDecision) {
+  // Replicas of two adjacent ranks (tensor parallelism): [0,1] [2,3] [4,5]. Member 3 dies; its
+  // partner 2 leaves in the same decision (no second round, not counted as lost), and the
+  // others go on as whole replicas in their old order, without losing a step.
+  for (const char* where : {"before-grad", "after-commit"}) {
+    SCOPED_TRACE(where);
+    const auto result = runJob(6, {testing::killAt(3, where, 11)}, 1, 2);
+    for (int r : {0, 1, 4, 5}) {
+      ASSERT_TRUE(result[r].returned()) << result.summary();
+      EXPECT_EQ(result[r].value, str("state=", testing::toyState(kSteps), " epoch=1 size=4 lost=rank 3 exited: signal SIGKILL;"))
+          << "rank " << r;
+    }
+    ASSERT_TRUE(result[2].returned()) << result.summary();
+    EXPECT_EQ(result[2].value, "left epoch=1 members=0,1,4,5 broken=[2,3] group=none");
+  }
+  // Two replicas broken by one death each, the second during the first's agreement: only
+  // [4,5] is left whole.
+  const auto result = runJob(6, {testing::killAt(3, "before-grad", 10), testing::killAt(0, "elastic-agreement", 1)}, 1, 2);
+  for (int r : {4, 5}) {
+    ASSERT_TRUE(result[r].returned()) << result.summary();
+    EXPECT_EQ(result[r].value.rfind(str("state=", testing::toyState(kSteps)), 0), 0u) << result[r].value;
+    EXPECT_NE(result[r].value.find(" size=2 "), std::string::npos) << result[r].value;
+  }
+  for (int r : {1, 2}) {
+    ASSERT_TRUE(result[r].returned()) << result.summary();
+    EXPECT_EQ(result[r].value.rfind("left epoch=", 0), 0u) << "rank " << r << ": " << result[r].value;
   }
 }
 
