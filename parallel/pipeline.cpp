@@ -295,15 +295,39 @@ double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector
   try {
     run(inputs, targets, losses, current);
   } catch (...) {
-    const std::string at = current >= 0
-        ? str(" action #", current, " ", toString(schedule_.ranks[static_cast<size_t>(rank_)][static_cast<size_t>(current)], schedule_.v > 1))
-        : std::string(" (after its actions)");
-    const int stage = current >= 0
-        ? schedule_.stageOf(rank_, schedule_.ranks[static_cast<size_t>(rank_)][static_cast<size_t>(current)].chunk)
-        : schedule_.stageOf(rank_, 0);
-    std::exception_ptr error = withPrefix(
-        std::current_exception(), str(where(stage), " step ", steps_, ",", at, " failed: "),
-        current >= 0 ? "\n" + actionGrid(schedule_, {{rank_, current}}) : std::string());
+    const Action* action =
+        current >= 0 ? &schedule_.ranks[static_cast<size_t>(rank_)][static_cast<size_t>(current)] : nullptr;
+    const std::string at = action ? str(" action #", current, " ", toString(*action, schedule_.v > 1))
+                                  : std::string(" (after its actions)");
+    const int stage = schedule_.stageOf(rank_, action ? action->chunk : 0);
+    // Broken already: a peer failed first and aborted the group (or a transfer of this rank timed
+    // out). Not broken: this rank's own failure started it.
+    const bool origin = !pp_->isBroken();
+    std::string cause;
+    if (options_.store) {
+      const std::string key = str("pipeline/", pp_->name(), "/", options_.tagBase, "/step", steps_, "/cause");
+      std::string what = "unknown exception";
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        what = describe(e);
+      } catch (...) {
+      }
+      try {
+        if (origin) {
+          options_.store->compareSet(key, "", str("rank ", rank_, " stage ", stage, at, ": ", what));
+        } else {
+          const std::string first = options_.store->get(key, options_.causeWait);
+          // Both ends of a shape mismatch throw the same words: no need to say them twice.
+          if (first.find(what) == std::string::npos) cause = str("; the failure that started it: ", first);
+        }
+      } catch (const std::exception&) {
+        // No cause to add (none was left, or the store is gone): the transport's words stand.
+      }
+    }
+    std::exception_ptr error =
+        withPrefix(std::current_exception(), str(where(stage), " step ", steps_, ",", at, " failed: "),
+                   cause + (action ? "\n" + actionGrid(schedule_, {{rank_, current}}) : std::string()));
     // The others are (or will be) waiting on this rank: break the group so they fail now.
     pp_->abort(error);
     ++steps_;
@@ -362,6 +386,7 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
       Tensor ack = zeros({kMetaDims + 1}, DType::Int64);
       waitFor(pp_->recv({ack}, peer, {tag(forward ? kAckF : kAckB, edge, mb), options_.timeout, 0}));
       if (ack.data<int64_t>()[0] != 0) {
+        waitFor(pp_->send({zeros({1}, DType::Int64)}, peer, {tag(forward ? kMetaF : kMetaB, edge, mb), options_.timeout, 0}));
         // The receiver's expected shape is the one this rank is configured with too, unless the
         // two were configured differently: report the receiver's.
         std::vector<int64_t> v(ack.data<int64_t>(), ack.data<int64_t>() + kMetaDims + 1);
@@ -393,7 +418,17 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
         verdict[kMetaDims] = e[0];
       }
       waitFor(pp_->send({fromVector(verdict)}, peer, {tag(forward ? kAckF : kAckB, edge, mb), options_.timeout, 0}));
-      if (!ok) throw mismatch(forward, toStage, mb, gotType, got);
+      if (!ok) {
+        // Abort only once the sender has read the verdict (it answers before it throws and aborts
+        // itself): an abort racing ahead of the verdict would leave the sender without the reason.
+        try {
+          Tensor seen = zeros({1}, DType::Int64);
+          waitFor(pp_->recv({seen}, peer, {tag(forward ? kMetaF : kMetaB, edge, mb), options_.timeout, 0}));
+        } catch (const std::exception&) {
+          // The sender aborted first: it has the verdict either way.
+        }
+        throw mismatch(forward, toStage, mb, gotType, got);
+      }
     }
     Tensor buffer = zeros(expectShape, expectDType);
     waitFor(pp_->recv({buffer}, peer, {tag(forward ? kDataF : kDataB, edge, mb), options_.timeout, 0}));

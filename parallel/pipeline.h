@@ -53,8 +53,10 @@
 // Errors: anything that throws inside step (a chunk's forward, the shape check, a transfer that
 // failed or timed out, bad arguments) aborts the pp group with the error (ProcessGroup::abort):
 // every other rank's transfer in flight fails at once instead of at its timeout. The error
-// rethrown keeps its type and reads "pipeline rank r/p (pg=...) step k: stage s action #i F3 failed:
-// <cause>", followed by the schedule's action grid with that action marked. The group is broken
+// rethrown keeps its type and reads "pipeline rank r/p (pg=...) stage s step k, action #i F3
+// failed: <cause>", followed by the schedule's action grid with that action marked. The others'
+// cause is the transport's "rank r aborted the group's transfers"; with options.store they add
+// "; the failure that started it: rank r stage s action #i F3: <its error>". The group is broken
 // afterwards (its brokenCause()); rebuild it to go on.
 //
 // Contract: not thread-safe; one runner per rank per pp group, step called on every rank of the
@@ -75,6 +77,7 @@
 
 #include "parallel/pipeline_schedule.h"
 #include "process_group/process_group.h"
+#include "store/store.h"
 #include "tensor/nn/clip_grad.h"
 #include "tensor/nn/gpt.h"
 #include "tensor/nn/module.h"
@@ -138,6 +141,11 @@ struct PipelineOptions {
   std::optional<std::chrono::milliseconds> timeout;
   // The first tag the runner uses; it uses tags below tagBase + 7 * stages * m + 1.
   std::uint32_t tagBase = 1u << 20;
+  // Optional: where the rank that fails first leaves its error (one key per step under
+  // "pipeline/<pg>/<tagBase>/"), so that the others' errors, which only learn from the abort that
+  // a peer failed, carry the cause too (they wait up to causeWait for it).
+  StorePtr store;
+  std::chrono::milliseconds causeWait{1000};
 };
 
 class PipelineRunner {
