@@ -141,6 +141,43 @@ TEST(ElasticJoin, AJoinerIsAdmittedAtAStepBoundaryAndTrainsFromThereWithTheSameE
   EXPECT_LT(at, kSteps) << result[2].value;
 }
 
+TEST(ElasticJoin, JoinersOfAReplicaAreAdmittedTogetherInOneDecision) {
+  // Replicas of two (tensor parallelism): a joiner alone is no replica; the members go on
+  // without it (joinersWaiting() stays false) until a second one registers, and admit both in
+  // one decision: every rank ends in epoch 1 (an admission of one alone would make two). The
+  // second comes later, so the first usually waits; the check holds for any interleaving.
+  testing::SpawnOptions options;
+  options.killAllOnFailure = false;
+  options.deadline = 90s;
+  testing::SpawnedRanks ranks(4, [](RankContext& ctx) -> std::string {
+    auto store = ctx.store();
+    elastic::ElasticOptions o = optionsForTest();
+    o.replicaSize = 2;
+    if (ctx.rank < kInitialWorld) {
+      elastic::ElasticGroup elastic(store, ctx.rank, kInitialWorld, o);
+      std::string result = trainLoop(elastic, 0, 0, -1, 30ms);
+      membership::markFinished(*store);
+      return result;
+    }
+    std::this_thread::sleep_for(ctx.rank == 2 ? 100ms : 700ms);
+    const int member = membership::newMemberId(*store, kInitialWorld);
+    auto elastic = elastic::ElasticGroup::join(store, member, o);
+    double state = -1;
+    int64_t applied = -1;
+    transfer(*elastic, state, applied);
+    return trainLoop(*elastic, state, applied, applied, 30ms);
+  }, options);
+  testing::superviseUntilDone(ranks);
+  const auto result = ranks.wait();
+  const std::string expected = str("state=", testing::toyState(kSteps), " epoch=1 size=4");
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(result[r].returned()) << result.summary();
+    EXPECT_EQ(result[r].value.rfind(expected, 0), 0u) << "rank " << r << ": " << result[r].value;
+  }
+  EXPECT_GT(joinedStep(result[2].value), 0) << result[2].value;
+  EXPECT_EQ(joinedStep(result[2].value), joinedStep(result[3].value)) << result[2].value << " / " << result[3].value;
+}
+
 TEST(ElasticJoin, AJoinerThatDiesBeforeItsAdmissionIsNotAdmitted) {
   // It registers and dies; the members still decide on it and go on at two: in one epoch
   // when its death was posted before the decision, in two when the decision admitted it and
