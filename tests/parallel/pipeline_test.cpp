@@ -231,23 +231,26 @@ TEST(Pipeline, EveryScheduleMatchesTheUnsplitModelFloat32) {
 }
 
 TEST(Pipeline, SplitByParameterCount) {
-  // The embeddings (64*32 + 16*32) and the head's weight weigh about 1.3 blocks here: stage 0
-  // and the last stage take fewer blocks than the middle ones.
-  const std::vector<int> byLayers = pp::splitLayers(kConfig, 4, pp::SplitRule::Layers);
-  EXPECT_EQ(byLayers, (std::vector<int>{0, 2, 4, 6, 8}));
-  const std::vector<int> byParameters = pp::splitLayers(kConfig, 4, pp::SplitRule::Parameters);
-  ASSERT_EQ(byParameters.size(), 5u);
-  EXPECT_LT(byParameters[1] - byParameters[0], 3) << "stage 0 holds the embeddings";
-  EXPECT_LE(byParameters[4] - byParameters[3], byParameters[2] - byParameters[1]);
-  EXPECT_EQ(byParameters.back(), 8);
+  EXPECT_EQ(pp::splitLayers(kConfig, 4, pp::SplitRule::Layers), (std::vector<int>{0, 2, 4, 6, 8}));
   EXPECT_EQ(pp::splitLayers(kConfig, 3, pp::SplitRule::Layers), (std::vector<int>{0, 3, 6, 8}));
+  // Here a block is 12,704 parameters, the embeddings 2,560 and ln_f + head 2,112: by count,
+  // 3 stages hold 40,672 / 38,112 / 27,520; by parameters the largest is smaller.
+  EXPECT_EQ(pp::splitLayers(kConfig, 3, pp::SplitRule::Parameters), (std::vector<int>{0, 2, 5, 8}));
+  // GPT-2 small: the 38.6M-parameter embedding is worth 5.5 blocks, so stage 0 and the last
+  // stage (the head's weight) keep one block each, and the even cut of the rest wins the tie.
+  const nn::GptConfig gpt2{.vocabSize = 50257, .contextLength = 1024, .layers = 12, .heads = 12, .width = 768};
+  const std::vector<int> cut = pp::splitLayers(gpt2, 4, pp::SplitRule::Parameters);
+  std::printf("GPT-2 small on 4 stages by parameters: %d %d %d %d\n", cut[1] - cut[0], cut[2] - cut[1], cut[3] - cut[2],
+              cut[4] - cut[3]);
+  EXPECT_EQ(cut, (std::vector<int>{0, 1, 6, 11, 12}));
   try {
     pp::splitLayers(kConfig, 16, pp::SplitRule::Layers);
     FAIL() << "16 stages of 8 blocks";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("8 blocks cannot fill 16 stages"), std::string::npos) << e.what();
   }
-  checkPipeline({4, Kind::OneFOneB, 4, DType::Float64, pp::SplitRule::Parameters});
+  // The uneven cut runs too (p = 3, 1F1B).
+  checkPipeline({3, Kind::OneFOneB, 6, DType::Float64, pp::SplitRule::Parameters});
 }
 
 TEST(Pipeline, SummaryNamesEveryStage) {
