@@ -304,27 +304,31 @@ double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector
     const std::string at = action ? str(" action #", current, " ", toString(*action, schedule_.v > 1))
                                   : std::string(" (after its actions)");
     const int stage = schedule_.stageOf(rank_, action ? action->chunk : 0);
-    // Broken already: a peer failed first and aborted the group (or a transfer of this rank timed
-    // out). Not broken: this rank's own failure started it.
-    const bool origin = !pp_->isBroken();
+    // Not broken: this rank's own failure started it. Broken: a peer failed first and aborted the
+    // group, or a transfer of this rank timed out, which breaks the group too and is this rank's
+    // own finding (it names the peer that never came).
+    bool origin = !pp_->isBroken();
     std::string cause;
     if (options_.store) {
       const std::string key = str("pipeline/", pp_->name(), "/", options_.tagBase, "/step", steps_, "/cause");
       std::string what = "unknown exception";
       try {
         throw;
+      } catch (const TimeoutError& e) {
+        what = describe(e);
+        origin = true;
       } catch (const std::exception& e) {
         what = describe(e);
       } catch (...) {
       }
       try {
-        if (origin) {
-          options_.store->compareSet(key, "", str("rank ", rank_, " stage ", stage, at, ": ", what));
-        } else {
-          const std::string first = options_.store->get(key, options_.causeWait);
-          // Both ends of a shape mismatch throw the same words: no need to say them twice.
-          if (first.find(what) == std::string::npos) cause = str("; the failure that started it: ", first);
-        }
+        // The first to write wins; an origin that lost (two ranks timing out together) reads the
+        // winner's, the others wait for it.
+        const std::string first = origin
+            ? options_.store->compareSet(key, "", str("rank ", rank_, " stage ", stage, at, ": ", what))
+            : options_.store->get(key, options_.causeWait);
+        // Its own error, or both ends of a shape mismatch throwing the same words: say them once.
+        if (first.find(what) == std::string::npos) cause = str("; the failure that started it: ", first);
       } catch (const std::exception&) {
         // No cause to add (none was left, or the store is gone): the transport's words stand.
       }

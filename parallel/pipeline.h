@@ -55,9 +55,12 @@
 // every other rank's transfer in flight fails at once instead of at its timeout. The error
 // rethrown keeps its type and reads "pipeline rank r/p (pg=...) stage s step k, action #i F3
 // failed: <cause>", followed by the schedule's action grid with that action marked. The others'
-// cause is the transport's "rank r aborted the group's transfers"; with options.store they add
-// "; the failure that started it: rank r stage s action #i F3: <its error>". The group is broken
-// afterwards (its brokenCause()); rebuild it to go on.
+// cause is the transport's "rank r aborted the group's transfers"; with options.store the first
+// rank to fail on its own (its stage threw, its check failed, or its transfer timed out) leaves
+// its error there and the others add "; the failure that started it: rank r stage s action #i
+// F3: <its error>". A rank whose peer never comes fails at its transfer's timeout; so does a
+// rank that waits on a rank that waits on it, unless an abort reaches it first. The group is
+// broken afterwards (its brokenCause()); rebuild it to go on.
 //
 // Contract: not thread-safe; one runner per rank per pp group, step called on every rank of the
 // group, the same number of times. Every step blocks until this rank's list is done (at most

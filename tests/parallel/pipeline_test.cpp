@@ -9,6 +9,7 @@
 // transfer timeout; m < p runs (GPipe, 1F1B) or is refused at once (the others).
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -105,10 +106,14 @@ struct Case {
   int m;
   DType dtype = DType::Float64;
   pp::SplitRule rule = pp::SplitRule::Layers;
+  std::string backend;  // "" routes as usual (shm for threads as ranks); "gloo" forces TCP
 };
+
+void withRanksAndStore(int world, const std::function<void(int, const ProcessGroupPtr&, const StorePtr&)>& fn,
+                       const std::string& backend = "");
 std::string describeCase(const Case& c) {
   return str(kindName(c.kind), " p=", c.p, " m=", c.m, " ", toString(c.dtype),
-             c.rule == pp::SplitRule::Parameters ? " split by parameters" : "");
+             c.rule == pp::SplitRule::Parameters ? " split by parameters" : "", c.backend.empty() ? "" : " on ", c.backend);
 }
 
 // Two steps (SGD in between, both models: AdamW would turn the rounding noise of a gradient
@@ -117,7 +122,7 @@ std::string describeCase(const Case& c) {
 void checkPipeline(const Case& c) {
   const std::string label = describeCase(c);
   SCOPED_TRACE(label);
-  withRanks(c.p, [&](int rank, const ProcessGroupPtr& group) {
+  withRanksAndStore(c.p, [&](int rank, const ProcessGroupPtr& group, const StorePtr&) {
     const pp::Schedule schedule = scheduleOf(c.kind, c.p, c.m);
     Generator referenceInit(kSeed), init(kSeed);
     auto reference = buildGpt(c.dtype, referenceInit);
@@ -203,7 +208,7 @@ void checkPipeline(const Case& c) {
     const double infNorm = pp::clipGradNorm(runner, 1e9, {.normType = std::numeric_limits<double>::infinity()});
     expectScalarClose(infNorm, nn::clipGradNorm(reference->parameters(), 1e9, {.normType = std::numeric_limits<double>::infinity()}),
                       c.dtype, label + " infinity norm");
-  });
+  }, c.backend);
 }
 
 constexpr Kind kEverySchedule[] = {Kind::GPipe, Kind::OneFOneB, Kind::Interleaved, Kind::ZbH1, Kind::ZbV};
@@ -228,6 +233,13 @@ TEST(Pipeline, EveryScheduleMatchesTheUnsplitModelFloat32) {
     checkPipeline({4, kind, 8, DType::Float32});
   }
   checkPipeline({2, Kind::OneFOneB, 4, DType::Float32});
+}
+
+// Gloo's TCP transport matches messages by tag as shm does; the interleaved schedule has the
+// most messages in flight between two ranks.
+TEST(Pipeline, RunsOnGloo) {
+  checkPipeline({2, Kind::Interleaved, 4, DType::Float64, pp::SplitRule::Layers, "gloo"});
+  checkPipeline({4, Kind::OneFOneB, 4, DType::Float32, pp::SplitRule::Layers, "gloo"});
 }
 
 TEST(Pipeline, SplitByParameterCount) {
@@ -287,13 +299,15 @@ struct Outcome {
 };
 
 // withRanks with the store at hand (the runner leaves the first failure's cause there).
-void withRanksAndStore(int world, const std::function<void(int, const ProcessGroupPtr&, const StorePtr&)>& fn) {
+void withRanksAndStore(int world, const std::function<void(int, const ProcessGroupPtr&, const StorePtr&)>& fn,
+                       const std::string& backend) {
   auto store = std::make_shared<HashStore>();
   runRanks(
       world,
       [&](int rank) {
         ProcessGroupOptions o;
         o.timeout = 30s;
+        o.backend = backend;
         auto group = ProcessGroup::create(store, rank, world, o);
         fn(rank, group, store);
         group->destroy();
@@ -334,6 +348,15 @@ std::vector<Outcome> failingStep(int p, const pp::Schedule& schedule, int bad,
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+std::mutex& doneMutex() {
+  static std::mutex m;
+  return m;
+}
+std::condition_variable& doneChanged() {
+  static std::condition_variable c;
+  return c;
+}
 
 TEST(Pipeline, ShapeMismatchIsOneErrorOnBothSides) {
   for (int p : {2, 4}) {
@@ -385,6 +408,62 @@ TEST(Pipeline, ThrowingStageEndsEveryRankPromptly) {
     EXPECT_TRUE(contains(bad.message, "action #")) << bad.message;
     EXPECT_TRUE(contains(bad.message, "*F2")) << "the grid marks the failing action: " << bad.message;
   }
+}
+
+TEST(Pipeline, AStageThatNeverComesEndsEveryOtherRankWithinTheTimeout) {
+  // Rank 1 never calls step (it waits until the others are done): rank 0's first send waits for
+  // its verdict and times out after 2 s, and its abort ends ranks 2 and 3 (timeouts of 20 s, so
+  // that they learn of it from the abort, not from timing out together) at once, the cause from
+  // the store.
+  const pp::Schedule schedule = pp::oneFOneB(4, 4);
+  std::atomic<int> done{0};
+  std::vector<Outcome> out(4);
+  withRanksAndStore(4, [&](int rank, const ProcessGroupPtr& group, const StorePtr& store) {
+    Generator init(kSeed);
+    auto model = buildGpt(DType::Float64, init);
+    pp::GptStages stages = pp::splitGpt(*model, schedule, rank);
+    pp::PipelineRunner runner(schedule, stages.runnerStages(), group,
+                              {.activationShape = {kMicroBatch, kConfig.contextLength, kConfig.width},
+                               .activationDType = DType::Float64,
+                               .timeout = rank == 0 ? 2s : 20s,
+                               .store = store});
+    if (rank == 1) {
+      std::unique_lock<std::mutex> lock(doneMutex());
+      doneChanged().wait(lock, [&] { return done.load() == 3; });
+      return;
+    }
+    const Batch batch = batchOf(0, schedule.m);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      runner.step(rank == 0 ? batch.inputMicro : std::vector<Tensor>{}, rank == 3 ? batch.targetMicro : std::vector<Tensor>{});
+      out[static_cast<size_t>(rank)].message = "(no error)";
+    } catch (const Error& e) {
+      out[static_cast<size_t>(rank)] = {e.what(), e.kind(), 0};
+    }
+    out[static_cast<size_t>(rank)].seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    {
+      std::lock_guard<std::mutex> lock(doneMutex());
+      ++done;
+    }
+    doneChanged().notify_all();
+  });
+  for (int r : {0, 2, 3}) {
+    const Outcome& o = out[static_cast<size_t>(r)];
+    std::printf("rank %d (%.2f s): %s: %s\n", r, o.seconds, o.kind.c_str(), o.message.c_str());
+    EXPECT_NE(o.message, "(no error)") << "rank " << r;
+    // The 2 s timeout plus the failure report window (2.5 s) and slack for a loaded machine;
+    // the group's own timeout is 30 s.
+    EXPECT_LT(o.seconds, 15.0) << "rank " << r;
+    EXPECT_TRUE(contains(o.message, str("pipeline rank ", r, "/4"))) << o.message;
+  }
+  EXPECT_EQ(out[0].kind, "dt::TimeoutError") << out[0].message;
+  // Ranks 2 and 3 only saw the abort; the store tells them which transfer timed out.
+  for (int r : {2, 3}) {
+    EXPECT_TRUE(contains(out[static_cast<size_t>(r)].message, "the failure that started it: rank 0 stage 0 action #1 SEND_F0: dt::TimeoutError"))
+        << out[static_cast<size_t>(r)].message;
+    EXPECT_TRUE(contains(out[static_cast<size_t>(r)].message, "recv from rank 1")) << out[static_cast<size_t>(r)].message;
+  }
+  EXPECT_TRUE(contains(out[0].message, "*SEND_F0")) << out[0].message;
 }
 
 TEST(Pipeline, FewerMicroBatchesThanStagesRunOrAreRefused) {
