@@ -341,7 +341,29 @@ std::vector<std::vector<int>> ElasticGroup::brokenReplicas(const std::vector<int
   return out;
 }
 
+void ElasticGroup::requireMinimum(const Decision& d, const std::vector<std::string>& lost) {
+  if (d.members.size() >= static_cast<size_t>(options_.minSize)) return;
+  std::vector<std::string> left;
+  for (int m : d.members) left.push_back(str("member ", m));
+  const std::string dropped = d.left.empty() ? std::string() : str(" (and member(s) ", listIds(d.left), " with their replica)");
+  // The launcher stops every worker on seeing this and names it (and the deaths that
+  // brought the job below) as the cause, rather than the survivors' exits.
+  try {
+    membership::postJobStop(*store_, str(d.members.size(), " member(s) left (", dt::join(left, ", "),
+                                         "), below --min-nproc ", options_.minSize, "; brought below by: ",
+                                         dt::join(lost, "; "), dropped));
+  } catch (const Error&) {
+    // The store is gone too: the error below still says it all to this process.
+  }
+  throw MembershipError(str("[", who(), "] the elastic job stops: ", d.members.size(), " member(s) left (",
+                            dt::join(left, ", "), "), fewer than the minimum of ", options_.minSize, " (--min-nproc); lost: ",
+                            dt::join(lost, "; "), dropped));
+}
+
 const Membership& ElasticGroup::leave(uint64_t epoch, const Decision& d, std::vector<std::string> lost) {
+  // No replica left whole (or too few ranks): the job stops, as for the others; an exit 0
+  // here would tell dtrun the job finished.
+  requireMinimum(d, lost);
   const Membership before = membership_;
   membership_.epoch = epoch;
   membership_.members = d.members;
@@ -448,22 +470,7 @@ const Membership& ElasticGroup::enter(uint64_t epoch, const Decision& d, std::ve
     throw MembershipError(str("[", who(), "] this process is no longer a member of the job: the others went on to epoch ",
                               epoch, " without it (", dt::join(lost, "; "), ")"));
   }
-  if (d.members.size() < static_cast<size_t>(options_.minSize)) {
-    std::vector<std::string> left;
-    for (int m : d.members) left.push_back(str("member ", m));
-    // The launcher stops every worker on seeing this and names it (and the deaths that
-    // brought the job below) as the cause, rather than the survivors' exits.
-    try {
-      membership::postJobStop(*store_, str(d.members.size(), " member(s) left (", dt::join(left, ", "),
-                                           "), below --min-nproc ", options_.minSize, "; brought below by: ",
-                                           dt::join(lost, "; ")));
-    } catch (const Error&) {
-      // The store is gone too: the error below still says it all to this process.
-    }
-    throw MembershipError(str("[", who(), "] the elastic job stops: ", d.members.size(), " member(s) left (",
-                              dt::join(left, ", "), "), fewer than the minimum of ", options_.minSize, " (--min-nproc); lost: ",
-                              dt::join(lost, "; ")));
-  }
+  requireMinimum(d, lost);
   membership_.brokenReplicas = brokenReplicas(membership_.members, d);
   membership_.epoch = epoch;
   membership_.members = d.members;

@@ -177,6 +177,8 @@ class ElasticGroup {
   void dropBrokenReplicas(const Membership& before, Decision& d) const;
   // The replicas of `before` (member ids in rank order) that lost a member in `d`.
   std::vector<std::vector<int>> brokenReplicas(const std::vector<int>& before, const Decision& d) const;
+  // Fewer members than minSize in `d`: posts the job's stop and throws MembershipError.
+  void requireMinimum(const Decision& d, const std::vector<std::string>& lost);
   // This member was dropped with its replica: the membership says so, without a group.
   const Membership& leave(uint64_t epoch, const Decision& d, std::vector<std::string> lost);
   // Moves to the epoch `d` describes (makes its group; a death meanwhile: recover()).
