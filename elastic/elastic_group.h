@@ -72,7 +72,9 @@
 //    (Membership::left); recover()/admit() return to them with hasLeft() and no group, and
 //    they record it in the store (membership::postLeft) so that dtrun neither counts their
 //    exit as the job finishing nor as a death, and replaces them under --max-restarts.
-//    Joiners are admitted only in whole replicas, in registration order.
+//    Fewer members left than minSize (none, when no replica is left whole): every survivor,
+//    leaving or not, throws MembershipError and the job stops. Joiners are admitted only in
+//    whole replicas, in registration order.
 //  * Not thread-safe: one training thread calls group() and recover(); the
 //    watcher thread only aborts. The destructor stops the watcher and
 //    destroys the group.
