@@ -210,7 +210,10 @@ void broadcastState(TrainingState& state, ProcessGroup& group, int root, bool re
   // root's tensor into the receiver's; small ones are packed into buckets of up to bucketBytes.
   std::map<DType, std::vector<size_t>> byType;
   for (size_t i = 0; i < header.pieces.size(); ++i) byType[header.pieces[i].info.dtype].push_back(i);
-  for (const auto& [dtype, indices] : byType) {
+  for (const auto& entry : byType) {
+    // Named, not a structured binding: clang before 16 cannot capture those in the lambda below.
+    const DType dtype = entry.first;
+    const std::vector<size_t>& indices = entry.second;
     const size_t width = itemSize(dtype);
     const int64_t limit = std::max<int64_t>(1, static_cast<int64_t>(options.bucketBytes / width));
     auto travelsAlone = [&](size_t k) {

@@ -9,20 +9,26 @@
 // "arch=" names: those match exact CPU models, and a virtual CPU often reports none of them).
 #include "tensor/internal/fast_kernels.h"
 
+#include "common/sanitizers.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
-    !defined(__SANITIZE_THREAD__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(DT_ADDRESS_SANITIZER) && \
+    !defined(DT_THREAD_SANITIZER)
 #define DT_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define DT_MULTIVERSION
 #endif
 
 // The polynomials are written as a * b + c; let the AVX2/AVX-512 clones fuse them (FMA).
+#if defined(__clang__)
+#pragma clang fp contract(fast)
+#else
 #pragma GCC optimize("fp-contract=fast")
+#endif
 
 namespace dt::detail::fast {
 namespace {

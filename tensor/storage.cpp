@@ -21,7 +21,8 @@
 #if DT_HAVE_CUDA
 #include "tensor/cuda/cuda.h"
 #endif
-#if defined(__SANITIZE_ADDRESS__)
+#include "common/sanitizers.h"
+#if defined(DT_ADDRESS_SANITIZER)
 #include <sanitizer/asan_interface.h>
 // AddressSanitizer does not see into the segments this allocator maps itself: they are
 // poisoned when mapped and each block is unpoisoned while live, so that reading past a tensor

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -206,6 +207,8 @@ TEST(Ddp, UserCommHookSeesEveryBucketInOrderAndItsResultIsUsed) {
   }
 }
 
+// Batches are unpacked with std::tie rather than structured bindings: Clang before 16 cannot
+// capture a structured binding in a lambda, and the sanitizer builds use Clang.
 TEST(Ddp, FirstBucketIsOnTheWireBeforeBackwardReachesTheFirstLayer) {
   constexpr int kWorld = 2;
   onGroup(kWorld, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
@@ -226,7 +229,8 @@ TEST(Ddp, FirstBucketIsOnTheWireBeforeBackwardReachesTheFirstLayer) {
     DistributedDataParallel ddp(model, group, options);
     for (int step = 0; step < 3; ++step) {
       ddp.zeroGrad();
-      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, step, 0, rank);
       crossEntropy(ddp(x), y).backward();
       EXPECT_TRUE(duringBackward) << "step " << step;
       EXPECT_FALSE(firstLayerHadGradient) << "bucket 0 waited for the whole backward (step " << step << ")";
@@ -248,7 +252,8 @@ TEST(Ddp, GradientsAreBucketViewsAndStayInPlaceAcrossIterations) {
     std::vector<const void*> before;
     for (int step = 0; step < 3; ++step) {
       sgd.zeroGrad();  // set to none: the next backward fills the same views
-      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, step, 0, rank);
       crossEntropy(ddp(x), y).backward();
       std::vector<const void*> now;
       for (const auto& p : model->parameters()) now.push_back(p.grad().dataPtr());
@@ -288,7 +293,8 @@ TEST(Ddp, BucketsAreRebuiltFromRankZerosObservedOrder) {
     EXPECT_FALSE(ddp.bucketsRebuilt());
     for (int step = 0; step < 2; ++step) {
       ddp.zeroGrad();
-      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, step, 0, rank);
       crossEntropy(ddp(x), y).backward();
     }
     EXPECT_TRUE(ddp.bucketsRebuilt());
@@ -309,7 +315,8 @@ TEST(Ddp, ASavedBucketOrderPlansTheSameBucketsWithoutARebuild) {
     DistributedDataParallel ddp(std::make_shared<testing::TestNet>(1, false), group, {.bucketCapBytes = 300});
     for (int step = 0; step < 2; ++step) {
       ddp.zeroGrad();
-      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, step, 0, rank);
       crossEntropy(ddp(x), y).backward();
     }
     if (rank == 0) {
@@ -355,7 +362,8 @@ TEST(Ddp, RebindContinuesOnANewGroupWithTheSameBuckets) {
     optim::SGD sgd(ddp.parameters(), {.lr = 0.1});
     auto step = [&](DistributedDataParallel& d, int s) {
       sgd.zeroGrad();
-      auto [x, y] = testing::batchFor(TrainSpec{}, s, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, s, 0, rank);
       crossEntropy(d(x), y).backward();
       sgd.step();
     };
@@ -382,7 +390,8 @@ TEST(Ddp, RebindContinuesOnANewGroupWithTheSameBuckets) {
     DistributedDataParallel other(twin, twinGroup, {.bucketCapBytes = 300, .bucketOrder = buckets});
     optim::SGD twinSgd(other.parameters(), {.lr = 0.1});
     twinSgd.zeroGrad();
-    auto [x, y] = testing::batchFor(TrainSpec{}, 2, 0, rank);
+    Tensor x, y;
+    std::tie(x, y) = testing::batchFor(TrainSpec{}, 2, 0, rank);
     crossEntropy(other(x), y).backward();
     twinSgd.step();
     for (const auto& p : twin->parameters()) fresh[rank].push_back(p.clone());
@@ -417,7 +426,8 @@ TEST(Ddp, ParameterWithoutGradientIsNamedAtTheEndOfThatBackward) {
   onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, /*deadLayer=*/true);
     DistributedDataParallel ddp(model, group);
-    auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+    Tensor x, y;
+    std::tie(x, y) = testing::batchFor(TrainSpec{}, 0, 0, rank);
     const std::string message = expectThrowsWith<InvalidArgument>(
         [&] { crossEntropy(ddp(x), y).backward(); },
         {"iteration 1) ended but 2 of 8 parameters got no gradient: dead.weight, dead.bias",
@@ -431,7 +441,8 @@ TEST(Ddp, UnusedParametersKeepTheirGradientUntouched) {
     auto model = std::make_shared<testing::TestNet>(42, true);
     DistributedDataParallel ddp(model, group, {.findUnusedParameters = true});
     Tensor deadWeight = model->child("dead")->namedParameters()[0].second;
-    auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+    Tensor x, y;
+    std::tie(x, y) = testing::batchFor(TrainSpec{}, 0, 0, rank);
     crossEntropy(ddp(x), y).backward();
     EXPECT_FALSE(deadWeight.grad().defined()) << "undefined stays undefined";
     EXPECT_EQ(ddp.lastIteration().unusedParameters, 2u);
@@ -488,7 +499,8 @@ TEST(Ddp, ReentrantBackwardNeedsStaticGraph) {
       DistributedDataParallel ddp(model, group, {.staticGraph = staticGraph});
       for (int step = 0; step < 3; ++step) {
         ddp.zeroGrad();
-        auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+        Tensor x, y;
+        std::tie(x, y) = testing::batchFor(TrainSpec{}, step, 0, rank);
         if (!staticGraph) {
           expectThrowsWith<InvalidArgument>([&] { crossEntropy(ddp(x), y).backward(); },
                                             {"body.", "second gradient in one backward", "staticGraph = true"});
@@ -503,7 +515,8 @@ TEST(Ddp, ReentrantBackwardNeedsStaticGraph) {
     auto reference = std::make_shared<Checkpointed>();
     reference->zeroGrad();
     for (int rank = 0; rank < 2; ++rank) {
-      auto [x, y] = testing::batchFor(TrainSpec{}, 2, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, 2, 0, rank);
       mul(crossEntropy((*reference)(x), y), 0.5).backward();
     }
     std::vector<Tensor> expected;
@@ -520,7 +533,8 @@ TEST(Ddp, RankThatSkipsABackwardIsNamedByTheTimeout) {
   onGroup(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, false);
     DistributedDataParallel ddp(model, group);
-    auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+    Tensor x, y;
+    std::tie(x, y) = testing::batchFor(TrainSpec{}, 0, 0, rank);
     crossEntropy(ddp(x), y).backward();  // step 1: both
     if (rank == 1) {
       Tensor out = ddp(x);  // step 2: forward, then no backward
@@ -540,7 +554,8 @@ TEST(Ddp, BackwardOutsideAnIterationIsAnErrorUnlessInNoSync) {
   onGroup(1, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto model = std::make_shared<testing::TestNet>(42, false);
     DistributedDataParallel ddp(model, group);
-    auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+    Tensor x, y;
+    std::tie(x, y) = testing::batchFor(TrainSpec{}, 0, 0, rank);
     expectThrowsWith<InvalidArgument>([&] { crossEntropy((*model)(x), y).backward(); },
                                       {"outside a DDP iteration", "call ddp(input), not the wrapped module"});
     EXPECT_FALSE(inBackward());
@@ -559,7 +574,8 @@ TEST(Ddp, DestroyingDdpRemovesItsHooksAndGradientBuffers) {
     auto model = std::make_shared<testing::TestNet>(42, false);
     {
       DistributedDataParallel ddp(model, group);
-      auto [x, y] = testing::batchFor(TrainSpec{}, 0, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, 0, 0, rank);
       crossEntropy(ddp(x), y).backward();
     }
     for (const auto& p : model->parameters()) {
@@ -567,7 +583,8 @@ TEST(Ddp, DestroyingDdpRemovesItsHooksAndGradientBuffers) {
       EXPECT_FALSE(p.autogradMeta()->gradBuffer.defined());
     }
     model->zeroGrad();
-    auto [x, y] = testing::batchFor(TrainSpec{}, 1, 0, rank);
+    Tensor x, y;
+    std::tie(x, y) = testing::batchFor(TrainSpec{}, 1, 0, rank);
     crossEntropy((*model)(x), y).backward();  // a plain backward again
   });
 }
@@ -581,7 +598,8 @@ TEST(Ddp, LogPrintsTheBucketTableAndSummaries) {
                                 {.bucketCapBytes = 300, .firstBucketCapBytes = 100});
     for (int step = 0; step < 4; ++step) {
       ddp.zeroGrad();
-      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, step, 0, rank);
       crossEntropy(ddp(x), y).backward();
     }
   });
@@ -617,7 +635,8 @@ TEST(Ddp, BuffersFollowRankZeroBeforeEveryTrainingForwardButNotInEvaluation) {
     DistributedDataParallel ddp(model, group);
     EXPECT_EQ(model->running.toVector<float>(), std::vector<float>(6, 100.0f)) << "rank 0's at construction";
     for (int step = 0; step < 3; ++step) {
-      auto [x, y] = testing::batchFor(TrainSpec{}, step, 0, rank);
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, step, 0, rank);
       crossEntropy(ddp(x), y).backward();
       // The forward started from rank 0's buffer: undo this rank's own update to see it.
       Tensor started = sub(mul(model->running, 2.0), mean(x, {0}));
@@ -625,7 +644,8 @@ TEST(Ddp, BuffersFollowRankZeroBeforeEveryTrainingForwardButNotInEvaluation) {
     }
     // Evaluation forwards issue no collectives: each rank keeps its own update.
     NoGradGuard noGrad;
-    auto [x, y] = testing::batchFor(TrainSpec{}, 9, 0, rank);
+    Tensor x, y;
+    std::tie(x, y) = testing::batchFor(TrainSpec{}, 9, 0, rank);
     const Tensor before = model->running.clone();
     ddp(x);
     EXPECT_LE(max(abs(sub(model->running, add(mul(before, 0.5), mean(x, {0}), 0.5)))).item<float>(), 1e-6f);

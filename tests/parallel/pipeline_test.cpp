@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "common/errors.h"
+#include "common/sanitizers.h"
 #include "common/strings.h"
 #include "parallel/pipeline.h"
 #include "tensor/nn/clip_grad.h"
@@ -215,7 +216,7 @@ constexpr Kind kEverySchedule[] = {Kind::GPipe, Kind::OneFOneB, Kind::Interleave
 
 // Under the sanitizers (CI's ASan and TSan stages run this binary, 5-15x slower) every schedule
 // and p still runs, with m = 4 only, inside the 240 s ctest timeout; m = 8 in the Release stage.
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#if defined(DT_THREAD_SANITIZER) || defined(DT_ADDRESS_SANITIZER)
 constexpr bool kSanitized = true;
 #else
 constexpr bool kSanitized = false;

@@ -84,8 +84,10 @@ TEST(ProcessGroup, HostsDecideTheCpuBackendAndOptionsForceOne) {
   });
   // Ranks that announce different hosts: two ranks on each of two hosts
   // get shm within a host and gloo across; one rank per host gets gloo.
-  for (const auto& [hosts, expected] : {std::pair<std::vector<std::string>, std::string>{{"a", "a", "b", "b"}, "shm+gloo"},
-                                        {{"a", "b", "c", "d"}, "gloo"}}) {
+  for (const auto& testCase : {std::pair<std::vector<std::string>, std::string>{{"a", "a", "b", "b"}, "shm+gloo"},
+                               {{"a", "b", "c", "d"}, "gloo"}}) {
+    const std::vector<std::string>& hosts = testCase.first;  // not a structured binding: clang < 16
+    const std::string& expected = testCase.second;           // cannot capture those in a lambda
     auto hostStore = std::make_shared<HashStore>();
     runRanks(4, [&](int rank) {
       ProcessGroupOptions o = fastOptions();

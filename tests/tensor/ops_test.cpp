@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "common/errors.h"
+#include "common/sanitizers.h"
 #include "tensor/autograd/gradcheck.h"
 #include "tensor/ops.h"
 #include "tensor/parallel.h"
@@ -486,7 +487,7 @@ TEST(Threads, KnobAndParallelForCoverage) {
 }
 
 TEST(Threads, ParallelKernelsWorkAfterFork) {
-#if defined(__SANITIZE_THREAD__)
+#if defined(DT_THREAD_SANITIZER)
   GTEST_SKIP() << "ThreadSanitizer cannot start threads in a child forked from a multi-threaded process";
 #endif
   // The pool's workers do not survive fork(); a child must still run big kernels.
