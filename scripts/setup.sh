@@ -14,6 +14,7 @@ packages=(
   libgloo-dev libopenblas-dev zlib1g-dev
   iproute2 procps psmisc util-linux
   lld ninja-build                 # faster links of the ~80 test binaries (DT_USE_LLD); the build tool (scripts/build.sh)
+  clang                           # the sanitizer builds of CI (scripts/ci_sanitizers.sh): half of g++'s compile time there
   python3-torch
   slurmctld slurmd slurm-client   # the SLURM tests' private cluster (tests/slurm/cluster.sh)
   dataset-fashion-mnist           # examples/trainer's data: /usr/share/datasets/fashion-mnist/*.gz
