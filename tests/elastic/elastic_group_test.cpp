@@ -182,7 +182,12 @@ TEST(ElasticGroup, AFrozenMemberIsDeclaredDeadByItsHeartbeat) {
 struct Holdings {
   int fds = 0, threads = 0, shmMaps = 0;
   std::string text() const { return str(fds, " fds, ", threads, " threads, ", shmMaps, " shared-memory mappings"); }
-  bool operator==(const Holdings&) const = default;
+  // No more of anything than `earlier`. Fewer is no leak: the first shrink's old group may still
+  // be closing a connection when it is counted (seen once: 15 fds after the first, 14 after the
+  // last), while a leak per shrink would show 19 more after the twentieth.
+  bool noMoreThan(const Holdings& earlier) const {
+    return fds <= earlier.fds && threads <= earlier.threads && shmMaps <= earlier.shmMaps;
+  }
 };
 
 int countEntries(const char* dir) {
@@ -201,8 +206,8 @@ Holdings holdings() {
   return h;
 }
 
-// 20 shrinks in a row: a job of 22 loses one member per step, and each survivor holds the
-// same fds, threads and shared-memory mappings after the 20th as after the 1st.
+// 20 shrinks in a row: a job of 22 loses one member per step, and each survivor holds no more
+// fds, threads and shared-memory mappings after the 20th than after the 1st.
 TEST(ElasticGroup, TwentySuccessiveShrinksLeakNothing) {
   constexpr int kWorld = 22, kShrinks = 20;
   testing::SpawnOptions options;
@@ -229,7 +234,7 @@ TEST(ElasticGroup, TwentySuccessiveShrinksLeakNothing) {
     }
     elastic->group()->allreduce(t)->wait();  // the last epoch's group works
     const Holdings now = holdings();
-    return str(afterFirst && *afterFirst == now ? "same" : "changed", ": after the first shrink ",
+    return str(afterFirst && now.noMoreThan(*afterFirst) ? "kept" : "grew", ": after the first shrink ",
                afterFirst ? afterFirst->text() : "(none)", ", after the last ", now.text(), " (size ",
                elastic->membership().size(), ")");
   }, options);
@@ -237,7 +242,7 @@ TEST(ElasticGroup, TwentySuccessiveShrinksLeakNothing) {
   const auto result = ranks.wait();
   for (int r = 0; r < kWorld - kShrinks; ++r) {
     ASSERT_TRUE(result[r].returned()) << result.summary();
-    EXPECT_EQ(result[r].value.rfind("same: ", 0), 0u) << "rank " << r << ": " << result[r].value;
+    EXPECT_EQ(result[r].value.rfind("kept: ", 0), 0u) << "rank " << r << ": " << result[r].value;
     EXPECT_NE(result[r].value.find("(size 2)"), std::string::npos) << result[r].value;
     std::printf("rank %d: %s\n", r, result[r].value.c_str());
   }
