@@ -18,6 +18,7 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/logging.h"
+#include "common/sanitizers.h"
 #include "common/strings.h"
 #include "common/thread_name.h"
 
@@ -153,12 +154,24 @@ int defaultNumThreads() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// ThreadSanitizer cannot see OpenBLAS's own synchronisation (the library is not instrumented):
+// its worker threads, and several ranks' threads entering its pool at once, read as data races.
+// Under TSan BLAS runs on the calling thread; dtrain's own parallelFor keeps its threads.
+namespace {
+void setBlasThreads(int n) {
+#if defined(DT_THREAD_SANITIZER)
+  n = 1;
+#endif
+  openblas_set_num_threads(n);
+}
+}  // namespace
+
 int numThreads() {
   int n = gThreads.load(std::memory_order_relaxed);
   if (n == 0) {
     n = defaultNumThreads();
     gThreads.store(n, std::memory_order_relaxed);
-    openblas_set_num_threads(n);
+    setBlasThreads(n);
     warnOnceIfBlasKernelsDoNotFit();
   }
   return n;
@@ -168,7 +181,7 @@ void setNumThreads(int n) {
   warnOnceIfBlasKernelsDoNotFit();
   n = std::max(1, n);
   gThreads.store(n, std::memory_order_relaxed);
-  openblas_set_num_threads(n);
+  setBlasThreads(n);
 }
 
 void parallelForImpl(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
