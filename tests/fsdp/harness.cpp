@@ -158,18 +158,25 @@ void TrainingRank::rebind(std::shared_ptr<ProcessGroup> group) {
   fsdp_->rebind(std::move(group));
 }
 
-void withRanks(int world, const std::function<void(int, const std::shared_ptr<ProcessGroup>&)>& fn) {
+void withRanksAndStore(int world,
+                       const std::function<void(int, const std::shared_ptr<ProcessGroup>&, const StorePtr&)>& fn,
+                       const std::string& backend) {
   auto store = std::make_shared<HashStore>();
   runRanks(
       world,
       [&](int rank) {
         ProcessGroupOptions o;
         o.timeout = 30s;
+        o.backend = backend;
         auto group = ProcessGroup::create(store, rank, world, o);
-        fn(rank, group);
+        fn(rank, group, store);
         group->destroy();
       },
       120s);
+}
+
+void withRanks(int world, const std::function<void(int, const std::shared_ptr<ProcessGroup>&)>& fn) {
+  withRanksAndStore(world, [&](int rank, const std::shared_ptr<ProcessGroup>& group, const StorePtr&) { fn(rank, group); });
 }
 
 double relativeDifference(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {

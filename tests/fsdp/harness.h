@@ -72,6 +72,10 @@ std::vector<Tensor> gatherShards(ProcessGroup& group, const std::vector<Tensor>&
 
 // Runs fn(rank, group) on `world` threads, each with its group (30 s timeout).
 void withRanks(int world, const std::function<void(int rank, const std::shared_ptr<ProcessGroup>& group)>& fn);
+// The same with the job's store at hand and a chosen backend ("" lets the group pick).
+void withRanksAndStore(int world,
+                       const std::function<void(int rank, const std::shared_ptr<ProcessGroup>& group, const StorePtr& store)>& fn,
+                       const std::string& backend = "");
 
 // The largest |a - b| over all elements, relative to the largest |a|.
 double relativeDifference(const std::vector<Tensor>& a, const std::vector<Tensor>& b);

@@ -111,8 +111,6 @@ struct Case {
   std::string backend;  // "" routes as usual (shm for threads as ranks); "gloo" forces TCP
 };
 
-void withRanksAndStore(int world, const std::function<void(int, const ProcessGroupPtr&, const StorePtr&)>& fn,
-                       const std::string& backend = "");
 std::string describeCase(const Case& c) {
   return str(kindName(c.kind), " p=", c.p, " m=", c.m, " ", toString(c.dtype),
              c.rule == pp::SplitRule::Parameters ? " split by parameters" : "", c.backend.empty() ? "" : " on ", c.backend);
@@ -311,23 +309,6 @@ struct Outcome {
   std::string kind;
   double seconds = 0;
 };
-
-// withRanks with the store at hand (the runner leaves the first failure's cause there).
-void withRanksAndStore(int world, const std::function<void(int, const ProcessGroupPtr&, const StorePtr&)>& fn,
-                       const std::string& backend) {
-  auto store = std::make_shared<HashStore>();
-  runRanks(
-      world,
-      [&](int rank) {
-        ProcessGroupOptions o;
-        o.timeout = 30s;
-        o.backend = backend;
-        auto group = ProcessGroup::create(store, rank, world, o);
-        fn(rank, group, store);
-        group->destroy();
-      },
-      120s);
-}
 
 // Runs one step at p ranks with rank `bad`'s chunk 0 tampered; every rank's error.
 std::vector<Outcome> failingStep(int p, const pp::Schedule& schedule, int bad,
