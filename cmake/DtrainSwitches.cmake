@@ -1,4 +1,4 @@
-# Resolves DT_USE_CUDA / DT_USE_NCCL / DT_USE_GLOO / DT_USE_ETCD into DT_HAVE_* (0/1).
+# Resolves DT_USE_CUDA / DT_USE_NCCL / DT_USE_GLOO / DT_USE_ETCD / DT_USE_ONEDNN into DT_HAVE_* (0/1).
 # AUTO means "on when found"; an explicit ON that cannot be honoured is a
 # configure-time error that says why.
 include(CheckLanguage)
@@ -24,6 +24,7 @@ macro(dt_resolve_switches)
   _dt_is_on(DT_USE_NCCL _nccl_req)
   _dt_is_on(DT_USE_GLOO _gloo_req)
   _dt_is_on(DT_USE_ETCD _etcd_req)
+  _dt_is_on(DT_USE_ONEDNN _onednn_req)
 
   # CUDA: the toolkit lives under /usr/local/cuda on our machines.
   set(DT_HAVE_CUDA 0)
@@ -120,6 +121,27 @@ macro(dt_resolve_switches)
       set(DT_ETCD_REASON "not found: ${_etcd_missing} (scripts/setup.sh installs them)")
     endif()
   endif()
+
+  # oneDNN (Debian's libdnnl-dev): found by header and library rather than through its CMake
+  # package, whose config file requires OpenCL's development files for a GPU runtime dtrain never
+  # uses. dt_tensor links it privately; DT_ONEDNN_LIBRARY / DT_ONEDNN_INCLUDE_DIR say where.
+  set(DT_HAVE_ONEDNN 0)
+  set(DT_ONEDNN_REASON "disabled (DT_USE_ONEDNN=OFF)")
+  if(NOT _onednn_req STREQUAL "OFF")
+    find_path(DT_ONEDNN_INCLUDE_DIR oneapi/dnnl/dnnl.hpp)
+    find_library(DT_ONEDNN_LIBRARY dnnl)
+    if(DT_ONEDNN_LIBRARY AND EXISTS "${DT_ONEDNN_INCLUDE_DIR}/oneapi/dnnl/dnnl.hpp")
+      set(DT_HAVE_ONEDNN 1)
+      file(STRINGS "${DT_ONEDNN_INCLUDE_DIR}/oneapi/dnnl/dnnl_version.h" _dnnl_ver REGEX "#define DNNL_VERSION_(MAJOR|MINOR|PATCH) ")
+      string(REGEX REPLACE "[^0-9;]" "" _dnnl_ver "${_dnnl_ver}")
+      string(REPLACE ";" "." _dnnl_ver "${_dnnl_ver}")
+      set(DT_ONEDNN_REASON "oneDNN ${_dnnl_ver} at ${DT_ONEDNN_LIBRARY}")
+    elseif(_onednn_req STREQUAL "ON")
+      message(FATAL_ERROR "DT_USE_ONEDNN=ON but oneDNN was not found (looked for oneapi/dnnl/dnnl.hpp, in ${DT_ONEDNN_INCLUDE_DIR}, and libdnnl: ${DT_ONEDNN_LIBRARY}). Run scripts/setup.sh (installs libdnnl-dev) or set -DDT_USE_ONEDNN=OFF.")
+    else()
+      set(DT_ONEDNN_REASON "not found (scripts/setup.sh installs libdnnl-dev)")
+    endif()
+  endif()
 endmacro()
 
 function(dt_print_summary)
@@ -129,6 +151,7 @@ function(dt_print_summary)
   message(STATUS "  NCCL       : ${DT_HAVE_NCCL} - ${DT_NCCL_REASON}")
   message(STATUS "  Gloo       : ${DT_HAVE_GLOO} - ${DT_GLOO_REASON}")
   message(STATUS "  etcd store : ${DT_HAVE_ETCD} - ${DT_ETCD_REASON}")
+  message(STATUS "  oneDNN     : ${DT_HAVE_ONEDNN} - ${DT_ONEDNN_REASON}")
   message(STATUS "  BLAS       : ${BLAS_LIBRARIES} (cblas.h in ${CBLAS_INCLUDE_DIR})")
   message(STATUS "  sanitizers : '${DT_SANITIZE}'   werror: ${DT_WERROR}")
   message(STATUS "  linker     : ${DT_LINKER}")

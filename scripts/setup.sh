@@ -12,6 +12,7 @@ packages=(
   libasio-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev
   libgloo-dev libopenblas-dev zlib1g-dev
+  libdnnl-dev                     # oneDNN: matrix products besides OpenBLAS, bf16 on CPUs that have it (DT_USE_ONEDNN)
   iproute2 procps psmisc util-linux
   lld ninja-build                 # faster links of the ~80 test binaries (DT_USE_LLD); the build tool (scripts/build.sh)
   clang                           # the sanitizer builds of CI (scripts/ci_sanitizers.sh): half of g++'s compile time there

@@ -21,4 +21,6 @@ expect_configure_failure(gloo_missing "DT_USE_GLOO=ON but Gloo was not found"
   -DDT_USE_CUDA=OFF -DDT_USE_GLOO=ON -DGloo_DIR=/nonexistent -DCMAKE_DISABLE_FIND_PACKAGE_Gloo=ON)
 expect_configure_failure(etcd_missing "DT_USE_ETCD=ON but libcurl"
   -DDT_USE_CUDA=OFF -DDT_USE_ETCD=ON -DCMAKE_DISABLE_FIND_PACKAGE_CURL=ON)
+expect_configure_failure(onednn_missing "DT_USE_ONEDNN=ON but oneDNN was not found.*scripts/setup.sh"
+  -DDT_USE_CUDA=OFF -DDT_USE_ONEDNN=ON -DDT_ONEDNN_INCLUDE_DIR=/nonexistent)
 file(REMOVE_RECURSE ${WORK_DIR})
