@@ -24,7 +24,11 @@ namespace detail {
 
 // ---- autograd plumbing shared by all ops ----------------------------------------------------
 
-TensorList FnNode::apply(TensorList&& grads) {
+TensorList FnNode::apply(TensorList&& grads) { return run(grads, nullptr); }
+
+TensorList FnNode::applySome(const TensorList& grads, const std::vector<bool>& which) { return run(grads, &which); }
+
+TensorList FnNode::run(const TensorList& grads, const std::vector<bool>* which) {
   if (!fn_) {
     throw InvalidArgument(str("Trying to backward through the graph a second time (", name_,
                               " already freed its saved tensors). Specify retainGraph=true on the first backward."));
@@ -33,7 +37,9 @@ TensorList FnNode::apply(TensorList&& grads) {
   saved.reserve(saved_.size());
   for (const auto& s : saved_) saved.push_back(s.unpack(*this));
   std::vector<bool> needs(nextEdges().size());
-  for (size_t i = 0; i < needs.size(); ++i) needs[i] = nextEdges()[i].valid();
+  for (size_t i = 0; i < needs.size(); ++i) {
+    needs[i] = nextEdges()[i].valid() && (which == nullptr || (i < which->size() && (*which)[i]));
+  }
   TensorList out = fn_(BackwardContext{grads, saved, needs});
   for (size_t i = 0; i < out.size() && i < inputShapes_.size(); ++i) {
     if (!out[i].defined() || !needs[i]) {

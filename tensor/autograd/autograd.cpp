@@ -71,6 +71,12 @@ Tensor Node::runPreHooks(uint32_t outputNr, Tensor grad) {
   return grad;
 }
 
+TensorList Node::applySome(const TensorList& gradOutputs, const std::vector<bool>& which) {
+  (void)gradOutputs;
+  (void)which;
+  throw InvalidArgument(str(name(), " cannot split its backward (splitsGradients() is false)"));
+}
+
 // ---- SavedTensor ----------------------------------------------------------------------------------
 
 SavedTensor::SavedTensor(const Tensor& t, bool isOutput) {
@@ -371,14 +377,39 @@ void accumulateInto(Tensor& slot, Tensor g) {
   slot = add(slot, g);
 }
 
+}  // namespace
+
+struct WeightGradients::State {
+  struct DeferredNode {
+    std::shared_ptr<Node> node;
+    TensorList grads;         // the node's incoming gradients, after its pre-hooks
+    std::vector<bool> which;  // the edges into weight accumulators
+  };
+  std::vector<DeferredNode> nodes;
+  // Per weight accumulator: deferred contributions still to come, and their sum so far.
+  std::unordered_map<Node*, int> remaining;
+  std::unordered_map<Node*, Tensor> sums;
+  std::vector<std::function<void()>> callbacks;  // queued during the first pass
+  bool ran = false;
+};
+
+namespace {
+
+// What backwardDeferringWeights asks of runGraph.
+struct Deferral {
+  std::unordered_set<const Node*> weightAccumulators;
+  WeightGradients::State* out = nullptr;
+};
+
 struct CompareSeq {
   bool operator()(const Node* a, const Node* b) const { return a->sequenceNr() < b->sequenceNr(); }
 };
 
 // Runs the graph from the root edges; captureFor (optional) collects the
 // gradients flowing into the given edges instead of running them.
+// deferral (optional) keeps the weight gradients for later (backwardDeferringWeights).
 void runGraph(const std::vector<Edge>& rootEdges, TensorList rootGrads, bool retainGraph,
-              const std::vector<Edge>* captureFor, TensorList* captured) {
+              const std::vector<Edge>* captureFor, TensorList* captured, Deferral* deferral = nullptr) {
   // Dependencies: how many edges point at each node among those reachable.
   std::unordered_map<Node*, NodeState> state;
   std::vector<Node*> stack;
@@ -454,13 +485,37 @@ void runGraph(const std::vector<Edge>& rootEdges, TensorList rootGrads, bool ret
     TensorList out;
     const bool anyGrad = std::any_of(grads.begin(), grads.end(), [](const Tensor& t) { return t.defined(); });
     const detail::IncomingGradients incoming(grads);
-    if (anyGrad) {  // all-zero (undefined) gradients contribute nothing downstream
+    std::vector<bool> weightEdges;
+    if (deferral != nullptr && anyGrad && node->splitsGradients()) {
+      const auto& edges = node->nextEdges();
+      weightEdges.resize(edges.size());
+      bool anyWeight = false;
+      for (size_t i = 0; i < edges.size(); ++i) {
+        weightEdges[i] = edges[i].node != nullptr && deferral->weightAccumulators.count(edges[i].node.get()) > 0;
+        anyWeight = anyWeight || weightEdges[i];
+      }
+      if (!anyWeight) weightEdges.clear();
+    }
+    const bool deferring = !weightEdges.empty();
+    if (deferring) {
+      std::vector<bool> now(weightEdges.size());
+      for (size_t i = 0; i < now.size(); ++i) now[i] = !weightEdges[i] && node->nextEdges()[i].valid();
+      if (std::find(now.begin(), now.end(), true) != now.end()) {
+        NoGradGuard noGrad;
+        detail::BackwardScope profileScope(*node);
+        out = node->applySome(grads, now);
+      }
+      for (size_t i = 0; i < weightEdges.size(); ++i) {
+        if (weightEdges[i]) deferral->out->remaining[node->nextEdges()[i].node.get()]++;
+      }
+      deferral->out->nodes.push_back({node->shared_from_this(), std::move(grads), std::move(weightEdges)});
+    } else if (anyGrad) {  // all-zero (undefined) gradients contribute nothing downstream
       NoGradGuard noGrad;
       detail::BackwardScope profileScope(*node);
       out = node->apply(std::move(grads));
     }
     detail::anomalyCheckBackward(*node, incoming, out);
-    if (!retainGraph) {
+    if (!retainGraph && !deferring) {  // a deferring node still needs its saved tensors
       node->releaseVariables();
       if (dynamic_cast<AccumulateGrad*>(node) == nullptr) node->markReleased();
     }
@@ -479,7 +534,9 @@ void runGraph(const std::vector<Edge>& rootEdges, TensorList rootGrads, bool ret
   }
 }
 
-void runWithCallbacks(const std::function<void()>& body) {
+// keepCallbacks (optional) takes the pass's callbacks instead of running them.
+void runWithCallbacks(const std::function<void()>& body,
+                      std::vector<std::function<void()>>* keepCallbacks = nullptr) {
   GraphTask task;
   task.parent = tCurrentTask;
   // Restores the enclosing pass however this one ends, so a throwing node or
@@ -490,6 +547,10 @@ void runWithCallbacks(const std::function<void()>& body) {
   } restore{tCurrentTask};
   tCurrentTask = &task;
   body();
+  if (keepCallbacks != nullptr) {
+    *keepCallbacks = std::move(task.callbacks);
+    return;
+  }
   // Callbacks may queue further callbacks; run until none is left. Each one
   // runs even if an earlier one threw (they belong to independent owners,
   // e.g. two DDP modules); the first exception is rethrown at the end.
@@ -552,6 +613,80 @@ TensorList grad(const TensorList& outputs, const TensorList& inputs, const Tenso
   }
   TensorList result;
   runWithCallbacks([&] { runGraph(edges, std::move(rootGrads), retainGraph, &want, &result); });
+  return result;
+}
+
+WeightGradients::WeightGradients() : state_(std::make_unique<State>()) {}
+WeightGradients::~WeightGradients() = default;
+WeightGradients::WeightGradients(WeightGradients&&) noexcept = default;
+WeightGradients& WeightGradients::operator=(WeightGradients&&) noexcept = default;
+
+size_t WeightGradients::pending() const { return state_ ? state_->nodes.size() : 0; }
+
+void WeightGradients::run() {
+  if (!state_ || state_->ran) {
+    throw InvalidArgument("WeightGradients::run: these weight gradients were already computed (run() is once per pass)");
+  }
+  State& st = *state_;
+  st.ran = true;
+  std::vector<State::DeferredNode> nodes = std::move(st.nodes);
+  st.nodes.clear();
+  runWithCallbacks([&] {
+    for (State::DeferredNode& d : nodes) {
+      TensorList out;
+      {
+        NoGradGuard noGrad;
+        detail::BackwardScope profileScope(*d.node);
+        const detail::IncomingGradients incoming(d.grads);
+        out = d.node->applySome(d.grads, d.which);
+        detail::anomalyCheckBackward(*d.node, incoming, out);
+      }
+      d.grads.clear();
+      d.node->releaseVariables();
+      d.node->markReleased();
+      const auto& edges = d.node->nextEdges();
+      for (size_t i = 0; i < d.which.size(); ++i) {
+        if (!d.which[i]) continue;
+        Node* acc = edges[i].node.get();
+        Tensor& sum = st.sums[acc];
+        if (i < out.size()) accumulateInto(sum, std::move(out[i]));
+        if (--st.remaining[acc] > 0) continue;
+        // The weight's last contribution: accumulate once, so its hooks fire once, now.
+        Tensor g = std::move(sum);
+        st.sums.erase(acc);
+        if (g.defined()) {
+          NoGradGuard noGrad;
+          acc->apply(TensorList{std::move(g)});
+        }
+      }
+      d.node.reset();
+    }
+    for (auto& fn : st.callbacks) queueCallback(std::move(fn));
+    st.callbacks.clear();
+  });
+}
+
+WeightGradients backwardDeferringWeights(const TensorList& roots, const TensorList& grads,
+                                         const TensorList& weights) {
+  TensorList rootGrads = prepareRootGrads(roots, grads);
+  std::vector<Edge> edges;
+  for (const Tensor& r : roots) edges.push_back(autograd::edgeFor(r));
+  WeightGradients result;
+  Deferral deferral;
+  deferral.out = result.state_.get();
+  std::vector<std::shared_ptr<Node>> accumulators;  // keeps each weight's node for the pass
+  for (const Tensor& w : weights) {
+    if (!w.defined() || !w.requiresGrad()) continue;  // frozen weights have no gradient to defer
+    if (!w.isLeaf()) {
+      throw InvalidArgument(str("backwardDeferringWeights: weight ", w.describe(),
+                                w.name().empty() ? "" : " '" + w.name() + "'", " is not a leaf (output of ",
+                                w.gradFn()->name(), "); pass parameters"));
+    }
+    accumulators.push_back(autograd::gradAccumulator(w));
+    deferral.weightAccumulators.insert(accumulators.back().get());
+  }
+  runWithCallbacks([&] { runGraph(edges, std::move(rootGrads), false, nullptr, nullptr, &deferral); },
+                   &result.state_->callbacks);
   return result;
 }
 

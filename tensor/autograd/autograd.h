@@ -93,6 +93,12 @@ class Node : public std::enable_shared_from_this<Node> {
   // Gradients w.r.t. this node's outputs in; gradients w.r.t. its inputs out
   // (one per edge; undefined tensors mean zero).
   virtual TensorList apply(TensorList&& gradOutputs) = 0;
+  // Split backward (backwardDeferringWeights): computes only the gradients of
+  // the inputs i with which[i] set (the others come back undefined) and keeps
+  // the saved tensors, so that the node can be asked again for the rest. A
+  // node that returns false from splitsGradients() always runs whole.
+  virtual bool splitsGradients() const { return false; }
+  virtual TensorList applySome(const TensorList& gradOutputs, const std::vector<bool>& which);
   virtual std::string name() const = 0;
   // Frees saved tensors (called after apply unless the graph is retained).
   virtual void releaseVariables() {}
@@ -219,6 +225,49 @@ TensorList grad(const TensorList& outputs, const TensorList& inputs, const Tenso
 enum class CallbackPass { Innermost, Outermost };
 void queueCallback(std::function<void()> fn, CallbackPass pass = CallbackPass::Innermost);
 bool inBackward();
+
+// ---- deferred weight gradients (zero-bubble pipeline schedules) -----------------------------
+// backwardDeferringWeights runs backward like backward() except for the
+// gradients of `weights` (leaves that require grad): a node that feeds a
+// weight's accumulator computes the gradients of its other inputs now and
+// keeps what the weight's gradient needs (its incoming gradient and saved
+// tensors) in the returned WeightGradients. The pass's input gradients (what a
+// pipeline stage sends upstream) are therefore ready without the weight
+// gradient products, which the schedule runs later to fill its bubble.
+//  * run() computes the deferred gradients, node by node in the order the pass
+//    met them, and accumulates each weight's .grad once, when its last
+//    deferred contribution is in: the weight's hooks and post-accumulate hooks
+//    fire then, so DDP or a sharded wrapper sees a parameter ready only when
+//    its gradient really is. Callbacks queued during the first pass
+//    (queueCallback) run at the end of run(), not of the first pass: the
+//    backward is over only when its weight gradients are.
+//  * A node that cannot split (custom Functions, activation checkpointing's
+//    recompute) runs whole in the first pass; a weight it feeds accumulates
+//    then, and once more in run() if split nodes feed it too.
+//  * run() once, on the thread that ran the pass; a WeightGradients dropped
+//    without run() frees what it kept and its gradients are lost. Not
+//    thread-safe; movable, not copyable.
+class WeightGradients {
+ public:
+  WeightGradients();
+  ~WeightGradients();
+  WeightGradients(WeightGradients&&) noexcept;
+  WeightGradients& operator=(WeightGradients&&) noexcept;
+  WeightGradients(const WeightGradients&) = delete;
+  WeightGradients& operator=(const WeightGradients&) = delete;
+
+  void run();
+  // Nodes whose weight gradients wait for run(); 0 after run().
+  size_t pending() const;
+
+  struct State;
+
+ private:
+  friend WeightGradients backwardDeferringWeights(const TensorList&, const TensorList&, const TensorList&);
+  std::unique_ptr<State> state_;
+};
+WeightGradients backwardDeferringWeights(const TensorList& roots, const TensorList& grads,
+                                         const TensorList& weights);
 
 // ---- recording helpers for ops ---------------------------------------------------------------
 namespace autograd {

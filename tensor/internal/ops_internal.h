@@ -29,6 +29,8 @@ class FnNode final : public Node {
       : name_(name), saved_(std::move(saved)), fn_(std::move(fn)), inputShapes_(std::move(inputShapes)),
         inputTypes_(std::move(inputTypes)) {}
   TensorList apply(TensorList&& grads) override;
+  bool splitsGradients() const override { return true; }
+  TensorList applySome(const TensorList& grads, const std::vector<bool>& which) override;
   std::string name() const override { return name_; }
   void releaseVariables() override {
     for (auto& s : saved_) s.reset();
@@ -37,6 +39,8 @@ class FnNode final : public Node {
   std::optional<TensorList> savedTensorsForReport() const override;
 
  private:
+  TensorList run(const TensorList& grads, const std::vector<bool>* which);
+
   const char* name_;
   std::vector<SavedTensor> saved_;
   BackwardFn fn_;

@@ -1,0 +1,157 @@
+// backwardDeferringWeights: input gradients first, weight gradients later (zero-bubble pipelines).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/errors.h"
+#include "tensor/autograd/autograd.h"
+#include "tensor/autograd/function.h"
+#include "tensor/generator.h"
+#include "tensor/nn/module.h"
+#include "tensor/ops.h"
+#include "tests/testing/testing.h"
+
+namespace dt {
+namespace {
+
+using testing::expectThrowsWith;
+
+// A two-layer block with a LayerNorm: Linear (x and weight), GELU, Linear, LayerNorm.
+struct Block {
+  Generator gen{7};
+  nn::Linear up{16, 32, true, gen};
+  nn::Linear down{32, 16, true, gen};
+  nn::LayerNorm norm{{16}};
+  Tensor forward(const Tensor& x) { return norm.forward(down.forward(gelu(up.forward(x)))); }
+  std::vector<Tensor> params() { return {up.weight, up.bias, down.weight, down.bias, norm.weight, norm.bias}; }
+};
+
+Tensor input(uint64_t seed) {
+  Generator g(seed);
+  return randn({3, 5, 16}, g).setRequiresGrad(true);
+}
+
+TEST(DeferredWeightGrad, InputGradientFirstWeightsAfterRunEqualFullBackward) {
+  Block block;
+  Generator g(3);
+  const Tensor gradOut = randn({3, 5, 16}, g);
+
+  Tensor x = input(11);
+  backward({block.forward(x)}, {gradOut});
+  const Tensor wantX = x.grad().clone();
+  std::vector<Tensor> want;
+  for (Tensor& p : block.params()) want.push_back(p.grad().clone());
+  std::vector<Tensor> params = block.params();
+  zeroGrads(params, /*setToNone=*/true);
+
+  Tensor x2 = input(11);
+  WeightGradients later = backwardDeferringWeights({block.forward(x2)}, {gradOut}, block.params());
+  ASSERT_TRUE(x2.grad().defined());
+  EXPECT_TRUE(allclose(x2.grad(), wantX, 0, 0)) << "the input gradient must not wait for the weights";
+  for (const Tensor& p : block.params()) EXPECT_FALSE(p.grad().defined()) << "a weight gradient ran early";
+  // Linear x2, LayerNorm, and the bias adds: every node with a weight edge waits.
+  EXPECT_GE(later.pending(), 3u);
+
+  later.run();
+  EXPECT_EQ(later.pending(), 0u);
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(block.params()[i].grad().defined()) << "parameter " << i;
+    EXPECT_TRUE(allclose(block.params()[i].grad(), want[i], 0, 0)) << "parameter " << i;
+  }
+  expectThrowsWith<InvalidArgument>([&] { later.run(); }, {"already computed"});
+}
+
+TEST(DeferredWeightGrad, TiedWeightAccumulatesOnceWhenItsLastContributionIsIn) {
+  // One weight used by two products (a tied embedding and output head): its
+  // post-accumulate hook must fire once, after run(), with the summed gradient.
+  Generator g(5);
+  Tensor w = randn({4, 4}, g).setRequiresGrad(true);
+  Tensor x = randn({2, 4}, g).setRequiresGrad(true);
+  int fired = 0;
+  Tensor seen;
+  w.registerPostAccumulateGradHook([&](Tensor& leaf) {
+    ++fired;
+    seen = leaf.grad().clone();
+  });
+  auto forward = [&](const Tensor& in) { return sum(mm(mm(in, w), w.t())); };
+
+  Tensor xRef = x.detach().setRequiresGrad(true);
+  forward(xRef).backward();
+  const Tensor want = w.grad().clone();
+  ASSERT_EQ(fired, 1);
+  w.setGrad(Tensor());
+  fired = 0;
+
+  WeightGradients later = backwardDeferringWeights({forward(x)}, {}, {w});
+  EXPECT_EQ(fired, 0);
+  EXPECT_TRUE(allclose(x.grad(), xRef.grad(), 0, 0));
+  later.run();
+  EXPECT_EQ(fired, 1);
+  EXPECT_TRUE(allclose(seen, want, 1e-6, 1e-6));
+}
+
+TEST(DeferredWeightGrad, CallbacksQueuedInThePassRunAfterTheWeights) {
+  Block block;
+  Tensor x = input(2);
+  Tensor y = block.forward(x);
+  std::vector<std::string> order;
+  block.down.weight.registerPostAccumulateGradHook([&](Tensor&) { order.push_back("weight"); });
+  y.registerHook([&](const Tensor& grad) {
+    queueCallback([&] { order.push_back("callback"); });
+    return grad;
+  });
+  WeightGradients later = backwardDeferringWeights({sum(y)}, {}, block.params());
+  EXPECT_TRUE(order.empty()) << "the pass is not over until its weight gradients are";
+  EXPECT_FALSE(inBackward());
+  later.run();
+  EXPECT_EQ(order, (std::vector<std::string>{"weight", "callback"}));
+}
+
+struct Scale : autograd::Function<Scale> {
+  static constexpr std::string_view name = "Scale";
+  static Tensor forward(autograd::FunctionContext& ctx, const Tensor& x, const Tensor& s) {
+    ctx.saveForBackward({x, s});
+    return mul(x, s);
+  }
+  static TensorList backward(autograd::FunctionContext& ctx, const TensorList& grads) {
+    const TensorList saved = ctx.savedTensors();
+    return {mul(grads[0], saved[1]), sum(mul(grads[0], saved[0])).reshape({1})};
+  }
+};
+
+TEST(DeferredWeightGrad, NodesThatCannotSplitRunWholeInTheFirstPass) {
+  Tensor s = fromVector<float>({3}).setRequiresGrad(true);
+  Tensor x = fromVector<float>({1, 2}).setRequiresGrad(true);
+  WeightGradients later = backwardDeferringWeights({sum(Scale::apply(x, s))}, {}, {s});
+  ASSERT_TRUE(s.grad().defined()) << "a custom Function cannot split: it ran whole";
+  EXPECT_FLOAT_EQ(s.grad().item<float>(), 3.0f);
+  EXPECT_EQ(later.pending(), 0u);
+  later.run();
+  EXPECT_FLOAT_EQ(s.grad().item<float>(), 3.0f);
+}
+
+TEST(DeferredWeightGrad, RefusesANonLeafWeightByName) {
+  Tensor w = fromVector<float>({1, 2}).setRequiresGrad(true);
+  Tensor notLeaf = mul(w, 2.0);
+  notLeaf.setName("doubled");
+  expectThrowsWith<InvalidArgument>([&] { backwardDeferringWeights({sum(notLeaf)}, {}, {notLeaf}); },
+                                    {"weight", "'doubled'", "is not a leaf", "MulBackward"});
+}
+
+TEST(DeferredWeightGrad, DroppedWithoutRunLeavesNoGradientAndFreesTheGraph) {
+  Block block;
+  std::weak_ptr<Node> node;
+  {
+    Tensor y = block.forward(input(4));
+    node = y.gradFn();
+    WeightGradients later = backwardDeferringWeights({sum(y)}, {}, block.params());
+    EXPECT_GT(later.pending(), 0u);
+  }
+  EXPECT_TRUE(node.expired()) << "the deferred nodes outlived their WeightGradients";
+  for (const Tensor& p : block.params()) EXPECT_FALSE(p.grad().defined());
+}
+
+}  // namespace
+}  // namespace dt
