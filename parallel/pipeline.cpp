@@ -290,6 +290,7 @@ struct PipelineRunner::Slot {
   Tensor output;       // its output (the last stage: the loss)
   Tensor outputGrad;   // the gradient of the output, received or handed over
   Tensor inputGrad;    // after backward: what goes to the previous stage
+  WeightGradients weights;  // after I: the weight gradients its W computes
   bool backwardDone = false;
 };
 
@@ -443,6 +444,7 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
     return buffer;
   };
 
+  std::vector<TensorList> chunkParameters(stages_.chunks.size());  // filled at a chunk's first I
   const std::vector<Action>& actions = s.ranks[static_cast<size_t>(rank_)];
   for (current = 0; current < static_cast<int>(actions.size()); ++current) {
     const Action& a = actions[static_cast<size_t>(current)];
@@ -484,14 +486,25 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
         break;
       case ActionKind::B:
       case ActionKind::I: {
+        Tensor root = slot.output, rootGrad;
         if (stage == stages - 1) {
-          (slot.output * (1.0 / m)).backward();
+          root = slot.output * (1.0 / m);
         } else {
           if (s.rankOfStage(stage + 1) == rank_) slot.outputGrad = slots[{a.microBatch, stage + 1}].inputGrad;
           if (!slot.outputGrad.defined()) {
-            throw InvalidArgument(str("B", a.microBatch, " of stage ", stage, " before its output's gradient arrived"));
+            throw InvalidArgument(str(a.kind == ActionKind::B ? "B" : "I", a.microBatch, " of stage ", stage,
+                                      " before its output's gradient arrived"));
           }
-          slot.output.backward(slot.outputGrad);
+          rootGrad = slot.outputGrad;
+        }
+        const TensorList rootGrads = rootGrad.defined() ? TensorList{rootGrad} : TensorList{};
+        if (a.kind == ActionKind::B) {
+          backward({root}, rootGrads);
+        } else {
+          // Input gradients now (what the previous stage waits for); the weight products at W.
+          TensorList& weights = chunkParameters[static_cast<size_t>(a.chunk)];
+          if (weights.empty()) weights = chunk->parameters();
+          slot.weights = backwardDeferringWeights({root}, rootGrads, weights);
         }
         if (stage > 0) slot.inputGrad = slot.input.grad();
         // The graph and activations go now; the input gradient stays until it is sent or handed over.
@@ -502,7 +515,11 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
         break;
       }
       case ActionKind::W:
-        break;  // the backward split is not built: I ran the whole backward
+        if (!slot.backwardDone) {
+          throw InvalidArgument(str("W", a.microBatch, " of stage ", stage, " before its I"));
+        }
+        slot.weights.run();
+        break;
       case ActionKind::SendB:
         sendChecked(slot.inputGrad, peerRank(s, rank_, a), false, stage - 1, a.microBatch, stage - 1);
         slot.inputGrad = Tensor();

@@ -37,9 +37,11 @@
 //  * B (and I) runs backward: on the last stage from loss / m, so the gradients are the mean over
 //    the m micro-batches as the unsplit model's over the global batch; elsewhere from the
 //    received gradient of the stage's output. Parameter gradients accumulate in .grad over the
-//    micro-batches (zero them before a step, as before backward). The autograd core cannot yet
-//    split a backward into input and weight gradients: I runs the whole backward and W is a
-//    no-op (ZB-H1 and ZBV run correctly, without their bubble savings: the next phase).
+//    micro-batches (zero them before a step, as before backward).
+//  * I is the first half of a split backward (autograd's backwardDeferringWeights): the input
+//    gradient, which the previous stage waits for, without the weight-gradient products; the
+//    slot keeps what those need until its W computes them and accumulates each parameter's
+//    .grad (the parameter's hooks fire then).
 //  * step returns the mean loss over the m micro-batches, broadcast from the last stage's rank
 //    over the pp group, so every rank returns the same value.
 //
