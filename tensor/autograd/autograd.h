@@ -241,9 +241,11 @@ bool inBackward();
 //    its gradient really is. Callbacks queued during the first pass
 //    (queueCallback) run at the end of run(), not of the first pass: the
 //    backward is over only when its weight gradients are.
-//  * A node that cannot split (custom Functions, activation checkpointing's
-//    recompute) runs whole in the first pass; a weight it feeds accumulates
-//    then, and once more in run() if split nodes feed it too.
+//  * The built-in ops and custom Functions split (a Function's backward is
+//    called twice and learns which half from ctx.needsInputGrad). A node that
+//    cannot split (activation checkpointing's recompute, a hand-written Node)
+//    runs whole in the first pass; a weight it feeds accumulates then, and
+//    once more in run() if split nodes feed it too.
 //  * run() once, on the thread that ran the pass; a WeightGradients dropped
 //    without run() frees what it kept and its gradients are lost. Not
 //    thread-safe; movable, not copyable.

@@ -29,6 +29,25 @@ class FunctionNode final : public Node {
   FunctionContext& context() { return *ctx_; }
   std::optional<TensorList> savedTensorsForReport() const override { return ctx_->savedTensors(); }
 
+  // The split backward asks for some inputs' gradients at a time: backward sees only those as
+  // needed (a backward that consults needsInputGrad skips the rest's work) and the others are
+  // dropped whatever it returns.
+  bool splitsGradients() const override { return true; }
+  TensorList applySome(const TensorList& gradOutputs, const std::vector<bool>& which) override {
+    const std::vector<bool> needed = ctx_->needsInputGrad_;
+    struct Restore {
+      FunctionContext& ctx;
+      const std::vector<bool>& needed;
+      ~Restore() { ctx.needsInputGrad_ = needed; }
+    } restore{*ctx_, needed};
+    for (size_t i = 0; i < needed.size(); ++i) ctx_->needsInputGrad_[i] = needed[i] && i < which.size() && which[i];
+    TensorList grads = apply(TensorList(gradOutputs));
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (i >= which.size() || !which[i]) grads[i] = Tensor();
+    }
+    return grads;
+  }
+
   TensorList apply(TensorList&& gradOutputs) override {
     if (ctx_->materializeGrads_) {
       for (size_t i = 0; i < gradOutputs.size() && i < outputs_.size(); ++i) {

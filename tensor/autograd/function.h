@@ -123,7 +123,9 @@ class FunctionContext {
     (dirty_.push_back(inputs), ...);
   }
   // Whether backward's gradient for tensor input i is used (grad mode was on and
-  // the input requires grad); backward may skip computing the others.
+  // the input requires grad); backward may skip computing the others. In a split
+  // backward (backwardDeferringWeights) backward is called twice, first for the
+  // inputs that are not weights, then for the weights, and this says which.
   bool needsInputGrad(size_t tensorInput) const;
   size_t numTensorInputs() const { return needsInputGrad_.size(); }
   void setMaterializeGrads(bool materialize) { materializeGrads_ = materialize; }

@@ -109,27 +109,50 @@ TEST(DeferredWeightGrad, CallbacksQueuedInThePassRunAfterTheWeights) {
   EXPECT_EQ(order, (std::vector<std::string>{"weight", "callback"}));
 }
 
+// A custom Function that records which halves of its backward ran.
 struct Scale : autograd::Function<Scale> {
   static constexpr std::string_view name = "Scale";
+  static inline std::vector<std::string> calls;
   static Tensor forward(autograd::FunctionContext& ctx, const Tensor& x, const Tensor& s) {
     ctx.saveForBackward({x, s});
     return mul(x, s);
   }
   static TensorList backward(autograd::FunctionContext& ctx, const TensorList& grads) {
     const TensorList saved = ctx.savedTensors();
+    calls.push_back(std::string(ctx.needsInputGrad(0) ? "x" : "") + (ctx.needsInputGrad(1) ? "s" : ""));
     return {mul(grads[0], saved[1]), sum(mul(grads[0], saved[0])).reshape({1})};
   }
 };
 
-TEST(DeferredWeightGrad, NodesThatCannotSplitRunWholeInTheFirstPass) {
+TEST(DeferredWeightGrad, CustomFunctionsSplitThroughNeedsInputGrad) {
+  Scale::calls.clear();
   Tensor s = fromVector<float>({3}).setRequiresGrad(true);
   Tensor x = fromVector<float>({1, 2}).setRequiresGrad(true);
   WeightGradients later = backwardDeferringWeights({sum(Scale::apply(x, s))}, {}, {s});
-  ASSERT_TRUE(s.grad().defined()) << "a custom Function cannot split: it ran whole";
-  EXPECT_FLOAT_EQ(s.grad().item<float>(), 3.0f);
-  EXPECT_EQ(later.pending(), 0u);
+  EXPECT_EQ(x.grad().toVector<float>(), (std::vector<float>{3, 3}));
+  EXPECT_FALSE(s.grad().defined()) << "backward returned s's gradient too, and it must wait for run()";
   later.run();
   EXPECT_FLOAT_EQ(s.grad().item<float>(), 3.0f);
+  EXPECT_EQ(Scale::calls, (std::vector<std::string>{"x", "s"}));
+}
+
+// A hand-written node cannot split: it runs whole in the first pass.
+class Doubling final : public Node {
+ public:
+  TensorList apply(TensorList&& grads) override { return {mul(grads[0], 2.0)}; }
+  std::string name() const override { return "Doubling"; }
+};
+
+TEST(DeferredWeightGrad, NodesThatCannotSplitRunWholeInTheFirstPass) {
+  Tensor w = fromVector<float>({1, 2}).setRequiresGrad(true);
+  Tensor y = fromVector<float>({5, 5});
+  autograd::recordNode(std::make_shared<Doubling>(), {w}, {&y});
+  WeightGradients later = backwardDeferringWeights({sum(y)}, {}, {w});
+  ASSERT_TRUE(w.grad().defined());
+  EXPECT_EQ(w.grad().toVector<float>(), (std::vector<float>{2, 2}));
+  EXPECT_EQ(later.pending(), 0u);
+  later.run();
+  EXPECT_EQ(w.grad().toVector<float>(), (std::vector<float>{2, 2}));
 }
 
 TEST(DeferredWeightGrad, RefusesANonLeafWeightByName) {
