@@ -5,11 +5,13 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
+#include "tensor/autograd/function.h"
 #include "tensor/ops.h"
 
 namespace dt::pipeline {
@@ -297,6 +299,13 @@ struct PipelineRunner::Slot {
 double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
   std::vector<double> losses;
   int current = -1;
+  const auto start = std::chrono::steady_clock::now();
+  lastStep_ = StepTiming{};
+  struct Wall {
+    StepTiming& timing;
+    std::chrono::steady_clock::time_point start;
+    ~Wall() { timing.wallSeconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+  } wall{lastStep_, start};
   try {
     run(inputs, targets, losses, current);
   } catch (...) {
@@ -449,6 +458,17 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
   for (current = 0; current < static_cast<int>(actions.size()); ++current) {
     const Action& a = actions[static_cast<size_t>(current)];
     const int stage = s.stageOf(rank_, a.chunk);
+    const bool computes = a.kind == ActionKind::F || a.kind == ActionKind::B || a.kind == ActionKind::I ||
+                          a.kind == ActionKind::W;
+    const auto actionStart = std::chrono::steady_clock::now();
+    struct ComputeTime {
+      bool computes;
+      std::chrono::steady_clock::time_point start;
+      double& total;
+      ~ComputeTime() {
+        if (computes) total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
+    } computeTime{computes, actionStart, lastStep_.computeSeconds};
     Slot& slot = slots[{a.microBatch, stage}];
     const auto& chunk = stages_.chunks[static_cast<size_t>(a.chunk)];
     switch (a.kind) {
@@ -561,6 +581,69 @@ void PipelineRunner::syncTied() {
   pp_->batchIsendIrecv({send, recv})->wait();
   // first + last on both ranks: the same sum, bit for bit.
   grad.copy_(stages_.tiedIsLast ? add(theirs, mine) : add(mine, theirs));
+}
+
+namespace {
+
+void sleepMicros(int64_t us) {
+  if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
+// y = x * weight, with the costs slept: forward f, the input's gradient i, the weight's w.
+struct FixedCost : autograd::Function<FixedCost> {
+  static constexpr std::string_view name = "FixedCost";
+  static Tensor forward(autograd::FunctionContext& ctx, const Tensor& x, const Tensor& weight, int64_t f, int64_t i,
+                        int64_t w) {
+    ctx.saveForBackward(x, weight);
+    ctx.set("i", i);
+    ctx.set("w", w);
+    sleepMicros(f);
+    return mul(x, weight);
+  }
+  static TensorList backward(autograd::FunctionContext& ctx, const TensorList& grads) {
+    const TensorList saved = ctx.savedTensors();
+    Tensor gx, gw;
+    if (ctx.needsInputGrad(0)) {
+      sleepMicros(ctx.get<int64_t>("i"));
+      gx = mul(grads[0], saved[1]);
+    }
+    if (ctx.needsInputGrad(1)) {
+      sleepMicros(ctx.get<int64_t>("w"));
+      gw = sum(mul(grads[0], saved[0])).reshape({1});
+    }
+    return {gx, gw};
+  }
+};
+
+class FixedCostChunk final : public nn::Module {
+ public:
+  FixedCostChunk(int64_t f, int64_t i, int64_t w) : f_(f), i_(i), w_(w) {
+    weight = registerParameter("weight", ones({1}));
+  }
+  Tensor forward(const Tensor& x) override { return FixedCost::apply(x, weight, f_, i_, w_); }
+  std::string typeName() const override { return "FixedCostChunk"; }
+  Tensor weight;
+
+ private:
+  int64_t f_, i_, w_;
+};
+
+}  // namespace
+
+RunnerStages fixedCostStages(const Schedule& schedule, int rank, const Costs& costs, std::chrono::microseconds unit) {
+  if (rank < 0 || rank >= schedule.p) {
+    throw InvalidArgument(str("fixedCostStages: rank ", rank, " is outside the schedule's p=", schedule.p));
+  }
+  const auto micros = [&](double c) {
+    if (c < 0) throw InvalidArgument(str("fixedCostStages: a negative cost ", c));
+    return static_cast<int64_t>(std::llround(c * static_cast<double>(unit.count())));
+  };
+  RunnerStages out;
+  for (int c = 0; c < schedule.v; ++c) {
+    out.chunks.push_back(std::make_shared<FixedCostChunk>(micros(costs.f), micros(costs.i), micros(costs.w)));
+  }
+  out.loss = [](const Tensor& output, const Tensor& target) { return mean(mul(output, target)); };
+  return out;
 }
 
 double clipGradNorm(const PipelineRunner& runner, double maxNorm, nn::ClipGradNormOptions options) {

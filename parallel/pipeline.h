@@ -153,6 +153,18 @@ struct PipelineOptions {
   std::chrono::milliseconds causeWait{1000};
 };
 
+// Where one step's time went on one rank. wall runs from step's entry to its return; compute is
+// the rank's F, B, I and W actions; the rest (idle) is waiting: for a RECV's data, for the first
+// step's shape checks, for the sends at the end, the tied-gradient exchange and the loss's
+// broadcast. bubble() is idle over compute, simulate()'s bubble measured on this rank (start
+// the ranks' steps together, e.g. after a barrier, or a late rank's wait is not counted).
+struct StepTiming {
+  double wallSeconds = 0;
+  double computeSeconds = 0;
+  double idleSeconds() const { return wallSeconds - computeSeconds; }
+  double bubble() const { return computeSeconds > 0 ? idleSeconds() / computeSeconds : 0.0; }
+};
+
 class PipelineRunner {
  public:
   // Validates the schedule (InvalidArgument with the grid), and that it fits the group (p ranks)
@@ -170,6 +182,8 @@ class PipelineRunner {
   const RunnerStages& stages() const { return stages_; }
   const ProcessGroupPtr& group() const { return pp_; }
   int64_t steps() const { return steps_; }
+  // The last step's timing on this rank (zeros before the first; a failed step's partial).
+  const StepTiming& lastStep() const { return lastStep_; }
 
  private:
   struct Slot;
@@ -185,7 +199,19 @@ class PipelineRunner {
   int rank_;
   bool checkShapes_ = true;
   int64_t steps_ = 0;
+  StepTiming lastStep_;
 };
+
+// Stages of a fixed synthetic cost, to measure what a schedule's bubble is on a real transport
+// (the tests and bench/pipeline_bench.cpp): each of this rank's chunks multiplies its input by a
+// one-element weight and sleeps `unit` x costs.f in forward; backward sleeps unit x costs.i for
+// the input's gradient and unit x costs.w for the weight's (a B, both halves at once, sleeps
+// their sum; set costs.b = costs.i + costs.w when simulating). Sleeping, not computing, keeps
+// the ranks from competing for cores, so the measured idle time is the schedule's and the
+// transport's. Inputs on stage 0 must require grad (so that its I has an input gradient to
+// compute, as a real stage's blocks do) and have activationShape; the loss is the mean of
+// output x target.
+RunnerStages fixedCostStages(const Schedule& schedule, int rank, const Costs& costs, std::chrono::microseconds unit);
 
 // Gradient clipping by the global norm over every stage (2-norm or infinity, as nn::clipGradNorm):
 // each rank's partial statistic over its own parameters, the tied weight's last-stage copy left

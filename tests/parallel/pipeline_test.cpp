@@ -1,6 +1,6 @@
 // Pipeline parallelism's runtime (parallel/pipeline.h), threads as ranks on shm, against the
 // single-process nn::Gpt built from the same seed, dropout off: p = 2 and 4, GPipe, 1F1B,
-// interleaved 1F1B (v = 2), ZB-H1 and ZBV (I runs the whole backward, W nothing), m = 4..8.
+// interleaved 1F1B (v = 2), ZB-H1 and ZBV (I the input gradients, W the weights'), m = 4..8.
 // The loss equals the unsplit model's and every gradient (matched by name) is within 1e-12
 // relative in float64, rtol 1e-5 / atol 4e-5 in float32, over two steps with SGD between; the tied
 // embedding's gradient is the same on the first and the last stage and equals the unsplit one;
@@ -467,6 +467,47 @@ TEST(Pipeline, FewerMicroBatchesThanStagesRunOrAreRefused) {
   checkPipeline({4, Kind::GPipe, 1});
   for (Kind kind : {Kind::Interleaved, Kind::ZbH1, Kind::ZbV}) {
     EXPECT_THROW(scheduleOf(kind, 4, 2), InvalidArgument) << kindName(kind);
+  }
+}
+
+// Fixed-cost stages (sleeps): every F, I and W is timed as compute, every weight gets its
+// gradient from its W, and the wall covers the compute. The sleeps are lower bounds, whatever the
+// machine's load; the bubble against the formula is bench/pipeline_bench.cpp's (it is a time).
+TEST(Pipeline, StepTimingCountsEveryComputeActionOfFixedCostStages) {
+  constexpr int p = 2, m = 4;
+  constexpr auto unit = 2ms;
+  for (Kind kind : {Kind::OneFOneB, Kind::ZbH1, Kind::Interleaved}) {
+    SCOPED_TRACE(kindName(kind));
+    withRanks(p, [&](int rank, const ProcessGroupPtr& group) {
+      const pp::Schedule schedule = scheduleOf(kind, p, m);
+      const Shape shape{2, 3};
+      pp::PipelineRunner runner(schedule, pp::fixedCostStages(schedule, rank, {}, unit), group,
+                                {.activationShape = shape, .timeout = 20s});
+      std::vector<Tensor> inputs, targets;
+      for (int i = 0; i < m; ++i) {
+        inputs.push_back(ones(shape).setRequiresGrad(true));
+        targets.push_back(ones(shape));
+      }
+      const bool first = schedule.rankOfStage(0) == rank, last = schedule.rankOfStage(schedule.numStages() - 1) == rank;
+      for (int step = 0; step < 2; ++step) {
+        for (const auto& chunk : runner.stages().chunks) chunk->zeroGrad();
+        // mean(x * w_0 * ... * target) with every x, w and target 1: the loss is 1 and so is
+        // each weight's gradient (1/m from each micro-batch).
+        const double loss = runner.step(first ? inputs : std::vector<Tensor>{}, last ? targets : std::vector<Tensor>{});
+        EXPECT_DOUBLE_EQ(loss, 1.0);
+        for (const auto& chunk : runner.stages().chunks) {
+          for (const Tensor& w : chunk->parameters()) {
+            ASSERT_TRUE(w.grad().defined()) << "rank " << rank << ": a weight without its gradient";
+            EXPECT_FLOAT_EQ(w.grad().item<float>(), 1.0f) << "rank " << rank;
+          }
+        }
+        const pp::StepTiming& t = runner.lastStep();
+        const double sleptAtLeast = m * schedule.v * 3 * std::chrono::duration<double>(unit).count();
+        EXPECT_GE(t.computeSeconds, sleptAtLeast) << "rank " << rank << " step " << step;
+        EXPECT_GE(t.wallSeconds, t.computeSeconds) << "rank " << rank << " step " << step;
+        EXPECT_GE(t.bubble(), 0.0);
+      }
+    });
   }
 }
 
