@@ -11,7 +11,16 @@
 // disturbed), per op. Off by default: its events would add to the process's
 // peak RSS, which run_tensor_bench.sh compares with LibTorch's.
 //
+// With --gemm-shapes 1 it measures only the matrix products of the 38M GPT (L12-H8-C512-T128,
+// vocabulary 256, global batch 8: 1024 token rows at world 1, 256 at world 4): each Linear's
+// forward, input-gradient and weight-gradient product and three of the attention core's
+// per-head products, on each engine of --engines (openblas, onednn, onednn-bf16: oneDNN with
+// bfloat16 operands and float32 output), interleaved over 5 rounds, median GF/s. RESULT
+// gemm_shape lines carry the kernel that ran and the engine the auto rule picks
+// (tensor/internal/gemm.h; docs/tensor.md "Matrix products").
+//
 // Usage: tensor_bench [--threads N] [--warmup W] [--steps S] [--profiler-overhead 0|1]
+//                     [--gemm-shapes 1 [--engines openblas,onednn,onednn-bf16]]
 #include <cblas.h>
 #include <sys/resource.h>
 #include <time.h>
@@ -27,6 +36,9 @@
 #include <vector>
 
 #include "bench/bench_common.h"
+#include "common/strings.h"
+#include "tensor/internal/gemm.h"
+#include "tensor/matmul_backend.h"
 #include "tensor/nn/module.h"
 #include "tensor/ops.h"
 #include "tensor/optim/optim.h"
@@ -43,11 +55,124 @@ double peakRssMb() {
   return static_cast<double>(ru.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
+struct GemmShape {
+  std::string name;
+  int64_t m, n, k;
+  bool transA, transB;
+};
+
+// The 38M GPT's products for `rows` token rows. A Linear(in, out) is x[rows, in] . W[out, in]^T
+// forward, g[rows, out] . W input gradient, g^T . x weight gradient (ops_linalg.cpp's linear).
+std::vector<GemmShape> gptShapes(int64_t rows) {
+  struct Layer {
+    const char* name;
+    int64_t in, out;
+  };
+  static const Layer layers[] = {{"qkv", 512, 1536}, {"proj", 512, 512}, {"fc1", 512, 2048}, {"fc2", 2048, 512},
+                                 {"head", 512, 256}};
+  std::vector<GemmShape> shapes;
+  for (const Layer& l : layers) {
+    const std::string suffix = dt::str("_r", rows);
+    shapes.push_back({dt::str(l.name, "_fwd", suffix), rows, l.out, l.in, false, true});
+    shapes.push_back({dt::str(l.name, "_dx", suffix), rows, l.in, l.out, false, false});
+    shapes.push_back({dt::str(l.name, "_dw", suffix), l.out, l.in, rows, true, false});
+  }
+  return shapes;
+}
+
+// Per head (T 128, head dim 64, causal row blocks of 32): S = Q K^T, O = P V, dK = dS^T Q.
+const GemmShape kAttentionShapes[] = {
+    {"attn_qk", 32, 128, 64, false, true}, {"attn_pv", 32, 64, 128, false, false}, {"attn_dk", 128, 64, 32, true, false}};
+// Where the rule's threshold lies: small squares, skinny products (a batch of one, a single
+// output column), and the tensor benchmark's MLP layer (batch 32, Linear(1024, 1024)).
+const GemmShape kSmallShapes[] = {{"sq16", 16, 16, 16, false, false},         {"sq32", 32, 32, 32, false, false},
+                                  {"sq64", 64, 64, 64, false, false},         {"sq128", 128, 128, 128, false, true},
+                                  {"row1", 1, 512, 512, false, true},         {"col1", 1024, 1, 512, false, true},
+                                  {"rows8", 8, 512, 512, false, true},        {"mlp_fwd_b32", 32, 1024, 1024, false, true},
+                                  {"mlp_dw_b32", 1024, 1024, 32, true, false}};
+
+int runGemmShapes(int threads, const std::string& engines) {
+  using dt::detail::GemmEngine;
+  using dt::detail::GemmProblem;
+  std::vector<GemmShape> shapes = gptShapes(1024);
+  for (const GemmShape& s : gptShapes(256)) shapes.push_back(s);
+  for (const GemmShape& s : kAttentionShapes) shapes.push_back(s);
+  for (const GemmShape& s : kSmallShapes) shapes.push_back(s);
+  struct EngineRun {
+    std::string name;
+    GemmEngine engine;
+    dt::DType in;
+  };
+  std::vector<EngineRun> runs;
+  for (const std::string& e : dt::split(engines, ',')) {
+    if (e == "openblas") runs.push_back({e, GemmEngine::OpenBlas, dt::DType::Float32});
+    else if (e == "onednn") runs.push_back({e, GemmEngine::OneDnn, dt::DType::Float32});
+    else if (e == "onednn-bf16") runs.push_back({e, GemmEngine::OneDnn, dt::DType::BFloat16});
+    else {
+      std::fprintf(stderr, "unknown engine %s (openblas, onednn, onednn-bf16)\n", e.c_str());
+      return 2;
+    }
+  }
+  dt::Generator gen(7);
+  std::fprintf(stderr, "\n%-16s %5s %5s %5s %2s%2s", "shape", "m", "n", "k", "tA", "tB");
+  for (const EngineRun& r : runs) std::fprintf(stderr, " %12s", r.name.c_str());
+  std::fprintf(stderr, "  auto picks   (GF/s, threads=%d)\n", threads);
+  for (const GemmShape& s : shapes) {
+    const int64_t aRows = s.transA ? s.k : s.m, aCols = s.transA ? s.m : s.k;
+    const int64_t bRows = s.transB ? s.n : s.k, bCols = s.transB ? s.k : s.n;
+    const dt::Tensor a32 = dt::randn({aRows, aCols}, gen), b32 = dt::randn({bRows, bCols}, gen);
+    const dt::Tensor a16 = a32.to(dt::DType::BFloat16), b16 = b32.to(dt::DType::BFloat16);
+    dt::Tensor c = dt::zeros({s.m, s.n});
+    auto problem = [&](dt::DType in) {
+      const bool bf = in == dt::DType::BFloat16;
+      return GemmProblem{.inType = in, .outType = dt::DType::Float32, .transA = s.transA, .transB = s.transB,
+                         .m = s.m, .n = s.n, .k = s.k, .a = bf ? a16.dataPtr() : a32.dataPtr(), .lda = aCols,
+                         .b = bf ? b16.dataPtr() : b32.dataPtr(), .ldb = bCols, .c = c.dataPtr(), .ldc = s.n};
+    };
+    const double flops = 2.0 * static_cast<double>(s.m * s.n * s.k);
+    // Enough calls per timing for about 20 ms of work at 100 GF/s.
+    const int calls = static_cast<int>(std::clamp(2e9 / flops, 3.0, 20000.0));
+    std::vector<std::vector<double>> rates(runs.size());
+    std::vector<std::string> kernels(runs.size());
+    for (size_t r = 0; r < runs.size(); ++r) {  // warm-up: creates oneDNN's primitives, wakes the pools
+      const GemmProblem p = problem(runs[r].in);
+      const GemmEngine ran = dt::detail::cpuGemmOn(runs[r].engine, p);
+      for (int i = 0; i < calls / 3 + 1; ++i) dt::detail::cpuGemmOn(runs[r].engine, p);
+      kernels[r] = ran == GemmEngine::OneDnn ? "onednn:" + dt::detail::onednn::implName(p) : "openblas:" + dt::blasKernelName();
+    }
+    for (int round = 0; round < 5; ++round) {
+      for (size_t r = 0; r < runs.size(); ++r) {
+        const GemmProblem p = problem(runs[r].in);
+        const auto t0 = Clock::now();
+        for (int i = 0; i < calls; ++i) dt::detail::cpuGemmOn(runs[r].engine, p);
+        const double t = std::chrono::duration<double>(Clock::now() - t0).count();
+        rates[r].push_back(flops * calls / t / 1e9);
+      }
+    }
+    const GemmEngine pick = dt::detail::gemmEngineFor(problem(dt::DType::Float32));
+    std::fprintf(stderr, "%-16s %5lld %5lld %5lld %2d%2d", s.name.c_str(), static_cast<long long>(s.m),
+                 static_cast<long long>(s.n), static_cast<long long>(s.k), s.transA, s.transB);
+    for (size_t r = 0; r < runs.size(); ++r) std::fprintf(stderr, " %12.1f", dt::bench::median(rates[r]));
+    std::fprintf(stderr, "  %s\n", dt::detail::gemmEngineName(pick));
+    for (size_t r = 0; r < runs.size(); ++r) {
+      std::printf("RESULT gemm_shape impl=%s shape=%s m=%lld n=%lld k=%lld trans_a=%d trans_b=%d threads=%d kernel=%s "
+                  "auto=%s gflops=%.2f\n",
+                  runs[r].name.c_str(), s.name.c_str(), static_cast<long long>(s.m), static_cast<long long>(s.n),
+                  static_cast<long long>(s.k), s.transA, s.transB, threads, kernels[r].c_str(),
+                  dt::detail::gemmEngineName(pick), dt::bench::median(rates[r]));
+    }
+  }
+  std::fprintf(stderr, "matmul kernels: %s; oneDNN primitives created: %lld\n\n", dt::matmulKernelName().c_str(),
+               static_cast<long long>(dt::detail::onednn::primitivesCreated()));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int threads = 1, warmup = 5, steps = 30;
-  bool profilerOverhead = false;
+  bool profilerOverhead = false, gemmShapes = false;
+  std::string engines = dt::onednnAvailable() ? "openblas,onednn,onednn-bf16" : "openblas";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--threads")) {
       threads = std::atoi(argv[i + 1]);
@@ -57,12 +182,17 @@ int main(int argc, char** argv) {
       steps = std::atoi(argv[i + 1]);
     } else if (!std::strcmp(argv[i], "--profiler-overhead")) {
       profilerOverhead = std::atoi(argv[i + 1]) != 0;
+    } else if (!std::strcmp(argv[i], "--gemm-shapes")) {
+      gemmShapes = std::atoi(argv[i + 1]) != 0;
+    } else if (!std::strcmp(argv[i], "--engines")) {
+      engines = argv[i + 1];
     } else {
       std::fprintf(stderr, "unknown arg %s\n", argv[i]);
       return 2;
     }
   }
   dt::setNumThreads(threads);
+  if (gemmShapes) return runGemmShapes(threads, engines);
   const std::string blas = dt::bench::blasName();
 
   // ---- MLP training step (first, as in the LibTorch peer, so peak RSS is comparable) ----
@@ -172,14 +302,17 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr, "\n");
 
-  std::printf("RESULT sgemm impl=dtrain m=%d n=%d k=%d threads=%d blas=%s time_ms=%.3f gflops=%.2f\n", n, n, n, threads,
-              blas.c_str(), tDt * 1e3, flops / tDt / 1e9);
-  std::printf("RESULT sgemm impl=cblas m=%d n=%d k=%d threads=%d blas=%s time_ms=%.3f gflops=%.2f\n", n, n, n, threads,
-              blas.c_str(), tBlas * 1e3, flops / tBlas / 1e9);
+  // matmul=: what ran dtrain's products (tensor/matmul_backend.h); the cblas line ran OpenBLAS directly.
+  const std::string kernels = dt::matmulKernelName();
+  std::printf("RESULT sgemm impl=dtrain m=%d n=%d k=%d threads=%d blas=%s matmul=%s time_ms=%.3f gflops=%.2f\n", n, n,
+              n, threads, blas.c_str(), kernels.c_str(), tDt * 1e3, flops / tDt / 1e9);
+  std::printf("RESULT sgemm impl=cblas m=%d n=%d k=%d threads=%d blas=%s matmul=openblas:%s time_ms=%.3f gflops=%.2f\n",
+              n, n, n, threads, blas.c_str(), dt::blasKernelName().c_str(), tBlas * 1e3, flops / tBlas / 1e9);
   std::printf(
-      "RESULT ddp_mlp impl=dtrain world=1 batch=%lld threads=%d blas=%s steps=%d step_ms=%.2f min_ms=%.2f mean_ms=%.2f "
-      "samples_per_s=%.1f peak_rss_mb=%.1f\n",
-      static_cast<long long>(kBatch), threads, blas.c_str(), steps, med * 1e3, minD * 1e3, mean * 1e3, kBatch / med, rss);
+      "RESULT ddp_mlp impl=dtrain world=1 batch=%lld threads=%d blas=%s matmul=%s steps=%d step_ms=%.2f min_ms=%.2f "
+      "mean_ms=%.2f samples_per_s=%.1f peak_rss_mb=%.1f\n",
+      static_cast<long long>(kBatch), threads, blas.c_str(), kernels.c_str(), steps, med * 1e3, minD * 1e3, mean * 1e3,
+      kBatch / med, rss);
   if (profilerOverhead) {
     std::printf(
         "RESULT profiler_overhead impl=dtrain op=add4 ops=%d off_ns=%.1f on_ns=%.1f per_op_ns=%.1f "

@@ -16,6 +16,7 @@ constexpr std::array kKnobs = {
     // common
     Knob{"DT_LOG_LEVEL", "warn", "Log level for every dtrain logger: trace, debug, info, warn, error, off.", "user"},
     Knob{"DT_NUM_THREADS", "", "Intra-op threads for tensor ops. Default: the machine's cores, or 1 when dtrun runs several ranks on one machine.", "user, dtrun"},
+    Knob{"DT_MATMUL_BACKEND", "auto", "Which library runs float32 CPU matrix products (mm, bmm, matmul, linear): auto (per shape, by the measured rule of docs/tensor.md), openblas or onednn (every product). bfloat16 products run on oneDNN unless openblas. Read at the first product.", "user"},
     Knob{"DT_DEBUG", "off", "Debug checks: off, info, or detail (detail compares collective fingerprints across ranks before every collective).", "user"},
     Knob{"DT_DETECT_ANOMALY", "0", "Anomaly mode for every thread without a dt::AnomalyMode guard: 1 finds the first backward function that returns a NaN or Inf, forward also checks every op's forward output; 0 off. Read once, at the first tensor op.", "user"},
     Knob{"DT_PROFILE", "", "Profile the whole process (tensor ops, backward, collectives, DDP buckets) and write a Chrome trace to this path at exit, {rank} replaced by the rank (without it and with WORLD_SIZE > 1, .rank<r> goes before the extension), plus the table to <path>.txt. See docs/profiling.md.", "user"},

@@ -1,5 +1,6 @@
-// Matrix products through OpenBLAS on the cpu and cuBLAS on CUDA. Transposed operands become
-// CblasTrans / CUBLAS_OP_T (no copies); only operands whose strides BLAS cannot express are copied.
+// Matrix products through OpenBLAS or oneDNN on the cpu (tensor/internal/gemm.h routes them) and
+// cuBLAS on CUDA. Transposed operands become CblasTrans / CUBLAS_OP_T or oneDNN's transposed
+// strides (no copies); only operands whose strides BLAS cannot express are copied.
 #include <cblas.h>
 
 #include <cstring>
@@ -9,6 +10,7 @@
 #include "common/config.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/fast_kernels.h"
+#include "tensor/internal/gemm.h"
 #include "tensor/internal/op_scope.h"
 #include "tensor/internal/ops_internal.h"
 #include "tensor/parallel.h"
@@ -68,17 +70,16 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double be
 #endif
     return;
   }
-  numThreads();  // makes sure OpenBLAS's thread count follows DT_NUM_THREADS
-  if (out.dtype() == DType::Float32) {
-    cblas_sgemm(CblasRowMajor, A.trans, B.trans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                static_cast<float>(alpha), static_cast<const float*>(A.data), A.ld, static_cast<const float*>(B.data),
-                B.ld, static_cast<float>(beta), static_cast<float*>(out.dataPtr()), ldc);
-  } else {
-    cblas_dgemm(CblasRowMajor, A.trans, B.trans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha,
-                static_cast<const double*>(A.data), A.ld, static_cast<const double*>(B.data), B.ld, beta,
-                static_cast<double*>(out.dataPtr()), ldc);
-  }
+  cpuGemm(GemmProblem{.inType = a.dtype(), .outType = out.dtype(), .transA = A.trans == CblasTrans,
+                      .transB = B.trans == CblasTrans, .m = m, .n = n, .k = k, .a = A.data, .lda = A.ld,
+                      .b = B.data, .ldb = B.ld, .c = out.dataPtr(), .ldc = ldc, .alpha = alpha, .beta = beta});
   out.bumpVersion();
+}
+
+// The dtype a product's operands are converted to: bfloat16 ones stay bfloat16 on the cpu where
+// oneDNN runs them natively (float32 accumulation and output); otherwise the compute type.
+DType operandType(const Tensor& a, DType computeType) {
+  return a.device().isCpu() ? gemmOperandType(a.dtype(), computeType) : computeType;
 }
 
 DType gemmType(const Tensor& a, const Tensor& b, const char* op) {
@@ -96,8 +97,9 @@ DType gemmType(const Tensor& a, const Tensor& b, const char* op) {
 Tensor mmNoGrad(const Tensor& a, const Tensor& b) {
   NoGradGuard noGrad;
   const DType ct = gemmType(a, b, "mm");
+  const DType it = operandType(a, ct);
   Tensor out = empty({a.sizes()[0], b.sizes()[1]}, ct, a.device());
-  gemm(a.to(ct), b.to(ct), out, 1.0, 0.0);
+  gemm(a.to(it), b.to(it), out, 1.0, 0.0);
   return out.to(a.dtype());
 }
 
@@ -120,10 +122,37 @@ Tensor mm(const Tensor& a, const Tensor& b) {
 
 namespace {
 
+// Each operand's matrices share one layout (a tensor's strides are the same in every batch
+// entry), so the first matrix's transpose flag and leading dim hold for all; an operand BLAS
+// cannot read as it is gets one contiguous copy.
+std::pair<Tensor, BlasOperand> batchLayout(const Tensor& t) {
+  Tensor first = detail::selectNoGrad(t, 0, 0);
+  BlasOperand op = blasOperand(first);
+  if (op.data == first.dataPtr()) return {t, op};
+  Tensor dense = t.contiguous();
+  return {dense, blasOperand(detail::selectNoGrad(dense, 0, 0))};
+}
+
+// One call for the whole batch: oneDNN runs it as one batched primitive, OpenBLAS as a loop.
+void bmmCpu(const Tensor& a, const Tensor& b, Tensor& out) {
+  const int64_t batch = a.sizes()[0], m = a.sizes()[1], k = a.sizes()[2], n = b.sizes()[2];
+  if (batch == 0 || m == 0 || n == 0) return;
+  if (k == 0) {
+    out.zero_();
+    return;
+  }
+  const auto [A, la] = batchLayout(a);
+  const auto [B, lb] = batchLayout(b);
+  const int64_t ldc = std::max<int64_t>(out.strides()[1], std::max<int64_t>(1, n));
+  cpuGemm(GemmProblem{.inType = A.dtype(), .outType = out.dtype(), .transA = la.trans == CblasTrans,
+                      .transB = lb.trans == CblasTrans, .batch = batch, .m = m, .n = n, .k = k, .a = la.data,
+                      .lda = la.ld, .strideA = A.strides()[0], .b = lb.data, .ldb = lb.ld, .strideB = B.strides()[0],
+                      .c = out.dataPtr(), .ldc = ldc, .strideC = out.strides()[0]});
+  out.bumpVersion();
+}
+
 #if DT_HAVE_CUDA
-// One cuBLAS call for the whole batch. Each operand's matrices share one layout (a tensor's
-// strides are the same in every batch entry), so the first matrix's transpose flag and leading
-// dim hold for all; an operand BLAS cannot read as it is gets one contiguous copy.
+// One cuBLAS call for the whole batch, with batchLayout's operands.
 void bmmCuda(const Tensor& a, const Tensor& b, Tensor& out) {
   const int64_t batch = a.sizes()[0], m = a.sizes()[1], k = a.sizes()[2], n = b.sizes()[2];
   if (batch == 0 || m == 0 || n == 0) return;
@@ -131,15 +160,8 @@ void bmmCuda(const Tensor& a, const Tensor& b, Tensor& out) {
     out.zero_();
     return;
   }
-  auto layout = [](const Tensor& t) {
-    Tensor first = detail::selectNoGrad(t, 0, 0);
-    BlasOperand op = blasOperand(first);
-    if (op.data == first.dataPtr()) return std::pair<Tensor, BlasOperand>(t, op);
-    Tensor dense = t.contiguous();
-    return std::pair<Tensor, BlasOperand>(dense, blasOperand(detail::selectNoGrad(dense, 0, 0)));
-  };
-  const auto [A, la] = layout(a);
-  const auto [B, lb] = layout(b);
+  const auto [A, la] = batchLayout(a);
+  const auto [B, lb] = batchLayout(b);
   const int64_t ldc = std::max<int64_t>(out.strides()[1], std::max<int64_t>(1, n));
   cuda::gemmStridedBatched(out.device(), out.dtype(), la.trans == CblasTrans, lb.trans == CblasTrans, m, n, k,
                            1.0, A.dataPtr(), la.ld, A.strides()[0], B.dataPtr(), lb.ld, B.strides()[0], 0.0,
@@ -151,7 +173,8 @@ void bmmCuda(const Tensor& a, const Tensor& b, Tensor& out) {
 Tensor bmmNoGrad(const Tensor& a, const Tensor& b) {
   NoGradGuard noGrad;
   const DType ct = gemmType(a, b, "bmm");
-  const Tensor A = a.to(ct), B = b.to(ct);
+  const DType it = operandType(a, ct);
+  const Tensor A = a.to(it), B = b.to(it);
   const int64_t batch = a.sizes()[0];
   Tensor out = empty({batch, a.sizes()[1], b.sizes()[2]}, ct, a.device());
   if (!out.device().isCpu()) {
@@ -160,10 +183,7 @@ Tensor bmmNoGrad(const Tensor& a, const Tensor& b) {
 #endif
     return out.to(a.dtype());
   }
-  for (int64_t i = 0; i < batch; ++i) {
-    Tensor o = detail::selectNoGrad(out, 0, i);
-    gemm(detail::selectNoGrad(A, 0, i), detail::selectNoGrad(B, 0, i), o, 1.0, 0.0);
-  }
+  bmmCpu(A, B, out);
   return out.to(a.dtype());
 }
 }  // namespace
@@ -244,8 +264,10 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
   std::optional<NoGradGuard> noGrad(std::in_place);
   Tensor x2 = detail::canView(x, {rows, in}) ? detail::viewNoGrad(x, {rows, in}) : detail::viewNoGrad(x.contiguous(), {rows, in});
-  x2 = x2.to(ct);
-  const Tensor w = weight.to(ct);
+  // ct: the output's and gradients' compute type; it: the gemm operands' (bfloat16 on oneDNN).
+  const DType it = operandType(x, ct);
+  x2 = x2.to(it);
+  const Tensor w = weight.to(it);
   Tensor out = empty({rows, outF}, ct, x.device());
   double beta = 0.0;
   if (bias.defined()) {
@@ -271,22 +293,24 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   recordFn(
       "LinearBackward", {x, weight, bias}, result,
       [&] { return std::vector<SavedTensor>{SavedTensor(x2), SavedTensor(w)}; },
-      [xShape, rows, outF, ct, hasBias](const BackwardContext& c) -> TensorList {
+      [xShape, rows, outF, ct, it, hasBias](const BackwardContext& c) -> TensorList {
         Tensor g = c.grads[0];
         if (g.dtype() != ct) g = g.to(ct);
         Tensor g2 = detail::canView(g, {rows, outF}) ? detail::viewNoGrad(g, {rows, outF})
                                                        : detail::viewNoGrad(g.contiguous(), {rows, outF});
+        // The bias gradient sums g in the compute type; the two products take `it` operands.
+        const Tensor gOp = it == ct ? g2 : g2.to(it);
         const Tensor& xs = c.saved[0];
         const Tensor& ws = c.saved[1];
         Tensor gx, gw, gb;
         if (c.needs[0]) {
           gx = empty({rows, ws.sizes()[1]}, ct, ws.device());
-          gemm(g2, ws, gx, 1.0, 0.0);  // [rows, out] . [out, in]
+          gemm(gOp, ws, gx, 1.0, 0.0);  // [rows, out] . [out, in]
           gx = detail::viewNoGrad(gx, xShape);
         }
         if (c.needs[1]) {
           gw = empty(ws.sizes(), ct, ws.device());
-          gemm(g2.t(), xs, gw, 1.0, 0.0);  // [out, rows] . [rows, in]
+          gemm(gOp.t(), xs, gw, 1.0, 0.0);  // [out, rows] . [rows, in]
         }
         if (hasBias && c.needs[2]) {
           if (g2.device().isCpu() && ct == DType::Float32 && g2.isContiguous()) {

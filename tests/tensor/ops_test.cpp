@@ -19,6 +19,7 @@
 #include "common/sanitizers.h"
 #include "tensor/autograd/gradcheck.h"
 #include "tensor/ops.h"
+#include "tensor/matmul_backend.h"
 #include "tensor/parallel.h"
 #include "tests/testing/testing.h"
 
@@ -441,6 +442,8 @@ TEST(Threads, StoppedBlasWorkersComeBackForTheNextThreadedCall) {
 #endif
   const int before = numThreads();
   setNumThreads(2);
+  // The products must reach OpenBLAS's pool, whatever the auto rule would pick (tensor/matmul_backend.h).
+  setMatmulBackend(MatmulBackend::OpenBlas);
   const Tensor a = full({384, 384}, 0.5);
   const Tensor b = full({384, 384}, 2.0);
   const Tensor expected = full({384, 384}, 384.0);
@@ -448,6 +451,7 @@ TEST(Threads, StoppedBlasWorkersComeBackForTheNextThreadedCall) {
   const int withWorkers = threadCount();
   if (!stopIdleBlasWorkers()) {
     setNumThreads(before);
+    setMatmulBackend(MatmulBackend::Auto);
     GTEST_SKIP() << "this BLAS library has no worker pool of its own to stop";
   }
   EXPECT_EQ(threadCount(), withWorkers - 1) << "the one OpenBLAS worker of a 2-thread call stopped";
@@ -455,6 +459,7 @@ TEST(Threads, StoppedBlasWorkersComeBackForTheNextThreadedCall) {
   EXPECT_EQ(threadCount(), withWorkers) << "and came back for the next one";
   EXPECT_TRUE(c.allclose(expected));
   setNumThreads(before);
+  setMatmulBackend(MatmulBackend::Auto);
 }
 
 TEST(Threads, KnobAndParallelForCoverage) {

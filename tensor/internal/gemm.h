@@ -1,0 +1,72 @@
+// Internal: the CPU matrix product below mm, bmm, matmul and linear, routed to OpenBLAS or
+// oneDNN (tensor/matmul_backend.h says which, docs/tensor.md "Matrix products" why).
+//
+// Contract: thread-safe (any number of threads may multiply at once; oneDNN's primitives are
+// cached per shape behind a mutex and run with per-thread scratch memory). Blocking: returns
+// when C is written, having run on numThreads() threads (OpenBLAS's pool, or oneDNN's OpenMP
+// team of the calling thread). Pointers are borrowed for the call only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "tensor/dtype.h"
+
+namespace dt::detail {
+
+enum class GemmEngine : uint8_t { OpenBlas, OneDnn };
+const char* gemmEngineName(GemmEngine engine);
+
+// C[i] = alpha * op(A[i]) . op(B[i]) + beta * C[i] for i < batch, row-major as CBLAS: op(A) is
+// [m, k], op(B) [k, n], C [m, n]; trans means the operand is stored as the transpose (rows of
+// the stored matrix ld apart). Matrix i of an operand starts stride elements after matrix i-1.
+struct GemmProblem {
+  DType inType = DType::Float32;  // A and B: Float32, Float64 or BFloat16
+  DType outType = DType::Float32;  // C: Float64 with Float64 inputs, else Float32
+  bool transA = false, transB = false;
+  int64_t batch = 1, m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0, strideA = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0, strideB = 0;
+  void* c = nullptr;
+  int64_t ldc = 0, strideC = 0;
+  double alpha = 1.0, beta = 0.0;
+};
+
+// Whether OpenBLAS's kernels (`core`, blasKernelName()) use the CPU's widest vectors: the auto
+// rule sends large float32 products to oneDNN only where they do not (docs/tensor.md).
+bool openblasKernelsFitCpu(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2);
+
+// The engine the current setting picks for p (Float64 always OpenBLAS).
+GemmEngine gemmEngineFor(const GemmProblem& p);
+// Runs p on the engine the setting picks; returns the one that ran (OpenBLAS where oneDNN has
+// no optimised implementation for the problem).
+GemmEngine cpuGemm(const GemmProblem& p);
+// Runs p on `engine` whatever the setting (benchmarks, tests); same fallback.
+GemmEngine cpuGemmOn(GemmEngine engine, const GemmProblem& p);
+
+// The operand dtype a product of `in` operands computing in `compute` should convert them to:
+// BFloat16 when bf16 kernels run natively and the setting allows oneDNN, else `compute`. The
+// first bf16 product that falls back logs one line naming the reason (module "tensor", warn).
+DType gemmOperandType(DType in, DType compute);
+
+namespace onednn {
+// Runs p on oneDNN; false (nothing written) when oneDNN has only a reference implementation for
+// it or cannot express it. Only in a build with DT_HAVE_ONEDNN (elsewhere always false).
+bool gemm(const GemmProblem& p);
+// oneDNN's implementation string for p ("brg:avx512_core", "gemm:jit"), or "" when gemm(p)
+// would return false.
+std::string implName(const GemmProblem& p);
+// Primitives created so far by this process's cache (a training step creates none after its first).
+int64_t primitivesCreated();
+// Products oneDNN ran so far (tests use it to see that a product did not fall back).
+int64_t productsRun();
+// "2.6.3"; "" without oneDNN.
+std::string version();
+// bf16 support within oneDNN's effective ISA; reason "" when native.
+bool bf16Native();
+std::string bf16MissingReason();
+}  // namespace onednn
+
+}  // namespace dt::detail

@@ -1,0 +1,249 @@
+// The CPU matrix product's routing between OpenBLAS and oneDNN, and the OpenBLAS side of it.
+// The oneDNN side is tensor/onednn_matmul.cpp (only in a build with DT_HAVE_ONEDNN).
+#include "tensor/matmul_backend.h"
+
+#include <cblas.h>
+#include <strings.h>
+
+#include <atomic>
+#include <mutex>
+#include <vector>
+
+#include "common/check.h"
+#include "common/config.h"
+#include "common/env.h"
+#include "common/errors.h"
+#include "common/logging.h"
+#include "common/strings.h"
+#include "tensor/internal/gemm.h"
+#include "tensor/parallel.h"
+
+namespace dt {
+
+namespace {
+
+// -1: not read yet; else a MatmulBackend.
+std::atomic<int> gBackend{-1};
+
+void requireBuildHas(MatmulBackend backend, const std::string& what) {
+  if (backend == MatmulBackend::OneDnn && !onednnAvailable()) {
+    throw NotSupportedError(str(what, " asks for oneDNN, but this build of dtrain has none (DT_USE_ONEDNN=OFF, or libdnnl-dev "
+                                      "was not installed when it was configured: scripts/setup.sh installs it)"));
+  }
+}
+
+}  // namespace
+
+const char* matmulBackendName(MatmulBackend backend) {
+  switch (backend) {
+    case MatmulBackend::Auto: return "auto";
+    case MatmulBackend::OpenBlas: return "openblas";
+    case MatmulBackend::OneDnn: return "onednn";
+  }
+  return "?";
+}
+
+MatmulBackend parseMatmulBackend(std::string_view text) {
+  for (MatmulBackend b : {MatmulBackend::Auto, MatmulBackend::OpenBlas, MatmulBackend::OneDnn}) {
+    const char* name = matmulBackendName(b);
+    if (text.size() == std::strlen(name) && strncasecmp(text.data(), name, text.size()) == 0) return b;
+  }
+  throw InvalidArgument(str("matrix product backend '", text, "' is not known: expected auto, openblas or onednn"));
+}
+
+MatmulBackend matmulBackend() {
+  int v = gBackend.load(std::memory_order_acquire);
+  if (v >= 0) return static_cast<MatmulBackend>(v);
+  const std::string text = env::getString("DT_MATMUL_BACKEND");
+  MatmulBackend b = MatmulBackend::Auto;
+  try {
+    b = parseMatmulBackend(text);
+  } catch (const InvalidArgument&) {
+    throw InvalidArgument(str("DT_MATMUL_BACKEND=", text, " is not valid: expected auto, openblas or onednn"));
+  }
+  requireBuildHas(b, str("DT_MATMUL_BACKEND=", text));
+  // Two threads reading it at once store the same value.
+  gBackend.store(static_cast<int>(b), std::memory_order_release);
+  return b;
+}
+
+void setMatmulBackend(MatmulBackend backend) {
+  requireBuildHas(backend, str("setMatmulBackend(", matmulBackendName(backend), ")"));
+  gBackend.store(static_cast<int>(backend), std::memory_order_release);
+}
+
+bool onednnAvailable() { return DT_HAVE_ONEDNN != 0; }
+
+bool bf16MatmulNative() { return detail::onednn::bf16Native(); }
+
+std::string bf16MatmulFallbackReason() {
+  if (!onednnAvailable()) return "this build of dtrain has no oneDNN (DT_USE_ONEDNN)";
+  return detail::onednn::bf16MissingReason();
+}
+
+namespace detail {
+
+const char* gemmEngineName(GemmEngine engine) { return engine == GemmEngine::OneDnn ? "onednn" : "openblas"; }
+
+namespace {
+
+// The measured rule (docs/tensor.md, "Matrix products", the table there). OpenBLAS keeps:
+//  * products under 2^18 multiply-adds (64^3) and matrix-vector ones (m or n is 1), where
+//    oneDNN's per-call cost (cache lookup, memory objects, its OpenMP team) is not won back:
+//    16^3 ran 40-80 GF/s on OpenBLAS and 5 on oneDNN, 1x512x512 51 and 15;
+//  * every product while OpenBLAS runs kernels made for this CPU's vector width: there both ran
+//    the GPT's products at 170-200 GF/s on one thread, OpenBLAS ahead on the attention-sized
+//    ones (213 vs 120), and OpenBLAS's threads stood a busy machine better than oneDNN's
+//    OpenMP team (which fell to 8-60 GF/s at two threads beside a compile).
+// oneDNN takes the rest where OpenBLAS runs older kernels than the CPU has (OPENBLAS_CORETYPE
+// forced to an older core, or a CPU model newer than the library): 1.8-2x there.
+constexpr int64_t kOneDnnMinMacs = int64_t{1} << 18;
+
+// OpenBLAS's cores by the widest vectors their sgemm kernels use: 512, 256, else older.
+int coreVectorBits(const std::string& core) {
+  for (const char* c : {"SkylakeX", "Cooperlake", "SapphireRapids"}) {
+    if (strcasecmp(core.c_str(), c) == 0) return 512;
+  }
+  for (const char* c : {"Haswell", "Zen", "Excavator", "Steamroller"}) {
+    if (strcasecmp(core.c_str(), c) == 0) return 256;
+  }
+  for (const char* c : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Katmai", "Coppermine",
+                        "Northwood", "Banias", "Sandybridge", "Bulldozer", "Piledriver", "Opteron", "Barcelona"}) {
+    if (strcasecmp(core.c_str(), c) == 0) return 128;
+  }
+  return 0;  // a name this table does not know (a newer OpenBLAS): taken as fitting
+}
+
+}  // namespace
+
+bool openblasKernelsFitCpu(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2) {
+  const int have = coreVectorBits(core);
+  if (have == 0) return true;
+  const int cpu = cpuHasAvx512 ? 512 : cpuHasAvx2 ? 256 : 128;
+  return have >= cpu;
+}
+
+namespace {
+
+bool autoPrefersOneDnn(const GemmProblem& p) {
+  if (p.m == 1 || p.n == 1 || p.m * p.n * p.k < kOneDnnMinMacs) return false;
+  static const bool blasFits =
+      openblasKernelsFitCpu(blasKernelName(), __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx2"));
+  return !blasFits;
+}
+
+void runOpenBlas(const GemmProblem& p) {
+  numThreads();  // makes sure OpenBLAS's thread count follows DT_NUM_THREADS
+  const CBLAS_TRANSPOSE ta = p.transA ? CblasTrans : CblasNoTrans, tb = p.transB ? CblasTrans : CblasNoTrans;
+  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  const int lda = static_cast<int>(p.lda), ldb = static_cast<int>(p.ldb), ldc = static_cast<int>(p.ldc);
+  for (int64_t i = 0; i < p.batch; ++i) {
+    if (p.inType == DType::Float64) {
+      cblas_dgemm(CblasRowMajor, ta, tb, m, n, k, p.alpha, static_cast<const double*>(p.a) + i * p.strideA, lda,
+                  static_cast<const double*>(p.b) + i * p.strideB, ldb, p.beta, static_cast<double*>(p.c) + i * p.strideC,
+                  ldc);
+    } else if (p.inType == DType::Float32) {
+      cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, static_cast<float>(p.alpha),
+                  static_cast<const float*>(p.a) + i * p.strideA, lda, static_cast<const float*>(p.b) + i * p.strideB,
+                  ldb, static_cast<float>(p.beta), static_cast<float*>(p.c) + i * p.strideC, ldc);
+    } else {
+      // bf16 operands on OpenBLAS (which has no bf16 kernels in Debian's build): float32 copies.
+      DT_INTERNAL_CHECK(p.inType == DType::BFloat16, "gemm: unexpected operand dtype ", p.inType);
+      auto widen = [](const void* base, int64_t rows, int64_t cols, int64_t ld) {
+        std::vector<float> dense(static_cast<size_t>(rows * cols));
+        const auto* src = static_cast<const BFloat16*>(base);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) dense[static_cast<size_t>(r * cols + c)] = toFloat(src[r * ld + c]);
+        }
+        return dense;
+      };
+      const int64_t aRows = p.transA ? p.k : p.m, aCols = p.transA ? p.m : p.k;
+      const int64_t bRows = p.transB ? p.n : p.k, bCols = p.transB ? p.k : p.n;
+      const std::vector<float> A = widen(static_cast<const BFloat16*>(p.a) + i * p.strideA, aRows, aCols, p.lda);
+      const std::vector<float> B = widen(static_cast<const BFloat16*>(p.b) + i * p.strideB, bRows, bCols, p.ldb);
+      cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, static_cast<float>(p.alpha), A.data(),
+                  static_cast<int>(std::max<int64_t>(1, aCols)), B.data(), static_cast<int>(std::max<int64_t>(1, bCols)),
+                  static_cast<float>(p.beta), static_cast<float*>(p.c) + i * p.strideC, ldc);
+    }
+  }
+}
+
+}  // namespace
+
+GemmEngine gemmEngineFor(const GemmProblem& p) {
+  if (p.inType == DType::Float64 || !onednnAvailable()) return GemmEngine::OpenBlas;
+  switch (matmulBackend()) {
+    case MatmulBackend::OpenBlas: return GemmEngine::OpenBlas;
+    case MatmulBackend::OneDnn: return GemmEngine::OneDnn;
+    case MatmulBackend::Auto: break;
+  }
+  // bf16 operands reach here only where oneDNN runs them natively (gemmOperandType).
+  if (p.inType == DType::BFloat16) return GemmEngine::OneDnn;
+  return autoPrefersOneDnn(p) ? GemmEngine::OneDnn : GemmEngine::OpenBlas;
+}
+
+GemmEngine cpuGemmOn(GemmEngine engine, const GemmProblem& p) {
+  if (engine == GemmEngine::OneDnn && p.inType != DType::Float64 && onednn::gemm(p)) return GemmEngine::OneDnn;
+  runOpenBlas(p);
+  return GemmEngine::OpenBlas;
+}
+
+GemmEngine cpuGemm(const GemmProblem& p) { return cpuGemmOn(gemmEngineFor(p), p); }
+
+DType gemmOperandType(DType in, DType compute) {
+  if (in != DType::BFloat16 || compute != DType::Float32) return compute;
+  if (matmulBackend() == MatmulBackend::OpenBlas) return compute;  // asked for: no bf16 kernels, no log
+  if (bf16MatmulNative()) return DType::BFloat16;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    logger("tensor")->warn("bfloat16 matrix products run in float32 (operands converted, no bf16 speed-up): {}",
+                           bf16MatmulFallbackReason());
+  });
+  return compute;
+}
+
+#if !DT_HAVE_ONEDNN
+namespace onednn {
+bool gemm(const GemmProblem&) { return false; }
+std::string implName(const GemmProblem&) { return ""; }
+int64_t primitivesCreated() { return 0; }
+int64_t productsRun() { return 0; }
+std::string version() { return ""; }
+bool bf16Native() { return false; }
+std::string bf16MissingReason() { return "this build of dtrain has no oneDNN (DT_USE_ONEDNN)"; }
+}  // namespace onednn
+#endif
+
+}  // namespace detail
+
+std::string matmulKernelName() {
+  using namespace detail;
+  const std::string blas = "openblas:" + blasKernelName();
+  if (!onednnAvailable()) return blas + ",bf16=fp32";
+  // A product large enough for the rule to send to oneDNN: the GPT's MLP shape.
+  GemmProblem probe{.inType = DType::Float32, .transB = true, .m = 1024, .n = 2048, .k = 512, .lda = 512, .ldb = 512,
+                    .ldc = 2048};
+  std::string dnn = onednn::implName(probe);
+  dnn = dnn.empty() ? blas : "onednn:" + dnn;
+  std::string fp32;
+  switch (matmulBackend()) {
+    case MatmulBackend::OpenBlas: fp32 = blas; break;
+    case MatmulBackend::OneDnn: fp32 = dnn; break;
+    case MatmulBackend::Auto: {
+      // The rule sends large products to oneDNN only where OpenBLAS's kernels do not fit the CPU.
+      const bool fits = openblasKernelsFitCpu(blasKernelName(), __builtin_cpu_supports("avx512f"),
+                                              __builtin_cpu_supports("avx2"));
+      fp32 = fits || dnn == blas ? blas : dnn + "+" + blas;
+      break;
+    }
+  }
+  std::string bf16 = "fp32";
+  if (matmulBackend() != MatmulBackend::OpenBlas && bf16MatmulNative()) {
+    probe.inType = DType::BFloat16;
+    const std::string impl = onednn::implName(probe);
+    if (!impl.empty()) bf16 = "onednn:" + impl;
+  }
+  return fp32 + ",bf16=" + bf16;
+}
+
+}  // namespace dt

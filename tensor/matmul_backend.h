@@ -1,0 +1,49 @@
+// Which library runs the CPU matrix products of mm, bmm, matmul and linear: OpenBLAS or oneDNN.
+//
+// Contract: every function is thread-safe. The setting is process-wide: DT_MATMUL_BACKEND
+// (auto, openblas, onednn) read at the first matrix product, or setMatmulBackend(), which
+// takes effect for products that start after it returns. Nothing here blocks on other threads
+// beyond a short lock; nothing hands out ownership. Float64 products always run on OpenBLAS;
+// CUDA tensors on cuBLAS, whatever the setting.
+//
+// Auto picks per shape by the rule measured in docs/tensor.md ("Matrix products"); openblas
+// and onednn force one library for every float32 product (for tests and benchmarks).
+// BFloat16 operands run oneDNN's bf16 kernels (float32 accumulation) where the CPU has bf16
+// instructions and the setting is not openblas; otherwise they are converted to float32 first,
+// and the first such product logs one line naming what is missing.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace dt {
+
+enum class MatmulBackend { Auto, OpenBlas, OneDnn };
+
+// "auto", "openblas", "onednn".
+const char* matmulBackendName(MatmulBackend backend);
+// Parses those names (case-insensitive); InvalidArgument naming `text` and what is accepted.
+MatmulBackend parseMatmulBackend(std::string_view text);
+
+// The current setting (DT_MATMUL_BACKEND at first use: InvalidArgument naming the variable if it
+// does not parse; NotSupportedError for onednn in a build without oneDNN).
+MatmulBackend matmulBackend();
+// Overrides the setting for the process; OneDnn in a build without oneDNN is a NotSupportedError.
+void setMatmulBackend(MatmulBackend backend);
+
+// Whether this build has oneDNN (DT_HAVE_ONEDNN).
+bool onednnAvailable();
+// Whether bfloat16 products run as bfloat16 (oneDNN with AVX512_BF16 or AMX within oneDNN's
+// ISA cap, ONEDNN_MAX_CPU_ISA); false means they are converted to float32.
+bool bf16MatmulNative();
+// Why bf16MatmulNative() is false ("" when it is true): the build, or the instructions the
+// CPU (or oneDNN's ISA cap) lacks.
+std::string bf16MatmulFallbackReason();
+
+// What runs this process's float32 and bfloat16 products under the current setting, one token
+// for RESULT lines, e.g. "onednn:brg:avx512_core+openblas:SkylakeX" (auto: both, by the rule),
+// "openblas:Haswell", "onednn:brg:avx512_core"; with ",bf16=onednn:brg:avx512_core_bf16" or
+// ",bf16=fp32" appended. oneDNN's part is its implementation string for a large product.
+std::string matmulKernelName();
+
+}  // namespace dt

@@ -1,0 +1,269 @@
+// The oneDNN side of the CPU matrix product (tensor/internal/gemm.h): one matmul primitive per
+// problem shape, created once and kept, run on the calling thread's OpenMP team.
+//
+// Why a cache of our own: oneDNN keeps created primitives in its own cache, but building the
+// primitive descriptor (its dispatcher trying implementations) runs on every lookup there,
+// tens of microseconds per product. Here the key is everything the primitive bakes in (shape,
+// transposes, leading dims and batch strides, dtype, alpha/beta, thread count), so a training
+// step, which repeats its shapes, creates none after its first.
+//
+// Why scratchpad_mode::user: oneDNN's library-managed scratchpad is one global buffer unless
+// it was built with DNNL_ENABLE_CONCURRENT_EXEC, and ranks that run as threads multiply at once.
+// Each thread brings its own scratch memory instead.
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <unordered_map>
+#include <utility>
+
+#include "common/errors.h"
+#include "common/strings.h"
+#include "tensor/internal/gemm.h"
+#include "tensor/parallel.h"
+
+namespace dt::detail::onednn {
+
+namespace {
+
+// oneDNN's threads come from its threading runtime. Debian's 2.6 is built with OpenMP
+// (DNNL_CPU_THREADING_RUNTIME == DNNL_RUNTIME_OMP): its parallel regions use the calling
+// thread's omp_get_max_threads(), an OpenMP per-thread setting that starts at the machine's
+// cores (OMP_NUM_THREADS). Each product sets it from numThreads() on its own thread, so
+// DT_NUM_THREADS / setNumThreads govern oneDNN as they govern OpenBLAS and dtrain's pool. The
+// functions come from the libgomp that libdnnl loaded, looked up rather than linked, so the
+// build needs no OpenMP flags of its own.
+#if DNNL_CPU_THREADING_RUNTIME == DNNL_RUNTIME_OMP
+using GetThreads = int (*)();
+using SetThreads = void (*)(int);
+const GetThreads ompGetMaxThreads = reinterpret_cast<GetThreads>(::dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+const SetThreads ompSetNumThreads = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+#endif
+
+// GCC's OpenMP does not survive fork: a child whose parent ran a team of several threads
+// waits forever for the parent's workers at its own first parallel region (measured: a
+// two-thread region in a forked child hung). The process that last ran oneDNN with more than
+// one thread is recorded; a forked child of it runs oneDNN on its calling thread only.
+std::atomic<pid_t> gTeamOwner{0};
+
+int useThreads() {
+  int n = numThreads();
+#if defined(DT_THREAD_SANITIZER)
+  n = 1;  // libgomp is not instrumented either: its team would read as races (see parallel.cpp)
+#endif
+#if DNNL_CPU_THREADING_RUNTIME == DNNL_RUNTIME_OMP
+  const pid_t owner = gTeamOwner.load(std::memory_order_relaxed);
+  const pid_t self = ::getpid();
+  if (owner != 0 && owner != self) {
+    n = 1;
+  } else if (n > 1 && owner == 0) {
+    gTeamOwner.store(self, std::memory_order_relaxed);
+  }
+  if (ompGetMaxThreads != nullptr && ompSetNumThreads != nullptr && ompGetMaxThreads() != n) ompSetNumThreads(n);
+#endif
+  return n;
+}
+
+const dnnl::engine& cpuEngine() {
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+struct Key {
+  DType inType;
+  bool transA, transB;
+  int64_t batch, m, n, k, lda, ldb, ldc, strideA, strideB, strideC;
+  double alpha, beta;
+  int threads;
+  bool operator==(const Key&) const = default;
+};
+
+struct KeyHash {
+  size_t operator()(const Key& key) const {
+    size_t h = std::hash<int>()(static_cast<int>(key.inType) * 4 + key.transA * 2 + key.transB);
+    auto mix = [&h](auto v) { h ^= std::hash<decltype(v)>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
+    for (int64_t v : {key.batch, key.m, key.n, key.k, key.lda, key.ldb, key.ldc, key.strideA, key.strideB, key.strideC})
+      mix(v);
+    mix(key.alpha);
+    mix(key.beta);
+    mix(key.threads);
+    return h;
+  }
+};
+
+struct Entry {
+  bool usable = false;  // false: only a reference implementation, or oneDNN refused the layout
+  std::string impl;
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul primitive;
+  dnnl::memory::desc a, b, c;
+};
+
+std::mutex gMu;
+std::unordered_map<Key, std::shared_ptr<const Entry>, KeyHash> gCache;
+std::atomic<int64_t> gCreated{0};
+std::atomic<int64_t> gRun{0};
+
+dnnl::memory::data_type dnnlType(DType t) {
+  switch (t) {
+    case DType::Float32: return dnnl::memory::data_type::f32;
+    case DType::BFloat16: return dnnl::memory::data_type::bf16;
+    default: throw NotSupportedError(str("oneDNN matmul: dtype ", t, " is not supported (float32, bfloat16)"));
+  }
+}
+
+// A [rows, cols] operand (or [batch, rows, cols]) stored row-major with leading dim ld, or as
+// its transpose.
+dnnl::memory::desc operandDesc(DType t, int64_t batch, int64_t rows, int64_t cols, bool trans, int64_t ld,
+                               int64_t stride) {
+  const dnnl::memory::dims strides2 = trans ? dnnl::memory::dims{1, ld} : dnnl::memory::dims{ld, 1};
+  if (batch == 1) return dnnl::memory::desc({rows, cols}, dnnlType(t), strides2);
+  return dnnl::memory::desc({batch, rows, cols}, dnnlType(t), {stride, strides2[0], strides2[1]});
+}
+
+std::shared_ptr<const Entry> build(const Key& key) {
+  auto entry = std::make_shared<Entry>();
+  try {
+    entry->a = operandDesc(key.inType, key.batch, key.m, key.k, key.transA, key.lda, key.strideA);
+    entry->b = operandDesc(key.inType, key.batch, key.k, key.n, key.transB, key.ldb, key.strideB);
+    entry->c = operandDesc(DType::Float32, key.batch, key.m, key.n, false, key.ldc, key.strideC);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (key.alpha != 1.0) attr.set_output_scales(0, {static_cast<float>(key.alpha)});
+    if (key.beta != 0.0) {
+      dnnl::post_ops ops;
+      ops.append_sum(static_cast<float>(key.beta));
+      attr.set_post_ops(ops);
+    }
+    entry->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(entry->a, entry->b, entry->c), attr, cpuEngine());
+    entry->impl = entry->pd.impl_info_str();
+    // A reference kernel is a slow emulation: OpenBLAS does better.
+    if (entry->impl.rfind("ref", 0) == 0) return entry;
+    entry->primitive = dnnl::matmul(entry->pd);
+    gCreated.fetch_add(1, std::memory_order_relaxed);
+    entry->usable = true;
+  } catch (const dnnl::error&) {
+    // No implementation takes this layout (a zero batch stride, say): OpenBLAS runs it.
+    entry->usable = false;
+  }
+  return entry;
+}
+
+std::shared_ptr<const Entry> lookup(const GemmProblem& p, int threads) {
+  const Key key{p.inType, p.transA,  p.transB,  p.batch,   p.m,     p.n,    p.k,   p.lda,
+                p.ldb,    p.ldc,     p.batch > 1 ? p.strideA : 0, p.batch > 1 ? p.strideB : 0,
+                p.batch > 1 ? p.strideC : 0, p.alpha, p.beta, threads};
+  {
+    std::lock_guard lock(gMu);
+    auto it = gCache.find(key);
+    if (it != gCache.end()) return it->second;
+  }
+  // Built outside the lock (milliseconds for a new brgemm kernel); a second thread building the
+  // same key keeps whichever landed first.
+  std::shared_ptr<const Entry> entry = build(key);
+  std::lock_guard lock(gMu);
+  return gCache.emplace(key, std::move(entry)).first->second;
+}
+
+// Scratch memory for this thread's products, grown to the largest asked for.
+void* threadScratch(size_t bytes) {
+  struct Buffer {
+    void* data = nullptr;
+    size_t size = 0;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer buffer;
+  if (bytes > buffer.size) {
+    std::free(buffer.data);
+    buffer.data = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (buffer.data == nullptr) {
+      buffer.size = 0;
+      throw std::bad_alloc();
+    }
+    buffer.size = bytes;
+  }
+  return buffer.data;
+}
+
+bool supported(const GemmProblem& p) {
+  return (p.inType == DType::Float32 || p.inType == DType::BFloat16) && p.outType == DType::Float32 && p.m > 0 &&
+         p.n > 0 && p.k > 0 && p.batch > 0;
+}
+
+}  // namespace
+
+bool gemm(const GemmProblem& p) {
+  if (!supported(p)) return false;
+  const int threads = useThreads();
+  const std::shared_ptr<const Entry> e = lookup(p, threads);
+  if (!e->usable) return false;
+  const dnnl::engine& engine = cpuEngine();
+  thread_local dnnl::stream stream(engine);
+  dnnl::memory a(e->a, engine, const_cast<void*>(p.a));
+  dnnl::memory b(e->b, engine, const_cast<void*>(p.b));
+  dnnl::memory c(e->c, engine, p.c);
+  const dnnl::memory::desc scratchDesc = e->pd.scratchpad_desc();
+  dnnl::memory scratch(scratchDesc, engine, threadScratch(std::max<size_t>(scratchDesc.get_size(), 1)));
+  try {
+    e->primitive.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c},
+                                  {DNNL_ARG_SCRATCHPAD, scratch}});
+    stream.wait();
+    gRun.fetch_add(1, std::memory_order_relaxed);
+  } catch (const dnnl::error& err) {
+    throw BackendError(str("oneDNN matmul (", e->impl, ") failed on ", p.inType, " [", p.batch, " x ", p.m, " x ", p.k,
+                           "] . [", p.k, " x ", p.n, "]: ", err.what()));
+  }
+  return true;
+}
+
+std::string implName(const GemmProblem& p) {
+  if (!supported(p)) return "";
+  const std::shared_ptr<const Entry> e = lookup(p, useThreads());
+  return e->usable ? e->impl : "";
+}
+
+int64_t primitivesCreated() { return gCreated.load(std::memory_order_relaxed); }
+int64_t productsRun() { return gRun.load(std::memory_order_relaxed); }
+
+std::string version() {
+  const dnnl_version_t* v = dnnl_version();
+  return str(v->major, ".", v->minor, ".", v->patch);
+}
+
+bool bf16Native() {
+  // The ISA bits of avx512_core_bf16 (AVX-512 with BF16); AMX's value includes them. Without
+  // them oneDNN runs bf16 by emulation ("gemm:jit" converting), slower than float32.
+  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+  return (isa & bf16) == bf16;
+}
+
+std::string bf16MissingReason() {
+  if (bf16Native()) return "";
+  const bool cpuHas = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (cap == nullptr) cap = std::getenv("DNNL_MAX_CPU_ISA");
+  if (cpuHas) {
+    return str("the CPU has AVX512_BF16 but oneDNN's ISA is capped below it",
+               cap != nullptr ? str(" (ONEDNN_MAX_CPU_ISA=", cap, ")") : std::string(),
+               "; its bf16 kernels need avx512_core_bf16 or avx512_core_amx");
+  }
+  // __builtin_cpu_supports takes only string literals.
+  const std::pair<const char*, bool> features[] = {{"avx512f", __builtin_cpu_supports("avx512f")},
+                                                   {"avx512bw", __builtin_cpu_supports("avx512bw")},
+                                                   {"avx512vl", __builtin_cpu_supports("avx512vl")},
+                                                   {"avx512bf16", __builtin_cpu_supports("avx512bf16")}};
+  std::string missing;
+  for (const auto& [feature, has] : features) {
+    if (!has) missing += missing.empty() ? std::string(feature) : str(", ", feature);
+  }
+  return str("this CPU lacks ", missing, " (oneDNN's bf16 kernels need AVX512_BF16 or AMX-BF16)");
+}
+
+}  // namespace dt::detail::onednn
