@@ -1,0 +1,75 @@
+// bfloat16 products on a CPU without bf16 instructions, made by capping oneDNN's ISA with its own
+// environment variable (ONEDNN_MAX_CPU_ISA=AVX2, set by ctest; main sets it when run by hand,
+// before oneDNN's first use, which is when oneDNN reads it): they run in float32, give correct
+// values, and the process logs exactly one line naming what is missing.
+#include <cstdlib>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+
+#include "common/logging.h"
+#include "tensor/internal/gemm.h"
+#include "tensor/matmul_backend.h"
+#include "tensor/ops.h"
+
+namespace dt {
+namespace {
+
+size_t countOf(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+TEST(MatmulIsaCap, BFloat16FallsBackToFloat32WithOneLogLine) {
+  if (!onednnAvailable()) {
+    GTEST_SKIP() << "this build has no oneDNN (DT_USE_ONEDNN=OFF): there is no ISA to cap (the build's own fallback "
+                    "reason is checked by matmul_backend_test)";
+  }
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  ASSERT_FALSE(bf16MatmulNative()) << "ONEDNN_MAX_CPU_ISA=" << (cap != nullptr ? cap : "(unset)")
+                                   << " did not cap oneDNN below bf16";
+  const std::string reason = bf16MatmulFallbackReason();
+  if (__builtin_cpu_supports("avx512bf16") && cap != nullptr) {
+    EXPECT_NE(reason.find(std::string("ONEDNN_MAX_CPU_ISA=") + cap), std::string::npos) << reason;
+  }
+  EXPECT_NE(reason.find("avx512_core_bf16"), std::string::npos) << reason;
+
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
+  logger("tensor")->sinks().push_back(sink);
+
+  Generator g(8);
+  for (int rep = 0; rep < 3; ++rep) {
+    const Tensor a = randn({40, 300}, g).to(DType::BFloat16), b = randn({300, 50}, g).to(DType::BFloat16);
+    const Tensor r = mm(a, b);
+    ASSERT_EQ(r.dtype(), DType::BFloat16);
+    const Tensor ref = mm(a.to(DType::Float64), b.to(DType::Float64));
+    const Tensor bound = mm(abs(a.to(DType::Float64)), abs(b.to(DType::Float64)));
+    const auto rv = r.toVector<double>(), fv = ref.toVector<double>(), bv = bound.toVector<double>();
+    for (size_t i = 0; i < rv.size(); ++i) {
+      ASSERT_LE(std::abs(rv[i] - fv[i]), std::abs(fv[i]) / 256.0 + 600.0 / (1 << 24) * bv[i]) << "at " << i;
+    }
+  }
+  logger("tensor")->flush();
+  logger("tensor")->sinks().pop_back();
+  const std::string text = log.str();
+  EXPECT_EQ(countOf(text, "bfloat16 matrix products run in float32"), 1u) << text;
+  EXPECT_EQ(countOf(text, "\n"), 1u) << "one line: " << text;
+  EXPECT_NE(text.find("avx512_core_bf16"), std::string::npos) << text;
+  // The operands were converted to float32, not handed to oneDNN's bf16 emulation.
+  EXPECT_EQ(detail::gemmOperandType(DType::BFloat16, DType::Float32), DType::Float32);
+  EXPECT_NE(matmulKernelName().find("bf16=fp32"), std::string::npos) << matmulKernelName();
+}
+
+}  // namespace
+}  // namespace dt
+
+int main(int argc, char** argv) {
+  // ctest sets it (tests/tensor/CMakeLists.txt); by hand, the cap is set here, before any oneDNN call.
+  if (std::getenv("ONEDNN_MAX_CPU_ISA") == nullptr) setenv("ONEDNN_MAX_CPU_ISA", "AVX2", 1);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
