@@ -1,7 +1,8 @@
 // gpt: a GPT-style language model trained on real English text, under `dtrun --nproc 4
 // build/examples/gpt`, on the training loop library (train/loop.h, docs/train.md), which brings
 // DDP / ZeRO / the fully sharded wrapper (--sharding), tensor parallelism (--tp, --sp; with DDP over
-// the rest of the ranks), gradient accumulation, clipping,
+// the rest of the ranks), pipeline parallelism (--pp, --schedule; with DDP over the rest of the
+// ranks), gradient accumulation, clipping,
 // checkpoints with a bitwise resume, pre-emption (SIGTERM/SIGUSR1/SIGINT), progress and metrics
 // lines, and under `dtrun --elastic` in-place recovery and joiners. This file is the rest:
 //   data       Debian's fortunes (2.5 MB of English), byte tokens, a train/validation split by
@@ -57,6 +58,9 @@ struct Config {
   std::string sharding = "ddp";  // ddp, zero1, zero2 (ddp/zero.h), fsdp, fsdp-keep (fsdp/fully_shard.h: no reshard after forward)
   int tp = 1;       // tensor parallelism's degree (parallel/parallelize.h); DDP over world / tp replicas
   bool sp = false;  // and sequence parallelism
+  int pp = 1;       // pipeline parallelism's degree (train/loop.h); DDP over world / pp replicas
+  std::string schedule = "1f1b", split = "layers";
+  int virtualStages = 2;
   bool checkpoints() const { return checkpointDir != "none"; }
 };
 
@@ -81,7 +85,8 @@ the end.
   flags.section("training")
       .add("--steps", c.steps, "N", "optimizer steps")
       .add("--global-batch", c.globalBatch, "G", "sequences per step over all ranks (a multiple of the ranks)")
-      .add("--micro-batches", c.microBatches, "K", "gradient accumulation: each rank runs K micro-batches per step")
+      .add("--micro-batches", c.microBatches, "K", "gradient accumulation: each rank runs K micro-batches per step; with\n--pp the "
+                                                 "pipeline's micro-batches (each replica's share in K pieces)")
       .add("--lr", c.lr, "LR", "peak learning rate of the cosine schedule", 0.0, 1.0)
       .add("--min-lr", c.minLr, "LR", "final learning rate", 0.0, 1.0)
       .add("--warmup", c.warmup, "N", "linear warm-up steps", 0)
@@ -96,7 +101,16 @@ the end.
            {"ddp", "zero1", "zero2", "fsdp", "fsdp-keep"})
       .add("--tp", c.tp, "N", "tensor parallelism: each model replica split over N adjacent ranks (heads,\nMLP, vocabulary; "
                                "the loss never gathers the logits), DDP over the replicas")
-      .add("--sp", c.sp, "sequence parallelism with --tp: norms and residuals on a block of the sequence");
+      .add("--sp", c.sp, "sequence parallelism with --tp: norms and residuals on a block of the sequence")
+      .add("--pp", c.pp, "N", "pipeline parallelism: each model replica's blocks split into stages over N\nadjacent ranks "
+                               "(embeddings on the first, the tied head on the last), DDP over\nthe replicas; its checkpoints "
+                               "resume at any --pp; no validation loss or sample\n(no rank holds the whole model)")
+      .add("--schedule", c.schedule, "NAME", "the pipeline's schedule with --pp (docs/parallel.md): gpipe, 1f1b,\ninterleaved "
+                                              "(--virtual-stages chunks per rank), zb1 (ZB-H1), zbv",
+           {"gpipe", "1f1b", "interleaved", "zb1", "zbv"})
+      .add("--virtual-stages", c.virtualStages, "V", "--schedule interleaved: stages per rank (p * V stages in all)")
+      .add("--split", c.split, "RULE", "--pp: blocks per stage by count (layers) or balancing the parameters (params)",
+           {"layers", "params"});
   flags.section("evaluation and output")
       .add("--eval-every", c.evalEvery, "N", "validation loss at step 0, every N steps and at the end (0: only at the end)", 0)
       .add("--eval-windows", c.evalWindows, "N", "validation windows (of the context length) per evaluation")
@@ -127,6 +141,22 @@ the end.
                               "supported yet: add --checkpoint-dir none, or use --sharding ddp"));
   }
   if (c.sp && c.tp == 1) throw InvalidArgument("gpt: --sp needs --tp 2 or more (it splits the sequence over the TP group)");
+  if (c.pp > 1 && c.tp > 1) {
+    throw InvalidArgument(str("gpt: --pp ", c.pp, " with --tp ", c.tp, ": pipeline stages of a tensor-parallel GPT are not built "
+                              "yet; use one of the two"));
+  }
+  if (const int64_t stages = c.pp * (c.schedule == "interleaved" ? c.virtualStages : c.schedule == "zbv" ? 2 : 1);
+      c.pp > 1 && c.model.layers < stages) {
+    throw InvalidArgument(str("gpt: --pp ", c.pp, " --schedule ", c.schedule,
+                              c.schedule == "interleaved" ? str(" --virtual-stages ", c.virtualStages) : std::string(),
+                              " makes ", stages, " stages but --layers is ", c.model.layers,
+                              " (every stage needs at least one block)"));
+  }
+  if (c.pp > 1 && c.sharding != "ddp") {
+    throw InvalidArgument(str("gpt: --pp ", c.pp, " with --sharding ", c.sharding, " is not built yet: the pipeline's replicas "
+                              "are plain DDP; use --sharding ddp"));
+  }
+
   return true;
 }
 
@@ -199,6 +229,15 @@ int run(const Config& c) {
                     {"global_batch", std::to_string(c.globalBatch)}, {"micro_batches", std::to_string(c.microBatches)},
                     {"train_bytes", std::to_string(corpus.train.size())}};
   options.tensorParallel = c.tp;
+  if (c.pp > 1) {
+    // The pipeline's micro-batches take --micro-batches' place; no evaluation (no rank holds the whole model).
+    options.microBatches = 1;
+    options.evalEvery = 0;
+    options.evalAtStart = false;
+    options.pipeline = {.degree = c.pp, .schedule = c.schedule, .microBatches = static_cast<int>(c.microBatches),
+                        .virtualStages = c.virtualStages,
+                        .split = c.split == "params" ? dt::pipeline::SplitRule::Parameters : dt::pipeline::SplitRule::Layers};
+  }
   options.sharding = c.sharding == "ddp"     ? dt::train::Sharding::None
                      : c.sharding == "zero1" ? dt::train::Sharding::Zero1
                      : c.sharding == "zero2" ? dt::train::Sharding::Zero2
@@ -246,7 +285,11 @@ int run(const Config& c) {
   int64_t tpFrom = 0, tpTo = 0;
   dt::FullyShardOptions sharded{.reshardAfterForward = c.sharding == "fsdp"};
   for (const auto& [name, block] : model->h->namedChildren()) sharded.units.push_back(block);
-  loop.setModel(model, sharded);
+  if (c.pp > 1) {
+    loop.setPipelineModel(model);
+  } else {
+    loop.setModel(model, sharded);
+  }
   const dt::optim::WarmupCosineSchedule schedule(c.lr, c.warmup, c.steps, c.minLr);
   loop.setOptimizer(
       [&](dt::train::Loop& l) {
@@ -256,8 +299,10 @@ int run(const Config& c) {
       [&](int64_t step) { return schedule.at(step); });
   loop.setData(train);
   loop.addState("rng", dropoutRng);
-  loop.setEvaluation([&] { return std::vector<std::pair<std::string, double>>{{"val_loss", validationLoss(loop, *model, val, c.evalWindows)}}; },
-                     {"val_loss"});
+  if (c.pp == 1) {
+    loop.setEvaluation([&] { return std::vector<std::pair<std::string, double>>{{"val_loss", validationLoss(loop, *model, val, c.evalWindows)}}; },
+                       {"val_loss"});
+  }
   if (rank == 0 && !c.quiet) {
     std::printf("gpt: %d rank(s); %s: train %zu bytes (%lld fortunes), validation %zu bytes (%lld); GPT %s (%lld parameters, vocabulary "
                 "256 bytes); AdamW lr %g warm-up %lld cosine to %g, weight decay %g, clip %g; global batch %lld x %lld tokens (%lld per "
@@ -265,12 +310,13 @@ int run(const Config& c) {
                 world, corpus.source.c_str(), corpus.train.size(), static_cast<long long>(corpus.trainDocuments), corpus.validation.size(),
                 static_cast<long long>(corpus.validationDocuments), modelName(c.model).c_str(), static_cast<long long>(c.model.parameterCount()),
                 c.lr, static_cast<long long>(c.warmup), c.minLr, c.weightDecay, c.gradClip, static_cast<long long>(c.globalBatch),
-                static_cast<long long>(T), static_cast<long long>(c.globalBatch * c.tp / world), c.microBatches > 1 ? str(" in ", c.microBatches, " micro-batches").c_str() : "",
+                static_cast<long long>(T), static_cast<long long>(c.globalBatch * c.tp * c.pp / world), c.microBatches > 1 ? str(" in ", c.microBatches, " micro-batches").c_str() : "",
                 static_cast<long long>(c.steps),
                 c.tp > 1 ? str("TP=", c.tp, c.sp ? " with SP" : "", " x DDP over ", world / c.tp).c_str()
+                : c.pp > 1 ? str("PP=", c.pp, " (", c.schedule, ") x DDP over ", world / c.pp).c_str()
                 : c.sharding == "ddp" ? "DDP" : str("--sharding ", c.sharding).c_str());
   }
-  const dt::train::LoopResult r = loop.run([&](const dt::data::Batch& b) {
+  const dt::train::StepFunction step = [&](const dt::data::Batch& b) {
     const bool measure = c.bench && loop.step() == bench.firstMeasuredStep() && activationMib == 0;
     if (tpGroup != nullptr && loop.step() >= bench.firstMeasuredStep()) {
       tpLast = dt::tpCollectiveCounts(*tpGroup), tpTo = loop.step();
@@ -280,7 +326,9 @@ int run(const Config& c) {
     dt::Tensor loss = model->nextTokenLoss(loop.forward(b.inputs), b.targets);
     if (measure) activationMib = static_cast<double>(dt::memoryStats().allocatedBytes - before) / (1 << 20);
     return dt::train::StepOutput{loss};
-  });
+  };
+  // --pp: the loop runs the pipeline itself (the last stage takes nn::Gpt's loss).
+  const dt::train::LoopResult r = loop.run(c.pp > 1 ? dt::train::StepFunction{} : step);
   // Its replica broke under --elastic: the loop said why; the other replicas finish the job.
   if (r.left) return 0;
   if (r.stopped) return 0;  // the loop said so, and wrote the checkpoint
@@ -320,6 +368,8 @@ int run(const Config& c) {
                 valLoss, mem[0]);
     if (c.sampleTokens > 0 && c.tp > 1) {
       std::printf("gpt: no sample with --tp %d: sampling needs the whole vocabulary's logits on one rank (not built yet)\n", c.tp);
+    } else if (c.sampleTokens > 0 && c.pp > 1) {
+      std::printf("gpt: no sample with --pp %d: sampling needs the whole model on one rank (not built yet)\n", c.pp);
     } else if (c.sampleTokens > 0) {
       dt::Generator sampleRng(c.seed + 7);
       model->eval();

@@ -25,6 +25,7 @@
 #include "tensor/autograd/autograd.h"
 #include "tensor/nn/clip_grad.h"
 #include "tensor/ops.h"
+#include "train/pipeline_state.h"
 #include "train/support.h"
 
 namespace dt::train {
@@ -139,6 +140,25 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     // A loss takes its whole TP group (one model replica) out; joiners come back t at a time.
     options_.elastic.replicaSize = t;
   }
+  if (const int pp = options_.pipeline.degree; pp != 1) {
+    const auto refuse = [&](const std::string& what) {
+      return InvalidArgument(str(p, ": pipeline parallelism (pipeline.degree ", pp, ") ", what));
+    };
+    if (pp < 1) throw refuse("must be 1 (off) or more");
+    if (options_.tensorParallel != 1) {
+      throw refuse(str("with tensor parallelism (tensorParallel ", options_.tensorParallel,
+                       ") is not built yet: splitGpt cannot split a tensor-parallel GPT; use one of the two"));
+    }
+    if (options_.sharding != Sharding::None) {
+      const char* sharding = options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2";
+      throw refuse(str("with Sharding::", sharding, " is not built yet; use Sharding::None (DDP over the pipeline replicas)"));
+    }
+    if (elastic) throw refuse("under dtrun --elastic is not built yet (a lost rank would take its pipeline replica out)");
+    if (options_.microBatches != 1) {
+      throw refuse(str("with microBatches ", options_.microBatches,
+                       ": the pipeline's micro-batches are pipeline.microBatches; leave microBatches at 1"));
+    }
+  }
   if (options_.stopOnSignals) installStopHandlers(p);
   try {
     if (elastic) {
@@ -160,20 +180,66 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     }
     makeMesh();
   }
+  if (pipelined()) {
+    const int world = group_->size(), pp = options_.pipeline.degree;
+    if (world % pp != 0) {
+      throw InvalidArgument(str(p, ": pipeline degree ", pp, " does not divide the world size ", world,
+                                " (the mesh is {dp: world / pp, pp: pp})"));
+    }
+    makeSchedule();
+    const int dp = world / pp, m = schedule_->m;
+    if (options_.globalBatch % dp != 0 || options_.globalBatch / dp % m != 0) {
+      throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " does not split into ", dp,
+                                " data-parallel replica(s) (world ", world, " / pipeline degree ", pp, ") of ", m,
+                                " micro-batches each; use a multiple of ", dp * m));
+    }
+    makeMesh();
+  }
   if (!options_.checkpointDir.empty()) checkpoints_.emplace(options_.checkpointDir, options_.keep);
+}
+
+void Loop::makeSchedule() {
+  namespace pl = dt::pipeline;
+  const LoopOptions::Pipeline& o = options_.pipeline;
+  const int p = o.degree, m = o.microBatches == 0 ? p : o.microBatches;
+  const std::string& name = o.schedule;
+  const std::string where = str(options_.program, ": pipeline schedule \"", name, "\" over ", p, " ranks with ", m,
+                                " micro-batch(es)");
+  if (m < 1) throw InvalidArgument(str(where, ": pipeline.microBatches must be at least 1 (0: the degree)"));
+  if (name == "interleaved" && o.virtualStages < 1) {
+    throw InvalidArgument(str(where, ": pipeline.virtualStages is ", o.virtualStages, "; it must be at least 1"));
+  }
+  try {
+    if (name == "gpipe") schedule_ = pl::gpipe(p, m);
+    else if (name == "1f1b") schedule_ = pl::oneFOneB(p, m);
+    else if (name == "interleaved") schedule_ = pl::interleavedOneFOneB(p, m, o.virtualStages);
+    else if (name == "zb1") schedule_ = pl::zeroBubbleH1(p, m);
+    else if (name == "zbv") schedule_ = pl::zeroBubbleV(p, m);
+    else throw InvalidArgument("unknown; use gpipe, 1f1b, interleaved, zb1 or zbv");
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(str(where, ": ", e.what()));
+  }
 }
 
 void Loop::makeMesh() {
   // Row-major with tp innermost: a replica is t adjacent ranks, which the elastic membership
   // keeps together (ElasticOptions::replicaSize), so a rank's tp coordinate never changes.
+  // A pipeline's ranks are adjacent too (torchtitan puts pp outermost, for hosts joined by a
+  // slower network): its activations cross between stages every micro-batch, while dp's
+  // reduction comes once a step, so the pipeline is the traffic to keep on one host.
+  if (pipelined()) {
+    const int pp = options_.pipeline.degree;
+    mesh_ = DeviceMesh::create(group_, {{"dp", group_->size() / pp}, {"pp", pp}});
+    return;
+  }
   const int t = options_.tensorParallel;
   mesh_ = DeviceMesh::create(group_, {{"dp", group_->size() / t}, {"tp", t}});
 }
 
 const DeviceMesh& Loop::mesh() const {
   if (!mesh_) {
-    throw InvalidArgument(str(options_.program, ": mesh() without tensor parallelism (LoopOptions::tensorParallel is ",
-                              options_.tensorParallel, ")"));
+    throw InvalidArgument(str(options_.program, ": mesh() without tensor or pipeline parallelism (LoopOptions::tensorParallel is ",
+                              options_.tensorParallel, ", pipeline.degree ", options_.pipeline.degree, ")"));
   }
   return *mesh_;
 }
@@ -204,6 +270,10 @@ void Loop::setModel(std::shared_ptr<nn::Module> model) {
                               "give the module itself: the loop wraps it for its group and rebinds it when the group "
                               "changes"));
   }
+  if (pipelined()) {
+    throw InvalidArgument(str(options_.program, ": setModel under pipeline parallelism (pipeline.degree ",
+                              options_.pipeline.degree, "): hand the whole nn::Gpt to setPipelineModel, which splits it"));
+  }
   model_ = std::move(model);
   if (!group_ || options_.sharding != Sharding::Full) return;  // DDP and ZeRO: made in run()
   FullyShardOptions sharded = options_.fullyShard;
@@ -216,6 +286,46 @@ void Loop::setModel(std::shared_ptr<nn::Module> model, FullyShardOptions sharded
   setModel(std::move(model));
 }
 
+void Loop::setPipelineModel(std::shared_ptr<nn::Gpt> model) {
+  const std::string& p = options_.program;
+  if (!model) throw InvalidArgument(str(p, ": setPipelineModel: the model is null"));
+  if (!pipelined()) {
+    throw InvalidArgument(str(p, ": setPipelineModel without pipeline parallelism (pipeline.degree ",
+                              options_.pipeline.degree, "); use setModel"));
+  }
+  if (stages_) throw InvalidArgument(str(p, ": setPipelineModel called twice"));
+  if (!group_) {  // a replacement that found the job finished: run() says so
+    model_ = std::move(model);
+    return;
+  }
+  const ProcessGroupPtr& pp = (*mesh_)["pp"];
+  try {
+    stages_ = pipeline::splitGpt(*model, *schedule_, pp->rank(), {.rule = options_.pipeline.split});
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(str(p, ": setPipelineModel: schedule ", schedule_->name, " over ", schedule_->p, " rank(s) x ",
+                              schedule_->v, " virtual stage(s): ", e.what()));
+  }
+  const std::vector<Tensor> params = model->parameters();
+  const DType dtype = params.empty() ? DType::Float32 : params.front().dtype();
+  const int64_t rows = options_.globalBatch / mesh_->size("dp") / schedule_->m;
+  runner_ = std::make_unique<pipeline::PipelineRunner>(
+      *schedule_, stages_->runnerStages(), pp,
+      pipeline::PipelineOptions{.activationShape = {rows, model->config().contextLength, model->config().width},
+                                .activationDType = dtype});
+  model_ = std::move(model);
+  if (mesh_->coordinate("dp") == 0 && !options_.quiet) {
+    std::string lines;
+    for (const std::string& line : split(stages_->summary(), '\n')) lines += str(p, ": ", line, "\n");
+    if (pp->rank() == 0) {
+      lines = str(p, ": pipeline ", schedule_->name, " over ", schedule_->p, " rank(s) x ", mesh_->size("dp"),
+                  " data-parallel replica(s), ", schedule_->m, " micro-batches of ", rows, ", ", schedule_->numStages(),
+                  " stage(s)\n") + lines;
+    }
+    std::fputs(lines.c_str(), stdout);
+    std::fflush(stdout);
+  }
+}
+
 void Loop::requireParts() const {
   if (!model_) throw InvalidArgument(str(options_.program, ": parameters() before setModel()"));
   if (zeroSharded() && !zero_) {
@@ -226,6 +336,7 @@ void Loop::requireParts() const {
 
 std::vector<Tensor> Loop::parameters() const {
   requireParts();
+  if (stages_) return stages_->parameters();
   if (fsdp_) return fsdp_->parameters();
   if (zero_) return zero_->parameters();
   return model_->parameters();
@@ -233,6 +344,29 @@ std::vector<Tensor> Loop::parameters() const {
 
 std::vector<optim::ParamGroup> Loop::paramGroups(const std::vector<optim::ParamGroup>& groups) const {
   requireParts();
+  if (stages_) {
+    // The whole model's tensors by name, then the stage's under the same names: the last
+    // stage's tied copy is "wte.weight" as the original is.
+    std::unordered_map<const void*, std::string> names;
+    for (const auto& [name, t] : model_->namedParameters()) names.emplace(t.dataPtr(), name);
+    std::map<std::string, Tensor> mine;
+    for (const auto& [name, t] : stages_->namedParameters()) mine.emplace(name, t);
+    std::vector<optim::ParamGroup> out;
+    std::unordered_set<const void*> taken;
+    for (const optim::ParamGroup& g : groups) {
+      optim::ParamGroup kept{{}, g.weightDecay};
+      for (const Tensor& t : g.params) {
+        auto name = names.find(t.dataPtr());
+        if (name == names.end()) {
+          throw InvalidArgument(str(options_.program, ": paramGroups: ", t.describe(), " is not a parameter of the model"));
+        }
+        auto it = mine.find(name->second);
+        if (it != mine.end() && taken.insert(it->second.dataPtr()).second) kept.params.push_back(it->second);
+      }
+      if (!kept.params.empty()) out.push_back(std::move(kept));
+    }
+    return out;
+  }
   if (fsdp_) return fsdp_->paramGroups(groups);
   if (zero_) return zero_->paramGroups(groups);
   return groups;
@@ -316,6 +450,10 @@ void Loop::addState(const std::string& name, Generator& perRankStream) { extraSt
 void Loop::addState(const std::string& name, int64_t& value) { extraValues_.emplace_back(name, &value); }
 
 DistributedDataParallel& Loop::ddp() {
+  if (pipelined()) {
+    throw InvalidArgument(str(options_.program, ": no DDP wrapper under pipeline parallelism (the stage's gradients are "
+                              "averaged over the dp group after each step)"));
+  }
   if (!ddp_) {
     throw InvalidArgument(str(options_.program, fsdp_ ? ": the model is fully sharded, not in DDP"
                                                       : ": the wrapped model exists only inside run()"));
@@ -323,17 +461,23 @@ DistributedDataParallel& Loop::ddp() {
   return *ddp_;
 }
 
-Tensor Loop::forward(const Tensor& input) { return fsdp_ ? (*fsdp_)(input) : ddp()(input); }
+Tensor Loop::forward(const Tensor& input) {
+  if (pipelined()) {
+    throw InvalidArgument(str(options_.program, ": forward() under pipeline parallelism: no rank holds the whole model; "
+                              "the loop runs the pipeline itself (run() with an empty step function)"));
+  }
+  return fsdp_ ? (*fsdp_)(input) : ddp()(input);
+}
 
 void Loop::checkSetUp() const {
   const std::string& p = options_.program;
-  if (!model_) throw InvalidArgument(str(p, ": run() before setModel()"));
+  if (!model_) throw InvalidArgument(str(p, pipelined() ? ": run() before setPipelineModel()" : ": run() before setModel()"));
   if (optimizer_ == nullptr && !makeOptimizer_) throw InvalidArgument(str(p, ": run() before setOptimizer()"));
   if (!dataset_) throw InvalidArgument(str(p, ": run() before setData()"));
   const int world = dataGroup()->size();
   if (!elastic_ && options_.globalBatch % world != 0) {
     throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " is not divisible by the ",
-                              mesh_ ? "data-parallel size (world / tensor parallel) " : "world size ", world,
+                              mesh_ ? "data-parallel size (world / tensor or pipeline parallel) " : "world size ", world,
                               " (each rank takes global batch / world); use a multiple of ", world, ", e.g. ",
                               std::max<int64_t>(world, options_.globalBatch / world * world)));
   }
@@ -346,7 +490,12 @@ void Loop::checkOptimizer() const {
   std::unordered_set<const void*> theirs;
   for (const Tensor& t : optimizer_->params()) theirs.insert(t.dataPtr());
   std::vector<std::pair<std::string, Tensor>> named;
-  if (options_.sharding == Sharding::None) {
+  if (stages_) {
+    std::unordered_set<const void*> seen;
+    for (const auto& [name, t] : stages_->namedParameters()) {
+      if (seen.insert(t.dataPtr()).second) named.emplace_back(name, t);
+    }
+  } else if (options_.sharding == Sharding::None) {
     named = model_->namedParameters();
   } else {
     for (const Tensor& t : parameters()) named.emplace_back(str("shard ", named.size()), t);
@@ -375,7 +524,13 @@ TrainingState Loop::trainingState(bool replicaLocal) {
     return state;
   }
   TrainingState state(group_->rank(), group_->size());
-  if (fsdp_) {
+  if (stages_) {
+    // Each stage's tensors by the unsplit names, written by its dp replica 0: any pipeline
+    // degree, or none, reads them back (train/pipeline_state.h).
+    const int replica = mesh_->coordinate("dp");
+    state.add("model", pipelineModelState(*stages_, replica))
+        .add("optim", pipelineOptimizerState(*stages_, *optimizer_, *model_, replica, group_->rank() == 0));
+  } else if (fsdp_) {
     state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
   } else if (zero_) {
     state.add("model", zero_->modelState()).addOptimizer("optim", *optimizer_, zero_->parameterMap());
@@ -657,8 +812,8 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     if (learningRate_) optimizer_->setLr(learningRate_(step_));
     optimizer_->zeroGrad();
     const int64_t rows = batch.batch.inputs.size(0);
-    const int64_t pieces = std::min<int64_t>(options_.microBatches, std::max<int64_t>(rows, 1));
-    double stepLoss = 0;
+    const int64_t pieces = pipelined() ? 0 : std::min<int64_t>(options_.microBatches, std::max<int64_t>(rows, 1));
+    double stepLoss = pipelined() ? pipelineStep(batch.batch) : 0.0;
     std::vector<std::pair<std::string, double>> stepMetrics;
     for (int64_t k = 0, at = 0; k < pieces; ++k) {
       const int64_t n = rows / pieces + (k < rows % pieces ? 1 : 0);
@@ -711,7 +866,9 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       if (fsdp_) clip.reducePartial = fsdp_->gradNormReducer();
       if (zero_) clip.reducePartial = zero_->gradNormReducer();
       // Under TP the split parameters' sums go over tp, then (sharded) the wrapper's over dp.
-      gradNorm_ = mesh_ ? clipTensorParallelGradNorm(*model_, parameters(), options_.clipGradNorm, (*mesh_)["tp"], clip)
+      // A pipeline's over pp: its dp replicas hold the same averaged gradients by now.
+      gradNorm_ = runner_ ? pipeline::clipGradNorm(*runner_, options_.clipGradNorm)
+                  : mesh_ ? clipTensorParallelGradNorm(*model_, parameters(), options_.clipGradNorm, (*mesh_)["tp"], clip)
                         : nn::clipGradNorm(parameters(), options_.clipGradNorm, clip);
     }
     if (elastic_) {
@@ -755,6 +912,60 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     }
   }
   return true;
+}
+
+double Loop::pipelineStep(const data::Batch& batch) {
+  const pipeline::Schedule& s = runner_->schedule();
+  const int me = mesh_->coordinate("pp"), m = s.m;
+  const int64_t rows = batch.inputs.size(0);
+  if (rows % m != 0) {  // the constructor checked the even split; a short last batch (dropLast off) is not
+    throw InvalidArgument(str(options_.program, ": step ", step_, " has ", rows, " example(s) on this rank, which ", m,
+                              " pipeline micro-batches do not split evenly; set LoopOptions::dropLast"));
+  }
+  const int64_t n = rows / m;
+  const bool first = s.rankOfStage(0) == me, last = s.rankOfStage(s.numStages() - 1) == me;
+  std::vector<Tensor> inputs, targets;
+  for (int k = 0; k < m; ++k) {
+    if (first) inputs.push_back(batch.inputs.narrow(0, k * n, n).contiguous());
+    if (last) targets.push_back(batch.targets.narrow(0, k * n, n).contiguous());
+  }
+  const double loss = runner_->step(inputs, targets);
+  reach(step_, Phase::Forward);
+  averageStageGradients();
+  return loss;
+}
+
+void Loop::averageStageGradients() {
+  ProcessGroup& dp = *dataGroup();
+  if (dp.size() == 1) return;
+  // One all-reduce for the stage, and one for the tied weight alone: its two copies (first and
+  // last stage) sit in different buffers on different dp groups, and only the same reduction
+  // of the same values keeps them bitwise equal.
+  const Tensor& tied = stages_->tiedCopy;
+  std::vector<Tensor> grads, tiedGrads;
+  for (const Tensor& p : stages_->parameters()) {
+    Tensor g = p.grad();
+    if (!g.defined()) {
+      throw InvalidArgument(str(options_.program, ": a stage parameter (", p.describe(), ") has no gradient after step ",
+                                step_, "'s pipeline backward"));
+    }
+    (tied.defined() && p.dataPtr() == tied.dataPtr() ? tiedGrads : grads).push_back(g);
+  }
+  NoGradGuard noGrad;
+  const double scale = 1.0 / static_cast<double>(dp.size());
+  for (std::vector<Tensor>* list : {&grads, &tiedGrads}) {
+    if (list->empty()) continue;
+    std::vector<Tensor> flat;
+    for (const Tensor& g : *list) flat.push_back(g.contiguous().reshape({-1}));
+    Tensor buffer = flat.size() == 1 ? flat.front().clone() : cat(flat);
+    dp.allreduce(buffer)->wait();
+    mul_(buffer, scale);
+    int64_t at = 0;
+    for (Tensor& g : *list) {
+      g.copy_(buffer.narrow(0, at, g.numel()).view(g.sizes()));
+      at += g.numel();
+    }
+  }
 }
 
 void Loop::reloadShards() {
@@ -809,6 +1020,7 @@ void Loop::redistributeShards(const std::vector<StateTensor>& held) {
 }
 
 std::vector<Tensor> Loop::wholeParameters() {
+  if (stages_) return stages_->parameters();  // the stage's: equal over its dp group
   if (fsdp_) {
     const auto full = fsdp_->gatherFullParameters();
     std::vector<Tensor> out;
@@ -948,7 +1160,7 @@ void Loop::armBackwardHook() {
   bool wanted = options_.hooks.at && options_.hooks.atBackward;
   for (const std::string& spec : options_.test.failAt) wanted |= split(spec, ':')[2] == "backward";
   if (!wanted) return;
-  if (fsdp_) {  // the sharded wrapper sets its shards' gradients itself, as backward returns
+  if (fsdp_ || pipelined()) {  // the sharded wrapper sets its shards' gradients itself; the pipeline's are done when its step returns
     backwardReturns_ = true;
     return;
   }
@@ -970,7 +1182,11 @@ LoopResult Loop::run(StepFunction fn) {
     result.stopReason = finished_;
     return result;
   }
-  if (!fn) throw InvalidArgument(str(options_.program, ": run() needs a step function"));
+  if (pipelined() && fn) {
+    throw InvalidArgument(str(options_.program, ": run() under pipeline parallelism takes an empty step function: "
+                              "the loop runs the pipeline, whose last stage takes nn::Gpt::loss"));
+  }
+  if (!pipelined() && !fn) throw InvalidArgument(str(options_.program, ": run() needs a step function"));
   checkSetUp();
   control_ = zeros({3}, DType::Float64);
   splitData();
@@ -1006,7 +1222,7 @@ LoopResult Loop::run(StepFunction fn) {
       saveCheckpoint("start");
     }
   }
-  if (!ddp_ && !fsdp_) wrapReplicated(!joining_);
+  if (!ddp_ && !fsdp_ && !pipelined()) wrapReplicated(!joining_);
   armBackwardHook();
   if (group_->rank() == 0 && !options_.metricsFile.empty()) {
     metrics_ = std::make_unique<MetricsFile>(options_.metricsFile, startStep_, options_.program);

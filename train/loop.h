@@ -70,6 +70,31 @@
 //    the new tp group (rebindTensorParallel), rebind DDP on mesh()["dp"], re-split the data
 //    (the same global batch and examples) and redo the step. Joiners come t at a time, as a
 //    replica, and receive their shards from rank 0 of their dp group (docs/parallel.md).
+//  * Pipeline parallelism (LoopOptions::pipeline.degree = p > 1, docs/parallel.md "Pipeline in
+//    the loop"): the constructor lays the group out as the mesh {dp: world / p, pp: p} (pp ranks
+//    adjacent; a collective) and makes the schedule (pipeline.schedule over p ranks and
+//    pipeline.microBatches, m), refusing in one line what cannot run: a world that p does not
+//    divide, a global batch whose share per dp replica m does not divide, a schedule that
+//    refuses m (interleaved and zbv need a multiple of p, zb1 m >= p), and the combinations not
+//    built yet: tensorParallel > 1, a Sharding other than None, --elastic, and microBatches > 1
+//    (the pipeline's own micro-batches replace gradient accumulation). The
+//    caller builds the whole nn::Gpt from the same seed on every rank and hands it over with
+//    setPipelineModel (not setModel), which keeps this rank's stages (pipeline::splitGpt,
+//    pipeline.split) and prints their summary on dp replica 0. parameters() and paramGroups()
+//    are then the stage's (paramGroups keeps, by name, the groups' tensors this rank holds, the
+//    last stage's copy of the tied embedding standing for wte.weight), so the same optimizer
+//    code serves both. run()'s step function must be empty: each step splits the dp replica's
+//    share of the batch (the same on every pp rank of the replica) into m micro-batches,
+//    PipelineRunner::step runs them (inputs on the first stage's rank, targets on the last's,
+//    nn::Gpt::loss, the gradient the mean over the m), the stage's gradients are averaged over
+//    mesh()["dp"] in one all-reduce (the tied weight's alone, so both copies stay equal),
+//    clipping is pipeline::clipGradNorm over pp (the replicas hold equal gradients by then)
+//    and the optimizer steps. The loss reported is the runner's (every pp rank returns it)
+//    averaged over dp: the unsplit model's at the same global batch. forward() and ddp() are
+//    refused (there is no whole model on a rank); LoopResult's fingerprint and spread are of
+//    this rank's stage over its dp group. Checkpoints hold each stage's tensors and optimizer
+//    state under the unsplit names (train/pipeline_state.h), so a run resumes at another
+//    pipeline degree or without one, and a plain run's checkpoint resumes split.
 //  * Timeouts are the group's (ProcessGroupOptions) and the elastic membership's.
 //  * The loop keeps references to the model, optimizer and dataset: they must outlive it.
 #pragma once
@@ -94,6 +119,7 @@
 #include "fsdp/fully_shard.h"
 #include "elastic/elastic_group.h"
 #include "parallel/mesh.h"
+#include "parallel/pipeline.h"
 #include "process_group/process_group.h"
 #include "tensor/nn/module.h"
 #include "tensor/optim/optim.h"
@@ -259,6 +285,14 @@ struct LoopOptions {
   FullyShardOptions fullyShard;
   // Tensor parallelism's degree (see the contract); 1: off. The world must be a multiple.
   int tensorParallel = 1;
+  // Pipeline parallelism (see the contract): degree 1 is off.
+  struct Pipeline {
+    int degree = 1;                  // p, the ranks of one pipeline; the world must be a multiple
+    std::string schedule = "1f1b";   // gpipe, 1f1b, interleaved, zb1 (ZB-H1) or zbv
+    int microBatches = 0;            // m per step (0: p); each (global batch / dp) / m rows
+    int virtualStages = 2;           // interleaved's chunks per rank (zbv has 2, the others 1)
+    dt::pipeline::SplitRule split = dt::pipeline::SplitRule::Layers;  // blocks per stage: count or parameters
+  } pipeline;
   // The elastic membership's options (under dtrun --elastic, DT_ELASTIC=1, or with forceElastic).
   elastic::ElasticOptions elastic;
   bool forceElastic = false;
@@ -312,9 +346,11 @@ class Loop {
   // DT_RESTART_COUNT: how many times dtrun restarted this rank.
   int64_t restartCount() const { return restartCount_; }
   const LoopOptions& options() const { return options_; }
-  // LoopOptions::tensorParallel > 1: the {dp, tp} mesh over the group (InvalidArgument otherwise).
+  // LoopOptions::tensorParallel > 1: the {dp, tp} mesh over the group; pipeline.degree > 1: the
+  // {dp, pp} mesh (InvalidArgument otherwise).
   const DeviceMesh& mesh() const;
-  // The group DDP and the data split run over: mesh()["dp"] under tensor parallelism, else group().
+  // The group DDP and the data split run over: mesh()["dp"] under tensor or pipeline
+  // parallelism, else group().
   ProcessGroup& dataParallelGroup() const;
 
   // Sharding::Full wraps at once (a collective), so that an optimizer can be made over the
@@ -324,6 +360,12 @@ class Loop {
   // Sharding::Full with these wrapper options instead of LoopOptions::fullyShard (its units are
   // modules of the model, which usually exists only after the loop: rank-dependent streams).
   void setModel(std::shared_ptr<nn::Module> model, FullyShardOptions sharded);
+  // Pipeline parallelism: the whole model, the same on every rank; this rank keeps its stages
+  // (see the contract). Not collective. InvalidArgument without pipeline.degree > 1, for a
+  // model of fewer blocks than stages, or twice; NotSupportedError for a tensor-parallel model.
+  void setPipelineModel(std::shared_ptr<nn::Gpt> model);
+  // This rank's stages (null without setPipelineModel).
+  const pipeline::GptStages* pipelineStages() const { return stages_ ? &*stages_ : nullptr; }
   // What the optimizer updates: the model's own parameters with Sharding::None, the shards
   // otherwise (ZeRO's only inside setOptimizer's factory).
   std::vector<Tensor> parameters() const;
@@ -361,8 +403,15 @@ class Loop {
   // a joiner at the same tp coordinate receives); else the checkpoint's state over the group.
   TrainingState trainingState(bool replicaLocal = false);
   void addExtraState(TrainingState& state);
-  // The {dp: world / t, tp: t} mesh over group_ (a collective).
+  // The {dp: world / t, tp: t} or {dp: world / p, pp: p} mesh over group_ (a collective).
   void makeMesh();
+  bool pipelined() const { return options_.pipeline.degree > 1; }
+  // The schedule LoopOptions::pipeline names over the world (InvalidArgument naming it).
+  void makeSchedule();
+  // One step's pipeline over this rank's share of the batch; the loss of the dp replica.
+  double pipelineStep(const data::Batch& batch);
+  // The stage's gradients averaged over mesh()["dp"].
+  void averageStageGradients();
   // The membership dropped this rank with its replica: say why and end run() on this rank.
   void leaveJob(const elastic::Membership& m);
   // "; member(s) 3 left with their tensor-parallel group (...)" when m dropped live members.
@@ -410,7 +459,10 @@ class Loop {
   LoopOptions options_;
   std::unique_ptr<elastic::ElasticGroup> elastic_;
   std::shared_ptr<ProcessGroup> group_;
-  std::optional<DeviceMesh> mesh_;  // tensor parallelism only
+  std::optional<DeviceMesh> mesh_;  // tensor or pipeline parallelism only
+  std::optional<pipeline::Schedule> schedule_;
+  std::optional<pipeline::GptStages> stages_;
+  std::unique_ptr<pipeline::PipelineRunner> runner_;
   std::shared_ptr<ProcessGroup> dataGroup() const { return mesh_ ? (*mesh_)["dp"] : group_; }
   bool joining_ = false;
   std::string finished_;  // a replacement that found the job finished: why (run() does nothing)

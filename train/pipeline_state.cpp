@@ -1,0 +1,161 @@
+#include "train/pipeline_state.h"
+
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dt::train {
+namespace {
+
+std::string joinName(const std::string& prefix, const std::string& name) { return prefix.empty() ? name : prefix + "." + name; }
+
+// The stages' tensors by unsplit name, each once (V's rank 0 holds the tied weight in two chunks).
+std::vector<std::pair<std::string, Tensor>> stageTensors(const pipeline::GptStages& stages) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  std::set<std::string> seen;
+  for (const auto& chunk : stages.chunks) {
+    for (auto& [name, t] : chunk->stateDict()) {
+      if (seen.insert(name).second) out.emplace_back(name, t);
+    }
+  }
+  return out;
+}
+
+bool isLastStagesCopy(const pipeline::GptStages& stages, const Tensor& t) {
+  return stages.tiedCopy.defined() && stages.tiedIsLast && t.dataPtr() == stages.tiedCopy.dataPtr();
+}
+
+class PipelineModelPart final : public StateProvider {
+ public:
+  PipelineModelPart(const pipeline::GptStages& stages, int replica) : stages_(stages), replica_(replica) {}
+
+  std::vector<StateTensor> collect() override {
+    std::vector<StateTensor> out;
+    if (replica_ != 0) return out;
+    for (auto& [name, t] : stageTensors(stages_)) {
+      if (!isLastStagesCopy(stages_, t)) out.push_back({name, Placement::Sharded, t.sizes(), 0, t});
+    }
+    return out;
+  }
+
+  void restore(const StateSource& source, const std::string& prefix, const RestoreContext&) override {
+    for (auto& [name, t] : stageTensors(stages_)) {
+      Tensor target = t;
+      restoreTensor(source, joinName(prefix, name), t.sizes(), 0, target);
+    }
+  }
+
+ private:
+  const pipeline::GptStages& stages_;
+  int replica_;
+};
+
+// A source that shows only the optimizer state of the parameters in `keep` under `prefix`, so
+// that the checkpoint module's optimizer part, which refuses state for parameters it does not
+// update, restores a stage from a checkpoint of the whole model.
+class StageSource final : public StateSource {
+ public:
+  StageSource(const StateSource& source, std::string prefix, std::set<std::string> keep)
+      : source_(source), head_(prefix.empty() ? "" : prefix + "."), keep_(std::move(keep)) {}
+
+  std::string describe() const override { return source_.describe(); }
+  int64_t step() const override { return source_.step(); }
+  int worldSize() const override { return source_.worldSize(); }
+  const std::map<std::string, std::string>& metadata() const override { return source_.metadata(); }
+  std::vector<StateTensorInfo> tensors() const override {
+    std::vector<StateTensorInfo> out;
+    for (StateTensorInfo& info : source_.tensors()) {
+      if (shown(info.name)) out.push_back(std::move(info));
+    }
+    return out;
+  }
+  std::optional<StateTensorInfo> find(const std::string& name) const override {
+    return shown(name) ? source_.find(name) : std::nullopt;
+  }
+  void read(const std::string& name, int64_t offset, Tensor& dst, int rank) const override {
+    source_.read(name, offset, dst, rank);
+  }
+  Tensor adoptable(const std::string& name) const override { return source_.adoptable(name); }
+
+ private:
+  // "<prefix>.<parameter>.<state>": the state's name has no dot.
+  bool shown(const std::string& name) const {
+    if (!name.starts_with(head_)) return true;
+    const std::string rest = name.substr(head_.size());
+    const auto dot = rest.rfind('.');
+    return dot != std::string::npos && keep_.count(rest.substr(0, dot)) != 0;
+  }
+
+  const StateSource& source_;
+  std::string head_;
+  std::set<std::string> keep_;
+};
+
+class PipelineOptimizerPart final : public StateProvider {
+ public:
+  PipelineOptimizerPart(const pipeline::GptStages& stages, optim::Optimizer& optimizer, const nn::Module& model,
+                        int replica, bool writesSharedScalars)
+      : stages_(stages), optimizer_(optimizer), model_(model), replica_(replica), writesSharedScalars_(writesSharedScalars) {}
+
+  std::vector<StateTensor> collect() override {
+    TrainingState inner;
+    inner.addOptimizer("", optimizer_, parameterMap());
+    std::vector<StateTensor> out = inner.collect();
+    if (!writesSharedScalars_) return out;
+    // The scalars (AdamW's step) of the parameters other ranks hold, from this rank's own.
+    std::set<std::string> mine;
+    for (const auto& [name, t] : stages_.namedParameters()) mine.insert(name);
+    std::map<std::string, StateTensor> scalars;  // by state name
+    for (const StateTensor& t : out) {
+      const auto dot = t.name.rfind('.');
+      if (t.placement == Placement::Replicated && dot != std::string::npos) scalars.emplace(t.name.substr(dot + 1), t);
+    }
+    for (const auto& [name, parameter] : model_.namedParameters()) {
+      if (mine.count(name)) continue;
+      for (const auto& [state, t] : scalars) out.push_back({name + "." + state, Placement::Replicated, t.shape, 0, t.local});
+    }
+    return out;
+  }
+
+  void restore(const StateSource& source, const std::string& prefix, const RestoreContext& context) override {
+    std::set<std::string> mine;
+    for (const auto& [name, t] : stages_.namedParameters()) mine.insert(name);
+    TrainingState inner(context.rank, context.worldSize);
+    inner.addOptimizer(prefix, optimizer_, parameterMap());
+    inner.restore(StageSource(source, prefix, std::move(mine)));
+  }
+
+ private:
+  ParameterMap parameterMap() const {
+    ParameterMap map;
+    std::set<const void*> seen;
+    for (const auto& [name, t] : stages_.namedParameters()) {
+      if (!seen.insert(t.dataPtr()).second) continue;
+      ParameterLayout layout{name, Placement::Sharded, t.sizes()};
+      layout.savedByAnotherRank = replica_ != 0 || isLastStagesCopy(stages_, t);
+      map.add(t, layout);
+    }
+    return map;
+  }
+
+  const pipeline::GptStages& stages_;
+  optim::Optimizer& optimizer_;
+  const nn::Module& model_;
+  int replica_;
+  bool writesSharedScalars_;
+};
+
+}  // namespace
+
+std::shared_ptr<StateProvider> pipelineModelState(const pipeline::GptStages& stages, int replica) {
+  return std::make_shared<PipelineModelPart>(stages, replica);
+}
+
+std::shared_ptr<StateProvider> pipelineOptimizerState(const pipeline::GptStages& stages, optim::Optimizer& optimizer,
+                                                      const nn::Module& model, int replica, bool writesSharedScalars) {
+  return std::make_shared<PipelineOptimizerPart>(stages, optimizer, model, replica, writesSharedScalars);
+}
+
+}  // namespace dt::train
