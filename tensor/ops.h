@@ -11,8 +11,8 @@
 //  * Shape/dtype/device mismatches and out-of-range indices throw
 //    InvalidArgument naming both sides; a tensor on a device without kernels
 //    throws NotSupportedError naming the op and the device.
-//  * matmul/mm/bmm/linear go through OpenBLAS (cblas_sgemm/dgemm); transposed
-//    operands are passed as CblasTrans, not copied.
+//  * matmul/mm/bmm/linear on the cpu go through OpenBLAS or oneDNN, shape by shape
+//    (tensor/matmul_backend.h); transposed operands are passed as such, not copied.
 //  * Kernels may use numThreads() threads (tensor/parallel.h). Ops are
 //    thread-safe for distinct outputs; in-place ops (names ending in _) bump
 //    the version counter of the modified tensor.
