@@ -48,9 +48,19 @@
 #   full run: 3 x 20 runs (world 2: 4 configurations, world 4: 6, per backend), about 45 minutes on
 #   2 idle cores (a world-2 38M step about 3.6 s, world 4 oversubscribed); REPS=1 about 15 minutes
 #   QUICK=1: L2-H4-C128-T64, STEPS=4 WARMUP=1 BATCH=4 REPS=1 (checks the script: under a minute)
+#
+# The pipeline part (issue 39) is bench/run_pipeline_bench.sh (its own header says what it
+# measures), run after the TP part with the same QUICK and DT_BUILD_DIR; PARTS="tp pp" (the
+# default) picks the parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
+parts=${PARTS:-"tp pp"}
+if [[ " $parts " != *" tp "* ]]; then
+  [[ " $parts " == *" pp "* ]] && exec bench/run_pipeline_bench.sh
+  echo "run_parallel_bench: PARTS=\"$parts\" names no part (tp, pp)" >&2
+  exit 2
+fi
 build=${DT_BUILD_DIR:-build-bench}
 quick=${QUICK:-0}
 if [ "$quick" = 1 ]; then q_layers=2 q_width=128 q_heads=4 q_context=64 q_steps=4 q_warmup=1 q_batch=4 q_reps=1
@@ -243,3 +253,7 @@ kernels = sorted({r["blas"] for rows in runs.values() for r in rows if "blas" in
 if kernels:
     print(f"dtrain's OpenBLAS kernels: {', '.join(kernels)}")
 PYEOF
+if [[ " $parts " == *" pp "* ]]; then
+  echo
+  OUT="$out.pipeline" bench/run_pipeline_bench.sh
+fi

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Pipeline parallelism's schedules on real ranks (issue 39), one run; bench/run_parallel_bench.sh
+# runs it as its pipeline part. bench/pipeline_bench.cpp does the work, one launch per row (forked
+# ranks over shm, one thread each), every timed step after a barrier:
+#   fixed  stages of a fixed synthetic cost (F, I, W sleep UNIT_MS each, B twice that): the
+#          measured bubble is the schedule's and the transport's, whatever the cores, against
+#          the simulator's formula (GPipe and 1F1B (p-1)/m, interleaved (p-1)/(vm), ZB-H1
+#          (p-1)/(3m), ZBV (p-1)/(6m));
+#   gpt    the 38M GPT (L12-H8-C512-T128, AdamW, clipping at 1.0) split into p stages, and DDP
+#          over the same p ranks at the same global batch (m micro-batches of MICRO rows).
+# Per row: step ms (the slowest rank's median), tokens/s, the bubble per rank (idle to the end of
+# the step's slowest rank over the rank's compute, median over steps; max and mean over ranks),
+# peak RSS per rank (VmHWM after the warm-up step; max over ranks).
+# With more ranks than cores (p = 4 on this 2-core machine) a real model's stages share cores:
+# a rank's compute then stretches while another computes, and its bubble is not the schedule's
+# alone; the fixed workload is the measure of the schedules.
+#
+# RATIO lines with goals (met / MISSED):
+#   bubble: |measured - formula| <= 0.03 per rank (max over ranks), every fixed row, and the gpt rows;
+#   ZB-H1 step / 1F1B step <= 0.9 at p=4, m=8 (gpt), with peak RSS ZB-H1 / 1F1B <= 1.1;
+#   tokens/s of each schedule against DDP's (no goal).
+#
+# usage: bench/run_pipeline_bench.sh  (env: PS="2 4" MS="4 8 16" SCHEDULES="gpipe 1f1b interleaved zb1 zbv"
+#          WORKLOADS="fixed gpt" UNIT_MS=20 STEPS=3 WARMUP=1 MICRO=2 LAYERS=12 WIDTH=512 HEADS=8 CONTEXT=128
+#          DT_BUILD_DIR=build-bench DT_JOBS=2 OUT=file)
+#   full run about 25 minutes on 2 idle cores (the gpt rows: 36 launches of the 38M model)
+#   QUICK=1: L8-H4-C64-T64, UNIT_MS=5, MS="4 8", STEPS=2 (checks the script: about a minute)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build=${DT_BUILD_DIR:-build-bench}
+quick=${QUICK:-0}
+if [ "$quick" = 1 ]; then q_layers=8 q_width=64 q_heads=4 q_context=64 q_unit=5 q_ms="4 8" q_steps=2
+else q_layers=12 q_width=512 q_heads=8 q_context=128 q_unit=20 q_ms="4 8 16" q_steps=3; fi
+ps=${PS:-"2 4"}
+ms=${MS:-$q_ms}
+schedules=${SCHEDULES:-"gpipe 1f1b interleaved zb1 zbv"}
+workloads=${WORKLOADS:-"fixed gpt"}
+unit=${UNIT_MS:-$q_unit}
+steps=${STEPS:-$q_steps}
+warmup=${WARMUP:-1}
+micro=${MICRO:-2}
+model=(--layers "${LAYERS:-$q_layers}" --width "${WIDTH:-$q_width}" --heads "${HEADS:-$q_heads}"
+       --context "${CONTEXT:-$q_context}" --micro-batch "$micro")
+out=${OUT:-$(mktemp /tmp/pipeline-bench.XXXXXX.txt)}
+
+openblas_dir=/usr/lib/x86_64-linux-gnu/openblas-pthread
+if [ -d "$openblas_dir" ]; then export LD_LIBRARY_PATH="$openblas_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 DT_NUM_THREADS=1
+
+echo "== building pipeline_bench in $build" >&2
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF >/dev/null &&
+  cmake --build "$build" -j "${DT_JOBS:-2}" --target pipeline_bench >/dev/null ||
+  { echo "run_pipeline_bench: building failed" >&2; exit 2; }
+bench="$build/bench/pipeline_bench"
+
+echo "# run_pipeline_bench: workloads=[$workloads] p=[$ps] m=[$ms] schedules=[$schedules] unit_ms=$unit steps=$steps" \
+  "warmup=$warmup micro_batch=$micro model=${model[*]} $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
+
+run_row() {  # workload p m schedule
+  local args=(--nproc "$2" --workload "$1" --schedule "$4" --m "$3" --steps "$steps" --warmup "$warmup")
+  if [ "$1" = fixed ]; then args+=(--unit-ms "$unit"); else args+=("${model[@]}"); fi
+  echo "## $*" >&2
+  local line
+  line=$(timeout 900 "$bench" "${args[@]}" 2>>"$out.log" | grep '^RESULT')
+  if [ -z "$line" ]; then echo "# FAILED: $* (no RESULT line; see $out.log)" | tee -a "$out"; return; fi
+  echo "$line" | tee -a "$out"
+}
+for workload in $workloads; do
+  for p in $ps; do
+    for m in $ms; do
+      for schedule in $schedules; do
+        # The schedules' own limits (pipeline_schedule.h): m >= p for the split ones, m % p == 0 for ZBV.
+        case $schedule in
+          interleaved|zb1) ((m >= p)) || continue ;;
+          zbv) ((m >= p && m % p == 0)) || continue ;;
+        esac
+        run_row "$workload" "$p" "$m" "$schedule"
+      done
+      if [ "$workload" = gpt ] && ((m % p == 0)); then run_row gpt "$p" "$m" ddp; fi
+    done
+  done
+done
+
+echo
+echo "# $out (stderr of the runs in $out.log)"
+/usr/bin/python3 - "$out" <<'PYEOF'
+import sys
+rows = []
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) > 2 and f[0] == "RESULT" and f[1] == "pipeline":
+        rows.append(dict(x.split("=", 1) for x in f[2:] if "=" in x))
+def find(workload, p, m, schedule):
+    for r in rows:
+        if (r["workload"], r["p"], r["m"], r["schedule"]) == (workload, p, m, schedule):
+            return r
+    return None
+order = ["gpipe", "1f1b", "interleaved", "zb1", "zbv", "ddp"]
+ratios = []
+print("| workload | p | m | schedule | v | step ms | x 1F1B | tokens/s | x DDP | bubble formula | bubble max | bubble mean | per rank | peak RSS MiB (max) | x 1F1B | per rank |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for r in sorted(rows, key=lambda r: (r["workload"], int(r["p"]), int(r["m"]), order.index(r["schedule"]) if r["schedule"] in order else 9)):
+    w, p, m, s = r["workload"], r["p"], r["m"], r["schedule"]
+    ref, ddp = find(w, p, m, "1f1b"), find(w, p, m, "ddp")
+    ms = float(r["step_ms"])
+    x1 = f"{ms / float(ref['step_ms']):.3f}" if ref else "-"
+    xd = f"{float(r['tokens_per_s']) / float(ddp['tokens_per_s']):.3f}" if ddp and s != "ddp" else "-"
+    rss = float(r["peak_rss_mb_max"])
+    xr = f"{rss / float(ref['peak_rss_mb_max']):.3f}" if ref else "-"
+    formula = r.get("formula", "-")
+    print(f"| {w} | {p} | {m} | {s} | {r['v']} | {ms:.1f} | {x1} | {float(r['tokens_per_s']):.0f} | {xd} | {formula} | "
+          f"{r.get('bubble_max', '-')} | {r.get('bubble_mean', '-')} | {r.get('bubble_ranks', '-')} | {rss:.0f} | {xr} | {r['peak_rss_mb_ranks']} |")
+    if s != "ddp":
+        worst = max(abs(float(b) - float(formula)) for b in r["bubble_ranks"].split(","))
+        ratios.append(f"RATIO pipeline_bubble |measured-formula| workload={w} schedule={s} p={p} m={m} value={worst:.4f} "
+                      f"formula={formula} goal<=0.03 {'met' if worst <= 0.03 else 'MISSED'}")
+    if ddp and s != "ddp":
+        ratios.append(f"RATIO pipeline_tokens_per_s {s}/ddp workload={w} p={p} m={m} value={float(r['tokens_per_s']) / float(ddp['tokens_per_s']):.3f}")
+for w in ("gpt", "fixed"):
+    zb, one = find(w, "4", "8", "zb1"), find(w, "4", "8", "1f1b")
+    if zb and one:
+        step = float(zb["step_ms"]) / float(one["step_ms"])
+        rss = float(zb["peak_rss_mb_max"]) / float(one["peak_rss_mb_max"])
+        goal = w == "gpt"
+        ratios.append(f"RATIO pipeline_step zb1/1f1b workload={w} p=4 m=8 value={step:.3f}" +
+                      (f" goal<=0.9 {'met' if step <= 0.9 else 'MISSED'}" if goal else ""))
+        ratios.append(f"RATIO pipeline_peak_rss zb1/1f1b workload={w} p=4 m=8 value={rss:.3f}" +
+                      (f" goal<=1.1 {'met' if rss <= 1.1 else 'MISSED'}" if goal else ""))
+print()
+print("\n".join(ratios))
+PYEOF
