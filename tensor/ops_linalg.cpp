@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "common/config.h"
+#include "tensor/autocast.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/fast_kernels.h"
 #include "tensor/internal/gemm.h"
@@ -94,8 +95,30 @@ DType gemmType(const Tensor& a, const Tensor& b, const char* op) {
                             a.describe(), " and ", b.describe()));
 }
 
-Tensor mmNoGrad(const Tensor& a, const Tensor& b) {
+// Under an autocast scope (tensor/autocast.h), for cpu float32/bfloat16 operands: the type the
+// operands are converted to (bfloat16, or float32 where bf16 products do not run natively);
+// the result is float32. nullopt: the op's usual types.
+std::optional<DType> autocastOperands(const Tensor& a, const Tensor& b) {
+  const std::optional<DType> ac = autocastDType();
+  if (!ac || !a.device().isCpu() || !b.device().isCpu()) return std::nullopt;
+  auto castable = [](DType t) { return t == DType::Float32 || t == DType::BFloat16; };
+  if (!castable(a.dtype()) || !castable(b.dtype())) return std::nullopt;
+  return gemmOperandType(*ac, DType::Float32);
+}
+
+Tensor castNoGrad(const Tensor& t, std::optional<DType> cast) {
+  if (!cast || t.dtype() == *cast) return t;
   NoGradGuard noGrad;
+  return t.to(*cast);
+}
+
+Tensor mmNoGrad(const Tensor& a, const Tensor& b, std::optional<DType> cast = std::nullopt) {
+  NoGradGuard noGrad;
+  if (cast) {
+    Tensor out = empty({a.sizes()[0], b.sizes()[1]}, DType::Float32, a.device());
+    gemm(a.to(*cast), b.to(*cast), out, 1.0, 0.0);
+    return out;
+  }
   const DType ct = gemmType(a, b, "mm");
   const DType it = operandType(a, ct);
   Tensor out = empty({a.sizes()[0], b.sizes()[1]}, ct, a.device());
@@ -110,12 +133,16 @@ Tensor mm(const Tensor& a, const Tensor& b) {
   if (a.dim() != 2 || b.dim() != 2 || a.sizes()[1] != b.sizes()[0]) {
     throw InvalidArgument(str("mm: shapes ", a.describe(), " and ", b.describe(), " cannot be multiplied (expected [n, k] x [k, m])"));
   }
-  Tensor out = mmNoGrad(a, b);
+  // Under autocast the converted operands are what backward multiplies with: saved as such.
+  const std::optional<DType> cast = autocastOperands(a, b);
+  const Tensor A = castNoGrad(a, cast), B = castNoGrad(b, cast);
+  Tensor out = mmNoGrad(A, B, cast);
   recordFn(
-      "MmBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a), SavedTensor(b)}; },
-      [](const BackwardContext& c) -> TensorList {
+      "MmBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(A), SavedTensor(B)}; },
+      [cast](const BackwardContext& c) -> TensorList {
         const Tensor& g = c.grads[0];
-        return {c.needs[0] ? mmNoGrad(g, c.saved[1].t()) : Tensor(), c.needs[1] ? mmNoGrad(c.saved[0].t(), g) : Tensor()};
+        return {c.needs[0] ? mmNoGrad(g, c.saved[1].t(), cast) : Tensor(),
+                c.needs[1] ? mmNoGrad(c.saved[0].t(), g, cast) : Tensor()};
       });
   return out;
 }
@@ -170,8 +197,13 @@ void bmmCuda(const Tensor& a, const Tensor& b, Tensor& out) {
 }
 #endif
 
-Tensor bmmNoGrad(const Tensor& a, const Tensor& b) {
+Tensor bmmNoGrad(const Tensor& a, const Tensor& b, std::optional<DType> cast = std::nullopt) {
   NoGradGuard noGrad;
+  if (cast) {  // autocast: cpu only, float32 result
+    Tensor out = empty({a.sizes()[0], a.sizes()[1], b.sizes()[2]}, DType::Float32, a.device());
+    bmmCpu(a.to(*cast), b.to(*cast), out);
+    return out;
+  }
   const DType ct = gemmType(a, b, "bmm");
   const DType it = operandType(a, ct);
   const Tensor A = a.to(it), B = b.to(it);
@@ -194,13 +226,15 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
     throw InvalidArgument(str("bmm: shapes ", a.describe(), " and ", b.describe(),
                               " cannot be multiplied (expected [B, n, k] x [B, k, m])"));
   }
-  Tensor out = bmmNoGrad(a, b);
+  const std::optional<DType> cast = autocastOperands(a, b);
+  const Tensor A = castNoGrad(a, cast), B = castNoGrad(b, cast);
+  Tensor out = bmmNoGrad(A, B, cast);
   recordFn(
-      "BmmBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(a), SavedTensor(b)}; },
-      [](const BackwardContext& c) -> TensorList {
+      "BmmBackward", {a, b}, out, [&] { return std::vector<SavedTensor>{SavedTensor(A), SavedTensor(B)}; },
+      [cast](const BackwardContext& c) -> TensorList {
         const Tensor& g = c.grads[0];
-        return {c.needs[0] ? bmmNoGrad(g, detail::permuteNoGrad(c.saved[1], {0, 2, 1})) : Tensor(),
-                c.needs[1] ? bmmNoGrad(detail::permuteNoGrad(c.saved[0], {0, 2, 1}), g) : Tensor()};
+        return {c.needs[0] ? bmmNoGrad(g, detail::permuteNoGrad(c.saved[1], {0, 2, 1}), cast) : Tensor(),
+                c.needs[1] ? bmmNoGrad(detail::permuteNoGrad(c.saved[0], {0, 2, 1}), g, cast) : Tensor()};
       });
   return out;
 }
@@ -257,15 +291,20 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (bias.defined() && (bias.dim() != 1 || bias.sizes()[0] != outF)) {
     throw InvalidArgument(str("linear: bias ", bias.describe(), " does not match weight ", weight.describe()));
   }
-  const DType ct = gemmType(x, weight, op);
-  if (bias.defined() && bias.dtype() != x.dtype()) {
+  // Under autocast: bf16 (or float32) operands, float32 result, the bias added in float32.
+  const std::optional<DType> cast = autocastOperands(x, weight);
+  const DType ct = cast ? DType::Float32 : gemmType(x, weight, op);
+  if (bias.defined() && cast && !isFloatingPoint(bias.dtype())) {
+    throw InvalidArgument(str("linear: bias ", bias.describe(), " is not floating point"));
+  }
+  if (bias.defined() && !cast && bias.dtype() != x.dtype()) {
     throw InvalidArgument(str("linear: bias ", bias.describe(), " and input ", x.describe(), " differ in dtype"));
   }
   const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
   std::optional<NoGradGuard> noGrad(std::in_place);
   Tensor x2 = detail::canView(x, {rows, in}) ? detail::viewNoGrad(x, {rows, in}) : detail::viewNoGrad(x.contiguous(), {rows, in});
   // ct: the output's and gradients' compute type; it: the gemm operands' (bfloat16 on oneDNN).
-  const DType it = operandType(x, ct);
+  const DType it = cast ? *cast : operandType(x, ct);
   x2 = x2.to(it);
   const Tensor w = weight.to(it);
   Tensor out = empty({rows, outF}, ct, x.device());
@@ -286,7 +325,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   Shape outShape(x.sizes().begin(), x.sizes().end() - 1);
   outShape.push_back(outF);
   Tensor result = detail::viewNoGrad(out, outShape);
-  if (result.dtype() != x.dtype()) result = result.to(x.dtype());
+  if (!cast && result.dtype() != x.dtype()) result = result.to(x.dtype());
   noGrad.reset();
   const Shape xShape = x.sizes();
   const bool hasBias = bias.defined();

@@ -10,6 +10,7 @@
 #include <spdlog/sinks/ostream_sink.h>
 
 #include "common/logging.h"
+#include "tensor/autocast.h"
 #include "tensor/internal/gemm.h"
 #include "tensor/matmul_backend.h"
 #include "tensor/ops.h"
@@ -37,9 +38,12 @@ TEST(MatmulIsaCap, BFloat16FallsBackToFloat32WithOneLogLine) {
   }
   EXPECT_NE(reason.find("avx512_core_bf16"), std::string::npos) << reason;
 
+  // Attached for the test's duration; detached on every exit (an ASSERT returns early).
   std::ostringstream log;
-  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
-  logger("tensor")->sinks().push_back(sink);
+  struct SinkScope {
+    explicit SinkScope(std::ostringstream& out) { logger("tensor")->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(out)); }
+    ~SinkScope() { logger("tensor")->sinks().pop_back(); }
+  } sinkScope(log);
 
   Generator g(8);
   for (int rep = 0; rep < 3; ++rep) {
@@ -54,11 +58,19 @@ TEST(MatmulIsaCap, BFloat16FallsBackToFloat32WithOneLogLine) {
     }
   }
   logger("tensor")->flush();
-  logger("tensor")->sinks().pop_back();
   const std::string text = log.str();
   EXPECT_EQ(countOf(text, "bfloat16 matrix products run in float32"), 1u) << text;
   EXPECT_EQ(countOf(text, "\n"), 1u) << "one line: " << text;
   EXPECT_NE(text.find("avx512_core_bf16"), std::string::npos) << text;
+  // Under autocast the products run on the float32 operands as they are: float32's result exactly.
+  {
+    const Tensor a = randn({64, 96}, g), b = randn({96, 48}, g);
+    const Tensor plain = mm(a, b);
+    autocast scope;
+    EXPECT_TRUE(allclose(mm(a, b), plain, 0.0, 0.0));
+  }
+  logger("tensor")->flush();
+  EXPECT_EQ(countOf(log.str(), "bfloat16 matrix products run in float32"), 1u) << "still one line";
   // The operands were converted to float32, not handed to oneDNN's bf16 emulation.
   EXPECT_EQ(detail::gemmOperandType(DType::BFloat16, DType::Float32), DType::Float32);
   EXPECT_NE(matmulKernelName().find("bf16=fp32"), std::string::npos) << matmulKernelName();
