@@ -5,15 +5,22 @@
 //
 //   RESULT gpt_block impl=dtrain batch=16 model=L1-H4-C256-T128 reps=20 step_ms=..
 //
+// --autocast 1 runs the block's step under dt::autocast(BFloat16) (tensor/autocast.h) and adds
+// precision=bf16-autocast to its line; stderr names the matrix-product kernels.
+//
 // usage: gpt_bench --micro block|attention [--batch B] [--width C] [--heads H] [--context T] [--reps N]
+//                  [--autocast 0|1]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "tensor/autocast.h"
+#include "tensor/matmul_backend.h"
 #include "tensor/nn/gpt.h"
 
 namespace {
@@ -36,6 +43,7 @@ int main(int argc, char** argv) {
   std::string micro = "block";
   int64_t batch = 4, width = 256, heads = 4, context = 128;
   int reps = 20;
+  bool bf16Autocast = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--micro") micro = value;
@@ -44,6 +52,7 @@ int main(int argc, char** argv) {
     else if (flag == "--heads") heads = std::stoll(value);
     else if (flag == "--context") context = std::stoll(value);
     else if (flag == "--reps") reps = std::stoi(value);
+    else if (flag == "--autocast") bf16Autocast = std::stoi(value) != 0;
     else {
       std::fprintf(stderr, "gpt_bench: unknown flag %s\n", flag.c_str());
       return 2;
@@ -60,13 +69,19 @@ int main(int argc, char** argv) {
   dt::Tensor x = dt::randn({batch, context, width}, g).setRequiresGrad(true);
   dt::Tensor qkv = dt::randn({batch, context, 3 * width}, g).setRequiresGrad(true);
   if (micro == "block") {
-    step = [&] { dt::sum(block(x)).backward(); };
+    step = [&] {
+      std::optional<dt::autocast> scope;
+      if (bf16Autocast) scope.emplace(dt::DType::BFloat16);
+      dt::sum(block(x)).backward();
+    };
   } else {
     step = [&] { dt::sum(dt::selfAttention(qkv, heads)).backward(); };
   }
   const double ms = medianMs(step, reps);
-  std::printf("RESULT gpt_%s impl=dtrain batch=%lld model=L1-H%lld-C%lld-T%lld reps=%d step_ms=%.3f\n", micro.c_str(),
+  // precision= only with --autocast 1, so the float32 line still pairs with PyTorch's.
+  std::printf("RESULT gpt_%s impl=dtrain batch=%lld model=L1-H%lld-C%lld-T%lld%s reps=%d step_ms=%.3f\n", micro.c_str(),
               static_cast<long long>(batch), static_cast<long long>(heads), static_cast<long long>(width),
-              static_cast<long long>(context), reps, ms);
+              static_cast<long long>(context), bf16Autocast ? " precision=bf16-autocast" : "", reps, ms);
+  std::fprintf(stderr, "matmul kernels: %s\n", dt::matmulKernelName().c_str());
   return 0;
 }
