@@ -99,7 +99,7 @@ if [ "${GEMM_SHAPES:-1}" = 1 ]; then
   "$py" "$peers/summarize.py" "$shapes_out"
   for impl in openblas_own onednn onednn-bf16; do
     echo "== GPT matrix products: $impl / openblas (gflops > 1: faster)" >&2
-    "$py" "$peers/summarize.py" "$shapes_out" --ratio "$impl:openblas" --ignore kernel
+    "$py" "$peers/summarize.py" "$shapes_out" --ratio "$impl:openblas" --ignore kernel,auto
   done
   rm -f "$shapes_out"
 fi

@@ -167,6 +167,11 @@ std::shared_ptr<const Entry> lookup(const GemmProblem& p, int threads) {
   // same key keeps whichever landed first.
   std::shared_ptr<const Entry> entry = build(key);
   std::lock_guard lock(gMu);
+  // A workload whose shapes keep changing (generation, whose rows grow by one per token) would
+  // grow the cache without end: past kMaxEntries it starts over. Entries in use stay alive
+  // through their shared_ptr; oneDNN's own cache still holds recent kernels, so rebuilding is cheap.
+  constexpr size_t kMaxEntries = 1024;
+  if (gCache.size() >= kMaxEntries) gCache.clear();
   return gCache.emplace(key, std::move(entry)).first->second;
 }
 
