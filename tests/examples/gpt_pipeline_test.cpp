@@ -113,7 +113,7 @@ TEST(GptPipeline, EveryScheduleOnTwoRanksTrainsAsOneProcess) {
 
 TEST(GptPipeline, PipelineTimesDataParallelOnFourRanksTrainsAsDdpOnTwo) {
   const auto reference = trainCurve(2, {});
-  for (const char* schedule : {"1f1b", "interleaved", "zb1"}) {
+  for (const char* schedule : {"gpipe", "1f1b", "interleaved", "zb1", "zbv"}) {
     expectSameCurve(reference, trainCurve(4, {"--pp", "2", "--schedule", schedule, "--micro-batches", "2"}),
                     str("4 ranks --pp 2 --schedule ", schedule));
   }
