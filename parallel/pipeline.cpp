@@ -11,6 +11,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
+#include "parallel/parallelize.h"
 #include "tensor/autograd/function.h"
 #include "tensor/ops.h"
 
@@ -47,7 +48,7 @@ class TiedHead : public nn::Module {
 class GptChunk : public nn::Module {
  public:
   GptChunk(nn::Gpt& model, int stage, int numStages, int begin, int end, const std::shared_ptr<nn::Module>& sharedWte)
-      : first_(stage == 0), last_(stage == numStages - 1) {
+      : first_(stage == 0), last_(stage == numStages - 1), layout_(model.layout()) {
     if (first_) {
       wte_ = registerModule("wte", model.child("wte"));
       wpe_ = registerModule("wpe", model.child("wpe"));
@@ -73,10 +74,15 @@ class GptChunk : public nn::Module {
     if (first_) {
       const Tensor positions = arange(input.size(1), TensorOptions().dtype(DType::Int64).device(input.device()));
       x = add((*wte_)(input), (*wpe_)(positions));
+      if (layout_) x = layout_->enterBlocks(x);  // as Gpt::forward: sequence parallelism's block of T
       x = (*drop_)(x);
     }
     x = (*blocks_)(x);
-    if (last_) x = linear((*ln_f_)(x), tiedOf(*wte_));
+    if (last_) {
+      x = (*ln_f_)(x);
+      if (layout_) x = layout_->enterHead(x);
+      x = linear(x, tiedOf(*wte_));
+    }
     return x;
   }
   std::string typeName() const override { return "GptChunk"; }
@@ -84,6 +90,7 @@ class GptChunk : public nn::Module {
 
  private:
   bool first_, last_;
+  std::shared_ptr<nn::GptLayout> layout_;
   std::shared_ptr<nn::Module> wte_, wpe_, drop_, ln_f_, blocks_;
 };
 
@@ -178,7 +185,11 @@ std::vector<int> splitLayers(const nn::GptConfig& config, int numStages, SplitRu
 RunnerStages GptStages::runnerStages() const {
   RunnerStages r;
   r.chunks = chunks;
-  r.loss = [](const Tensor& logits, const Tensor& targets) { return nn::Gpt::loss(logits, targets); };
+  if (layout) {
+    r.loss = [layout = layout](const Tensor& logits, const Tensor& targets) { return layout->loss(logits, targets); };
+  } else {
+    r.loss = [](const Tensor& logits, const Tensor& targets) { return nn::Gpt::loss(logits, targets); };
+  }
   r.tiedCopy = tiedCopy;
   r.tiedPeer = tiedPeer;
   r.tiedIsLast = tiedIsLast;
@@ -218,15 +229,12 @@ std::string GptStages::summary() const {
 }
 
 GptStages splitGpt(nn::Gpt& model, const Schedule& schedule, int rank, const SplitOptions& options) {
-  if (model.layout()) {
-    throw NotSupportedError(str("pipeline: splitGpt: the model has a layout (", model.layout()->describe(),
-                                "); pipeline stages of a tensor-parallel GPT are not built yet"));
-  }
   if (rank < 0 || rank >= schedule.p) {
     throw InvalidArgument(str("pipeline: splitGpt: rank ", rank, " is not in [0, ", schedule.p, ")"));
   }
   const int stages = schedule.numStages();
   GptStages out;
+  out.layout = model.layout();
   out.stageBegin = splitLayers(model.config(), stages, options.rule);
   const int firstRank = schedule.rankOfStage(0), lastRank = schedule.rankOfStage(stages - 1);
   std::shared_ptr<nn::Module> sharedWte;
@@ -647,15 +655,37 @@ RunnerStages fixedCostStages(const Schedule& schedule, int rank, const Costs& co
 }
 
 double clipGradNorm(const PipelineRunner& runner, double maxNorm, nn::ClipGradNormOptions options) {
+  return clipGradNorm(runner, maxNorm, nullptr, std::move(options));
+}
+
+double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessGroupPtr& tensorParallel,
+                    nn::ClipGradNormOptions options) {
   const RunnerStages& st = runner.stages();
   std::vector<Tensor> parameters;
+  std::vector<bool> split;  // per parameter: a tensor-parallel block (its squares summed over tp)
   std::set<const void*> seen;
   const bool skipCopy = st.tiedCopy.defined() && st.tiedIsLast;
   for (const auto& chunk : st.chunks) {
+    std::map<std::string, bool> splitByName;
+    if (tensorParallel) {
+      for (const ParameterShard& shard : parameterShardsOf(*chunk)) splitByName[shard.name] = shard.dim >= 0;
+    }
     for (const auto& [name, t] : chunk->namedParameters()) {
       if (skipCopy && t.dataPtr() == st.tiedCopy.dataPtr()) continue;
-      if (seen.insert(t.dataPtr()).second) parameters.push_back(t);
+      if (!seen.insert(t.dataPtr()).second) continue;
+      parameters.push_back(t);
+      split.push_back(splitByName[name]);
     }
+  }
+  if (tensorParallel) {
+    if (options.isSplit || options.reduceSplitPartial) {
+      throw InvalidArgument(str("pipeline: clipGradNorm over tp group ", tensorParallel->name(),
+                                ": options carry isSplit / reduceSplitPartial; it sets them from the stages"));
+    }
+    options.isSplit = [&split](size_t index) { return split[index]; };
+    options.reduceSplitPartial = [&tensorParallel](Tensor& partial, bool max) {
+      tensorParallel->allreduce(partial, {.reduceOp = max ? ReduceOp::Max : ReduceOp::Sum})->wait();
+    };
   }
   const ProcessGroupPtr& pp = runner.group();
   options.reducePartial = [&pp](Tensor& partial, bool max) {

@@ -68,8 +68,10 @@
 // group, the same number of times. Every step blocks until this rank's list is done (at most
 // about one options.timeout per transfer). The runner holds the chunks (shared) and the group.
 // Sends and receives use tags from options.tagBase up; nothing else should use those tags on
-// the group while a step runs. Composition with DDP/FSDP/TP, data parallel averaging and
-// checkpoints across PP degrees are not built yet.
+// the group while a step runs. Tensor parallelism composes inside the stages (splitGpt);
+// data parallelism over replicas is the caller's: average the stages' gradients over the dp
+// group after step (train::Loop does, with checkpoints across PP degrees); ZeRO and the fully
+// sharded wrapper over dp are not built yet.
 #pragma once
 
 #include <chrono>
@@ -112,6 +114,7 @@ struct GptStages {
   std::vector<std::shared_ptr<nn::Module>> chunks;  // by local chunk index
   std::vector<int> stages;                          // the global stage of each chunk
   std::vector<int> stageBegin;                      // the split (splitLayers)
+  std::shared_ptr<nn::GptLayout> layout;            // the model's (tensor parallelism), or null
   RunnerStages runnerStages() const;
   Tensor tiedCopy;
   int tiedPeer = -1;
@@ -133,8 +136,15 @@ struct SplitOptions {
 // This rank's chunks of `model` under `schedule`'s placement. The chunks share `model`'s modules
 // (no copies, except the last stage's tied weight when the first stage is elsewhere), so
 // `model` is the reference for names and initial values; build it from the same seed on every
-// rank. NotSupportedError for a model with a GptLayout (tensor parallelism), InvalidArgument
-// when the layers do not cover the stages.
+// rank. InvalidArgument when the layers do not cover the stages.
+//
+// A tensor-parallel model (parallelize() before splitGpt: a GptLayout) splits the same way; its
+// chunks run the layout where Gpt::forward does (enterBlocks after the embeddings, enterHead
+// before the head), the loss is the layout's (a block of the vocabulary), and the last stage's
+// tied copy is this rank's vocabulary block. The runner's group is then the mesh's "pp" (the
+// ranks of one tp coordinate), every boundary carries this rank's activation (with sequence
+// parallelism [micro-batch, T / tp, width]), and each action's TP collectives run on "tp" in the
+// same order on every rank of a tp group (they run the same list).
 GptStages splitGpt(nn::Gpt& model, const Schedule& schedule, int rank, const SplitOptions& options = {});
 
 struct PipelineOptions {
@@ -218,5 +228,9 @@ RunnerStages fixedCostStages(const Schedule& schedule, int rank, const Costs& co
 // out, one all-reduce over the pp group; every gradient (the copy too) scaled by the same factor.
 // Collective over the runner's group; call after step, before the optimizer. Returns the norm.
 double clipGradNorm(const PipelineRunner& runner, double maxNorm, nn::ClipGradNormOptions options = {});
+// The same for tensor-parallel stages: a TP block's squares are summed over `tensorParallel`
+// first (parameterShardsOf), a replicated parameter counts once; collective over pp and tp.
+double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessGroupPtr& tensorParallel,
+                    nn::ClipGradNormOptions options = {});
 
 }  // namespace dt::pipeline
