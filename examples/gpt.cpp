@@ -363,9 +363,11 @@ int run(const Config& c) {
   if (loop.fullySharded() != nullptr && c.sampleTokens > 0) whole.emplace(loop.fullySharded()->gatherFullParameters());
   if (finalRank == 0) {
     const double rate = static_cast<double>((r.steps - r.firstStep) * tokensPerStep) / std::max(r.seconds, 1e-9);
-    std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; validation loss %.4f; peak RSS %.0f MiB per rank\n",
+    char validation[64] = "no validation loss under --pp";
+    if (c.pp == 1) std::snprintf(validation, sizeof(validation), "validation loss %.4f", valLoss);
+    std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; %s; peak RSS %.0f MiB per rank\n",
                 static_cast<long long>(r.steps), examples::formatSeconds(r.elapsed).c_str(), r.steps > r.firstStep ? rate : 0.0, r.loss,
-                valLoss, mem[0]);
+                validation, mem[0]);
     if (c.sampleTokens > 0 && c.tp > 1) {
       std::printf("gpt: no sample with --tp %d: sampling needs the whole vocabulary's logits on one rank (not built yet)\n", c.tp);
     } else if (c.sampleTokens > 0 && c.pp > 1) {
