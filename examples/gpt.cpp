@@ -1,8 +1,8 @@
 // gpt: a GPT-style language model trained on real English text, under `dtrun --nproc 4
 // build/examples/gpt`, on the training loop library (train/loop.h, docs/train.md), which brings
 // DDP / ZeRO / the fully sharded wrapper (--sharding), tensor parallelism (--tp, --sp; with DDP over
-// the rest of the ranks), pipeline parallelism (--pp, --schedule; with DDP over the rest of the
-// ranks), gradient accumulation, clipping,
+// the rest of the ranks), pipeline parallelism (--pp, --schedule; with --tp inside the stages and
+// DDP over the rest of the ranks), gradient accumulation, clipping,
 // checkpoints with a bitwise resume, pre-emption (SIGTERM/SIGUSR1/SIGINT), progress and metrics
 // lines, and under `dtrun --elastic` in-place recovery and joiners. This file is the rest:
 //   data       Debian's fortunes (2.5 MB of English), byte tokens, a train/validation split by
@@ -141,10 +141,6 @@ the end.
                               "supported yet: add --checkpoint-dir none, or use --sharding ddp"));
   }
   if (c.sp && c.tp == 1) throw InvalidArgument("gpt: --sp needs --tp 2 or more (it splits the sequence over the TP group)");
-  if (c.pp > 1 && c.tp > 1) {
-    throw InvalidArgument(str("gpt: --pp ", c.pp, " with --tp ", c.tp, ": pipeline stages of a tensor-parallel GPT are not built "
-                              "yet; use one of the two"));
-  }
   if (const int64_t stages = c.pp * (c.schedule == "interleaved" ? c.virtualStages : c.schedule == "zbv" ? 2 : 1);
       c.pp > 1 && c.model.layers < stages) {
     throw InvalidArgument(str("gpt: --pp ", c.pp, " --schedule ", c.schedule,
@@ -236,7 +232,8 @@ int run(const Config& c) {
     options.evalAtStart = false;
     options.pipeline = {.degree = c.pp, .schedule = c.schedule, .microBatches = static_cast<int>(c.microBatches),
                         .virtualStages = c.virtualStages,
-                        .split = c.split == "params" ? dt::pipeline::SplitRule::Parameters : dt::pipeline::SplitRule::Layers};
+                        .split = c.split == "params" ? dt::pipeline::SplitRule::Parameters : dt::pipeline::SplitRule::Layers,
+                        .sequenceParallel = c.sp};
   }
   options.sharding = c.sharding == "ddp"     ? dt::train::Sharding::None
                      : c.sharding == "zero1" ? dt::train::Sharding::Zero1
@@ -312,8 +309,9 @@ int run(const Config& c) {
                 c.lr, static_cast<long long>(c.warmup), c.minLr, c.weightDecay, c.gradClip, static_cast<long long>(c.globalBatch),
                 static_cast<long long>(T), static_cast<long long>(c.globalBatch * c.tp * c.pp / world), c.microBatches > 1 ? str(" in ", c.microBatches, " micro-batches").c_str() : "",
                 static_cast<long long>(c.steps),
-                c.tp > 1 ? str("TP=", c.tp, c.sp ? " with SP" : "", " x DDP over ", world / c.tp).c_str()
-                : c.pp > 1 ? str("PP=", c.pp, " (", c.schedule, ") x DDP over ", world / c.pp).c_str()
+                c.pp > 1 ? str("PP=", c.pp, " (", c.schedule, ")", c.tp > 1 ? str(" x TP=", c.tp, c.sp ? " with SP" : "") : std::string(),
+                               " x DDP over ", world / (c.pp * c.tp)).c_str()
+                : c.tp > 1 ? str("TP=", c.tp, c.sp ? " with SP" : "", " x DDP over ", world / c.tp).c_str()
                 : c.sharding == "ddp" ? "DDP" : str("--sharding ", c.sharding).c_str());
   }
   const dt::train::StepFunction step = [&](const dt::data::Batch& b) {

@@ -145,10 +145,6 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
       return InvalidArgument(str(p, ": pipeline parallelism (pipeline.degree ", pp, ") ", what));
     };
     if (pp < 1) throw refuse("must be 1 (off) or more");
-    if (options_.tensorParallel != 1) {
-      throw refuse(str("with tensor parallelism (tensorParallel ", options_.tensorParallel,
-                       ") is not built yet: splitGpt cannot split a tensor-parallel GPT; use one of the two"));
-    }
     if (options_.sharding != Sharding::None) {
       const char* sharding = options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2";
       throw refuse(str("with Sharding::", sharding, " is not built yet; use Sharding::None (DDP over the pipeline replicas)"));
@@ -172,7 +168,7 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     finished_ = e.what();  // a replacement started after the job ended: nothing to do
     return;
   }
-  if (options_.tensorParallel != 1) {
+  if (options_.tensorParallel != 1 && !pipelined()) {
     const int world = group_->size(), t = options_.tensorParallel;
     if (world % t != 0) {
       throw InvalidArgument(str(p, ": tensorParallel ", t, " does not divide the world size ", world,
@@ -181,16 +177,17 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     makeMesh();
   }
   if (pipelined()) {
-    const int world = group_->size(), pp = options_.pipeline.degree;
-    if (world % pp != 0) {
-      throw InvalidArgument(str(p, ": pipeline degree ", pp, " does not divide the world size ", world,
-                                " (the mesh is {dp: world / pp, pp: pp})"));
+    const int world = group_->size(), pp = options_.pipeline.degree, t = options_.tensorParallel;
+    const std::string tp = t > 1 ? str(" x tensorParallel ", t) : std::string();
+    if (world % (pp * t) != 0) {
+      throw InvalidArgument(str(p, ": pipeline degree ", pp, tp, " does not divide the world size ", world,
+                                t > 1 ? " (the mesh is {dp: world / (pp tp), pp: pp, tp: tp})" : " (the mesh is {dp: world / pp, pp: pp})"));
     }
     makeSchedule();
-    const int dp = world / pp, m = schedule_->m;
+    const int dp = world / (pp * t), m = schedule_->m;
     if (options_.globalBatch % dp != 0 || options_.globalBatch / dp % m != 0) {
       throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " does not split into ", dp,
-                                " data-parallel replica(s) (world ", world, " / pipeline degree ", pp, ") of ", m,
+                                " data-parallel replica(s) (world ", world, " / pipeline degree ", pp, tp, ") of ", m,
                                 " micro-batches each; use a multiple of ", dp * m));
     }
     makeMesh();
@@ -227,9 +224,13 @@ void Loop::makeMesh() {
   // A pipeline's ranks are adjacent too (torchtitan puts pp outermost, for hosts joined by a
   // slower network): its activations cross between stages every micro-batch, while dp's
   // reduction comes once a step, so the pipeline is the traffic to keep on one host.
+  // With tensor parallelism too, tp stays innermost (one host, a collective per layer) and pp
+  // next: {dp, pp, tp}.
   if (pipelined()) {
-    const int pp = options_.pipeline.degree;
-    mesh_ = DeviceMesh::create(group_, {{"dp", group_->size() / pp}, {"pp", pp}});
+    const int pp = options_.pipeline.degree, t = options_.tensorParallel;
+    std::vector<MeshDimension> dims{{"dp", group_->size() / (pp * t)}, {"pp", pp}};
+    if (t > 1) dims.push_back({"tp", t});
+    mesh_ = DeviceMesh::create(group_, dims);
     return;
   }
   const int t = options_.tensorParallel;
@@ -308,9 +309,21 @@ void Loop::setPipelineModel(std::shared_ptr<nn::Gpt> model) {
   const std::vector<Tensor> params = model->parameters();
   const DType dtype = params.empty() ? DType::Float32 : params.front().dtype();
   const int64_t rows = options_.globalBatch / mesh_->size("dp") / schedule_->m;
+  // Sequence parallelism: a stage boundary carries this rank's block of the sequence.
+  const int t = options_.tensorParallel;
+  const int64_t T = model->config().contextLength;
+  if (options_.pipeline.sequenceParallel && (t == 1 || !model->layout() || T % t != 0)) {
+    throw InvalidArgument(str(p, ": pipeline.sequenceParallel with tensorParallel ", t, ", context ", T,
+                              model->layout() ? "" : " and a model that is not tensor-parallel",
+                              ": it needs a model parallelized with sequence parallelism over tp, and T a multiple of tp"));
+  }
+  if (t > 1 && !model->layout()) {
+    throw InvalidArgument(str(p, ": setPipelineModel with tensorParallel ", t, ": parallelize the model over mesh() first "
+                              "(dt::parallelize), then hand it over"));
+  }
   runner_ = std::make_unique<pipeline::PipelineRunner>(
       *schedule_, stages_->runnerStages(), pp,
-      pipeline::PipelineOptions{.activationShape = {rows, model->config().contextLength, model->config().width},
+      pipeline::PipelineOptions{.activationShape = {rows, options_.pipeline.sequenceParallel ? T / t : T, model->config().width},
                                 .activationDType = dtype});
   model_ = std::move(model);
   if (mesh_->coordinate("dp") == 0 && !options_.quiet) {
@@ -528,8 +541,9 @@ TrainingState Loop::trainingState(bool replicaLocal) {
     // Each stage's tensors by the unsplit names, written by its dp replica 0: any pipeline
     // degree, or none, reads them back (train/pipeline_state.h).
     const int replica = mesh_->coordinate("dp");
-    state.add("model", pipelineModelState(*stages_, replica))
-        .add("optim", pipelineOptimizerState(*stages_, *optimizer_, *model_, replica, group_->rank() == 0));
+    const int tpRank = options_.tensorParallel > 1 ? mesh_->coordinate("tp") : 0;
+    state.add("model", pipelineModelState(*stages_, *model_, replica, tpRank))
+        .add("optim", pipelineOptimizerState(*stages_, *optimizer_, *model_, replica, tpRank, group_->rank() == 0));
   } else if (fsdp_) {
     state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
   } else if (zero_) {
@@ -867,7 +881,8 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       if (zero_) clip.reducePartial = zero_->gradNormReducer();
       // Under TP the split parameters' sums go over tp, then (sharded) the wrapper's over dp.
       // A pipeline's over pp: its dp replicas hold the same averaged gradients by now.
-      gradNorm_ = runner_ ? pipeline::clipGradNorm(*runner_, options_.clipGradNorm)
+      gradNorm_ = runner_ ? (options_.tensorParallel > 1 ? pipeline::clipGradNorm(*runner_, options_.clipGradNorm, (*mesh_)["tp"])
+                                                         : pipeline::clipGradNorm(*runner_, options_.clipGradNorm))
                   : mesh_ ? clipTensorParallelGradNorm(*model_, parameters(), options_.clipGradNorm, (*mesh_)["tp"], clip)
                         : nn::clipGradNorm(parameters(), options_.clipGradNorm, clip);
     }

@@ -72,15 +72,16 @@
 //    replica, and receive their shards from rank 0 of their dp group (docs/parallel.md).
 //  * Pipeline parallelism (LoopOptions::pipeline.degree = p > 1, docs/parallel.md "Pipeline in
 //    the loop"): the constructor lays the group out as the mesh {dp: world / p, pp: p} (pp ranks
-//    adjacent; a collective) and makes the schedule (pipeline.schedule over p ranks and
-//    pipeline.microBatches, m), refusing in one line what cannot run: a world that p does not
-//    divide, a global batch whose share per dp replica m does not divide, a schedule that
-//    refuses m (interleaved and zbv need a multiple of p, zb1 m >= p), and the combinations not
-//    built yet: tensorParallel > 1, a Sharding other than None, --elastic, and microBatches > 1
-//    (the pipeline's own micro-batches replace gradient accumulation). The
-//    caller builds the whole nn::Gpt from the same seed on every rank and hands it over with
-//    setPipelineModel (not setModel), which keeps this rank's stages (pipeline::splitGpt,
-//    pipeline.split) and prints their summary on dp replica 0. parameters() and paramGroups()
+//    adjacent; a collective), with tensorParallel t > 1 {dp: world / (p t), pp: p, tp: t}, and
+//    makes the schedule (pipeline.schedule over p ranks and pipeline.microBatches, m), refusing
+//    in one line what cannot run: a world that p t does not divide, a global batch whose share
+//    per dp replica m does not divide, a schedule that refuses m (interleaved and zbv need a
+//    multiple of p, zb1 m >= p), and the combinations not built yet: a Sharding other than
+//    None, --elastic, and microBatches > 1 (the pipeline's own micro-batches replace gradient
+//    accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
+//    t > 1 parallelized over mesh() first, pipeline.sequenceParallel saying whether with SP) and
+//    hands it over with setPipelineModel (not setModel), which keeps this rank's stages
+//    (pipeline::splitGpt, pipeline.split) and prints their summary on dp replica 0. parameters() and paramGroups()
 //    are then the stage's (paramGroups keeps, by name, the groups' tensors this rank holds, the
 //    last stage's copy of the tied embedding standing for wte.weight), so the same optimizer
 //    code serves both. run()'s step function must be empty: each step splits the dp replica's
@@ -88,13 +89,14 @@
 //    PipelineRunner::step runs them (inputs on the first stage's rank, targets on the last's,
 //    nn::Gpt::loss, the gradient the mean over the m), the stage's gradients are averaged over
 //    mesh()["dp"] in one all-reduce (the tied weight's alone, so both copies stay equal),
-//    clipping is pipeline::clipGradNorm over pp (the replicas hold equal gradients by then)
-//    and the optimizer steps. The loss reported is the runner's (every pp rank returns it)
+//    clipping is pipeline::clipGradNorm over pp, and tp with t > 1 (the replicas hold equal
+//    gradients by then) and the optimizer steps. The loss reported is the runner's (every pp rank returns it)
 //    averaged over dp: the unsplit model's at the same global batch. forward() and ddp() are
 //    refused (there is no whole model on a rank); LoopResult's fingerprint and spread are of
 //    this rank's stage over its dp group. Checkpoints hold each stage's tensors and optimizer
-//    state under the unsplit names (train/pipeline_state.h), so a run resumes at another
-//    pipeline degree or without one, and a plain run's checkpoint resumes split.
+//    state under the unsplit names and global shapes (train/pipeline_state.h), so a run resumes
+//    at another pipeline or tensor-parallel degree or without either, and a plain run's
+//    checkpoint resumes split.
 //  * Timeouts are the group's (ProcessGroupOptions) and the elastic membership's.
 //  * The loop keeps references to the model, optimizer and dataset: they must outlive it.
 #pragma once
@@ -292,6 +294,9 @@ struct LoopOptions {
     int microBatches = 0;            // m per step (0: p); each (global batch / dp) / m rows
     int virtualStages = 2;           // interleaved's chunks per rank (zbv has 2, the others 1)
     dt::pipeline::SplitRule split = dt::pipeline::SplitRule::Layers;  // blocks per stage: count or parameters
+    // With tensorParallel: the model was parallelized with sequence parallelism, so a stage
+    // boundary carries this rank's T / tensorParallel tokens.
+    bool sequenceParallel = false;
   } pipeline;
   // The elastic membership's options (under dtrun --elastic, DT_ELASTIC=1, or with forceElastic).
   elastic::ElasticOptions elastic;
@@ -347,7 +352,7 @@ class Loop {
   int64_t restartCount() const { return restartCount_; }
   const LoopOptions& options() const { return options_; }
   // LoopOptions::tensorParallel > 1: the {dp, tp} mesh over the group; pipeline.degree > 1: the
-  // {dp, pp} mesh (InvalidArgument otherwise).
+  // {dp, pp} mesh, {dp, pp, tp} with both (InvalidArgument otherwise).
   const DeviceMesh& mesh() const;
   // The group DDP and the data split run over: mesh()["dp"] under tensor or pipeline
   // parallelism, else group().
@@ -362,7 +367,7 @@ class Loop {
   void setModel(std::shared_ptr<nn::Module> model, FullyShardOptions sharded);
   // Pipeline parallelism: the whole model, the same on every rank; this rank keeps its stages
   // (see the contract). Not collective. InvalidArgument without pipeline.degree > 1, for a
-  // model of fewer blocks than stages, or twice; NotSupportedError for a tensor-parallel model.
+  // model of fewer blocks than stages, a model not parallelized under tensorParallel > 1, or twice.
   void setPipelineModel(std::shared_ptr<nn::Gpt> model);
   // This rank's stages (null without setPipelineModel).
   const pipeline::GptStages* pipelineStages() const { return stages_ ? &*stages_ : nullptr; }
@@ -403,7 +408,7 @@ class Loop {
   // a joiner at the same tp coordinate receives); else the checkpoint's state over the group.
   TrainingState trainingState(bool replicaLocal = false);
   void addExtraState(TrainingState& state);
-  // The {dp: world / t, tp: t} or {dp: world / p, pp: p} mesh over group_ (a collective).
+  // The {dp, tp}, {dp, pp} or {dp, pp, tp} mesh over group_ (a collective).
   void makeMesh();
   bool pipelined() const { return options_.pipeline.degree > 1; }
   // The schedule LoopOptions::pipeline names over the world (InvalidArgument naming it).

@@ -6,6 +6,9 @@
 #include <utility>
 #include <vector>
 
+#include "parallel/checkpoint.h"
+#include "parallel/parallelize.h"
+
 namespace dt::train {
 namespace {
 
@@ -27,29 +30,60 @@ bool isLastStagesCopy(const pipeline::GptStages& stages, const Tensor& t) {
   return stages.tiedCopy.defined() && stages.tiedIsLast && t.dataPtr() == stages.tiedCopy.dataPtr();
 }
 
+// Where a stage's tensor sits in the checkpoint, and whether this rank writes it (see the header).
+class Placer {
+ public:
+  Placer(const pipeline::GptStages& stages, const nn::Module& model, int replica, int tpRank)
+      : stages_(stages), replica_(replica), tpRank_(tpRank) {
+    for (ParameterShard& shard : parameterShardsOf(model)) {
+      std::string name = shard.name;
+      shards_.emplace(std::move(name), std::move(shard));
+    }
+  }
+
+  ParameterLayout of(const std::string& name, const Tensor& t) const {
+    const bool copy = isLastStagesCopy(stages_, t);
+    auto it = shards_.find(name);
+    if (it != shards_.end() && it->second.dim >= 0) {
+      return tensorParallelLayout(it->second, t.sizes(), replica_ != 0 || copy);
+    }
+    // Whole on this rank: a piece that covers it, from one rank of all that hold it.
+    ParameterLayout layout{name, Placement::Sharded, t.sizes()};
+    layout.savedByAnotherRank = replica_ != 0 || tpRank_ != 0 || copy;
+    return layout;
+  }
+
+ private:
+  const pipeline::GptStages& stages_;
+  int replica_, tpRank_;
+  std::map<std::string, ParameterShard> shards_;
+};
+
 class PipelineModelPart final : public StateProvider {
  public:
-  PipelineModelPart(const pipeline::GptStages& stages, int replica) : stages_(stages), replica_(replica) {}
+  PipelineModelPart(const pipeline::GptStages& stages, const nn::Module& model, int replica, int tpRank)
+      : stages_(stages), placer_(stages, model, replica, tpRank) {}
 
   std::vector<StateTensor> collect() override {
     std::vector<StateTensor> out;
-    if (replica_ != 0) return out;
     for (auto& [name, t] : stageTensors(stages_)) {
-      if (!isLastStagesCopy(stages_, t)) out.push_back({name, Placement::Sharded, t.sizes(), 0, t});
+      const ParameterLayout l = placer_.of(name, t);
+      if (!l.savedByAnotherRank) out.push_back({name, l.placement, l.shape, l.offset, t, l.stride, l.repeats});
     }
     return out;
   }
 
   void restore(const StateSource& source, const std::string& prefix, const RestoreContext&) override {
     for (auto& [name, t] : stageTensors(stages_)) {
+      const ParameterLayout l = placer_.of(name, t);
       Tensor target = t;
-      restoreTensor(source, joinName(prefix, name), t.sizes(), 0, target);
+      restoreRuns(source, joinName(prefix, name), l.shape, l.offset, l.stride, l.repeats, target);
     }
   }
 
  private:
   const pipeline::GptStages& stages_;
-  int replica_;
+  Placer placer_;
 };
 
 // A source that shows only the optimizer state of the parameters in `keep` under `prefix`, so
@@ -96,8 +130,9 @@ class StageSource final : public StateSource {
 class PipelineOptimizerPart final : public StateProvider {
  public:
   PipelineOptimizerPart(const pipeline::GptStages& stages, optim::Optimizer& optimizer, const nn::Module& model,
-                        int replica, bool writesSharedScalars)
-      : stages_(stages), optimizer_(optimizer), model_(model), replica_(replica), writesSharedScalars_(writesSharedScalars) {}
+                        int replica, int tpRank, bool writesSharedScalars)
+      : stages_(stages), optimizer_(optimizer), model_(model), placer_(stages, model, replica, tpRank),
+        writesSharedScalars_(writesSharedScalars) {}
 
   std::vector<StateTensor> collect() override {
     TrainingState inner;
@@ -132,10 +167,7 @@ class PipelineOptimizerPart final : public StateProvider {
     ParameterMap map;
     std::set<const void*> seen;
     for (const auto& [name, t] : stages_.namedParameters()) {
-      if (!seen.insert(t.dataPtr()).second) continue;
-      ParameterLayout layout{name, Placement::Sharded, t.sizes()};
-      layout.savedByAnotherRank = replica_ != 0 || isLastStagesCopy(stages_, t);
-      map.add(t, layout);
+      if (seen.insert(t.dataPtr()).second) map.add(t, placer_.of(name, t));
     }
     return map;
   }
@@ -143,19 +175,21 @@ class PipelineOptimizerPart final : public StateProvider {
   const pipeline::GptStages& stages_;
   optim::Optimizer& optimizer_;
   const nn::Module& model_;
-  int replica_;
+  Placer placer_;
   bool writesSharedScalars_;
 };
 
 }  // namespace
 
-std::shared_ptr<StateProvider> pipelineModelState(const pipeline::GptStages& stages, int replica) {
-  return std::make_shared<PipelineModelPart>(stages, replica);
+std::shared_ptr<StateProvider> pipelineModelState(const pipeline::GptStages& stages, const nn::Module& model, int replica,
+                                                  int tpRank) {
+  return std::make_shared<PipelineModelPart>(stages, model, replica, tpRank);
 }
 
 std::shared_ptr<StateProvider> pipelineOptimizerState(const pipeline::GptStages& stages, optim::Optimizer& optimizer,
-                                                      const nn::Module& model, int replica, bool writesSharedScalars) {
-  return std::make_shared<PipelineOptimizerPart>(stages, optimizer, model, replica, writesSharedScalars);
+                                                      const nn::Module& model, int replica, int tpRank,
+                                                      bool writesSharedScalars) {
+  return std::make_shared<PipelineOptimizerPart>(stages, optimizer, model, replica, tpRank, writesSharedScalars);
 }
 
 }  // namespace dt::train

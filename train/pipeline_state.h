@@ -5,13 +5,16 @@
 // the stages.
 //
 //   TrainingState state(world->rank(), world->size());
-//   state.add("model", pipelineModelState(stages, replica));
-//   state.add("optim", pipelineOptimizerState(stages, optimizer, model, replica, world->rank() == 0));
+//   state.add("model", pipelineModelState(stages, model, replica, tpRank));
+//   state.add("optim", pipelineOptimizerState(stages, optimizer, model, replica, tpRank, world->rank() == 0));
 //
 // Placement: a stage's tensor is a Sharded piece that covers the whole tensor (offset 0), written
 // by the rank that holds it; of the dp replicas of a stage only replica 0 lists it, and the last
 // stage's copy of the tied embedding (equal to the first stage's, see pipeline.h) is left to the
-// first stage's rank. The optimizer's per-parameter state is placed like its parameter. Its step
+// first stage's rank. Under tensor parallelism (a model parallelized before the split) a split
+// parameter is placed as parallel/checkpoint.h places it (tensorParallelLayout: this rank's
+// block in the global tensor), and a replicated one (norms, some biases, wpe) is written by tp
+// rank 0 alone. The optimizer's per-parameter state is placed like its parameter. Its step
 // counters are replicated scalars, which the checkpoint module writes from rank 0 alone: rank 0
 // (writesSharedScalars) lists each scalar state for every parameter of the whole model with its
 // own value, which is right because every parameter of a GPT is stepped at every step.
@@ -33,10 +36,14 @@
 
 namespace dt::train {
 
-std::shared_ptr<StateProvider> pipelineModelState(const pipeline::GptStages& stages, int replica);
+// `model`: the whole (unsplit) model the stages were cut from, for the tensor-parallel shards
+// (parameterShardsOf) and the names of the parameters other ranks hold. `replica`: this rank's
+// coordinate along dp; `tpRank` along tp (0 without tensor parallelism).
+std::shared_ptr<StateProvider> pipelineModelState(const pipeline::GptStages& stages, const nn::Module& model, int replica,
+                                                  int tpRank);
 
-// `model`: the whole (unsplit) model, for the names of the parameters other ranks hold.
 std::shared_ptr<StateProvider> pipelineOptimizerState(const pipeline::GptStages& stages, optim::Optimizer& optimizer,
-                                                      const nn::Module& model, int replica, bool writesSharedScalars);
+                                                      const nn::Module& model, int replica, int tpRank,
+                                                      bool writesSharedScalars);
 
 }  // namespace dt::train
