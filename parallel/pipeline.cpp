@@ -323,8 +323,9 @@ double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector
                                   : std::string(" (after its actions)");
     const int stage = schedule_.stageOf(rank_, action ? action->chunk : 0);
     // Not broken: this rank's own failure started it. Broken: a peer failed first and aborted the
-    // group, or a transfer of this rank timed out, which breaks the group too and is this rank's
-    // own finding (it names the peer that never came).
+    // group (the transport says "aborted the group's transfers"), or this rank found the cause
+    // itself: a transfer that timed out (it names the peer that never came) or a peer that died
+    // (the transport names it). Those break the group too.
     bool origin = !pp_->isBroken();
     std::string cause;
     if (options_.store) {
@@ -337,10 +338,12 @@ double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector
         origin = true;
       } catch (const std::exception& e) {
         what = describe(e);
+        origin = origin || what.find("aborted the group's transfers") == std::string::npos;
       } catch (...) {
       }
       try {
-        // The first to write wins; an origin that lost (two ranks timing out together) reads the
+        // The first to write wins (a rank that saw the abort of one that wrote first reads its
+        // cause: that rank wrote before it aborted); an origin that lost (two ranks timing out together) reads the
         // winner's, the others wait for it.
         const std::string first = origin
             ? options_.store->compareSet(key, "", str("rank ", rank_, " stage ", stage, at, ": ", what))
