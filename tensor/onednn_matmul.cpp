@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "common/errors.h"
+#include "common/sanitizers.h"
 #include "common/strings.h"
 #include "tensor/internal/gemm.h"
 #include "tensor/parallel.h"
