@@ -45,6 +45,8 @@ constexpr std::array kKnobs = {
     Knob{"DT_GLOO_BATCH_LOOP", "1", "Run Gloo's event-loop thread under SCHED_BATCH so it never preempts the thread it waits for; set 0 to keep the default policy.", "user"},
     Knob{"DT_BACKEND", "", "Backend override for initProcessGroup: gloo, shm or nccl. Default: CPU tensors on shm when the group shares a host, gloo when every rank has its own host, both (hierarchical) otherwise; CUDA tensors on nccl.", "user"},
     Knob{"DT_HOST_ID", "", "This process's host identity for backend routing (ranks with equal ids share memory). Default: the kernel's boot id plus the network namespace.", "user"},
+    Knob{"DT_FLIGHT_RECORDER_ENTRIES", "4096", "Flight recorder: how many of its last process-group operations (collectives, send, recv) each process keeps, rounded up to a power of two; 0 turns it off. Read once, at the first operation. See docs/debugging.md.", "user"},
+    Knob{"DT_FLIGHT_RECORDER_DIR", "", "Flight recorder: folder each rank writes its dump to (flight_rank<R>_<reason>.json) on a timeout, desync, failed op, abort, member loss, SIGUSR2 or dt::dumpFlightRecorder(); unset: no dumps. dtrun --log-dir sets it to the attempt's log folder.", "dtrun, user"},
     // ddp
     Knob{"DT_DDP_LOG", "0", "DistributedDataParallel: rank 0 prints the bucket table once and a one-line summary (forward, backward, communication and exposed communication time) every DT_DDP_LOG_EVERY iterations to stderr.", "user"},
     Knob{"DT_DDP_LOG_EVERY", "100", "With DT_DDP_LOG=1: synchronised iterations between two DDP summary lines.", "user"},

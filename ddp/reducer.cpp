@@ -409,6 +409,7 @@ void Reducer::launchReadyBuckets() {
     }
     if (!timing_->passEnded) ++timing_->launchedInBackward;
     const int64_t profiledLaunchNs = profiler::recording() ? profiler::nowNs() : -1;
+    const FlightContext flightContext("ddp bucket %zu", index);
     bucket.work = hook_(*group_, grad);
     if (!bucket.work) {
       throw InvalidArgument(str("[", who(), "] DDP: the comm hook returned no Work for bucket ", index));

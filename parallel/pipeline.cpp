@@ -469,6 +469,7 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
   for (current = 0; current < static_cast<int>(actions.size()); ++current) {
     const Action& a = actions[static_cast<size_t>(current)];
     const int stage = s.stageOf(rank_, a.chunk);
+    const FlightContext flightContext("pipeline %s mb %d stage %d", toString(a.kind), a.microBatch, stage);
     const bool computes = a.kind == ActionKind::F || a.kind == ActionKind::B || a.kind == ActionKind::I ||
                           a.kind == ActionKind::W;
     const auto actionStart = std::chrono::steady_clock::now();

@@ -12,6 +12,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "common/thread_name.h"
+#include "process_group/flight_recorder.h"
 #include "tensor/profiler.h"
 
 namespace dt {
@@ -110,6 +111,8 @@ CollectiveRunner::CollectiveRunner(StorePtr store, int rank, int size, Collectiv
       abort_(std::move(abortTransport)) {
   who_ = str("rank ", rank_, "/", size_, " pg=", options_.groupName, " ", options_.backendName);
   internedWho_ = Work::internName(who_);
+  internedGroup_ = Work::internName(options_.groupName);
+  if (flight::enabled()) flight::installSignalHandler();
   DT_CHECK(store_ != nullptr, "CollectiveRunner: store is null");
   if (!options_.globalRanks.empty()) {
     DT_CHECK_EQ(static_cast<int>(options_.globalRanks.size()), size_, "CollectiveRunner: globalRanks must list every rank");
@@ -143,6 +146,8 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   fingerprint.seq = seq;
   fingerprint.op = op;
   if (broken_ || stopping_) {
+    flight::recordCollective(flightIds_.next(), internedGroup_, rank_, size_, seq, op, fingerprint,
+                             bytesOf(fingerprint), flight::State::Failed, flight::clockNs(0));
     auto work = std::make_shared<Work>(op, seq, internedWho_);
     Work::markFailed(work, notStarted(op, seq));
     return work;
@@ -171,7 +176,13 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   // The tick window needs no precision; the profiler's queued time does.
   const auto now = coarseNow();
   task.enqueuedAt = profiler::recording() ? Clock::now() : now;
-  task.leftToCaller = bytesOf(task.fingerprint) <= kCallerRunBytes;
+  task.bytes = bytesOf(task.fingerprint);
+  task.leftToCaller = task.bytes <= kCallerRunBytes;
+  task.flightId = flightIds_.next();
+  flight::recordCollective(
+      task.flightId, internedGroup_, rank_, size_, seq, op, task.fingerprint, task.bytes, flight::State::Queued,
+      task.leftToCaller ? std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count()
+                        : flight::clockNs(task.bytes));
   wakeWorker = wakeWorker || !task.leftToCaller || !workerTicking_;
   tickUntil_ = now + kTickWindow;
   if (wakeWorker) wake_.notify_one();
@@ -206,6 +217,7 @@ bool CollectiveRunner::start(const Work* work, Work::Start how) {
   const std::exception_ptr refused = broken_ ? notStarted(task.op, task.seq) : nullptr;
   lock.unlock();
   countRun(ranByCaller_);
+  if (refused) flight::finished(task.flightId, flight::State::Aborted, flight::clockNs(task.bytes));
   const std::exception_ptr failure = refused ? refused : runTask(task);
   lock.lock();
   running_ = false;
@@ -227,13 +239,19 @@ WorkPtr CollectiveRunner::rejectIfUnusable(const std::string& what, const std::s
   return nullptr;
 }
 
-void CollectiveRunner::fail(const std::exception_ptr& failure) {
+void CollectiveRunner::breakGroup(const std::exception_ptr& failure, const char* dumpReason) {
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!broken_) broken_ = failure;
+    if (!broken_) {
+      broken_ = failure;
+      first = true;
+    }
   }
   wake_.notify_all();  // queued ops fail now, also those left to their callers
   abortTransport();
+  // After the abort: peers learn of the failure now, not after this rank's dump.
+  if (first) flight::dumpOnFailure(failure, dumpReason);
 }
 
 std::exception_ptr CollectiveRunner::brokenCause() const {
@@ -283,6 +301,7 @@ void CollectiveRunner::workerLoop() {
       if (broken_ || stopping_) {
         auto cause = notStarted(task.op, task.seq);
         lock.unlock();
+        flight::finished(task.flightId, flight::State::Aborted, flight::clockNs(task.bytes));
         Work::markFailed(task.work, cause);
         lock.lock();
         continue;
@@ -325,6 +344,8 @@ std::exception_ptr CollectiveRunner::runTask(Task& task) {
   std::exception_ptr failure;
   const int64_t profiledStartNs = profiler::recording() ? profiler::nowNs() : -1;
   progress_->started(task.seq, task.op);
+  flight::started(task.flightId, flight::clockNs(task.bytes));
+  bool abortedFromOutside = false;
   try {
     if (options_.checkFingerprints) checkFingerprint(task.fingerprint, task.timeout);
     task.body(task.timeout, task.fingerprint);
@@ -333,7 +354,8 @@ std::exception_ptr CollectiveRunner::runTask(Task& task) {
     // Aborted from outside (Backend::abort) before or while the failure is
     // explained: the transport's error is only the abort's echo, so the
     // abort's cause is what the op says (and the peers are not asked).
-    if (!brokenCause()) failure = explainFailure(std::current_exception(), task);
+    abortedFromOutside = brokenCause() != nullptr;
+    if (!abortedFromOutside) failure = explainFailure(std::current_exception(), task);
     if (std::exception_ptr cause = brokenCause()) {
       const std::string description = task.fingerprint.describe();
       failure = withPrefix(cause, str("[", who(), "] ", task.op, " #", task.seq, " ",
@@ -341,11 +363,14 @@ std::exception_ptr CollectiveRunner::runTask(Task& task) {
     }
   }
   if (profiledStartNs >= 0) [[unlikely]] recordProfile(task, profiledStartNs, failure != nullptr);
+  flight::finished(task.flightId,
+                   !failure ? flight::State::Done : abortedFromOutside ? flight::State::Aborted : flight::State::Failed,
+                   flight::clockNs(task.bytes));
   if (failure) {
     if (isTimeout(failure)) {
       failure = withPrefix(failure, "", " [the group is broken now: later ops fail at once; ProcessGroup::isBroken()]");
     }
-    fail(failure);
+    breakGroup(failure, "error");
   }
   return failure;
 }

@@ -49,6 +49,13 @@
 //  * While a profiler records (tensor/profiler.h), each op that runs is an
 //    event of category "collective" on the thread that ran it, from start to
 //    end, with its sequence number, bytes and time queued since issue.
+//  * Every op enqueued here is in the flight recorder (flight_recorder.h):
+//    recorded at issue (queued, or failed when the group is already broken),
+//    running when its body starts, then done, failed, or aborted (it failed
+//    because the group was broken by another cause). The first failure that
+//    breaks the group writes this process's flight record (reason timeout,
+//    desync, member_loss, error for a failed op, abort for fail() from
+//    outside), after the transport is aborted so that peers are not held up.
 //  * Thread-safe. The abort callback may be called from any thread, also
 //    while a body runs, and must be idempotent. shutdown() fails queued work
 //    with "the group was shut down", aborts a body in flight, joins the worker
@@ -73,6 +80,7 @@
 #include "collectives/options.h"
 #include "common/logging.h"
 #include "common/small_function.h"
+#include "process_group/flight_recorder.h"
 #include "process_group/progress.h"
 #include "process_group/work.h"
 #include "store/store.h"
@@ -164,7 +172,7 @@ class CollectiveRunner {
   // is broken or shut down, else nullptr. `what` names the call.
   WorkPtr rejectIfUnusable(const std::string& what, const std::string& description);
   // Marks the group broken by `failure` (the first cause wins) and aborts the transport.
-  void fail(const std::exception_ptr& failure);
+  void fail(const std::exception_ptr& failure) { breakGroup(failure, "abort"); }
   std::exception_ptr brokenCause() const;
   bool stopping() const;
   void shutdown();
@@ -196,6 +204,8 @@ class CollectiveRunner {
     Body body;
     WorkPtr work;
     std::chrono::steady_clock::time_point enqueuedAt;
+    size_t bytes = 0;
+    uint64_t flightId = 0;      // its flight recorder entry (0: none)
     bool leftToCaller = false;  // small: its caller may run it (see the contract)
     bool seenByTick = false;    // the worker's last tick found it left to its caller
   };
@@ -240,6 +250,8 @@ class CollectiveRunner {
   std::exception_ptr explainFailure(std::exception_ptr error, const Task& task);
   void reportFailure(const std::string& reason);
   void abortTransport();
+  // fail(); `dumpReason` names the flight record's reason when the error's type does not.
+  void breakGroup(const std::exception_ptr& failure, const char* dumpReason);
 
   StorePtr store_;
   const int rank_;
@@ -249,6 +261,7 @@ class CollectiveRunner {
   Logger log_;
   std::string who_;
   const std::string* internedWho_;  // the same, for Works that outlive the runner
+  const std::string* internedGroup_;  // the group's name, for the flight recorder
   std::function<void()> abort_;
   std::unique_ptr<ProgressTracker> progress_;
 
@@ -259,6 +272,7 @@ class CollectiveRunner {
   bool running_ = false;  // a body runs (on the worker or inline)
   std::exception_ptr broken_;
   uint64_t localSeq_ = 0;
+  flight::IdBlock flightIds_;  // the flight recorder's entry ids for this group's ops
   uint64_t lastMonitoredBarrier_ = 0;  // touched only by the thread running a body
   bool workerTicking_ = false;  // the idle worker wakes by itself every tick
   std::atomic<uint64_t> ranByCaller_{0};

@@ -13,6 +13,7 @@
 #include "store/prefix_store.h"
 
 #include "common/logging.h"
+#include "process_group/flight_recorder.h"
 #include "process_group/shm/shm_backend.h"
 #if DT_HAVE_GLOO
 #include "process_group/gloo/gloo_backend.h"
@@ -357,21 +358,44 @@ WorkPtr ProcessGroup::monitoredBarrier(BarrierOptions options) {
                   [&](Backend& b) { return b.monitoredBarrier(options); });
 }
 
+template <typename Fn>
+WorkPtr ProcessGroup::recordedP2P(const char* op, const std::vector<Tensor>& tensors, int peer, Fn&& post) {
+  if (!flight::enabled()) return post();
+  // Point-to-point ops pass here on every backend; collectives are recorded by CollectiveRunner.
+  const uint64_t id = flight::recordP2P(Work::internName(options_.name), rank_, size_,
+                                        p2pSeq_.fetch_add(1, std::memory_order_relaxed) + 1, op, tensors, peer);
+  WorkPtr work;
+  try {
+    work = post();
+  } catch (...) {
+    flight::finished(id, flight::State::Failed, flight::clockNs(0));
+    throw;
+  }
+  work->thenInline([id](Work& done) {
+    flight::finished(id, done.isSuccess() ? flight::State::Done : flight::State::Failed, flight::clockNs(0));
+  });
+  return work;
+}
+
 WorkPtr ProcessGroup::send(const std::vector<Tensor>& tensors, int dstRank, SendOptions options) {
   requireMember("send");
-  return backendFor(deviceOf(tensors)).send(tensors, dstRank, options);
+  return recordedP2P("send", tensors, dstRank, [&] { return backendFor(deviceOf(tensors)).send(tensors, dstRank, options); });
 }
 
 WorkPtr ProcessGroup::recv(const std::vector<Tensor>& tensors, int srcRank, RecvOptions options) {
   requireMember("recv");
-  WorkPtr work = backendFor(deviceOf(tensors)).recv(tensors, srcRank, options);
+  WorkPtr work =
+      recordedP2P("recv", tensors, srcRank, [&] { return backendFor(deviceOf(tensors)).recv(tensors, srcRank, options); });
   work->setResult(tensors);
   return work;
 }
 
 WorkPtr ProcessGroup::batchIsendIrecv(const std::vector<P2POp>& ops) {
   requireMember("batchIsendIrecv");
-  WorkPtr work = backendFor(ops.empty() ? Device::cpu() : deviceOf(ops[0].tensors)).batchIsendIrecv(ops);
+  WorkPtr work = recordedP2P("batchIsendIrecv", ops.empty() ? std::vector<Tensor>{} : ops[0].tensors,
+                             ops.empty() ? -1 : ops[0].peer, [&] {
+    return backendFor(ops.empty() ? Device::cpu() : deviceOf(ops[0].tensors)).batchIsendIrecv(ops);
+  });
   std::vector<Tensor> received;
   for (const auto& op : ops) {
     if (!op.isSend) received.insert(received.end(), op.tensors.begin(), op.tensors.end());

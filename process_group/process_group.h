@@ -36,12 +36,17 @@
 //  * newGroup(ranks) must be called by every rank of the parent, in the same
 //    order. Ranks outside `ranks` get a non-member handle: isMember() is false
 //    and every op throws InvalidArgument saying so.
+//  * The flight recorder (flight_recorder.h) records every send, recv and
+//    batchIsendIrecv here, numbered per group (p2p_seq) apart from the
+//    collectives, which CollectiveRunner records; a Work's completion marks
+//    the entry done or failed.
 //  * Thread safety: ops may be issued from several threads, but ranks must
 //    agree on the order, so issue one group's collectives from one thread.
 //    Different groups are independent. destroy() is idempotent; the
 //    destructor calls it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -51,6 +56,7 @@
 
 #include "collectives/options.h"
 #include "process_group/backend.h"
+#include "process_group/flight_recorder.h"  // FlightContext, for the code that issues ops
 #include "store/store.h"
 #include "tensor/tensor.h"
 
@@ -148,6 +154,8 @@ class ProcessGroup {
   void requireMember(const char* op) const;
   std::string who() const;
   template <typename Fn>
+  WorkPtr recordedP2P(const char* op, const std::vector<Tensor>& tensors, int peer, Fn&& post);
+  template <typename Fn>
   WorkPtr numbered(const char* op, const Device& device, uint64_t& seqField, std::vector<Tensor> result, Fn&& call);
 
   StorePtr store_;  // this group's scope
@@ -161,6 +169,7 @@ class ProcessGroup {
   BackendPtr ncclBackend_;
   mutable std::mutex mutex_;
   uint64_t seq_ = 0;
+  std::atomic<uint64_t> p2pSeq_{0};  // the flight recorder's numbering of send/recv
   int subgroups_ = 0;
   std::vector<std::weak_ptr<ProcessGroup>> children_;  // newGroup's member handles, for abort()
   bool destroyed_ = false;

@@ -4,6 +4,7 @@
 #include "common/logging.h"
 #include "common/strings.h"
 #include "common/thread_name.h"
+#include "process_group/flight_recorder.h"
 
 namespace dt {
 
@@ -56,6 +57,7 @@ void ProgressTracker::loop() {
     lock.unlock();
     // Not on the way out: the group is going away, and the store's host may already have.
     if (!last) writeGroupKey();
+    if (!last) flight::pollSignal();
     if (watchdogStore_) {
       const uint64_t done = completed_.load(std::memory_order_acquire);
       if (done != watchdogWritten_) {
