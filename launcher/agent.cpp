@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstring>
 #include <fcntl.h>
+#include <fstream>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -18,6 +19,7 @@
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "debug/flight_analysis.h"
 #include "launcher/coordinator.h"
 #include "launcher/machine.h"
 #include "launcher/output.h"
@@ -55,6 +57,23 @@ struct Worker {
   std::optional<uint64_t> beat;
   int64_t beatSeenMs = 0;
 };
+
+// Whether `pid` has a handler for `sig` (/proc's SigCgt): dtrun asks a worker for its
+// flight record with SIGUSR2 only where that cannot kill it.
+bool catchesSignal(pid_t pid, int sig) {
+  std::ifstream status(str("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (!line.starts_with("SigCgt:")) continue;
+    try {
+      const uint64_t mask = std::stoull(line.substr(7), nullptr, 16);
+      return (mask >> (sig - 1)) & 1;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+  return false;
+}
 
 struct Rendezvous {
   int worldSize = 1;
@@ -641,6 +660,32 @@ struct Agent::Impl {
     return fd;
   }
 
+  // Where the workers of `attempt` write their flight records: the user's
+  // DT_FLIGHT_RECORDER_DIR, else the attempt's log folder (--log-dir), else none.
+  std::string flightDirOf(int attempt) const {
+    const std::string own = lookupEntry(cfg.baseEnv, "DT_FLIGHT_RECORDER_DIR");
+    if (!own.empty()) return own;
+    if (o.logDir.empty()) return {};
+    return (std::filesystem::path(o.logDir) / runId / str("attempt", attempt)).string();
+  }
+
+  // The flight recorder's analysis of this job's dumps in `dir`, or "" when there are none.
+  std::string flightStory(const std::string& dir) const {
+    try {
+      std::vector<std::string> problems;
+      const auto dumps = debug::readFlightDumps(dir, runId, &problems);
+      if (dumps.empty()) return {};
+      std::string text = str("dtrun: what the ranks' flight records say (dtrun analyze ", dir, "):\n");
+      for (const auto& line : split(debug::analyzeFlightDumps(dumps), '\n')) {
+        if (!line.empty()) text += str("  ", line, "\n");
+      }
+      for (const auto& p : problems) text += str("  (skipped: ", p, ")\n");
+      return text;
+    } catch (const std::exception& e) {
+      return str("dtrun: cannot analyze the flight records in ", dir, ": ", e.what(), "\n");
+    }
+  }
+
   AttemptResult runAttempt(int attempt, const Rendezvous& rdv) {
     std::vector<Worker> workers(static_cast<size_t>(cfg.nproc));
     for (int i = 0; i < cfg.nproc; ++i) {
@@ -656,6 +701,12 @@ struct Agent::Impl {
     }
 
     bool stopping = false, killSent = false;
+    // The flight recorder's folder for this attempt's workers ("" : none), and a stop signal
+    // held back while the workers write their flight records (SIGUSR2).
+    const std::string flightDir = flightDirOf(attempt);
+    int heldStopSignal = 0;
+    int64_t heldStopUntil = 0;
+    std::vector<Worker*> askedForDumps;
     std::string killAllReason;  // why dtrun sent every worker SIGKILL (once killSent)
     int64_t killAt = 0;
     std::string externalCause;
@@ -674,6 +725,21 @@ struct Agent::Impl {
       if (stopping) return;
       stopping = true;
       killAt = wallMs() + o.killGrace.count();
+      if (sig != 0 && !flightDir.empty()) {
+        // A failure: every worker still running writes its flight record first (those whose
+        // recorder listens for SIGUSR2; a progress thread answers within its 1 s interval).
+        for (auto& w : workers) {
+          if (w.pid > 0 && !w.reaped && catchesSignal(w.pid, SIGUSR2) && ::kill(w.pid, SIGUSR2) == 0) {
+            askedForDumps.push_back(&w);
+          }
+        }
+        if (!askedForDumps.empty()) {
+          heldStopSignal = sig;
+          heldStopUntil = wallMs() + 3000;
+          killAt += 3000;
+          sig = 0;
+        }
+      }
       if (sig != 0) signalAll(sig, true);
       if (multiNode && (attempt >= o.maxRestarts || o.elastic || terminationSignal != 0)) coord->publishExit();
     };
@@ -727,6 +793,7 @@ struct Agent::Impl {
       id.elastic = o.elastic;
       id.minNproc = o.minNproc;
       id.joiningMember = joiningMember;
+      id.flightRecorderDir = flightDir;
       const WorkerEnv env = buildWorkerEnv(cfg.baseEnv, id);
       if (env.threadsDefaulted && !threadsNoticePrinted) {
         threadsNoticePrinted = true;
@@ -1133,6 +1200,7 @@ struct Agent::Impl {
       int64_t timeout = -1;
       auto limit = [&](int64_t ms) { timeout = timeout < 0 ? std::max<int64_t>(ms, 0) : std::min(timeout, std::max<int64_t>(ms, 0)); };
       if (stopping && !killSent) limit(killAt - now);
+      if (heldStopSignal != 0) limit(std::min<int64_t>(heldStopUntil - now, 50));
       if (drainDeadline != 0) limit(drainDeadline - now);
       if (coord) limit(o.monitorInterval.count());
       if (o.elastic && !stopping) limit(nextLivenessCheck - now);
@@ -1188,6 +1256,16 @@ struct Agent::Impl {
                      formatDuration(Millis(after - coord->lastContactMs())), " (node timeout ",
                      formatDuration(o.nodeTimeout), "): node 0's dtrun died, or the network to it is cut"),
                  1);
+      }
+      if (heldStopSignal != 0) {
+        const bool answered = std::all_of(askedForDumps.begin(), askedForDumps.end(), [&](const Worker* w) {
+          std::error_code ec;
+          return w->reaped || std::filesystem::exists(std::filesystem::path(flightDir) / str("flight_rank", w->rank, "_signal.json"), ec);
+        });
+        if (answered || after >= heldStopUntil) {
+          signalAll(heldStopSignal, true);
+          heldStopSignal = 0;
+        }
       }
       if (stopping && !killSent && after >= killAt) {
         bool any = false;
@@ -1260,6 +1338,7 @@ struct Agent::Impl {
     }
     if (code == 0) code = 1;
     writeAll(2, formatSummary(summary));
+    if (!flightDir.empty()) writeAll(2, flightStory(flightDir));
     return AttemptResult{false, code};
   }
 

@@ -10,6 +10,7 @@
 #include "common/env.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "debug/flight_analysis.h"
 #include "launcher/agent.h"
 #include "launcher/guardian.h"
 #include "launcher/machine.h"
@@ -36,6 +37,22 @@ int main(int argc, char** argv) {
   using namespace dt;
   using namespace dt::launcher;
   const std::vector<std::string> args(argv + 1, argv + argc);
+  if (!args.empty() && args[0] == "analyze") {
+    // dtrun analyze DIR: the flight recorder's story of a job from the ranks' dumps in DIR.
+    if (args.size() != 2 || args[1].starts_with("-")) {
+      writeAll(2, "dtrun: error: usage: dtrun analyze DIR (a folder of flight_rank*.json dumps)\n");
+      finish(2);
+    }
+    std::vector<std::string> problems;
+    const auto dumps = debug::readFlightDumps(args[1], "", &problems);
+    for (const auto& p : problems) writeAll(2, str("dtrun analyze: skipped: ", p, "\n"));
+    if (dumps.empty()) {
+      writeAll(2, str("dtrun analyze: no flight recorder dumps (flight_rank*.json) in ", args[1], "\n"));
+      finish(1);
+    }
+    writeAll(1, debug::analyzeFlightDumps(dumps));
+    finish(0);
+  }
   // Every DT_* fallback goes through the knob table, so undeclared names fail loudly.
   const EnvLookup lookup = [](const std::string& name) -> std::optional<std::string> {
     if (name.starts_with("DT_")) return env::getRaw(name);

@@ -370,13 +370,16 @@ ParseResult parseCommandLine(const std::vector<std::string>& args, const EnvLook
 std::string helpText() {
   std::string out =
       "usage: dtrun [options] program [args...]\n"
-      "       dtrun [options] -- program [args...]\n\n"
+      "       dtrun [options] -- program [args...]\n"
+      "       dtrun analyze DIR   (the flight recorder's story of a job from the ranks' dumps in DIR)\n\n"
       "Starts --nproc copies of program on this node (one dtrun per node), hosts the job's store on\n"
       "node 0 (or meets the other nodes in etcd: --rdzv-backend etcd), watches the workers, and tears\n"
       "everything down when one fails.\n\n"
       "Workers get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,\n"
       "DT_STORE_ADDR, DT_STORE_TOKEN, DT_RUN_ID, DT_RESTART_COUNT, DT_MAX_RESTARTS (with etcd: DT_ETCD_ENDPOINTS,\n"
-      "DT_ETCD_PREFIX and the DT_ETCD_* TLS and credential variables instead of DT_STORE_ADDR/TOKEN).\n\n"
+      "DT_ETCD_PREFIX and the DT_ETCD_* TLS and credential variables instead of DT_STORE_ADDR/TOKEN).\n"
+      "With --log-dir they also get DT_FLIGHT_RECORDER_DIR (the attempt's log folder): after a failure dtrun asks\n"
+      "them for their flight records (SIGUSR2) and prints the analysis after its summary.\n\n"
       "options (each also read from the environment variable shown):\n";
   for (const auto& spec : optionSpecs()) {
     std::string left = str("  --", spec.name, spec.takesValue ? " VALUE" : "");

@@ -59,6 +59,7 @@ WorkerEnv buildWorkerEnv(const std::vector<std::string>& base, const WorkerIdent
   put("DT_MIN_NPROC", str(id.minNproc));
   put("DT_ELASTIC_JOIN", id.joiningMember >= 0 ? "1" : "0");
   put("DT_ELASTIC_MEMBER", str(id.joiningMember));
+  if (!id.flightRecorderDir.empty()) put("DT_FLIGHT_RECORDER_DIR", id.flightRecorderDir);
   // Always set: a DT_ETCD_ENDPOINTS inherited from dtrun's environment must not
   // send the workers of a static job to etcd.
   put("DT_ETCD_ENDPOINTS", id.etcdEndpoints);

@@ -34,6 +34,8 @@ struct WorkerIdentity {
   // worker of the attempt's start, whose member id is its rank.
   int joiningMember = -1;
   // --rdzv-backend etcd: the workers' store is etcd (DT_ETCD_*); storeAddr is empty then.
+  // DT_FLIGHT_RECORDER_DIR for the workers ("" : left as inherited).
+  std::string flightRecorderDir;
   std::string etcdEndpoints, etcdPrefix, etcdCa, etcdCert, etcdKey, etcdUser, etcdPassword;
 };
 

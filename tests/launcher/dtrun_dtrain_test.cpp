@@ -8,6 +8,7 @@
 
 #include "common/strings.h"
 #include "tests/launcher/dtrun_process.h"
+#include "tests/testing/testing.h"
 
 namespace dt::testing {
 namespace {
@@ -47,6 +48,27 @@ TEST(DtrunDtrain, HangWatchdogReadsTheProcessGroupsProgress) {
     EXPECT_TRUE(std::regex_search(r.err, std::regex(str("rank ", rank, ": #[0-9]+ allreduce")))) << r.err;
   }
   EXPECT_LT(r.seconds, 60);
+}
+
+// The same hang with --log-dir: before stopping the workers dtrun asks them for their flight
+// records (SIGUSR2), then prints the analysis after its summary; dtrun analyze reads the same.
+TEST(DtrunDtrain, FailedJobPrintsTheFlightRecordersStory) {
+  TempDir logs;
+  const auto r = runProcess({kDtrun, "--standalone", "--nproc", "3", "--hang-timeout", "8s", "--monitor-interval", "200ms",
+                             "--kill-grace", "3s", "--log-dir", logs.path().string(), "--run-id", "frtest", kWorker, "hang"},
+                            120s);
+  EXPECT_EQ(r.exitCode, 124) << r.out << r.err;
+  const std::string dir = (logs.path() / "frtest" / "attempt0").string();
+  EXPECT_THAT(r.err, HasSubstr(str("dtrun: what the ranks' flight records say (dtrun analyze ", dir, "):")));
+  EXPECT_THAT(r.err, HasSubstr("first difference at #4:"));
+  EXPECT_THAT(r.err, HasSubstr("ranks 0 and 2 issued allreduce #4 (float32[4], sum)"));
+  EXPECT_THAT(r.err, HasSubstr("rank 1 never issued #4 (its last issued: allreduce #3 (float32[4], sum), done"));
+  const auto analyzed = runProcess({kDtrun, "analyze", dir}, 60s);
+  EXPECT_EQ(analyzed.exitCode, 0) << analyzed.out << analyzed.err;
+  EXPECT_THAT(analyzed.out, HasSubstr("rank 1 never issued #4"));
+  const auto empty = runProcess({kDtrun, "analyze", logs.path().string()}, 60s);
+  EXPECT_EQ(empty.exitCode, 1);
+  EXPECT_THAT(empty.err, HasSubstr("no flight recorder dumps (flight_rank*.json) in"));
 }
 
 }  // namespace
