@@ -74,6 +74,20 @@ int rankMain(int nproc, const std::function<int()>& runRank, const char* name) {
   }
 }
 
+double peakRssMb() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return 0;
+}
+
+void resetPeakRss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+}
+
 double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t n = values.size();

@@ -8,6 +8,9 @@
 //  * rankMain(nproc, runRank, name): a benchmark's main: forkRanks when nproc
 //    > 0, else runRank() as one rank of an externally launched job (its error
 //    printed as "<name>: <what>", exit 1).
+//  * peakRssMb(): this process's peak resident set (VmHWM) in MiB, as the torch peers read it;
+//    resetPeakRss() starts the peak over from the current resident set (so a benchmark can leave
+//    its set-up out).
 //  * median(values); percentile(values, q) (nearest rank, q in [0, 1]); blasName(): the BLAS library mapped into this process
 //    (openblas, blis, mkl, reference, libblas, unknown), as the peers print it.
 #pragma once
@@ -20,6 +23,8 @@ namespace dt::bench {
 
 int forkRanks(int nproc, const std::function<int()>& runRank);
 int rankMain(int nproc, const std::function<int()>& runRank, const char* name);
+double peakRssMb();
+void resetPeakRss();
 double median(std::vector<double> values);
 double percentile(std::vector<double> values, double q);
 std::string blasName();

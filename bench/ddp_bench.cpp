@@ -94,15 +94,6 @@ Args parseArgs(int argc, char** argv) {
   return a;
 }
 
-// This process's peak resident set (VmHWM) in MiB, as the torch peer reads it.
-double peakRssMb() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  }
-  return 0;
-}
 
 std::shared_ptr<dt::nn::Sequential> makeModel() {
   dt::Generator g(1234);
@@ -164,7 +155,7 @@ int runRank(const Args& args) {
     d[i] = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   }
   group->allreduce(durations, {.reduceOp = dt::ReduceOp::Max})->wait();
-  dt::Tensor rss = dt::fromVector<double>({peakRssMb()});
+  dt::Tensor rss = dt::fromVector<double>({dt::bench::peakRssMb()});
   group->allreduce(rss, {.reduceOp = dt::ReduceOp::Max})->wait();
 
   if (rank == 0) {

@@ -113,21 +113,7 @@ pp::Schedule scheduleOf(const Args& a, int p) {
   usage("--schedule " + a.schedule + " (gpipe, 1f1b, interleaved, zb1, zbv, ddp)");
 }
 
-double peakRssMb() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  }
-  return 0;
-}
 
-// Resets VmHWM to the current resident set, so the peak counts from here (the unsplit model
-// every rank builds before splitting is not a stage's memory).
-void resetPeakRss() {
-  std::ofstream f("/proc/self/clear_refs");
-  f << "5";
-}
 
 // One value per rank, gathered on every rank (a sum of one-hot vectors).
 std::vector<double> gatherPerRank(const dt::ProcessGroupPtr& group, double value) {
@@ -223,7 +209,7 @@ int runRank(const Args& args) {
     }
   };
   for (int i = 0; i < args.warmup; ++i) step();
-  resetPeakRss();
+  dt::bench::resetPeakRss();
   std::vector<double> stepMs, bubbles, idleMs;
   for (int i = 0; i < args.steps; ++i) {
     group->barrier()->wait();
@@ -244,7 +230,7 @@ int runRank(const Args& args) {
   const std::vector<double> stepByRank = gatherPerRank(group, dt::bench::median(stepMs));
   const std::vector<double> bubbleByRank = gatherPerRank(group, bubbles.empty() ? 0.0 : dt::bench::median(bubbles));
   const std::vector<double> idleByRank = gatherPerRank(group, idleMs.empty() ? 0.0 : dt::bench::median(idleMs));
-  const std::vector<double> rssByRank = gatherPerRank(group, peakRssMb());
+  const std::vector<double> rssByRank = gatherPerRank(group, dt::bench::peakRssMb());
   if (rank == 0) {
     const double ms = *std::max_element(stepByRank.begin(), stepByRank.end());
     const double tokens = static_cast<double>(args.m * args.microBatch * (args.workload == "gpt" ? T : 1));
