@@ -32,6 +32,7 @@ FlightEntry parseEntry(const json::Value& e, const std::string& what) {
   FlightEntry out;
   out.id = static_cast<uint64_t>(e.get("id", what).asInt(what, "id"));
   out.group = e.get("group", what).asString(what, "group");
+  out.instance = static_cast<int>(optionalInt(e, "group_instance", what).value_or(0));
   out.groupRank = static_cast<int>(e.get("group_rank", what).asInt(what, "group_rank"));
   out.groupSize = static_cast<int>(e.get("group_size", what).asInt(what, "group_size"));
   const std::string kind = e.get("kind", what).asString(what, "kind");
@@ -91,13 +92,16 @@ std::string firstLine(const std::string& text, size_t maxChars) {
 // An op as its rank's dump saw it: state and times, relative to the dump.
 std::string stateText(const FlightEntry& e, int64_t dumpedUs) {
   if (e.state == "running" && e.startedUs) {
-    return str("running since ", clockTime(*e.startedUs), " (", seconds(dumpedUs - *e.startedUs), " before its dump)");
+    return str("running since ", clockTime(*e.startedUs), " (", seconds(dumpedUs - *e.startedUs),
+               " before its dump)");
   }
   if (e.state == "queued" && e.issuedUs) {
-    return str("queued since ", clockTime(*e.issuedUs), " (", seconds(dumpedUs - *e.issuedUs), " before its dump)");
+    return str("queued since ", clockTime(*e.issuedUs), " (", seconds(dumpedUs - *e.issuedUs),
+               " before its dump)");
   }
   if ((e.state == "failed" || e.state == "aborted") && e.endedUs && e.issuedUs) {
-    return str(e.state, " at ", clockTime(*e.endedUs), ", ", seconds(*e.endedUs - *e.issuedUs), " after issue");
+    return str(e.state, " at ", clockTime(*e.endedUs), ", ", seconds(*e.endedUs - *e.issuedUs),
+               " after issue");
   }
   if (e.state == "done" && e.endedUs) return str("done at ", clockTime(*e.endedUs));
   return e.state;
@@ -110,8 +114,7 @@ std::string withContext(const FlightEntry& e) {
   return text;
 }
 
-// One rank's collectives of one group, by sequence number (the latest incarnation of the
-// name: a group destroyed and made again starts at #1).
+// One rank's collectives of one group (one creation of its name), by sequence number.
 struct Member {
   const FlightDump* dump = nullptr;
   int groupRank = -1;
@@ -135,24 +138,24 @@ const FlightEntry* inFlight(const FlightDump& d) {
   return nullptr;
 }
 
-const FlightEntry* lastCompleted(const FlightDump& d, const std::string* group) {
-  for (auto it = d.entries.rbegin(); it != d.entries.rend(); ++it) {
-    if (it->state == "done" && (!group || (it->group == *group && !it->p2p))) return &*it;
+// The newest completed collective of the group (by sequence number: entries of one group may
+// come from two queues, the hierarchical backend's and its Gloo backend's).
+const FlightEntry* lastCompleted(const Member& m) {
+  for (auto it = m.bySeq.rbegin(); it != m.bySeq.rend(); ++it) {
+    if (it->second->state == "done") return it->second;
   }
   return nullptr;
 }
 
-void analyzeGroup(const std::string& group, const std::vector<const FlightDump*>& dumps, std::string& out) {
+void analyzeGroup(const std::string& group, int instance, const std::vector<const FlightDump*>& dumps,
+                  std::string& out) {
   std::map<int, Member> members;  // by group rank
   int groupSize = 0;
   for (const FlightDump* d : dumps) {
     Member m;
     m.dump = d;
-    uint64_t last = 0;
     for (const auto& e : d->entries) {
-      if (e.group != group || e.p2p) continue;
-      if (e.seq <= last) m.bySeq.clear();  // made again
-      last = e.seq;
+      if (e.group != group || e.instance != instance || e.p2p) continue;
       m.bySeq[e.seq] = &e;
       m.groupRank = e.groupRank;
       m.groupSize = e.groupSize;
@@ -196,8 +199,9 @@ void analyzeGroup(const std::string& group, const std::vector<const FlightDump*>
     if (!unfinished && open) unfinished = s;
   }
 
-  out += str("group ", group, " (", groupSize, " rank", groupSize == 1 ? "" : "s", ", collectives #", lo, "-#", hi,
-             " in the dumps):\n");
+  out += str(
+      "group ", group, instance > 0 ? str(" (made again: creation ", instance + 1, ")") : std::string(), " (",
+      groupSize, " rank", groupSize == 1 ? "" : "s", ", collectives #", lo, "-#", hi, " in the dumps):\n");
   if (!missing.empty()) {
     out += str("  ", rankList(missing), " of the group left no dump: ", missing.size() == 1 ? "its" : "their",
                " side is unknown (killed, frozen, or never got to write one)\n");
@@ -207,7 +211,8 @@ void analyzeGroup(const std::string& group, const std::vector<const FlightDump*>
     out += str("  every rank with a dump issued and completed #", lo, "-#", hi, " alike\n");
   } else {
     const uint64_t s = *focus;
-    out += differ ? str("  first difference at #", s, ":\n") : str("  the ranks agree on every op; #", s, " is the first not completed everywhere:\n");
+    out += differ ? str("  first difference at #", s, ":\n")
+                  : str("  the ranks agree on every op; #", s, " is the first not completed everywhere:\n");
     std::map<std::string, std::vector<int>> bySignature;
     std::map<std::string, const FlightEntry*> example;
     std::vector<int> notIssued;
@@ -227,7 +232,8 @@ void analyzeGroup(const std::string& group, const std::vector<const FlightDump*>
       const FlightEntry* lastIssued = m.bySeq.empty() ? nullptr : m.bySeq.rbegin()->second;
       out += str("    rank ", rankName(m, group), " never issued #", s);
       if (lastIssued && lastIssued->seq < s) {
-        out += str(" (its last issued: ", withContext(*lastIssued), ", ", stateText(*lastIssued, m.dump->dumpedUs), ")");
+        out += str(" (its last issued: ", withContext(*lastIssued), ", ",
+                   stateText(*lastIssued, m.dump->dumpedUs), ")");
       }
       out += "\n";
     }
@@ -249,8 +255,10 @@ void analyzeGroup(const std::string& group, const std::vector<const FlightDump*>
         const Member& m = it->second;
         const FlightEntry* e = at(m, s);
         std::string line = str("    rank ", rankName(m, group), ": ");
-        if (e) line += str("#", s, " ", stateText(*e, m.dump->dumpedUs));
-        else line += str("#", s, " not issued");
+        if (e)
+          line += str("#", s, " ", stateText(*e, m.dump->dumpedUs));
+        else
+          line += str("#", s, " not issued");
         const FlightEntry* busy = inFlight(*m.dump);
         if (busy && busy != e) {
           line += str("; doing instead: ", withContext(*busy), ", ", stateText(*busy, m.dump->dumpedUs));
@@ -264,9 +272,10 @@ void analyzeGroup(const std::string& group, const std::vector<const FlightDump*>
   out += "  last completed:";
   bool firstRank = true;
   for (const auto& [r, m] : members) {
-    const FlightEntry* done = lastCompleted(*m.dump, &group);
-    out += str(firstRank ? " " : "; ", "rank ", rankName(m, group), " ",
-               done ? str(withContext(*done), " at ", clockTime(done->endedUs.value_or(0))) : std::string("none"));
+    const FlightEntry* done = lastCompleted(m);
+    out += str(
+        firstRank ? " " : "; ", "rank ", rankName(m, group), " ",
+        done ? str(withContext(*done), " at ", clockTime(done->endedUs.value_or(0))) : std::string("none"));
     firstRank = false;
   }
   out += "\n";
@@ -292,13 +301,15 @@ std::string FlightEntry::describe() const {
 
 std::string FlightEntry::signature() const {
   const bool sizesMayDiffer = op == "allToAll" || op == "allToAllSingle";
-  return str(op, "|", dtype, "|", sizesMayDiffer ? std::string() : join(shape, ","), "|", tensors, "|", reduceOp, "|", peer);
+  return str(op, "|", dtype, "|", sizesMayDiffer ? std::string() : join(shape, ","), "|", tensors, "|",
+             reduceOp, "|", peer);
 }
 
 FlightDump parseFlightDump(const std::string& text, const std::string& path) {
   const std::string what = str("flight recorder dump ", path);
   const json::Value doc = json::parse(text, what);
-  if (!doc.isObject()) throw InvalidArgument(str(what, " is ", json::kindName(doc.kind()), ", not an object"));
+  if (!doc.isObject())
+    throw InvalidArgument(str(what, " is ", json::kindName(doc.kind()), ", not an object"));
   const std::string format = optionalString(doc, "format", what);
   if (format != "dtrain-flight-recorder") {
     throw InvalidArgument(str(what, ": \"format\" is \"", format, "\", not \"dtrain-flight-recorder\""));
@@ -315,12 +326,13 @@ FlightDump parseFlightDump(const std::string& text, const std::string& path) {
   d.dumpedUs = doc.get("dumped_us", what).asInt(what, "dumped_us");
   d.capacity = static_cast<uint64_t>(optionalInt(doc, "capacity", what).value_or(0));
   d.recorded = static_cast<uint64_t>(optionalInt(doc, "recorded", what).value_or(0));
-  for (const auto& e : doc.get("entries", what).items(what, "entries")) d.entries.push_back(parseEntry(e, what));
+  for (const auto& e : doc.get("entries", what).items(what, "entries"))
+    d.entries.push_back(parseEntry(e, what));
   return d;
 }
 
 std::vector<FlightDump> readFlightDumps(const std::string& dir, const std::string& runId,
-                                       std::vector<std::string>* problems) {
+                                        std::vector<std::string>* problems) {
   std::vector<FlightDump> out;
   std::error_code ec;
   std::vector<std::filesystem::path> paths;
@@ -381,7 +393,8 @@ std::string analyzeFlightDumps(const std::vector<FlightDump>& all) {
     if (!std::binary_search(ranks.begin(), ranks.end(), r)) silent.push_back(r);
   }
   out += str("flight recorder: dumps of ", rankList(ranks), " (world ", world, ")");
-  if (!silent.empty()) out += str("; ", rankList(silent), " left none (killed, frozen, or never got to write one)");
+  if (!silent.empty())
+    out += str("; ", rankList(silent), " left none (killed, frozen, or never got to write one)");
   out += "\n";
   // Every dump a rank wrote, oldest first: a failure's dump says why, a later one on request
   // (dtrun's SIGUSR2) holds the most history.
@@ -391,20 +404,24 @@ std::string analyzeFlightDumps(const std::vector<FlightDump>& all) {
     return std::make_tuple(a->rank, a->pid, a->dumpedUs) < std::make_tuple(b->rank, b->pid, b->dumpedUs);
   });
   for (const FlightDump* d : everyDump) {
-    out += str("  rank ", d->rank, " (", d->host, ", pid ", d->pid, "): ", d->reason, " dump at ", clockTime(d->dumpedUs));
+    out += str("  rank ", d->rank, " (", d->host, ", pid ", d->pid, "): ", d->reason, " dump at ",
+               clockTime(d->dumpedUs));
     if (!d->detail.empty()) out += str(": ", firstLine(d->detail, 240));
     out += "\n";
   }
-  std::vector<std::string> groups;
+  std::set<std::pair<std::string, int>> seen;
+  std::vector<std::pair<std::string, int>> groups;
   for (const FlightDump* d : dumps) {
     for (const auto& e : d->entries) {
-      if (!e.p2p && std::find(groups.begin(), groups.end(), e.group) == groups.end()) groups.push_back(e.group);
+      if (!e.p2p && seen.emplace(e.group, e.instance).second) groups.emplace_back(e.group, e.instance);
     }
   }
-  std::sort(groups.begin(), groups.end(), [](const std::string& a, const std::string& b) {
-    return (a == "default") != (b == "default") ? a == "default" : a < b;
+  // The default group first, then by name; creations of one name in order.
+  std::sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) {
+    const bool aDefault = a.first == "default", bDefault = b.first == "default";
+    return aDefault != bDefault ? aDefault : a < b;
   });
-  for (const auto& g : groups) analyzeGroup(g, dumps, out);
+  for (const auto& [name, instance] : groups) analyzeGroup(name, instance, dumps, out);
   // Point-to-point ops have no common numbering across ranks; what each rank had in flight says enough.
   for (const FlightDump* d : dumps) {
     const FlightEntry* busy = inFlight(*d);

@@ -27,18 +27,19 @@ namespace dt::debug {
 struct FlightEntry {
   uint64_t id = 0;
   std::string group;
+  int instance = 0;  // which creation of the group's name (a group made again counts up)
   int groupRank = 0;
   int groupSize = 0;
   bool p2p = false;
   uint64_t seq = 0;  // the group's collective number, or its p2p number
   std::string op;
-  std::string dtype;  // "" for ops without tensors
+  std::string dtype;           // "" for ops without tensors
   std::vector<int64_t> shape;  // of the first tensor
   int tensors = 0;
   uint64_t bytes = 0;
   std::string reduceOp;
-  int peer = -1;  // a collective's root or a p2p op's peer
-  std::string state;  // queued, running, done, failed, aborted
+  int peer = -1;                                        // a collective's root or a p2p op's peer
+  std::string state;                                    // queued, running, done, failed, aborted
   std::optional<int64_t> issuedUs, startedUs, endedUs;  // Unix microseconds
   int thread = 0;
   std::string context;
@@ -66,7 +67,7 @@ struct FlightDump {
 
 FlightDump parseFlightDump(const std::string& text, const std::string& path);
 std::vector<FlightDump> readFlightDumps(const std::string& dir, const std::string& runId,
-                                       std::vector<std::string>* problems);
+                                        std::vector<std::string>* problems);
 // Whether `dir` holds at least one flight_rank*.json (of `runId`, when not "").
 bool hasFlightDumps(const std::string& dir, const std::string& runId = "");
 // The story, several lines, each ending with a newline.

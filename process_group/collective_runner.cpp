@@ -83,6 +83,7 @@ CollectiveRunnerOptions BackendCommonOptions::runnerOptions(std::string backendN
   CollectiveRunnerOptions r;
   r.backendName = std::move(backendName);
   r.groupName = groupName;
+  r.instance = instance;
   r.timeout = resolvedTimeout();
   r.checkFingerprints = checkFingerprints.value_or(env::getString("DT_DEBUG") == "detail");
   r.globalRanks = globalRanks;
@@ -146,8 +147,8 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   fingerprint.seq = seq;
   fingerprint.op = op;
   if (broken_ || stopping_) {
-    flight::recordCollective(flightIds_.next(), internedGroup_, rank_, size_, seq, op, fingerprint,
-                             bytesOf(fingerprint), flight::State::Failed, flight::clockNs(0));
+    flight::recordCollective(internedGroup_, options_.instance, rank_, size_, seq, op, fingerprint, bytesOf(fingerprint),
+                             flight::State::Failed, flight::clockNs(0));
     auto work = std::make_shared<Work>(op, seq, internedWho_);
     Work::markFailed(work, notStarted(op, seq));
     return work;
@@ -178,9 +179,8 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   task.enqueuedAt = profiler::recording() ? Clock::now() : now;
   task.bytes = bytesOf(task.fingerprint);
   task.leftToCaller = task.bytes <= kCallerRunBytes;
-  task.flightId = flightIds_.next();
-  flight::recordCollective(
-      task.flightId, internedGroup_, rank_, size_, seq, op, task.fingerprint, task.bytes, flight::State::Queued,
+  task.flightId = flight::recordCollective(
+      internedGroup_, options_.instance, rank_, size_, seq, op, task.fingerprint, task.bytes, flight::State::Queued,
       task.leftToCaller ? std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count()
                         : flight::clockNs(task.bytes));
   wakeWorker = wakeWorker || !task.leftToCaller || !workerTicking_;

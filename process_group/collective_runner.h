@@ -80,7 +80,6 @@
 #include "collectives/options.h"
 #include "common/logging.h"
 #include "common/small_function.h"
-#include "process_group/flight_recorder.h"
 #include "process_group/progress.h"
 #include "process_group/work.h"
 #include "store/store.h"
@@ -105,6 +104,9 @@ class PeerLost : public std::runtime_error {
 struct CollectiveRunnerOptions {
   std::string backendName;  // "gloo", "shm": appears in every message
   std::string groupName = "default";
+  // Which creation of the name this group is (ProcessGroup::create counts them on every rank
+  // alike): the flight recorder tells a group made again apart from the one before.
+  int instance = 0;
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   bool checkFingerprints = false;
   // Group rank -> global rank, only for messages ("rank 2 (global 5)").
@@ -121,6 +123,7 @@ struct CollectiveRunnerOptions {
 // derive from this).
 struct BackendCommonOptions {
   std::string groupName = "default";
+  int instance = 0;  // see CollectiveRunnerOptions
   // Default timeout of every op and of set-up. nullopt: DT_PG_TIMEOUT.
   std::optional<std::chrono::milliseconds> timeout;
   // nullopt: DT_DEBUG=detail.
@@ -272,7 +275,6 @@ class CollectiveRunner {
   bool running_ = false;  // a body runs (on the worker or inline)
   std::exception_ptr broken_;
   uint64_t localSeq_ = 0;
-  flight::IdBlock flightIds_;  // the flight recorder's entry ids for this group's ops
   uint64_t lastMonitoredBarrier_ = 0;  // touched only by the thread running a body
   bool workerTicking_ = false;  // the idle worker wakes by itself every tick
   std::atomic<uint64_t> ranByCaller_{0};

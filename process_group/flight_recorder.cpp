@@ -9,8 +9,8 @@
 #include <atomic>
 #include <cctype>
 #include <cstdarg>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -42,6 +42,7 @@ struct Slot {
   std::atomic<const std::string*> group{nullptr};
   std::atomic<const char*> op{nullptr};
   std::atomic<uint64_t> seq{0};
+  std::atomic<int32_t> instance{0};
   std::atomic<int32_t> rank{0};
   std::atomic<int32_t> size{0};
   std::atomic<int32_t> tid{0};
@@ -126,11 +127,12 @@ Slot* claim(Ring& r, uint64_t& id) {
   return &r.slot(id);
 }
 
-void fillCommon(Slot& s, uint64_t id, Kind kind, const std::string* group, int rank, int size, uint64_t seq,
-                const char* op, State state, int64_t issueNs) {
+void fillCommon(Slot& s, uint64_t id, Kind kind, const std::string* group, int instance, int rank, int size,
+                uint64_t seq, const char* op, State state, int64_t issueNs) {
   s.id.store(id, std::memory_order_relaxed);
   s.kind.store(static_cast<uint8_t>(kind), std::memory_order_relaxed);
   s.group.store(group, std::memory_order_relaxed);
+  s.instance.store(instance, std::memory_order_relaxed);
   s.rank.store(rank, std::memory_order_relaxed);
   s.size.store(size, std::memory_order_relaxed);
   s.seq.store(seq, std::memory_order_relaxed);
@@ -159,7 +161,7 @@ struct Record {
   const std::string* group = nullptr;
   const char* op = nullptr;
   uint64_t seq = 0;
-  int32_t rank = 0, size = 0, tid = 0, peer = -1, tensors = 0;
+  int32_t instance = 0, rank = 0, size = 0, tid = 0, peer = -1, tensors = 0;
   State state = State::Queued;
   uint8_t ndim = 0;
   int8_t dtype = -1, reduceOp = -1;
@@ -178,6 +180,7 @@ bool readSlot(Slot& s, uint64_t id, Record& out) {
     out.group = s.group.load(std::memory_order_relaxed);
     out.op = s.op.load(std::memory_order_relaxed);
     out.seq = s.seq.load(std::memory_order_relaxed);
+    out.instance = s.instance.load(std::memory_order_relaxed);
     out.rank = s.rank.load(std::memory_order_relaxed);
     out.size = s.size.load(std::memory_order_relaxed);
     out.tid = s.tid.load(std::memory_order_relaxed);
@@ -195,7 +198,8 @@ bool readSlot(Slot& s, uint64_t id, Record& out) {
     uint64_t words[kContextWords];
     words[0] = s.context[0].load(std::memory_order_relaxed);
     const bool hasContext = (words[0] & 0xff) != 0;
-    for (size_t i = 1; i < kContextWords; ++i) words[i] = hasContext ? s.context[i].load(std::memory_order_relaxed) : 0;
+    for (size_t i = 1; i < kContextWords; ++i)
+      words[i] = hasContext ? s.context[i].load(std::memory_order_relaxed) : 0;
     std::atomic_thread_fence(std::memory_order_acquire);
     if (s.version.load(std::memory_order_relaxed) != v1) continue;
     if (out.id != id) return false;  // overwritten by a newer op
@@ -211,11 +215,21 @@ void appendEscaped(std::string& out, std::string_view text) {
   out += '"';
   for (const char c : text) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           char buf[8];
@@ -242,7 +256,8 @@ void appendRecord(std::string& out, const Record& r, int64_t offsetNs) {
   out += "{\"id\": " + std::to_string(r.id);
   out += ", \"group\": ";
   appendEscaped(out, *r.group);
-  out += str(", \"group_rank\": ", r.rank, ", \"group_size\": ", r.size);
+  out +=
+      str(", \"group_instance\": ", r.instance, ", \"group_rank\": ", r.rank, ", \"group_size\": ", r.size);
   out += r.kind == Kind::P2P ? ", \"kind\": \"p2p\", \"p2p_seq\": " : ", \"kind\": \"collective\", \"seq\": ";
   out += std::to_string(r.seq);
   out += ", \"op\": ";
@@ -296,7 +311,8 @@ void onSignal(int) { signalArrived.store(1, std::memory_order_relaxed); }
 
 std::string safeReason(const std::string& reason) {
   std::string out;
-  for (const char c : reason) out += std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' ? c : '_';
+  for (const char c : reason)
+    out += std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' ? c : '_';
   return out.empty() ? "request" : out;
 }
 
@@ -346,7 +362,8 @@ std::string writeDump(const std::string& reason, const std::string& detail) {
 
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  const std::string name = str("flight_rank", rankText == "-1" ? str("pid", ::getpid()) : rankText, "_", safeReason(reason), ".json");
+  const std::string name = str("flight_rank", rankText == "-1" ? str("pid", ::getpid()) : rankText, "_",
+                               safeReason(reason), ".json");
   const std::filesystem::path path = std::filesystem::path(dir) / name;
   const std::filesystem::path tmp = std::filesystem::path(dir) / str(".", name, ".", ::getpid(), ".tmp");
   {
@@ -354,19 +371,22 @@ std::string writeDump(const std::string& reason, const std::string& detail) {
     file << out;
     file.close();
     if (!file) {
-      logger("process_group")->warn("flight recorder: cannot write {}: {}", tmp.string(), std::strerror(errno));
+      logger("process_group")
+          ->warn("flight recorder: cannot write {}: {}", tmp.string(), std::strerror(errno));
       std::filesystem::remove(tmp, ec);
       return "";
     }
   }
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
-    logger("process_group")->warn("flight recorder: cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message());
+    logger("process_group")
+        ->warn("flight recorder: cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message());
     std::filesystem::remove(tmp, ec);
     return "";
   }
-  logger("process_group")->log(isFailureReason(reason) ? spdlog::level::warn : spdlog::level::info,
-                               "flight recorder: {} ops written to {} ({})", written, path.string(), reason);
+  logger("process_group")
+      ->log(isFailureReason(reason) ? spdlog::level::warn : spdlog::level::info,
+            "flight recorder: {} ops written to {} ({})", written, path.string(), reason);
   return path.string();
 }
 
@@ -374,11 +394,16 @@ std::string writeDump(const std::string& reason, const std::string& detail) {
 
 const char* stateName(State state) {
   switch (state) {
-    case State::Queued: return "queued";
-    case State::Running: return "running";
-    case State::Done: return "done";
-    case State::Failed: return "failed";
-    case State::Aborted: return "aborted";
+    case State::Queued:
+      return "queued";
+    case State::Running:
+      return "running";
+    case State::Done:
+      return "done";
+    case State::Failed:
+      return "failed";
+    case State::Aborted:
+      return "aborted";
   }
   return "unknown";
 }
@@ -386,25 +411,20 @@ const char* stateName(State state) {
 bool enabled() { return ring() != nullptr; }
 size_t capacity() { return ring() ? ring()->capacity : 0; }
 
-int64_t clockNs(size_t bytes) { return readClock(bytes > kPreciseAboveBytes ? CLOCK_MONOTONIC : CLOCK_MONOTONIC_COARSE); }
-
-uint64_t IdBlock::next() {
-  if (next_ == end_) [[unlikely]] {
-    Ring* r = ring();
-    if (r == nullptr) return 0;
-    constexpr uint64_t kBlock = 32;
-    next_ = r->next.fetch_add(kBlock, std::memory_order_relaxed) + 1;
-    end_ = next_ + kBlock;
-  }
-  return next_++;
+int64_t clockNs(size_t bytes) {
+  return readClock(bytes > kPreciseAboveBytes ? CLOCK_MONOTONIC : CLOCK_MONOTONIC_COARSE);
 }
 
-void recordCollective(uint64_t id, const std::string* group, int rank, int size, uint64_t seq, const char* op,
-                      const CollectiveFingerprint& fingerprint, size_t bytes, State state, int64_t nowNs) {
-  if (id == 0) [[unlikely]] return;
-  Slot& s = ring()->slot(id);
+uint64_t recordCollective(const std::string* group, int instance, int rank, int size, uint64_t seq,
+                          const char* op, const CollectiveFingerprint& fingerprint, size_t bytes, State state,
+                          int64_t nowNs) {
+  Ring* r = ring();
+  if (r == nullptr) [[unlikely]]
+    return 0;
+  uint64_t id = 0;
+  Slot& s = *claim(*r, id);
   const uint64_t v = beginWrite(s);
-  fillCommon(s, id, Kind::Collective, group, rank, size, seq, op, state, nowNs);
+  fillCommon(s, id, Kind::Collective, group, instance, rank, size, seq, op, state, nowNs);
   const auto& tensors = fingerprint.tensors;
   s.tensors.store(static_cast<int32_t>(tensors.size()), std::memory_order_relaxed);
   if (tensors.empty()) {
@@ -422,18 +442,20 @@ void recordCollective(uint64_t id, const std::string* group, int rank, int size,
   s.peer.store(fingerprint.root.value_or(-1), std::memory_order_relaxed);
   s.bytes.store(bytes, std::memory_order_relaxed);
   endWrite(s, v);
+  return id;
 }
 
-uint64_t recordP2P(const std::string* group, int rank, int size, uint64_t p2pSeq, const char* op,
-                   const std::vector<Tensor>& tensors, int peer) {
+uint64_t recordP2P(const std::string* group, int instance, int rank, int size, uint64_t p2pSeq,
+                   const char* op, const std::vector<Tensor>& tensors, int peer) {
   Ring* r = ring();
-  if (r == nullptr) [[unlikely]] return 0;
+  if (r == nullptr) [[unlikely]]
+    return 0;
   size_t bytes = 0;
   for (const Tensor& t : tensors) bytes += t.defined() ? t.nbytes() : 0;
   uint64_t id = 0;
   Slot& s = *claim(*r, id);
   const uint64_t v = beginWrite(s);
-  fillCommon(s, id, Kind::P2P, group, rank, size, p2pSeq, op, State::Running, clockNs(bytes));
+  fillCommon(s, id, Kind::P2P, group, instance, rank, size, p2pSeq, op, State::Running, clockNs(bytes));
   s.tensors.store(static_cast<int32_t>(tensors.size()), std::memory_order_relaxed);
   if (tensors.empty() || !tensors[0].defined()) {
     s.dtype.store(-1, std::memory_order_relaxed);

@@ -11,13 +11,11 @@
 //    ends; ProcessGroup records send, recv and batchIsendIrecv (their own
 //    numbering, p2p_seq). The oldest entry is overwritten; an op still running
 //    when N newer ops have been issued loses its record (its slot is reused).
-//  * Recording costs no allocation and no lock of its own: a collective's slot
-//    is claimed from its group's block of ids (IdBlock, under the runner's
-//    lock; one atomic increment of the shared counter per 32 ops), a send's
-//    or recv's with one atomic increment, and written with relaxed stores
-//    inside a per-slot sequence counter, which a dump uses to skip a slot
-//    being written. Times of
-//    issue, start and end come from CLOCK_MONOTONIC_COARSE for ops up to 1 MiB
+//  * Recording costs no allocation and no lock: a slot is claimed with one
+//    atomic increment of the shared counter (so entries are in the order the
+//    ops were issued, across groups and threads) and written with relaxed
+//    stores inside a per-slot sequence counter, which a dump uses to skip a
+//    slot being written. Times of issue, start and end come from CLOCK_MONOTONIC_COARSE for ops up to 1 MiB
 //    (its tick, a few ms, is the resolution; a precise clock read costs more
 //    than the rest of the record) and from CLOCK_MONOTONIC above.
 //  * FlightContext: a thread-local "what caused this" tag copied into every op
@@ -83,29 +81,16 @@ bool enabled();
 // The ring's size (0: off).
 size_t capacity();
 
-// Entry ids handed to one caller in blocks, so that a caller that already holds
-// a lock of its own (CollectiveRunner's queue) claims an id with a plain
-// increment instead of an atomic one on the shared counter. Ids of one block
-// are in the caller's issue order; a dump orders entries by id, so entries of
-// different groups may appear out of their issue order by up to a block.
-// Not thread-safe: the caller's lock guards it.
-class IdBlock {
- public:
-  uint64_t next();  // 0 when the recorder is off
-
- private:
-  uint64_t next_ = 0;
-  uint64_t end_ = 0;
-};
-
-// A collective at issue, as entry `id` (from an IdBlock; 0 records nothing).
-// `group` must live as long as the process (Work::internName). `nowNs`: the
+// A collective at issue; returns the entry's id (0: not recorded).
+// `group` must live as long as the process (Work::internName); `instance`
+// tells a group made again under the same name from the one before. `nowNs`: the
 // caller's clock reading (coarse), reused for small ops.
-void recordCollective(uint64_t id, const std::string* group, int rank, int size, uint64_t seq, const char* op,
-                      const CollectiveFingerprint& fingerprint, size_t bytes, State state, int64_t nowNs);
+uint64_t recordCollective(const std::string* group, int instance, int rank, int size, uint64_t seq,
+                          const char* op, const CollectiveFingerprint& fingerprint, size_t bytes, State state,
+                          int64_t nowNs);
 // A point-to-point op (or a batch of them: op "batchIsendIrecv", peer of the first) at issue.
-uint64_t recordP2P(const std::string* group, int rank, int size, uint64_t p2pSeq, const char* op,
-                   const std::vector<Tensor>& tensors, int peer);
+uint64_t recordP2P(const std::string* group, int instance, int rank, int size, uint64_t p2pSeq,
+                   const char* op, const std::vector<Tensor>& tensors, int peer);
 void started(uint64_t id, int64_t nowNs);
 void finished(uint64_t id, State state, int64_t nowNs);
 // The clock readings the recorder uses: coarse for small ops, precise above 1 MiB.

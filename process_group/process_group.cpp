@@ -30,9 +30,10 @@ namespace {
 // The group's settings for any backend.
 template <typename Options>
 Options backendOptions(const ProcessGroupOptions& options, std::chrono::milliseconds timeout,
-                       const std::vector<int>& parentRanks) {
+                       const std::vector<int>& parentRanks, int instance) {
   Options o;
   o.groupName = options.name;
+  o.instance = instance;
   o.timeout = timeout;
   o.checkFingerprints = options.checkFingerprints;
   o.globalRanks = parentRanks;
@@ -45,8 +46,8 @@ Options backendOptions(const ProcessGroupOptions& options, std::chrono::millisec
 
 #if DT_HAVE_GLOO
 GlooBackendOptions glooOptions(const ProcessGroupOptions& options, std::chrono::milliseconds timeout,
-                               const std::vector<int>& parentRanks) {
-  auto g = backendOptions<GlooBackendOptions>(options, timeout, parentRanks);
+                               const std::vector<int>& parentRanks, int instance) {
+  auto g = backendOptions<GlooBackendOptions>(options, timeout, parentRanks, instance);
   g.hostname = options.glooHostname.empty() ? "127.0.0.1" : options.glooHostname;
   return g;
 }
@@ -77,7 +78,7 @@ std::vector<int> exchangeHosts(Store& store, int rank, int size, const std::stri
 // has a host of its own, shm within hosts + gloo across them otherwise;
 // options.backend ("gloo", "shm") forces one.
 BackendPtr makeCpuBackend(const StorePtr& store, int rank, int size, const ProcessGroupOptions& options,
-                          std::chrono::milliseconds timeout, const std::vector<int>& parentRanks) {
+                          std::chrono::milliseconds timeout, const std::vector<int>& parentRanks, int instance) {
   const std::string& forced = options.backend;
   std::vector<std::string> hostNames;
   std::vector<int> hostOf(static_cast<size_t>(size), 0);
@@ -104,11 +105,11 @@ BackendPtr makeCpuBackend(const StorePtr& store, int rank, int size, const Proce
     logger("process_group")->info("process group {}: {} ranks on {} host(s), CPU collectives on {}{}", options.name,
                                   size, hosts, choice, forced.empty() ? "" : " (requested)");
   }
-  if (choice == "shm") return std::make_shared<ShmBackend>(store, rank, size, backendOptions<ShmBackendOptions>(options, timeout, parentRanks));
+  if (choice == "shm") return std::make_shared<ShmBackend>(store, rank, size, backendOptions<ShmBackendOptions>(options, timeout, parentRanks, instance));
 #if DT_HAVE_GLOO
-  if (choice == "gloo") return std::make_shared<GlooBackend>(store, rank, size, glooOptions(options, timeout, parentRanks));
-  return std::make_shared<HierarchicalBackend>(store, rank, size, hostOf, glooOptions(options, timeout, parentRanks),
-                                               backendOptions<ShmBackendOptions>(options, timeout, parentRanks));
+  if (choice == "gloo") return std::make_shared<GlooBackend>(store, rank, size, glooOptions(options, timeout, parentRanks, instance));
+  return std::make_shared<HierarchicalBackend>(store, rank, size, hostOf, glooOptions(options, timeout, parentRanks, instance),
+                                               backendOptions<ShmBackendOptions>(options, timeout, parentRanks, instance));
 #else
   throw NotSupportedError(str("process group ", options.name, ": ", choice == "gloo" ? "backend gloo was requested" : "the group spans hosts",
                               ", which needs the gloo backend, and this dtrain was built without Gloo (DT_HAVE_GLOO=0); "
@@ -173,7 +174,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(StorePtr store, int rank, int
   group->timeout_ = group->options_.timeout.value_or(env::getDuration("DT_PG_TIMEOUT"));
   group->parentRanks_ = ranks;
   checkBackendName(group->options_);
-  group->cpuBackend_ = makeCpuBackend(scoped, rank, size, cpuOptions(group->options_), group->timeout_, ranks);
+  group->instance_ = static_cast<int>(instance);
+  group->cpuBackend_ = makeCpuBackend(scoped, rank, size, cpuOptions(group->options_), group->timeout_, ranks, group->instance_);
   return group;
 }
 
@@ -218,7 +220,7 @@ Backend& ProcessGroup::backendFor(const Device& device) {
     // Lazily: a CPU-only program never pays for it. Not collective (the
     // communicators are made by the first op on each device).
     ncclBackend_ = std::make_shared<NcclBackend>(store_, rank_, size_,
-                                                 backendOptions<NcclBackendOptions>(options_, timeout_, parentRanks_));
+                                                 backendOptions<NcclBackendOptions>(options_, timeout_, parentRanks_, instance_));
   }
   return *ncclBackend_;
 #else
@@ -362,7 +364,7 @@ template <typename Fn>
 WorkPtr ProcessGroup::recordedP2P(const char* op, const std::vector<Tensor>& tensors, int peer, Fn&& post) {
   if (!flight::enabled()) return post();
   // Point-to-point ops pass here on every backend; collectives are recorded by CollectiveRunner.
-  const uint64_t id = flight::recordP2P(Work::internName(options_.name), rank_, size_,
+  const uint64_t id = flight::recordP2P(Work::internName(options_.name), instance_, rank_, size_,
                                         p2pSeq_.fetch_add(1, std::memory_order_relaxed) + 1, op, tensors, peer);
   WorkPtr work;
   try {
@@ -445,8 +447,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
   group->rank_ = static_cast<int>(it - ranks.begin());
   group->store_ = std::make_shared<PrefixStore>(str("sub", index), store_);
   checkBackendName(group->options_);
+  group->instance_ = instance_;  // "default.sub1" is unique within one creation of the parent
   group->cpuBackend_ = makeCpuBackend(group->store_, group->rank_, group->size_, cpuOptions(group->options_),
-                                      group->timeout_, group->parentRanks_);
+                                      group->timeout_, group->parentRanks_, group->instance_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     std::erase_if(children_, [](const std::weak_ptr<ProcessGroup>& c) { return c.expired(); });

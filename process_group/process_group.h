@@ -169,6 +169,7 @@ class ProcessGroup {
   BackendPtr ncclBackend_;
   mutable std::mutex mutex_;
   uint64_t seq_ = 0;
+  int instance_ = 0;  // which creation of the root group's name (flight recorder)
   std::atomic<uint64_t> p2pSeq_{0};  // the flight recorder's numbering of send/recv
   int subgroups_ = 0;
   std::vector<std::weak_ptr<ProcessGroup>> children_;  // newGroup's member handles, for abort()

@@ -2,8 +2,9 @@
 // (debug/flight_analysis.h) on forked ranks: what a dump holds, and the story
 // the analysis tells for a rank that skips a collective, one that hangs inside
 // one (SIGSTOP) and one killed in the middle of one (SIGKILL), on Gloo and shm.
-#include <gtest/gtest.h>
+#include "process_group/flight_recorder.h"
 
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -19,7 +20,6 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "debug/flight_analysis.h"
-#include "process_group/flight_recorder.h"
 #include "process_group/process_group.h"
 #include "testing/point.h"
 #include "testing/spawn.h"
@@ -68,25 +68,30 @@ TEST(FlightRecorder, DumpHoldsEveryOpWithItsShapeStateAndContext) {
   dt::testing::TempDir dir;
   SpawnOptions options;
   options.env = {{"DT_FLIGHT_RECORDER_DIR", dir.path().string()}};
-  const auto results = testing::spawn(2, [&](RankContext& ctx) -> std::string {
-    ProcessGroupOptions o;
-    o.backend = "shm";
-    auto pg = ProcessGroup::create(ctx.store(), ctx.rank, 2, o);
-    {
-      const FlightContext outer("ddp bucket %d", 3);
-      pg->allreduce(ones({4, 8}))->wait();
-      {
-        const FlightContext inner("pipeline %s", "SendF");
-        if (ctx.rank == 0) pg->send({ones({5})}, 1)->wait();
-        else pg->recv({zeros({5})}, 0)->wait();
-      }
-      BroadcastOptions bo;
-      bo.root = 1;
-      pg->broadcast(zeros({7}, DType::Int64), bo)->wait();
-    }
-    pg->barrier()->wait();
-    return dumpFlightRecorder("request");
-  }, options);
+  const auto results = testing::spawn(
+      2,
+      [&](RankContext& ctx) -> std::string {
+        ProcessGroupOptions o;
+        o.backend = "shm";
+        auto pg = ProcessGroup::create(ctx.store(), ctx.rank, 2, o);
+        {
+          const FlightContext outer("ddp bucket %d", 3);
+          pg->allreduce(ones({4, 8}))->wait();
+          {
+            const FlightContext inner("pipeline %s", "SendF");
+            if (ctx.rank == 0)
+              pg->send({ones({5})}, 1)->wait();
+            else
+              pg->recv({zeros({5})}, 0)->wait();
+          }
+          BroadcastOptions bo;
+          bo.root = 1;
+          pg->broadcast(zeros({7}, DType::Int64), bo)->wait();
+        }
+        pg->barrier()->wait();
+        return dumpFlightRecorder("request");
+      },
+      options);
   ASSERT_TRUE(results.ok()) << results.summary();
   for (int r = 0; r < 2; ++r) {
     const std::string path = results[r].value;
@@ -122,7 +127,7 @@ TEST(FlightRecorder, DumpHoldsEveryOpWithItsShapeStateAndContext) {
     EXPECT_EQ(bc.op, "broadcast");
     EXPECT_EQ(bc.seq, 2u);
     EXPECT_EQ(bc.dtype, "int64");
-    EXPECT_EQ(bc.peer, 1);  // the root
+    EXPECT_EQ(bc.peer, 1);                  // the root
     EXPECT_EQ(bc.context, "ddp bucket 3");  // the inner scope restored the outer tag
     EXPECT_EQ(d.entries[3].op, "barrier");
     EXPECT_EQ(d.entries[3].context, "");
@@ -135,11 +140,14 @@ TEST(FlightRecorder, RingKeepsTheLastEntriesAndZeroTurnsItOff) {
   dt::testing::TempDir dir;
   SpawnOptions options;
   options.env = {{"DT_FLIGHT_RECORDER_DIR", dir.path().string()}, {"DT_FLIGHT_RECORDER_ENTRIES", "8"}};
-  const auto small = testing::spawn(1, [&](RankContext& ctx) -> std::string {
-    auto pg = ProcessGroup::create(ctx.store(), 0, 1);
-    for (int i = 0; i < 20; ++i) pg->allreduce(ones({2}))->wait();
-    return dumpFlightRecorder("request");
-  }, options);
+  const auto small = testing::spawn(
+      1,
+      [&](RankContext& ctx) -> std::string {
+        auto pg = ProcessGroup::create(ctx.store(), 0, 1);
+        for (int i = 0; i < 20; ++i) pg->allreduce(ones({2}))->wait();
+        return dumpFlightRecorder("request");
+      },
+      options);
   ASSERT_TRUE(small.ok()) << small.summary();
   const debug::FlightDump d = debug::parseFlightDump(readText(small[0].value), small[0].value);
   ASSERT_EQ(d.entries.size(), 8u);
@@ -148,15 +156,72 @@ TEST(FlightRecorder, RingKeepsTheLastEntriesAndZeroTurnsItOff) {
   EXPECT_EQ(d.capacity, 8u);
   EXPECT_EQ(d.recorded, 20u);
 
-  options.env = {{"DT_FLIGHT_RECORDER_DIR", (dir.path() / "off").string()}, {"DT_FLIGHT_RECORDER_ENTRIES", "0"}};
-  const auto off = testing::spawn(1, [&](RankContext& ctx) -> std::string {
-    auto pg = ProcessGroup::create(ctx.store(), 0, 1);
-    pg->allreduce(ones({2}))->wait();
-    return str("[", dumpFlightRecorder("request"), "]");
-  }, options);
+  options.env = {{"DT_FLIGHT_RECORDER_DIR", (dir.path() / "off").string()},
+                 {"DT_FLIGHT_RECORDER_ENTRIES", "0"}};
+  const auto off = testing::spawn(
+      1,
+      [&](RankContext& ctx) -> std::string {
+        auto pg = ProcessGroup::create(ctx.store(), 0, 1);
+        pg->allreduce(ones({2}))->wait();
+        return str("[", dumpFlightRecorder("request"), "]");
+      },
+      options);
   ASSERT_TRUE(off.ok()) << off.summary();
   EXPECT_EQ(off[0].value, "[]");
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "off"));
+}
+
+TEST(FlightRecorder, FailureDumpsNameTheirReasonOnceAndNeverThrow) {
+  dt::testing::TempDir dir;
+  SpawnOptions options;
+  options.env = {{"DT_FLIGHT_RECORDER_DIR", dir.path().string()}};
+  const auto results = testing::spawn(1, [&](RankContext& ctx) -> std::string {
+    auto pg = ProcessGroup::create(ctx.store(), 0, 1);
+    pg->allreduce(ones({2}))->wait();
+    // What an elastic job does when its launcher reports a dead member.
+    pg->abort(std::make_exception_ptr(MemberLostError("member 3 (rank 3) exited: signal SIGKILL")));
+    ProcessGroupOptions o;
+    o.name = "other";
+    auto other = ProcessGroup::create(ctx.store(), 0, 1, o);
+    other->abort(std::make_exception_ptr(BackendError("stopped by the test")));
+    auto third = ProcessGroup::create(ctx.store(), 0, 1, ProcessGroupOptions{.name = "third"});
+    third->abort(std::make_exception_ptr(BackendError("a second abort")));  // the first abort's file stays
+    ::setenv("DT_FLIGHT_RECORDER_DIR", "/dev/null/cannot-be-a-folder", 1);
+    const std::string unwritable = dumpFlightRecorder("request");
+    return str("[", unwritable, "]");
+  }, options);
+  ASSERT_TRUE(results.ok()) << results.summary();
+  EXPECT_EQ(results[0].value, "[]");
+  const auto lost = dir.path() / "flight_rank0_member_loss.json";
+  ASSERT_TRUE(std::filesystem::exists(lost));
+  const debug::FlightDump d = debug::parseFlightDump(readText(lost), lost.string());
+  EXPECT_EQ(d.reason, "member_loss");
+  expectHas(d.detail, "dt::MemberLostError: member 3 (rank 3) exited");
+  const auto aborted = dir.path() / "flight_rank0_abort.json";
+  ASSERT_TRUE(std::filesystem::exists(aborted));
+  const debug::FlightDump a = debug::parseFlightDump(readText(aborted), aborted.string());
+  expectHas(a.detail, "stopped by the test");
+}
+
+// A group destroyed and made again under the same name is told apart from the one before.
+TEST(FlightRecorder, GroupMadeAgainIsAnalysedApart) {
+  dt::testing::TempDir dir;
+  SpawnOptions options;
+  options.env = {{"DT_FLIGHT_RECORDER_DIR", dir.path().string()}};
+  const auto results = testing::spawn(2, [&](RankContext& ctx) -> std::string {
+    auto first = ProcessGroup::create(ctx.store(), ctx.rank, 2);
+    first->allreduce(ones({2}))->wait();
+    first->allreduce(ones({2}))->wait();
+    first->destroy();
+    auto second = ProcessGroup::create(ctx.store(), ctx.rank, 2);
+    second->broadcast(ones({3}))->wait();
+    return dumpFlightRecorder("request");
+  }, options);
+  ASSERT_TRUE(results.ok()) << results.summary();
+  const std::string story = analyze(dir.path());
+  expectHas(story, "group default (2 ranks, collectives #1-#2 in the dumps):");
+  expectHas(story, "group default (made again: creation 2) (2 ranks, collectives #1-#1 in the dumps):");
+  expectHas(story, "last completed: rank 0 broadcast #1 (float32[3], root 0)");
 }
 
 #if DT_HAVE_GLOO
@@ -199,19 +264,22 @@ class FlightRecorderFailure : public ::testing::TestWithParam<std::string> {
 // its record while it waits elsewhere.
 TEST_P(FlightRecorderFailure, RankThatSkipsACollectiveIsNamed) {
   dt::testing::TempDir dir;
-  SpawnedRanks ranks(kWorld, [&](RankContext& ctx) -> std::string {
-    auto pg = group(ctx);
-    if (ctx.rank == 2) {
-      ctx.store()->get("test/go", 120s);  // skipped #3; the test releases it once it has dumped
-      return "skipped";
-    }
-    try {
-      pg->allreduce(ones({1024}))->wait();
-      return "NO-FAILURE";
-    } catch (const std::exception& e) {
-      return describe(e);
-    }
-  }, options(dir.path()));
+  SpawnedRanks ranks(
+      kWorld,
+      [&](RankContext& ctx) -> std::string {
+        auto pg = group(ctx);
+        if (ctx.rank == 2) {
+          ctx.store()->get("test/go", 120s);  // skipped #3; the test releases it once it has dumped
+          return "skipped";
+        }
+        try {
+          pg->allreduce(ones({1024}))->wait();
+          return "NO-FAILURE";
+        } catch (const std::exception& e) {
+          return describe(e);
+        }
+      },
+      options(dir.path()));
   ASSERT_TRUE(eventually([&] { return ended(ranks, {0, 1}); })) << "ranks 0 and 1 did not fail";
   ASSERT_EQ(::kill(ranks.pid(2), SIGUSR2), 0);
   ASSERT_TRUE(eventually([&] { return std::filesystem::exists(dir.path() / "flight_rank2_signal.json"); }))
@@ -236,18 +304,21 @@ TEST_P(FlightRecorderFailure, RankThatSkipsACollectiveIsNamed) {
 // of milliseconds: it is inside #3 when it stops. Ranks 0 and 1 time out in #3.
 TEST_P(FlightRecorderFailure, RankThatHangsInsideACollectiveIsNamed) {
   dt::testing::TempDir dir;
-  SpawnedRanks ranks(kWorld, [&](RankContext& ctx) -> std::string {
-    auto pg = group(ctx);
-    Tensor big = ones({16 << 20});
-    WorkPtr work = pg->allreduce(big);
-    if (ctx.rank == 2) ::raise(SIGSTOP);
-    try {
-      work->wait();
-      return "NO-FAILURE";
-    } catch (const std::exception& e) {
-      return describe(e);
-    }
-  }, options(dir.path()));
+  SpawnedRanks ranks(
+      kWorld,
+      [&](RankContext& ctx) -> std::string {
+        auto pg = group(ctx);
+        Tensor big = ones({16 << 20});
+        WorkPtr work = pg->allreduce(big);
+        if (ctx.rank == 2) ::raise(SIGSTOP);
+        try {
+          work->wait();
+          return "NO-FAILURE";
+        } catch (const std::exception& e) {
+          return describe(e);
+        }
+      },
+      options(dir.path()));
   ASSERT_TRUE(eventually([&] { return ended(ranks, {0, 1}); })) << "ranks 0 and 1 did not fail";
   ASSERT_EQ(ranks.state(2), RankState::Frozen);
   // What dtrun would see: the frozen rank wrote nothing.
@@ -264,7 +335,8 @@ TEST_P(FlightRecorderFailure, RankThatHangsInsideACollectiveIsNamed) {
   const auto results = ranks.wait();
   for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(results[r].returned()) << results.summary();
   const std::string story = analyze(dir.path());
-  std::printf("---- %s: rank 2 frozen inside allreduce #3 (after it resumed)\n%s", GetParam().c_str(), story.c_str());
+  std::printf("---- %s: rank 2 frozen inside allreduce #3 (after it resumed)\n%s", GetParam().c_str(),
+              story.c_str());
   expectHas(story, "ranks 0-2 issued allreduce #3 (float32[16777216], sum)");
   expectHas(story, "#3 never finished on ranks 0-2:");
   expectHas(story, "last completed: rank 0 allreduce #2");
@@ -275,18 +347,21 @@ TEST_P(FlightRecorderFailure, RankKilledInsideACollectiveIsNamed) {
   dt::testing::TempDir dir;
   SpawnOptions o = options(dir.path());
   o.plan = {testing::killAt(2, "in-allreduce-3")};
-  const auto results = testing::spawn(kWorld, [&](RankContext& ctx) -> std::string {
-    auto pg = group(ctx);
-    Tensor big = ones({16 << 20});
-    WorkPtr work = pg->allreduce(big);
-    if (ctx.rank == 2) testing::point("in-allreduce-3");
-    try {
-      work->wait();
-      return "NO-FAILURE";
-    } catch (const std::exception& e) {
-      return describe(e);
-    }
-  }, o);
+  const auto results = testing::spawn(
+      kWorld,
+      [&](RankContext& ctx) -> std::string {
+        auto pg = group(ctx);
+        Tensor big = ones({16 << 20});
+        WorkPtr work = pg->allreduce(big);
+        if (ctx.rank == 2) testing::point("in-allreduce-3");
+        try {
+          work->wait();
+          return "NO-FAILURE";
+        } catch (const std::exception& e) {
+          return describe(e);
+        }
+      },
+      o);
   ASSERT_EQ(results[2].ending, Ending::Killed) << results.summary();
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(results[r].returned()) << results.summary();
   const std::string story = analyze(dir.path());
@@ -297,6 +372,37 @@ TEST_P(FlightRecorderFailure, RankKilledInsideACollectiveIsNamed) {
   expectHas(story, "#3 never finished on ranks 0-2:");
   expectHas(story, "rank 0: #3 failed");
   expectHas(story, "rank 2: no dump");
+}
+
+// Rank 2 issues broadcast #3 where the others issue allreduce #3: a desync (fingerprints
+// compared on both backends).
+TEST_P(FlightRecorderFailure, RankThatIssuesAnotherOpIsNamed) {
+  dt::testing::TempDir dir;
+  const auto results = testing::spawn(kWorld, [&](RankContext& ctx) -> std::string {
+    ProcessGroupOptions o;
+    o.backend = GetParam();
+    o.timeout = kTimeout;
+    o.checkFingerprints = true;
+    o.progressInterval = 100ms;
+    auto pg = ProcessGroup::create(ctx.store(), ctx.rank, kWorld, o);
+    pg->allreduce(ones({1024}))->wait();
+    pg->allreduce(ones({1024}))->wait();
+    try {
+      if (ctx.rank == 2) pg->broadcast(ones({1024}))->wait();
+      else pg->allreduce(ones({1024}))->wait();
+      return "NO-FAILURE";
+    } catch (const std::exception& e) {
+      return describe(e);
+    }
+  }, options(dir.path()));
+  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(results[r].returned()) << results.summary();
+  EXPECT_NE(results[0].value.find("DesyncError"), std::string::npos) << results[0].value;
+  const std::string story = analyze(dir.path());
+  std::printf("---- %s: rank 2 issues broadcast #3 instead of allreduce #3\n%s", GetParam().c_str(), story.c_str());
+  expectHas(story, "desync dump");
+  expectHas(story, "first difference at #3:");
+  expectHas(story, "ranks 0 and 1 issued allreduce #3 (float32[1024], sum)");
+  expectHas(story, "rank 2 issued broadcast #3 (float32[1024], root 0)");
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, FlightRecorderFailure, ::testing::Values("gloo", "shm"),
