@@ -254,6 +254,7 @@ struct FullyShardedDataParallel::Impl {
     Storage full = u.fullFlat.storage();
     full.resizeBytes(static_cast<size_t>(std::max<int64_t>(u.fullNumel, 1)) * itemSize(computeDtype()));
     const int64_t startNs = profiler::recording() ? profiler::nowNs() : 0;
+    const FlightContext flightContext("fsdp unit %zu %s gather", u.index, u.name.c_str());
     // First the unit's number and the phase: ranks that run different units find out below.
     u.trailerIn = fromVector<int64_t>({static_cast<int64_t>(u.index), phase}).to(u.device);
     u.trailerOut = empty({w * kGatherTrailer}, DType::Int64, u.device);
@@ -588,6 +589,7 @@ struct FullyShardedDataParallel::Impl {
     const int64_t w = world();
     const DType reduceType = options.mixedPrecision.reduceDtype;
     NoGradGuard noGrad;
+    const FlightContext flightContext("fsdp unit %zu %s reduce-scatter", u.index, u.name.c_str());
     // First the unit's slot: ranks that reduce different units find out in harvest.
     u.reduceSlots = zeros({kReduceSlots}, DType::Float32, u.device);
     u.reduceSlots.narrow(0, static_cast<int64_t>(u.index % kReduceSlots), 1).fill_(1.0);

@@ -2,6 +2,12 @@
 // the same equivalence as the threads test, across address spaces.
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
 #include "common/config.h"
 #include "common/strings.h"
 #include "ddp/ddp.h"
@@ -13,6 +19,13 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::TrainSpec;
+
+std::string readFile(const std::string& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
 
 #if DT_HAVE_GLOO
 
@@ -53,6 +66,32 @@ TEST_P(DdpProcesses, FindUnusedParametersAndJoin) {
   spec.ddp.findUnusedParameters = true;
   for (int r = 0; r < spec.world; ++r) spec.stepsPerRank.push_back(6 - r);
   expectProcessesMatchReference(spec);
+}
+
+// A bucket's allreduce carries its bucket in the flight recorder ("ddp bucket <i>").
+TEST(DdpProcesses, FlightRecorderNamesTheBucketOfEachAllreduce) {
+  char folder[] = "/tmp/dt-ddp-flight-XXXXXX";
+  ASSERT_NE(::mkdtemp(folder), nullptr);
+  testing::SpawnOptions options;
+  options.env = {{"DT_FLIGHT_RECORDER_DIR", folder}};
+  const auto results = testing::spawn(2, [&](testing::RankContext& ctx) -> std::string {
+    auto group = ProcessGroup::create(ctx.store(), ctx.rank, 2);
+    DistributedDataParallel ddp(std::make_shared<testing::TestNet>(1, false), group, {.bucketCapBytes = 300});
+    for (int step = 0; step < 2; ++step) {
+      ddp.zeroGrad();
+      Tensor x, y;
+      std::tie(x, y) = testing::batchFor(TrainSpec{}, step, 0, ctx.rank);
+      crossEntropy(ddp(x), y).backward();
+    }
+    return readFile(dumpFlightRecorder("request"));
+  }, options);
+  std::filesystem::remove_all(folder);
+  ASSERT_TRUE(results.ok()) << results.summary();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(results[r].value.find("\"context\": \"ddp bucket 0\""), std::string::npos) << results[r].value;
+    // DDP's own broadcasts (parameters at the start, buckets' layout) are not a bucket's.
+    EXPECT_NE(results[r].value.find("\"op\": \"broadcast\", \"dtype\": \"float32\""), std::string::npos);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(World, DdpProcesses, ::testing::Values(1, 2, 3, 4),
