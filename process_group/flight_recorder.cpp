@@ -482,7 +482,6 @@ void started(uint64_t id, int64_t nowNs) {
   const uint64_t v = beginWrite(s);
   s.state.store(static_cast<uint8_t>(State::Running), std::memory_order_relaxed);
   s.startNs.store(nowNs, std::memory_order_relaxed);
-  s.tid.store(threadId(), std::memory_order_relaxed);  // the thread that runs it
   endWrite(s, v);
 }
 
