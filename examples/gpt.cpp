@@ -11,6 +11,9 @@
 //   model      tensor/nn/gpt.h: pre-norm transformer blocks, the output layer tied to the token
 //              embedding, GPT-2's initialisation; AdamW (no decay on biases, norms, embeddings),
 //              linear warm-up then cosine learning rate
+//   precision  --precision bf16: the forward (and so its backward) under dt::autocast, so the
+//              matrix products run in bf16 while the weights, AdamW, LayerNorm and the loss stay
+//              fp32 (tensor/autocast.h); the validation loss is measured in fp32
 //   output     the validation loss (from step 0), a text sample from --prompt, --bench's RESULT
 // `gpt --help` lists the flags.
 #include <unistd.h>
@@ -30,6 +33,8 @@
 #include "examples/run_support.h"
 #include "parallel/parallelize.h"
 #include "parallel/tensor_parallel.h"
+#include "tensor/autocast.h"
+#include "tensor/matmul_backend.h"
 #include "tensor/memory_stats.h"
 #include "tensor/nn/gpt.h"
 #include "tensor/optim/optim.h"
@@ -61,6 +66,7 @@ struct Config {
   int pp = 1;       // pipeline parallelism's degree (train/loop.h); DDP over world / pp replicas
   std::string schedule = "1f1b", split = "layers";
   int virtualStages = 2;
+  std::string precision = "fp32";  // bf16: the forward's matrix products under dt::autocast
   bool checkpoints() const { return checkpointDir != "none"; }
 };
 
@@ -93,6 +99,11 @@ the end.
       .add("--weight-decay", c.weightDecay, "WD", "AdamW decay of the Linear weights (none on biases, norms, embeddings)", 0.0, 1.0)
       .add("--grad-clip", c.gradClip, "C", "clip the global gradient norm to C (0: no clipping)", 0.0, 1e6)
       .add("--seed", c.seed, "S", "initialisation, windows and dropout")
+      .add("--precision", c.precision, "P",
+           "bf16: the matrix products of each forward and its backward in bf16 (fp32\naccumulation, "
+           "dt::autocast); weights, AdamW, LayerNorm and the loss stay fp32.\nOn a CPU without bf16 "
+           "instructions they run in fp32 (one log line says why)",
+           {"fp32", "bf16"})
       .add("--sharding", c.sharding, "MODE",
            "ddp: every rank holds everything; zero1/zero2: the optimizer state\n(zero2: and the gradients between steps) split over "
            "the ranks on DDP's buckets;\nfsdp: parameters, gradients and optimizer state split, one block gathered at a\ntime; "
@@ -300,10 +311,13 @@ int run(const Config& c) {
     loop.setEvaluation([&] { return std::vector<std::pair<std::string, double>>{{"val_loss", validationLoss(loop, *model, val, c.evalWindows)}}; },
                        {"val_loss"});
   }
+  const bool bf16 = c.precision == "bf16";
+  // What the products really ran in: bf16 falls back to fp32 where the CPU lacks the instructions.
+  const std::string precision = !bf16 ? "fp32" : dt::bf16MatmulNative() ? "bf16" : "bf16-as-fp32";
   if (rank == 0 && !c.quiet) {
     std::printf("gpt: %d rank(s); %s: train %zu bytes (%lld fortunes), validation %zu bytes (%lld); GPT %s (%lld parameters, vocabulary "
                 "256 bytes); AdamW lr %g warm-up %lld cosine to %g, weight decay %g, clip %g; global batch %lld x %lld tokens (%lld per "
-                "rank%s); %lld steps; %s\n",
+                "rank%s); %lld steps; %s; precision %s\n",
                 world, corpus.source.c_str(), corpus.train.size(), static_cast<long long>(corpus.trainDocuments), corpus.validation.size(),
                 static_cast<long long>(corpus.validationDocuments), modelName(c.model).c_str(), static_cast<long long>(c.model.parameterCount()),
                 c.lr, static_cast<long long>(c.warmup), c.minLr, c.weightDecay, c.gradClip, static_cast<long long>(c.globalBatch),
@@ -312,7 +326,8 @@ int run(const Config& c) {
                 c.pp > 1 ? str("PP=", c.pp, " (", c.schedule, ")", c.tp > 1 ? str(" x TP=", c.tp, c.sp ? " with SP" : "") : std::string(),
                                " x DDP over ", world / (c.pp * c.tp)).c_str()
                 : c.tp > 1 ? str("TP=", c.tp, c.sp ? " with SP" : "", " x DDP over ", world / c.tp).c_str()
-                : c.sharding == "ddp" ? "DDP" : str("--sharding ", c.sharding).c_str());
+                : c.sharding == "ddp" ? "DDP" : str("--sharding ", c.sharding).c_str(),
+                precision.c_str());
   }
   const dt::train::StepFunction step = [&](const dt::data::Batch& b) {
     const bool measure = c.bench && loop.step() == bench.firstMeasuredStep() && activationMib == 0;
@@ -321,12 +336,19 @@ int run(const Config& c) {
       if (!tpFirst) tpFirst = tpLast, tpFrom = tpTo;
     }
     const size_t before = measure ? dt::memoryStats().allocatedBytes : 0;
+    // The loss's backward runs after this returns: each product's backward keeps the dtype its
+    // forward chose, so the scope need not outlive the forward.
+    const dt::autocast scope(dt::DType::BFloat16, bf16);
     dt::Tensor loss = model->nextTokenLoss(loop.forward(b.inputs), b.targets);
     if (measure) activationMib = static_cast<double>(dt::memoryStats().allocatedBytes - before) / (1 << 20);
     return dt::train::StepOutput{loss};
   };
-  // --pp: the loop runs the pipeline itself (the last stage takes nn::Gpt's loss).
-  const dt::train::LoopResult r = loop.run(c.pp > 1 ? dt::train::StepFunction{} : step);
+  // --pp: the loop runs the pipeline itself (the last stage takes nn::Gpt's loss), on this
+  // thread, so the scope covers its stages' forwards; there is no evaluation under --pp.
+  const dt::train::LoopResult r = [&] {
+    const dt::autocast scope(dt::DType::BFloat16, bf16 && c.pp > 1);
+    return loop.run(c.pp > 1 ? dt::train::StepFunction{} : step);
+  }();
   // Its replica broke under --elastic: the loop said why; the other replicas finish the job.
   if (r.left) return 0;
   if (r.stopped) return 0;  // the loop said so, and wrote the checkpoint
@@ -340,11 +362,11 @@ int run(const Config& c) {
     std::fprintf(stderr, "gpt: --bench measured nothing: it needs more than --bench-warmup %lld steps\n", static_cast<long long>(c.benchWarmup));
   } else if (c.bench && finalRank == 0) {
     std::printf("RESULT gpt impl=dtrain world=%d global_batch=%lld model=%s steps=%lld step_ms=%.3f tokens_per_s=%.1f peak_rss_mb=%.1f "
-                "val_loss_nats=%.5f sharding=%s parameters=%lld fixed_rss_mb=%.1f activation_mb=%.1f peak_alloc_mb=%.1f blas=%s\n",
+                "val_loss_nats=%.5f precision=%s sharding=%s parameters=%lld fixed_rss_mb=%.1f activation_mb=%.1f peak_alloc_mb=%.1f blas=%s kernels=%s\n",
                 world, static_cast<long long>(c.globalBatch), modelName(c.model).c_str(), static_cast<long long>(c.steps),
                 1e3 * bench.seconds() / static_cast<double>(bench.steps()), static_cast<double>(bench.steps() * tokensPerStep) / bench.seconds(),
-                mem[0], valLoss, c.sharding.c_str(), static_cast<long long>(c.model.parameterCount()), mem[1], mem[2], mem[3],
-                dt::blasKernelName().c_str());
+                mem[0], valLoss, precision.c_str(), c.sharding.c_str(), static_cast<long long>(c.model.parameterCount()), mem[1], mem[2], mem[3],
+                dt::blasKernelName().c_str(), dt::matmulKernelName().c_str());
     if (tpGroup != nullptr && tpTo > tpFrom) {  // per step: counts, elements of the whole tensors, a ring's elements per rank
       const dt::TpCollectiveCounts d = tpLast - *tpFirst;
       const double n = static_cast<double>(tpTo - tpFrom);
@@ -363,9 +385,9 @@ int run(const Config& c) {
     const double rate = static_cast<double>((r.steps - r.firstStep) * tokensPerStep) / std::max(r.seconds, 1e-9);
     char validation[64] = "no validation loss under --pp";
     if (c.pp == 1) std::snprintf(validation, sizeof(validation), "validation loss %.4f", valLoss);
-    std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; %s; peak RSS %.0f MiB per rank\n",
+    std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; %s; precision=%s; peak RSS %.0f MiB per rank\n",
                 static_cast<long long>(r.steps), examples::formatSeconds(r.elapsed).c_str(), r.steps > r.firstStep ? rate : 0.0, r.loss,
-                validation, mem[0]);
+                validation, precision.c_str(), mem[0]);
     if (c.sampleTokens > 0 && c.tp > 1) {
       std::printf("gpt: no sample with --tp %d: sampling needs the whole vocabulary's logits on one rank (not built yet)\n", c.tp);
     } else if (c.sampleTokens > 0 && c.pp > 1) {

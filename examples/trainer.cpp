@@ -22,6 +22,7 @@
 #include "data/sampler.h"
 #include "examples/run_support.h"
 #include "process_group/init.h"
+#include "tensor/autocast.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/generator.h"
 #include "tensor/nn/module.h"
@@ -47,6 +48,7 @@ struct Config {
   int prefetch = 8, keep = 3;
   int64_t logEvery = 100, checkpointEvery = 500, benchWarmup = 20;
   std::string checkpointDir = "trainer-checkpoints", resume = "auto", device = "cpu";
+  std::string precision = "fp32";  // bf16: the forward's Linear layers under dt::autocast
   examples::TestFlags test;
 
   double learningRate() const { return lr.value_or(optimizer == "sgd" ? 0.05 : 1e-3); }
@@ -83,6 +85,10 @@ signal ends the process at once).
       .add("--momentum", c.momentum, "M", "sgd momentum", 0.0, 0.999)
       .add("--schedule", c.schedule, "", "learning rate over the steps", {"cosine", "constant"})
       .add("--seed", c.seed, "S", "model initialisation, shuffling and dropout")
+      .add("--precision", c.precision, "P",
+           "bf16: the Linear layers of each forward and its backward in bf16 (fp32\naccumulation, dt::autocast; "
+           "--device cpu); weights, optimizer and loss stay fp32",
+           {"fp32", "bf16"})
       .add("--drop-last", c.dropLast, "drop the short last batch of each epoch (default: pad it)")
       .add("--prefetch", c.prefetch, "K", "batches the loader thread prepares ahead");
   flags.section("checkpoints")
@@ -109,6 +115,10 @@ signal ends the process at once).
   if (!flags.parse(argc, argv)) return false;
   if (c.checkpointDir.empty()) throw InvalidArgument("trainer: --checkpoint-dir is empty (use none to write no checkpoints)");
   if (c.checkpointDir == "none") c.checkpointDir.clear();
+  // autocast covers CPU products only: on CUDA the flag would silently change nothing.
+  if (c.precision == "bf16" && c.device != "cpu") {
+    throw InvalidArgument(str("trainer: --precision bf16 runs on --device cpu only (got --device ", c.device, ")"));
+  }
   return true;
 }
 
@@ -228,16 +238,19 @@ int run(const Config& c, dt::Device device) {
   int64_t paramCount = 0;
   for (const auto& p : model->parameters()) paramCount += p.numel();
   if (loop.rank() == 0 && !c.quiet) {
-    std::printf("trainer: %d rank(s) on %s; %s; MLP %s (%lld parameters%s); %s lr %g %s; global batch %lld (%lld per rank); %lld epoch(s) = %lld steps; %s\n",
+    std::printf("trainer: %d rank(s) on %s; %s; MLP %s (%lld parameters%s); %s lr %g %s; global batch %lld (%lld per rank); %lld epoch(s) = %lld steps; %s; precision %s\n",
                 loop.worldSize(), device.isCpu() ? "cpu" : str("cuda (rank 0: ", device.str(), ")").c_str(), train->describe().c_str(), name.c_str(),
                 static_cast<long long>(paramCount), c.dropout > 0 ? str(", dropout ", c.dropout).c_str() : "",
                 c.optimizer == "adamw" ? "AdamW" : "SGD", c.learningRate(), c.schedule.c_str(), static_cast<long long>(c.globalBatch),
                 static_cast<long long>(c.globalBatch / loop.worldSize()), static_cast<long long>(epochs), static_cast<long long>(totalSteps),
                 c.checkpointDir.empty() ? "no checkpoints"
-                                        : str("checkpoints every ", c.checkpointEvery, " steps in ", c.checkpointDir, " (keep ", c.keep, ")").c_str());
+                                        : str("checkpoints every ", c.checkpointEvery, " steps in ", c.checkpointDir, " (keep ", c.keep, ")").c_str(),
+                c.precision.c_str());
   }
 
   const dt::train::LoopResult r = loop.run([&](const dt::data::Batch& b) {
+    // Backward keeps the dtype each product chose in forward, so the scope ends with the forward.
+    const dt::autocast scope(dt::DType::BFloat16, c.precision == "bf16");
     return dt::train::StepOutput{dt::crossEntropy(loop.forward(b.inputs.to(device)), b.targets.to(device))};
   });
   if (r.stopped) {
@@ -251,10 +264,12 @@ int run(const Config& c, dt::Device device) {
     const double seconds = bench.seconds();
     const int64_t measured = bench.steps();
     std::printf("RESULT trainer impl=dtrain device=%s world=%d global_batch=%lld model=%s optimizer=%s steps=%lld step_ms=%.3f "
-                "samples_per_s=%.1f data_wait_ms=%.3f\n",
+                "samples_per_s=%.1f data_wait_ms=%.3f%s\n",
                 device.isCpu() ? "cpu" : "cuda", loop.worldSize(), static_cast<long long>(c.globalBatch), name.c_str(), c.optimizer.c_str(),
                 static_cast<long long>(measured), 1e3 * seconds / static_cast<double>(measured),
-                static_cast<double>(measured * c.globalBatch) / seconds, r.dataWaitMs);
+                static_cast<double>(measured * c.globalBatch) / seconds, r.dataWaitMs,
+                // Only bf16 says so: the fp32 line stays as bench/peers/torch_trainer.py's pairs with it.
+                c.precision == "bf16" ? " precision=bf16" : "");
   }
   if (const int code = examples::reportParameters("trainer", loop, r, c.quiet)) return code;
   if (loop.rank() == 0) {
