@@ -21,6 +21,7 @@
 #include "common/sanitizers.h"
 #include "common/strings.h"
 #include "common/thread_name.h"
+#include "tensor/matmul_backend.h"
 
 namespace dt {
 
@@ -102,9 +103,8 @@ Pool& pool(int wanted) {
 void warnOnceIfBlasKernelsDoNotFit() {
   static std::once_flag once;
   std::call_once(once, [] {
-    if (!env::getString("OPENBLAS_CORETYPE").empty()) return;  // the user chose
-    const std::string warning =
-        blasKernelWarning(blasKernelName(), __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx2"));
+    const std::string warning = blasKernelWarning(blasKernelName(), __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx2"),
+                                                  env::getString("OPENBLAS_CORETYPE"), onednnAvailable());
     if (!warning.empty()) logger("tensor")->warn("{}", warning);
   });
 }
@@ -116,20 +116,38 @@ std::string blasKernelName() {
   return core != nullptr ? core : "";
 }
 
-std::string blasKernelWarning(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2) {
+std::string blasKernelWarning(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2, const std::string& coretypeVariable,
+                              bool onednnBuiltIn) {
   // OpenBLAS's names for cores without AVX2: what it falls back to for a CPU it does not know.
   static const char* const kOldCores[] = {"Prescott", "Core2",  "Penryn",  "Dunnington", "Nehalem",
                                           "Atom",     "Katmai", "Coppermine", "Northwood", "Banias",
                                           "Sandybridge"};
-  if (!cpuHasAvx2) return "";
-  const bool old = std::any_of(std::begin(kOldCores), std::end(kOldCores),
-                               [&](const char* name) { return strcasecmp(core.c_str(), name) == 0; });
-  if (!old) return "";
+  // Its cores with AVX-512 kernels; any other core on an AVX-512 CPU leaves half the vector unused.
+  static const char* const kAvx512Cores[] = {"SkylakeX", "Cooperlake", "SapphireRapids"};
+  const auto named = [&](const auto& names) {
+    return std::any_of(std::begin(names), std::end(names), [&](const char* name) { return strcasecmp(core.c_str(), name) == 0; });
+  };
+  if (!cpuHasAvx2 || core.empty()) return "";
   const char* fit = cpuHasAvx512 ? "SkylakeX" : "Haswell";
-  return str("OpenBLAS runs its \"", core, "\" kernels on a CPU with ", cpuHasAvx512 ? "AVX-512" : "AVX2",
-             " (it does not know this CPU model), so matrix products run several times slower than they could; "
-             "set OPENBLAS_CORETYPE=", fit, " in the environment before the program starts (dtrun passes it on to "
-             "every rank)");
+  // oneDNN picks its kernels from the CPU's instruction bits, so a wrong OpenBLAS core slows
+  // only the products the auto rule leaves on OpenBLAS (small and skinny ones, float64).
+  const std::string onednn = onednnBuiltIn ? "; this build sends the larger float32 and all bf16 matrix products to oneDNN, which "
+                                             "is not affected, the rest still run on OpenBLAS"
+                                           : "";
+  if (named(kOldCores)) {
+    if (!coretypeVariable.empty()) return "";  // the user chose these kernels
+    return str("OpenBLAS runs its \"", core, "\" kernels on a CPU with ", cpuHasAvx512 ? "AVX-512" : "AVX2",
+               " (it does not know this CPU model), so matrix products run several times slower than they could; "
+               "set OPENBLAS_CORETYPE=", fit, " in the environment before the program starts (dtrun passes it on to "
+               "every rank)", onednn);
+  }
+  if (!cpuHasAvx512 || named(kAvx512Cores)) return "";
+  return str("OpenBLAS runs its \"", core, "\" kernels (AVX2) on a CPU with AVX-512",
+             coretypeVariable.empty() ? " (it does not know this CPU model)"
+                                      : str(" because OPENBLAS_CORETYPE=", coretypeVariable, " is set"),
+             ", so its matrix products run at about half the speed of its SkylakeX kernels; ",
+             coretypeVariable.empty() ? "set OPENBLAS_CORETYPE=SkylakeX" : "unset OPENBLAS_CORETYPE (or set it to SkylakeX)",
+             " before the program starts unless this OpenBLAS misbehaves with them", onednn);
 }
 
 bool stopIdleBlasWorkers() {

@@ -36,11 +36,15 @@ std::string blasKernelName();
 // OpenBLAS picks its kernels from the CPU model when it loads; a model newer
 // than the library (Debian 12's OpenBLAS 0.3.21 on Emerald Rapids, model 207)
 // gets its generic SSE3 "Prescott" kernels, about 5x slower GEMM on a CPU with
-// AVX-512. This returns the warning for `core` (blasKernelName()) on a CPU with
-// the given features, naming the OPENBLAS_CORETYPE value that fixes it, or ""
-// when the kernels fit the CPU. numThreads() and setNumThreads() log it once
-// (module "tensor", level warn) unless OPENBLAS_CORETYPE is already set.
-std::string blasKernelWarning(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2);
+// AVX-512. Likewise an AVX2 core (Haswell, Zen) on an AVX-512 CPU, whether OpenBLAS
+// does not know the model or OPENBLAS_CORETYPE forces it (some environments do): about
+// half speed. This returns the one-line warning for `core` (blasKernelName()) on a CPU
+// with the given features, given OPENBLAS_CORETYPE's value ("" when unset) and whether
+// this build has oneDNN (which then runs most products, and says so), naming the fix, or ""
+// when the kernels fit the CPU or the user forced SSE-era kernels on purpose.
+// numThreads() and setNumThreads() log it once (module "tensor", level warn).
+std::string blasKernelWarning(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2,
+                              const std::string& coretypeVariable = "", bool onednnBuiltIn = false);
 
 void parallelForImpl(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 

@@ -403,6 +403,27 @@ TEST(Threads, OpenBlasFallbackKernelsOnAModernCpuAreNamedWithTheFix) {
   }
 }
 
+// AVX2 kernels on an AVX-512 CPU (OPENBLAS_CORETYPE=Haswell forced, or a model OpenBLAS does not
+// know): about half speed, so one line says why, the fix, and what oneDNN takes over.
+TEST(Threads, OpenBlasAvx2KernelsOnAnAvx512CpuAreNamedWithTheCauseAndOneDnnsShare) {
+  EXPECT_EQ(blasKernelWarning("SkylakeX", true, true, "SkylakeX", true), "");
+  EXPECT_EQ(blasKernelWarning("Cooperlake", true, true, "", false), "");
+  EXPECT_EQ(blasKernelWarning("Haswell", false, true, "Haswell", true), "") << "AVX2 kernels fit an AVX2 CPU";
+  EXPECT_EQ(blasKernelWarning("Prescott", true, true, "Prescott", false), "") << "the user forced SSE kernels on purpose";
+  const std::string forced = blasKernelWarning("Haswell", true, true, "Haswell", true);
+  for (const char* part : {"\"Haswell\" kernels (AVX2)", "AVX-512", "because OPENBLAS_CORETYPE=Haswell is set", "half the speed",
+                           "unset OPENBLAS_CORETYPE", "oneDNN"}) {
+    EXPECT_NE(forced.find(part), std::string::npos) << part << " missing from: " << forced;
+  }
+  EXPECT_EQ(forced.find('\n'), std::string::npos) << "one line: " << forced;
+  const std::string unknown = blasKernelWarning("Zen", true, true, "", false);
+  for (const char* part : {"\"Zen\" kernels (AVX2)", "does not know this CPU model", "OPENBLAS_CORETYPE=SkylakeX"}) {
+    EXPECT_NE(unknown.find(part), std::string::npos) << part << " missing from: " << unknown;
+  }
+  EXPECT_EQ(unknown.find("oneDNN"), std::string::npos) << "a build without oneDNN: " << unknown;
+  EXPECT_NE(blasKernelWarning("Prescott", true, true, "", true).find("oneDNN"), std::string::npos);
+}
+
 // CPU time the other threads of this process have used so far (/proc's schedstat), and how many
 // threads it has.
 int64_t otherThreadsCpuNs() {
