@@ -148,7 +148,7 @@ WorkPtr CollectiveRunner::enqueue(uint64_t requestedSeq, const char* op, Collect
   fingerprint.op = op;
   if (broken_ || stopping_) {
     flight::recordCollective(internedGroup_, options_.instance, rank_, size_, seq, op, fingerprint, bytesOf(fingerprint),
-                             flight::State::Failed, flight::clockNs(0));
+                             flight::State::Aborted, flight::clockNs(0));
     auto work = std::make_shared<Work>(op, seq, internedWho_);
     Work::markFailed(work, notStarted(op, seq));
     return work;

@@ -50,7 +50,7 @@
 //    event of category "collective" on the thread that ran it, from start to
 //    end, with its sequence number, bytes and time queued since issue.
 //  * Every op enqueued here is in the flight recorder (flight_recorder.h):
-//    recorded at issue (queued, or failed when the group is already broken),
+//    recorded at issue (queued, or aborted when the group is already broken),
 //    running when its body starts, then done, failed, or aborted (it failed
 //    because the group was broken by another cause). The first failure that
 //    breaks the group writes this process's flight record (reason timeout,
