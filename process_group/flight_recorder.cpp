@@ -549,14 +549,6 @@ void pollSignal() {
   }
 }
 
-void resetForTesting() {
-  std::lock_guard<std::mutex> lock(dumpMutex());
-  failureDumpsWritten().clear();
-  if (Ring* r = ring()) {
-    for (size_t i = 0; i < r->capacity; ++i) r->slots[i].id.store(0, std::memory_order_relaxed);
-  }
-}
-
 }  // namespace flight
 
 // ---- FlightContext -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // The flight recorder: each process keeps a ring of its last N process-group
 // operations, so that after a hang, a desync or a lost rank every rank can say
 // what it issued, what it was running and what it finished (docs/debugging.md,
-// "Flight recorder"; `dtrun analyze` reads the dumps).
+// "Seeing what a job's ranks were doing"; `dtrun analyze` reads the dumps).
 //
 // Contract:
 //  * One ring per process, shared by every group, DT_FLIGHT_RECORDER_ENTRIES
@@ -15,9 +15,10 @@
 //    atomic increment of the shared counter (so entries are in the order the
 //    ops were issued, across groups and threads) and written with relaxed
 //    stores inside a per-slot sequence counter, which a dump uses to skip a
-//    slot being written. Times of issue, start and end come from CLOCK_MONOTONIC_COARSE for ops up to 1 MiB
-//    (its tick, a few ms, is the resolution; a precise clock read costs more
-//    than the rest of the record) and from CLOCK_MONOTONIC above.
+//    slot being written. Times of issue, start and end come from
+//    CLOCK_MONOTONIC_COARSE for ops up to 1 MiB (its tick, a few ms, is the
+//    resolution; a precise clock read costs more than the rest of the record)
+//    and from CLOCK_MONOTONIC above.
 //  * FlightContext: a thread-local "what caused this" tag copied into every op
 //    issued on that thread while it lives ("ddp bucket 3", "pipeline SendF mb
 //    2 stage 1"); scopes nest and restore the outer tag. Formatting happens
@@ -33,9 +34,11 @@
 //    on SIGUSR2 replaces the previous one of its reason.
 //  * Never throws, never exits: a dump that cannot be written logs one warning
 //    and returns "". Thread-safe; a dump may run while ops are recorded.
-//  * SIGUSR2: installFlightRecorderSignal() installs a handler only where the
-//    signal's disposition is still the default (a program's own handler is
-//    left alone). The handler only sets an atomic flag (async-signal-safe);
+//  * SIGUSR2: flight::installSignalHandler() (the first CollectiveRunner
+//    calls it) installs a handler only where the signal's disposition is
+//    still the default (a program's own handler is left alone; a child forked
+//    afterwards inherits it, and no longer dies of SIGUSR2). The handler only
+//    sets an atomic flag (async-signal-safe);
 //    every group's progress thread polls it once per progress interval (1 s by
 //    default) and the first to see it writes the "signal" dump.
 #pragma once
@@ -105,9 +108,6 @@ void dumpOnFailure(const std::exception_ptr& cause, const char* fallback);
 void installSignalHandler();
 // Called by progress threads: writes the "signal" dump if SIGUSR2 arrived.
 void pollSignal();
-
-// Tests: forget the entries and the once-per-reason marks.
-void resetForTesting();
 
 }  // namespace flight
 }  // namespace dt
