@@ -38,8 +38,9 @@
 //    and every op throws InvalidArgument saying so.
 //  * The flight recorder (flight_recorder.h) records every send, recv and
 //    batchIsendIrecv here, numbered per group (p2p_seq) apart from the
-//    collectives, which CollectiveRunner records; a Work's completion marks
-//    the entry done or failed.
+//    collectives, which CollectiveRunner records; a thenInline callback marks
+//    the entry done or failed (on the completing thread, a moment after a
+//    waiter is released: a dump in that moment still reads running).
 //  * Thread safety: ops may be issued from several threads, but ranks must
 //    agree on the order, so issue one group's collectives from one thread.
 //    Different groups are independent. destroy() is idempotent; the

@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -79,10 +80,14 @@ TEST(FlightRecorder, DumpHoldsEveryOpWithItsShapeStateAndContext) {
           pg->allreduce(ones({4, 8}))->wait();
           {
             const FlightContext inner("pipeline %s", "SendF");
-            if (ctx.rank == 0)
-              pg->send({ones({5})}, 1)->wait();
-            else
-              pg->recv({zeros({5})}, 0)->wait();
+            WorkPtr p2p = ctx.rank == 0 ? pg->send({ones({5})}, 1) : pg->recv({zeros({5})}, 0);
+            // The recorder marks a send or recv done in a thenInline callback, which runs on the
+            // completing thread just after wait() is released; callbacks run in registration
+            // order, so once this one has run, the recorder's has.
+            std::atomic<bool> recorded{false};
+            p2p->thenInline([&](Work&) { recorded = true; });
+            p2p->wait();
+            while (!recorded) std::this_thread::yield();
           }
           BroadcastOptions bo;
           bo.root = 1;
