@@ -13,7 +13,7 @@ if(TARGET dtrun)
   install(TARGETS dtrun RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 
-foreach(_dir common tensor data store collectives process_group elastic checkpoint ddp fsdp parallel train launcher testing)
+foreach(_dir common debug tensor data store collectives process_group elastic checkpoint ddp fsdp parallel train launcher testing)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${_dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dtrain/${_dir}
     FILES_MATCHING PATTERN "*.h" PATTERN "*.hpp"
     PATTERN "internal" EXCLUDE)
