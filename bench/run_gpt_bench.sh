@@ -4,17 +4,24 @@
 # tokens, the same random windows, GPT L4-H4-C256-T128 (3.26M parameters, tied output layer),
 # AdamW with decay groups, warm-up + cosine, clipping at 1, global batch 16 x 128 tokens, DDP
 # over gloo (dtrain: its shared-memory backend, what a one-host job gets), one thread per rank,
-# at world 1, 2 and 4. Both sides start from the same weights (dtrain's --init-out, the
+# at world 1, 2 and 4, each side in fp32 and in bf16 mixed precision (dtrain: gpt --precision bf16,
+# dt::autocast; PyTorch: torch.cpu.amp.autocast(dtype=torch.bfloat16)). Each PyTorch run goes
+# twice, with OPENBLAS_CORETYPE as the environment has it and unset (in that command alone:
+# some environments force an older core than the CPU's, which halves OpenBLAS's speed), and
+# the faster of the two is the peer. Both sides start from the same weights (dtrain's --init-out, the
 # peer's --init) and train STEPS steps; the first WARMUP are not timed. Then the forward +
 # backward of one block and of the attention core alone (gpt_bench vs torch_gpt.py --micro)
 # at the per-rank batches of world 1 and 4. Repetitions are interleaved.
 #
-# Prints the RESULT lines, medians, RATIO lines (dtrain / torch) and a table: tokens/s (goal:
-# dtrain >= 1.5x), validation loss after the same steps (goal: within 2 %), peak RSS per rank
-# (goal: dtrain <= torch), and the micro timings.
+# Prints the RESULT lines, medians, RATIO lines (dtrain / torch) and a table: tokens/s (goals:
+# dtrain fp32 >= 1.5x PyTorch fp32; dtrain bf16 >= 2x PyTorch fp32 and >= 1.3x PyTorch bf16
+# autocast, each a RATIO line saying met or MISSED), validation loss after the same steps
+# (goal: within 2 %), peak RSS per rank (goal: dtrain <= torch), and the micro timings.
 #
 # usage: bench/run_gpt_bench.sh   (env: WORLDS="1 2 4" REPS=2 STEPS=100 WARMUP=10 BATCH=16 MICRO_REPS=20
-#                                   DT_BUILD_DIR=build-bench OUT=file)
+#                                   PRECISIONS="fp32 bf16" DT_BUILD_DIR=build-bench OUT=file)
+#   MICRO_REPS=0 leaves the micro timings out. NO_BUILD=1 runs the binaries already in the build
+#   directory (one configured with tests, say, that this script's configure would change).
 #   BEFORE=path/to/an/older/gpt also runs that build in the same loop, as impl=dtrain-before
 #   (after dtrain at each world and repetition), and prints the dtrain : dtrain-before ratios.
 set -uo pipefail
@@ -27,6 +34,7 @@ steps=${STEPS:-100}
 warmup=${WARMUP:-10}
 batch=${BATCH:-16}
 micro_reps=${MICRO_REPS:-20}
+precisions=${PRECISIONS:-"fp32 bf16"}
 peers=$repo/bench/peers
 out=${OUT:-$(mktemp /tmp/gpt-bench.XXXXXX.txt)}
 py=/usr/bin/python3
@@ -43,10 +51,14 @@ if [ ! -d /usr/share/games/fortunes ]; then
   echo "run_gpt_bench: no fortunes in /usr/share/games/fortunes (scripts/setup.sh installs the fortunes package)" >&2
   exit 2
 fi
-echo "== building gpt, gpt_bench and dtrun in $build" >&2
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=ON -DDT_BUILD_EXAMPLES=ON >/dev/null &&
-  cmake --build "$build" -j "${DT_JOBS:-2}" --target gpt gpt_bench dtrun >/dev/null ||
-  { echo "run_gpt_bench: building failed" >&2; exit 2; }
+if [ "${NO_BUILD:-0}" = 1 ]; then
+  echo "== NO_BUILD=1: the binaries in $build as they are" >&2
+else
+  echo "== building gpt, gpt_bench and dtrun in $build" >&2
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF -DDT_BUILD_TESTS=OFF -DDT_BUILD_BENCH=ON -DDT_BUILD_EXAMPLES=ON >/dev/null &&
+    cmake --build "$build" -j "${DT_JOBS:-2}" --target gpt gpt_bench dtrun >/dev/null ||
+    { echo "run_gpt_bench: building failed" >&2; exit 2; }
+fi
 dtrun="$build/launcher/dtrun"
 gpt="$build/examples/gpt"
 
@@ -55,22 +67,34 @@ have_torch=1
 init=$(mktemp /tmp/gpt-init.XXXXXX.safetensors)
 common=(--steps "$steps" --warmup "$lr_warmup" --global-batch "$batch")
 
-echo "# run_gpt_bench: worlds=[$worlds] reps=$reps steps=$steps warmup=$warmup global_batch=$batch $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
-run_dtrain() {  # binary, world, impl label
-  echo "## world $2, repetition $rep: $3" >&2
+echo "# run_gpt_bench: worlds=[$worlds] precisions=[$precisions] OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-(unset)} reps=$reps steps=$steps warmup=$warmup global_batch=$batch $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
+run_dtrain() {  # binary, world, impl label, precision
+  echo "## world $2, repetition $rep: $3 $4" >&2
+  local precision=()  # fp32 without the flag, so that a BEFORE build older than --precision runs
+  [ "$4" = fp32 ] || precision=(--precision "$4")
   timeout 900 "$dtrun" --standalone --nproc "$2" --prefix none "$1" --bench --quiet --checkpoint-dir none \
-    --bench-warmup "$warmup" --eval-every 0 --sample-tokens 0 --init-out "$init" "${common[@]}" \
+    --bench-warmup "$warmup" --eval-every 0 --sample-tokens 0 --init-out "$init" "${precision[@]}" "${common[@]}" \
     2>>"$out.log" | grep '^RESULT' | sed "s/ impl=dtrain / impl=$3 /" | tee -a "$out"
+}
+run_torch() {  # world, precision, env|unset (OPENBLAS_CORETYPE)
+  echo "## world $1, repetition $rep: torch $2, OPENBLAS_CORETYPE $3" >&2
+  local unset=()
+  [ "$3" = env ] || unset=(-u OPENBLAS_CORETYPE)
+  timeout 900 env "${unset[@]}" "$py" "$peers/torchrun_py311.py" --nproc_per_node "$1" --standalone "$peers/torch_gpt.py" \
+    --bench-warmup "$warmup" --init "$init" --precision "$2" "${common[@]}" 2>>"$out.log" | grep '^RESULT' |
+    sed "s/\$/ openblas_coretype=$3/" | tee -a "$out"
 }
 for ((rep = 1; rep <= reps; rep++)); do
   for n in $worlds; do
-    run_dtrain "$gpt" "$n" dtrain
-    [ -z "$before" ] || run_dtrain "$before" "$n" dtrain-before
-    [ $have_torch = 1 ] || continue
-    echo "## world $n, repetition $rep: torch" >&2
-    timeout 900 "$py" "$peers/torchrun_py311.py" --nproc_per_node "$n" --standalone "$peers/torch_gpt.py" \
-      --bench-warmup "$warmup" --init "$init" "${common[@]}" 2>>"$out.log" | grep '^RESULT' | tee -a "$out"
+    for p in $precisions; do
+      run_dtrain "$gpt" "$n" dtrain "$p"
+      [ -z "$before" ] || [ "$p" != fp32 ] || run_dtrain "$before" "$n" dtrain-before fp32
+      [ $have_torch = 1 ] || continue
+      run_torch "$n" "$p" env
+      run_torch "$n" "$p" unset
+    done
   done
+  [ "$micro_reps" -gt 0 ] || continue
   for b in $batch $((batch / 4)); do
     for m in block attention; do
       "$build/bench/gpt_bench" --micro "$m" --batch "$b" --reps "$micro_reps" | tee -a "$out"
@@ -98,14 +122,49 @@ for line in open(sys.argv[1]):
     kv = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
     key = (fields[1], kv.get("world", kv.get("batch")), kv["impl"])
     rows.setdefault(key, []).append(kv)
+    if fields[1] == "gpt":  # one row per side and precision (and PyTorch's OpenBLAS setting)
+        key += (kv.get("precision", "fp32"), kv.get("openblas_coretype", ""))
+    rows.setdefault(key, []).append(kv)
 med = lambda key, metric: statistics.median(float(r[metric]) for r in rows[key]) if key in rows else float("nan")
-print("| world | dtrain tokens/s | torch tokens/s | ratio (goal >= 1.5) | dtrain val loss | torch val loss | diff (goal <= 2 %) | dtrain peak RSS MiB | torch peak RSS MiB |")
-print("|---|---|---|---|---|---|---|---|---|")
-for w in sorted({k[1] for k in rows if k[0] == "gpt"}, key=int):
-    d, t = ("gpt", w, "dtrain"), ("gpt", w, "torch")
-    dv, tv = med(d, "val_loss_nats"), med(t, "val_loss_nats")
-    print(f"| {w} | {med(d, 'tokens_per_s'):.0f} | {med(t, 'tokens_per_s'):.0f} | {med(d, 'tokens_per_s') / med(t, 'tokens_per_s'):.2f} "
-          f"| {dv:.4f} | {tv:.4f} | {100 * abs(dv - tv) / tv:.2f} % | {med(d, 'peak_rss_mb'):.0f} | {med(t, 'peak_rss_mb'):.0f} |")
+
+
+def peer(w, precision):
+    """PyTorch's faster median of its two OpenBLAS settings: (key, which)."""
+    runs = [("gpt", w, "torch", precision, c) for c in ("env", "unset") if ("gpt", w, "torch", precision, c) in rows]
+    if not runs:
+        return None, "-"
+    best = max(runs, key=lambda k: med(k, "tokens_per_s"))
+    return best, best[4]
+
+
+print("| world | precision | dtrain tokens/s | torch tokens/s (OPENBLAS_CORETYPE env / unset) | peer | ratio | dtrain val loss | "
+      "torch val loss | diff (goal <= 2 %) | dtrain peak RSS MiB | torch peak RSS MiB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+worlds = sorted({k[1] for k in rows if k[0] == "gpt"}, key=int)
+for w in worlds:
+    for dp, tp in (("fp32", "fp32"), ("bf16", "bf16-autocast")):
+        d = ("gpt", w, "dtrain", dp, "")
+        t, which = peer(w, tp)
+        if d not in rows or t is None:
+            continue
+        env_, unset_ = (med(("gpt", w, "torch", tp, c), "tokens_per_s") for c in ("env", "unset"))
+        dv, tv = med(d, "val_loss_nats"), med(t, "val_loss_nats")
+        print(f"| {w} | {dp} / {tp} | {med(d, 'tokens_per_s'):.0f} | {env_:.0f} / {unset_:.0f} | {which} "
+              f"| {med(d, 'tokens_per_s') / med(t, 'tokens_per_s'):.2f} | {dv:.4f} | {tv:.4f} | {100 * abs(dv - tv) / tv:.2f} % "
+              f"| {med(d, 'peak_rss_mb'):.0f} | {med(t, 'peak_rss_mb'):.0f} |")
+print()
+# The goals, each against the faster of PyTorch's two OpenBLAS settings.
+for w in worlds:
+    for dp, tp, goal in (("fp32", "fp32", 1.5), ("bf16", "fp32", 2.0), ("bf16", "bf16-autocast", 1.3)):
+        d = ("gpt", w, "dtrain", dp, "")
+        t, which = peer(w, tp)
+        if d not in rows or t is None:
+            continue
+        ratio = med(d, "tokens_per_s") / med(t, "tokens_per_s")
+        print(f"RATIO gpt world={w} a=dtrain-{dp} b=torch-{tp} b_openblas_coretype={which} ratio_tokens_per_s={ratio:.2f} "
+              f"goal>={goal} {'met' if ratio >= goal else 'MISSED'}")
+if not any(k[0] in ("gpt_block", "gpt_attention") for k in rows):  # MICRO_REPS=0
+    sys.exit(0)
 print()
 print("| forward + backward | batch | dtrain ms | torch ms | torch / dtrain |")
 print("|---|---|---|---|---|")

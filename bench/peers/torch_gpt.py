@@ -14,6 +14,10 @@ Data     Debian's fortunes split exactly as data/text.h does (a fortune is a doc
 Step     AdamW(betas 0.9/0.95) with weight decay on the Linear weights only, warm-up + cosine
          learning rate, clip_grad_norm_(1.0), DDP over gloo (default 25 MB buckets) when
          launched with RANK set (world 1 included); torch.set_num_threads(1).
+Precision --precision bf16 runs each forward and the loss under
+         torch.cpu.amp.autocast(dtype=torch.bfloat16) (PyTorch's own mixed precision: its Linear
+         and matmuls go to oneDNN's bf16 kernels), backward outside it as PyTorch prescribes;
+         weights and AdamW stay fp32; the validation loss is measured in fp32 (as examples/gpt).
 Timing   --bench-warmup steps, a barrier, the rest timed (data included, as in examples/gpt);
          tokens_per_s = timed steps x global batch x T / rank 0's time. peak_rss_mb: the largest
          VmHWM over the ranks. val_loss_nats: the mean loss over the first --eval-windows windows
@@ -23,7 +27,7 @@ Timing   --bench-warmup steps, a barrier, the rest timed (data included, as in e
 
 Rank 0 prints (the same keys as `gpt --bench`):
 
-  RESULT gpt impl=torch world=4 global_batch=16 model=L4-H4-C256-T128 steps=.. step_ms=.. tokens_per_s=.. peak_rss_mb=.. val_loss_nats=..
+  RESULT gpt impl=torch world=4 global_batch=16 model=L4-H4-C256-T128 steps=.. step_ms=.. tokens_per_s=.. peak_rss_mb=.. val_loss_nats=.. precision=fp32
 
 --micro block|attention instead times the forward and backward of one transformer block, or of
 the attention core (fused qkv in, merged heads out), on random [batch, T, C] inputs: median of
@@ -318,6 +322,8 @@ def main():
     parser.add_argument("--micro", choices=("block", "attention"))
     parser.add_argument("--batch", type=int, default=4, help="--micro: sequences per forward")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: forward and loss under torch.cpu.amp.autocast(dtype=torch.bfloat16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.micro:
@@ -354,7 +360,9 @@ def main():
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
         opt.zero_grad(set_to_none=True)
-        lm_loss(ddp(x), y).backward()
+        with torch.cpu.amp.autocast(dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = lm_loss(ddp(x), y)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else 1e30)
         opt.step()
     seconds = time.perf_counter() - start
@@ -367,7 +375,8 @@ def main():
         print(f"RESULT gpt impl=torch world={world} global_batch={args.global_batch} "
               f"model=L{args.layers}-H{args.heads}-C{args.width}-T{t} steps={args.steps} "
               f"step_ms={1e3 * seconds / timed:.3f} tokens_per_s={timed * args.global_batch * t / seconds:.1f} "
-              f"peak_rss_mb={rss.item():.1f} val_loss_nats={val_loss:.5f}", flush=True)
+              f"peak_rss_mb={rss.item():.1f} val_loss_nats={val_loss:.5f} "
+              f"precision={'bf16-autocast' if args.precision == 'bf16' else 'fp32'}", flush=True)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
