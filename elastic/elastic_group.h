@@ -146,6 +146,9 @@ class ElasticGroup {
   ElasticGroup& operator=(const ElasticGroup&) = delete;
 
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
+  // The job's store, unscoped (every epoch's keys are under it): for a caller's own keys about
+  // the current epoch, such as a pipeline's first-failure cause; prefix them with the epoch.
+  const StorePtr& store() const { return store_; }
   const Membership& membership() const { return membership_; }
   int memberId() const { return memberId_; }
 

@@ -21,6 +21,7 @@
 #include "parallel/checkpoint.h"
 #include "parallel/clip_grad.h"
 #include "process_group/init.h"
+#include "store/prefix_store.h"
 #include "tensor/autograd/anomaly.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/nn/clip_grad.h"
@@ -149,11 +150,12 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
       const char* sharding = options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2";
       throw refuse(str("with Sharding::", sharding, " is not built yet; use Sharding::None (DDP over the pipeline replicas)"));
     }
-    if (elastic) throw refuse("under dtrun --elastic is not built yet (a lost rank would take its pipeline replica out)");
     if (options_.microBatches != 1) {
       throw refuse(str("with microBatches ", options_.microBatches,
                        ": the pipeline's micro-batches are pipeline.microBatches; leave microBatches at 1"));
     }
+    // A replica is the whole pipeline with its TP groups: p t adjacent ranks, lost and joined together.
+    options_.elastic.replicaSize = pp * std::max(options_.tensorParallel, 1);
   }
   if (options_.stopOnSignals) installStopHandlers(p);
   try {
@@ -162,7 +164,10 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
       group_ = elastic_->group();
       joining_ = elastic_->joinedNow();
     } else {
-      group_ = initProcessGroup();
+      // initProcessGroup's two steps, keeping the job's store for the pipeline's failure causes.
+      JobConnection job = connectJob();
+      store_ = job.store;
+      group_ = ProcessGroup::create(job.store, job.rank, job.worldSize, std::move(job.group));
     }
   } catch (const JobFinishedError& e) {
     finished_ = e.what();  // a replacement started after the job ended: nothing to do
@@ -184,12 +189,7 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
                                 t > 1 ? " (the mesh is {dp: world / (pp tp), pp: pp, tp: tp})" : " (the mesh is {dp: world / pp, pp: pp})"));
     }
     makeSchedule();
-    const int dp = world / (pp * t), m = schedule_->m;
-    if (options_.globalBatch % dp != 0 || options_.globalBatch / dp % m != 0) {
-      throw InvalidArgument(str(p, ": the global batch ", options_.globalBatch, " does not split into ", dp,
-                                " data-parallel replica(s) (world ", world, " / pipeline degree ", pp, tp, ") of ", m,
-                                " micro-batches each; use a multiple of ", dp * m));
-    }
+    microBatchRows(world, "");
     makeMesh();
   }
   if (!options_.checkpointDir.empty()) checkpoints_.emplace(options_.checkpointDir, options_.keep);
@@ -216,6 +216,42 @@ void Loop::makeSchedule() {
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(str(where, ": ", e.what()));
   }
+}
+
+int64_t Loop::microBatchRows(int world, const std::string& when) const {
+  const int pp = options_.pipeline.degree, t = options_.tensorParallel;
+  const std::string tp = t > 1 ? str(" x tensorParallel ", t) : std::string();
+  const int dp = world / (pp * t), m = schedule_->m;
+  if (options_.globalBatch % dp != 0 || options_.globalBatch / dp % m != 0) {
+    // Elastic, the global batch stays and m stays; only the rows per micro-batch follow dp.
+    throw InvalidArgument(str(options_.program, ": ", when, "the global batch ", options_.globalBatch, " does not split into ",
+                              dp, " data-parallel replica(s) (world ", world, " / pipeline degree ", pp, tp, ") of ", m,
+                              " micro-batches each; use a multiple of ", dp * m,
+                              when.empty() ? std::string() : " (or of every data-parallel size the job may shrink to)"));
+  }
+  return options_.globalBatch / dp / m;
+}
+
+void Loop::makeRunner() {
+  const nn::Gpt& model = dynamic_cast<const nn::Gpt&>(*model_);
+  const std::vector<Tensor> params = model.parameters();
+  const DType dtype = params.empty() ? DType::Float32 : params.front().dtype();
+  const int64_t rows = microBatchRows(group_->size(), "");
+  const int t = options_.tensorParallel;
+  const int64_t T = model.config().contextLength;
+  // The first rank to fail leaves its error here for the others, under a prefix of this group
+  // instance: an elastic epoch's groups reuse the names (and the runner its step numbers) of
+  // the epoch before.
+  StorePtr store = elastic_ ? elastic_->store() : store_;
+  if (store) {
+    store = std::make_shared<PrefixStore>(
+        elastic_ ? str("loop/pipeline/e", elastic_->membership().epoch) : std::string("loop/pipeline"), store);
+  }
+  runner_ = std::make_unique<pipeline::PipelineRunner>(
+      *schedule_, stages_->runnerStages(), (*mesh_)["pp"],
+      pipeline::PipelineOptions{.activationShape = {rows, options_.pipeline.sequenceParallel ? T / t : T, model.config().width},
+                                .activationDType = dtype,
+                                .store = std::move(store)});
 }
 
 void Loop::makeMesh() {
@@ -306,9 +342,7 @@ void Loop::setPipelineModel(std::shared_ptr<nn::Gpt> model) {
     throw InvalidArgument(str(p, ": setPipelineModel: schedule ", schedule_->name, " over ", schedule_->p, " rank(s) x ",
                               schedule_->v, " virtual stage(s): ", e.what()));
   }
-  const std::vector<Tensor> params = model->parameters();
-  const DType dtype = params.empty() ? DType::Float32 : params.front().dtype();
-  const int64_t rows = options_.globalBatch / mesh_->size("dp") / schedule_->m;
+  const int64_t rows = microBatchRows(group_->size(), "");
   // Sequence parallelism: a stage boundary carries this rank's block of the sequence.
   const int t = options_.tensorParallel;
   const int64_t T = model->config().contextLength;
@@ -321,11 +355,8 @@ void Loop::setPipelineModel(std::shared_ptr<nn::Gpt> model) {
     throw InvalidArgument(str(p, ": setPipelineModel with tensorParallel ", t, ": parallelize the model over mesh() first "
                               "(dt::parallelize), then hand it over"));
   }
-  runner_ = std::make_unique<pipeline::PipelineRunner>(
-      *schedule_, stages_->runnerStages(), pp,
-      pipeline::PipelineOptions{.activationShape = {rows, options_.pipeline.sequenceParallel ? T / t : T, model->config().width},
-                                .activationDType = dtype});
   model_ = std::move(model);
+  makeRunner();
   if (mesh_->coordinate("dp") == 0 && !options_.quiet) {
     std::string lines;
     for (const std::string& line : split(stages_->summary(), '\n')) lines += str(p, ": ", line, "\n");
@@ -527,6 +558,24 @@ void Loop::checkOptimizer() const {
 }
 
 TrainingState Loop::trainingState(bool replicaLocal) {
+  if (replicaLocal && stages_) {
+    // A pipeline's dp group holds the same stages (its ranks share the pp and tp coordinates):
+    // the stage's parameters as they are, by the unsplit names (the tied copy as wte.weight),
+    // which a joiner at those coordinates holds the same shapes of. The rest of the model is
+    // nobody's to train on this rank.
+    ProcessGroup& dp = *dataGroup();
+    TrainingState state(dp.rank(), dp.size());
+    ParameterMap map;
+    std::unordered_set<const void*> seen;
+    for (const auto& [name, t] : stages_->namedParameters()) {
+      if (!seen.insert(t.dataPtr()).second) continue;
+      state.addTensor("model." + name, t);
+      map.add(t, {name, Placement::Replicated, t.sizes(), 0, -1});
+    }
+    state.addOptimizer("optim", *optimizer_, std::move(map));
+    addExtraState(state);
+    return state;
+  }
   if (replicaLocal && mesh_) {
     // What the ranks of one dp group hold alike: this rank's shards as local tensors under
     // the local names, which a joiner at the same tp coordinate holds the same shapes of.
@@ -677,12 +726,16 @@ void Loop::periodicCheckpoint() {
 void Loop::regroup() {
   group_ = elastic_->group();
   if (mesh_) {
-    // Whole replicas only, each rank at its old tp coordinate: the shards stay valid, the
-    // layers move onto the new tp group and DDP onto the new dp group.
+    // Whole replicas only, each rank at its old tp (and pp) coordinate: the shards and stages
+    // stay valid, the layers move onto the new tp group and DDP onto the new dp group.
     makeMesh();
-    rebindTensorParallel(*model_, (*mesh_)["tp"]);
+    if (options_.tensorParallel > 1) rebindTensorParallel(*model_, (*mesh_)["tp"]);
   }
-  if (fsdp_) {
+  if (runner_) {
+    // The same schedule over the same stages on the new pp group; the dp replica's share of the
+    // global batch changed, so the micro-batches' rows (and the first step's shape check) do too.
+    makeRunner();
+  } else if (fsdp_) {
     fsdp_->rebind(group_);  // a collective: the shards cut for the new group, zero until restored
   } else {
     ddp_->rebind(dataGroup());
@@ -700,10 +753,9 @@ void Loop::leaveJob(const elastic::Membership& m) {
     for (int member : replica) ids.push_back(std::to_string(member));
     replicas.push_back(join(ids, ", "));
   }
-  const int t = options_.tensorParallel;
-  left_ = str(options_.program, ": member ", elastic_->memberId(), " leaves at step ", step_, ": its tensor-parallel group (members ",
-              join(replicas, "; "), ") lost ", join(m.lost, "; "), "; the other replicas go on (", m.size(), " rank(s), ",
-              m.size() / std::max(t, 1), " replica(s)) and this process ends");
+  left_ = str(options_.program, ": member ", elastic_->memberId(), " leaves at step ", step_, ": its ", replicaName(),
+              " (members ", join(replicas, "; "), ") lost ", join(m.lost, "; "), "; the other replicas go on (", m.size(),
+              " rank(s), ", m.size() / std::max(options_.elastic.replicaSize, 1), " replica(s)) and this process ends");
   std::fprintf(stderr, "%s\n", left_.c_str());
   std::fflush(stderr);
 }
@@ -712,6 +764,8 @@ void Loop::recover(std::exception_ptr cause) {
   loader_.reset();  // its thread prepares batches for the old split
   const elastic::Membership& m = elastic_->recover(cause, step_);
   if (elastic_->hasLeft()) return leaveJob(m);
+  // Refused here, out of run() on every survivor alike, rather than as a failure of the new group.
+  if (pipelined()) microBatchRows(m.size(), str("after the loss of ", join(m.lost, ", "), ": "));
   if (fsdp_ || zero_) {
     // The lost rank's shards exist nowhere else: every member goes back to the newest checkpoint.
     regroup();
@@ -726,6 +780,7 @@ void Loop::recover(std::exception_ptr cause) {
     // The others committed this step: this rank holds its reduced gradients too (it voted
     // only after its backward), so it applies it as they did.
     optimizer_->step();
+    lastLoss_ = committedLoss_;
     ++step_;
     if (options_.hooks.afterStep) options_.hooks.afterStep({step_, m.epoch, m.rank, m.size()});
   }
@@ -744,8 +799,13 @@ std::string Loop::leftNote(const elastic::Membership& m) const {
   if (m.left.empty()) return "";
   std::vector<std::string> ids;
   for (int member : m.left) ids.push_back(std::to_string(member));
-  return str("; member(s) ", join(ids, ", "), " left with their tensor-parallel group (", m.size() / options_.tensorParallel,
-             " replica(s) of ", options_.tensorParallel, " go on)");
+  const int size = std::max(options_.elastic.replicaSize, 1);
+  return str("; member(s) ", join(ids, ", "), " left with their ", replicaName(), " (", m.size() / size, " replica(s) of ",
+             size, " go on)");
+}
+
+std::string Loop::replicaName() const {
+  return pipelined() ? "pipeline replica" : "tensor-parallel group";
 }
 
 void Loop::admitJoiners() {
@@ -754,6 +814,7 @@ void Loop::admitJoiners() {
   if (fsdp_ || zero_) held = trainingState().collect();
   const elastic::Membership& m = elastic_->admit(step_);
   if (elastic_->hasLeft()) return leaveJob(m);  // a member of its replica died meanwhile
+  if (pipelined()) microBatchRows(m.size(), "admitting joiners: ");
   someoneJoined_ = someoneJoined_ || !m.joined.empty();
   regroup();
   if (fsdp_ || zero_) {
@@ -772,6 +833,11 @@ void Loop::transferState() {
   // Under TP along each dp group (its rank 0 an old member at the joiner's tp coordinate,
   // holding the same shards), else over the whole group.
   TrainingState state = trainingState(/*replicaLocal=*/true);
+  // A joiner's first commit vote carries the previous step's loss like everyone's: the sender's
+  // (under a pipeline the global batch's, as every rank's; else one replica's, near enough).
+  char last[32];
+  std::snprintf(last, sizeof(last), "%.17g", lastLoss_);
+  state.metadata["last_loss"] = last;
   ProcessGroup& over = mesh_ ? *dataGroup() : *group_;
   const Device device = model_->parameters().empty() ? Device::cpu() : model_->parameters().front().device();
   // --measure-transfer times the transfer alone: a joiner would otherwise count its wait for
@@ -797,6 +863,7 @@ void Loop::transferState() {
   restoreValues(m, extraValues_, "the state received");
   if (m.count("ddp.bucket_order")) bucketOrder_ = split(m.at("ddp.bucket_order"), ',');
   recentLoss_ = std::strtod(m.at("train_loss").c_str(), nullptr);
+  if (m.count("last_loss")) lastLoss_ = std::strtod(m.at("last_loss").c_str(), nullptr);
   if (options_.hooks.onJoined) options_.hooks.onJoined({elastic_->memberId(), step_, bytes, seconds, broadcastSeconds});
   if (!options_.quiet) {
     std::printf("%s: member %d joined at step %lld as rank %d/%d; state received in %.1f ms (%.2f MB)\n",
@@ -814,6 +881,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
   if (options_.anomalyMode) anomaly.emplace();
   // {stop requested, previous step's loss, joiners waiting}, summed over the ranks.
   double* ctl = control_.data<double>();
+  const int voters = group_->size();  // who sums the control vote (an admission grows the group after it)
   ctl[0] = stopSignal().load() != 0 ? 1.0 : 0.0;
   ctl[1] = lastLoss_;
   ctl[2] = elastic_ && elastic_->joinersWaiting() ? 1.0 : 0.0;
@@ -887,6 +955,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
                         : nn::clipGradNorm(parameters(), options_.clipGradNorm, clip);
     }
     if (elastic_) {
+      committedLoss_ = stepLoss;  // what recover() reports if the others commit the step without this rank
       group_->allreduce(control_)->wait();
       reach(step_, Phase::Commit);
     }
@@ -909,7 +978,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
   if (!left_.empty()) return false;  // an admission dropped this rank's replica
   runSeconds_ = std::chrono::duration<double>(Clock::now() - loopStart_).count();
   if (step_ > startStep_ + 1) {  // the reduced loss is the previous step's
-    window.lossSum += ctl[1] / group_->size();
+    window.lossSum += ctl[1] / voters;
     ++window.losses;
   }
   if (ctl[0] > 0) return false;
@@ -944,13 +1013,13 @@ double Loop::pipelineStep(const data::Batch& batch) {
     if (first) inputs.push_back(batch.inputs.narrow(0, k * n, n).contiguous());
     if (last) targets.push_back(batch.targets.narrow(0, k * n, n).contiguous());
   }
-  const double loss = runner_->step(inputs, targets);
+  double loss = runner_->step(inputs, targets);
   reach(step_, Phase::Forward);
-  averageStageGradients();
+  averageStageGradients(loss);
   return loss;
 }
 
-void Loop::averageStageGradients() {
+void Loop::averageStageGradients(double& loss) {
   ProcessGroup& dp = *dataGroup();
   if (dp.size() == 1) return;
   // One all-reduce for the stage, and one for the tied weight alone: its two copies (first and
@@ -968,10 +1037,19 @@ void Loop::averageStageGradients() {
   }
   NoGradGuard noGrad;
   const double scale = 1.0 / static_cast<double>(dp.size());
+  bool lossCarried = false;
   for (std::vector<Tensor>* list : {&grads, &tiedGrads}) {
     if (list->empty()) continue;
     std::vector<Tensor> flat;
     for (const Tensor& g : *list) flat.push_back(g.contiguous().reshape({-1}));
+    // Elastic, the replica's loss rides along, so that every rank's step loss is the global
+    // batch's: the commit vote's mean of it then stays right when a loss or an admission changes
+    // the replicas between a step and the vote that reports it. (Not elastic, the vote's mean
+    // over every rank is that already, and the first progress line stays rank 0's own loss, as
+    // with DDP.)
+    const bool carry = elastic_ && !lossCarried;
+    if (carry) flat.push_back(full({1}, loss, flat.front().dtype(), flat.front().device()));
+    lossCarried = true;
     Tensor buffer = flat.size() == 1 ? flat.front().clone() : cat(flat);
     dp.allreduce(buffer)->wait();
     mul_(buffer, scale);
@@ -980,6 +1058,7 @@ void Loop::averageStageGradients() {
       g.copy_(buffer.narrow(0, at, g.numel()).view(g.sizes()));
       at += g.numel();
     }
+    if (carry) loss = buffer.narrow(0, at, 1).to(DType::Float64).item<double>();
   }
 }
 

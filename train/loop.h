@@ -77,7 +77,7 @@
 //    in one line what cannot run: a world that p t does not divide, a global batch whose share
 //    per dp replica m does not divide, a schedule that refuses m (interleaved and zbv need a
 //    multiple of p, zb1 m >= p), and the combinations not built yet: a Sharding other than
-//    None, --elastic, and microBatches > 1 (the pipeline's own micro-batches replace gradient
+//    None and microBatches > 1 (the pipeline's own micro-batches replace gradient
 //    accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
 //    t > 1 parallelized over mesh() first, pipeline.sequenceParallel saying whether with SP) and
 //    hands it over with setPipelineModel (not setModel), which keeps this rank's stages
@@ -96,7 +96,20 @@
 //    this rank's stage over its dp group. Checkpoints hold each stage's tensors and optimizer
 //    state under the unsplit names and global shapes (train/pipeline_state.h), so a run resumes
 //    at another pipeline or tensor-parallel degree or without either, and a plain run's
-//    checkpoint resumes split.
+//    checkpoint resumes split. The runner leaves the first failing rank's error in the job's
+//    store (the launcher's or the membership's, scoped to the group instance), so the others'
+//    errors name it.
+//  * Elastic pipelines (--elastic with pipeline.degree p, Sharding::None): a replica is one whole
+//    pipeline, p t adjacent ranks (ElasticOptions::replicaSize = p t). A loss takes it out as
+//    with TP (the live ranks leave with LoopResult::left); the whole replicas keep their (pp, tp)
+//    coordinates and stages, rebuild the mesh {dp: n / (p t), pp: p[, tp: t]}, rebind the TP
+//    layers (t > 1), build a new PipelineRunner on the new mesh()["pp"] (same schedule and
+//    stages), re-split the data and redo the step. The global batch and m stay; each micro-batch
+//    takes global batch / dp / m rows, and where that does not divide evenly every survivor
+//    throws InvalidArgument from recover (out of run()). The step's loss is averaged over dp
+//    with the gradients (elastic only), so the reported loss is the global batch's at any dp. Joiners come p t
+//    at a time and receive their stage's tensors, optimizer state and the step from rank 0 of
+//    their dp group (an old member at the same (pp, tp) coordinates).
 //  * Timeouts are the group's (ProcessGroupOptions) and the elastic membership's.
 //  * The loop keeps references to the model, optimizer and dataset: they must outlive it.
 #pragma once
@@ -314,8 +327,8 @@ struct LoopResult {
   int64_t steps = 0;         // applied when run() returned (the job's total unless stopped)
   int64_t firstStep = 0;     // where this run started (a resumed run: the checkpoint's step)
   bool stopped = false;      // by a signal (a checkpoint was written when there is a folder)
-  // Elastic tensor parallelism: this rank's replica lost a member and the others went on
-  // without it; this process has no group any more (no collective; end it, exit 0).
+  // Elastic tensor or pipeline parallelism: this rank's replica lost a member and the others
+  // went on without it; this process has no group any more (no collective; end it, exit 0).
   // stopReason says why (the line run() printed on stderr).
   bool left = false;
   std::string stopReason;    // "SIGTERM", "a stop request on another rank"
@@ -413,10 +426,18 @@ class Loop {
   bool pipelined() const { return options_.pipeline.degree > 1; }
   // The schedule LoopOptions::pipeline names over the world (InvalidArgument naming it).
   void makeSchedule();
-  // One step's pipeline over this rank's share of the batch; the loss of the dp replica.
+  // The rows of one pipeline micro-batch at `world` ranks: the global batch over dp, over m.
+  // InvalidArgument, prefixed with `when`, where they do not split evenly.
+  int64_t microBatchRows(int world, const std::string& when) const;
+  // The runner over mesh()["pp"] for this rank's stages, its store scoped to the group instance.
+  void makeRunner();
+  // "tensor-parallel group" or "pipeline replica": what one elastic replica is, for messages.
+  std::string replicaName() const;
+  // One step's pipeline over this rank's share of the batch; the loss of the dp replica (elastic:
+  // of the global batch, averaged over dp).
   double pipelineStep(const data::Batch& batch);
-  // The stage's gradients averaged over mesh()["dp"].
-  void averageStageGradients();
+  // The stage's gradients averaged over mesh()["dp"], and elastic `loss` (the replica's) with them.
+  void averageStageGradients(double& loss);
   // The membership dropped this rank with its replica: say why and end run() on this rank.
   void leaveJob(const elastic::Membership& m);
   // "; member(s) 3 left with their tensor-parallel group (...)" when m dropped live members.
@@ -464,6 +485,7 @@ class Loop {
   LoopOptions options_;
   std::unique_ptr<elastic::ElasticGroup> elastic_;
   std::shared_ptr<ProcessGroup> group_;
+  StorePtr store_;  // the launcher's (not elastic: the membership's is elastic_->store())
   std::optional<DeviceMesh> mesh_;  // tensor or pipeline parallelism only
   std::optional<pipeline::Schedule> schedule_;
   std::optional<pipeline::GptStages> stages_;
@@ -512,6 +534,7 @@ class Loop {
   double runSeconds_ = 0;
   double recentLoss_ = 0;
   double lastLoss_ = 0;
+  double committedLoss_ = 0;  // elastic: the step's loss this rank voted with
   double gradNorm_ = 0;
   Tensor control_;              // the per-step control allreduce (see trainStep)
   bool lastMicroBatch_ = true;  // the backward now is the step's last

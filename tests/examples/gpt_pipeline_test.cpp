@@ -186,8 +186,6 @@ void expectRefused(int nproc, const std::vector<std::string>& extra, const std::
 
 TEST(GptPipeline, RefusesWhatDoesNotComposeYetInOneLine) {
   expectRefused(2, {"--pp", "2", "--sharding", "zero1"}, "--pp 2 with --sharding zero1 is not built yet");
-  expectRefused(2, {"--pp", "2"}, "pipeline parallelism (pipeline.degree 2) under dtrun --elastic is not built yet",
-                /*elastic=*/true);
   expectRefused(2, {"--pp", "3"}, "pipeline degree 3 does not divide the world size 2");
   expectRefused(2, {"--pp", "2", "--micro-batches", "3"},
                 "the global batch 8 does not split into 1 data-parallel replica(s) (world 2 / pipeline degree 2) of 3 micro-batches");
