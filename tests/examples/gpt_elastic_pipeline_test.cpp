@@ -1,0 +1,156 @@
+// examples/gpt under dtrun --elastic with pipeline parallelism: 4 processes as {dp: 2, pp: 2}
+// (two pipeline replicas of two stages each). A rank SIGKILLed during a step takes its replica
+// out: its stage partner leaves cleanly (one line on stderr, exit 0), the other replica rebuilds
+// its pipeline over the new group, takes the whole global batch (the same m micro-batches, twice
+// the rows), redoes the step and finishes the job. Every logged step's loss and gradient norm
+// (the metrics file) equals an undisturbed run's within 1e-4 relative: the same examples per
+// step, the gradient averaged over one replica instead of two (the same mean, summed in another
+// order). With --max-restarts the replica comes back whole, each joiner receiving its stage from
+// the member at its pp coordinate, and the job ends at full size.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+
+#include "common/strings.h"
+#include "tests/launcher/dtrun_process.h"
+#include "tests/testing/testing.h"
+
+namespace dt::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+constexpr int64_t kSteps = 8;
+
+struct Point {
+  double loss = 0, gradNorm = 0;
+};
+
+struct Job {
+  ProcessResult result;
+  std::map<int64_t, Point> curve;  // rank 0's metrics file, by step
+};
+
+Job runJob(const fs::path& out, const std::vector<std::string>& env, const std::vector<std::string>& dtrunExtra = {}) {
+  std::vector<std::string> argv{DTRUN_PATH, "--standalone", "--elastic", "--nproc", "4"};
+  argv.insert(argv.end(), dtrunExtra.begin(), dtrunExtra.end());
+  // Two micro-batches of 2 rows per replica at dp 2, of 4 rows at dp 1.
+  for (const char* a : {GPT_PATH, "--layers", "2", "--heads", "2", "--width", "32", "--context", "16", "--dropout", "0",
+                        "--global-batch", "8", "--warmup", "2", "--eval-every", "0", "--eval-windows", "8", "--log-every", "1",
+                        "--sample-tokens", "0", "--pp", "2", "--micro-batches", "2", "--checkpoint-dir", "none", "--seed", "5"}) {
+    argv.push_back(a);
+  }
+  const std::string metrics = (out / "m.jsonl").string();
+  for (const std::string& a : std::vector<std::string>{"--steps", std::to_string(kSteps), "--metrics", metrics}) argv.push_back(a);
+  // Generous: four processes on two busy cores; a hang shows as the deadline, not a pass.
+  Job job{runProcess(argv, 240s, env), {}};
+  static const std::regex line(R"re("step": (\d+).*"loss": ([-0-9.e+]+).*"grad_norm": ([-0-9.e+]+))re");
+  std::ifstream in(metrics);
+  for (std::string text; std::getline(in, text);) {
+    std::smatch m;
+    if (std::regex_search(text, m, line)) job.curve[std::stoll(m[1].str())] = {std::stod(m[2].str()), std::stod(m[3].str())};
+  }
+  return job;
+}
+
+class GptElasticPipeline : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    reference_ = new TempDir();
+    const Job r = runJob(reference_->path(), {});
+    ASSERT_EQ(r.result.exitCode, 0) << r.result.out << r.result.err;
+    curve_ = new std::map<int64_t, Point>(r.curve);
+  }
+  static void TearDownTestSuite() {
+    delete reference_;
+    delete curve_;
+  }
+
+  // Every step logged once, each point the undisturbed run's within 1e-4 relative.
+  static void expectTheSameCurve(const Job& job, const std::string& what) {
+    ASSERT_EQ(curve_->size(), static_cast<size_t>(kSteps)) << "the reference run logged every step";
+    ASSERT_EQ(job.curve.size(), curve_->size()) << what << "\n" << job.result.out;
+    double worst = 0;
+    for (const auto& [step, want] : *curve_) {
+      const auto it = job.curve.find(step);
+      ASSERT_NE(it, job.curve.end()) << what << ": no step " << step;
+      const double loss = std::fabs(it->second.loss - want.loss) / std::fabs(want.loss);
+      const double norm = std::fabs(it->second.gradNorm - want.gradNorm) / std::fabs(want.gradNorm);
+      EXPECT_LT(loss, 1e-4) << what << ", step " << step << ": loss " << it->second.loss << " vs " << want.loss;
+      EXPECT_LT(norm, 1e-4) << what << ", step " << step << ": grad norm " << it->second.gradNorm << " vs " << want.gradNorm;
+      worst = std::max({worst, loss, norm});
+    }
+    std::printf("%s: every step's loss and grad norm within %.3g of the undisturbed run's\n", what.c_str(), worst);
+  }
+
+  // Member `killed` SIGKILLs itself at `step` in `phase`; `partner` is the other stage of its
+  // replica (ranks 2 and 3: rank 0, which writes the metrics, stays).
+  void expectTheOtherReplicaFinishes(int killed, int partner, int64_t step, const std::string& phase) {
+    TempDir out;
+    const Job job = runJob(out.path(), {str("DT_TEST_FAIL_AT=", killed, ":", step, ":", phase)});
+    const ProcessResult& r = job.result;
+    ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+    EXPECT_THAT(r.err, HasSubstr(str("rank ", killed, " (pid")));
+    EXPECT_THAT(r.err, HasSubstr("exited: signal SIGKILL; the elastic job goes on without it"));
+    EXPECT_EQ(countOccurrences(r.err, " leaves at step "), 1) << "one line, from the partner alone\n" << r.err;
+    EXPECT_THAT(r.err, HasSubstr(str("gpt: member ", partner, " leaves at step ", step, ": its pipeline replica (members 2, 3) lost rank ",
+                                     killed, " exited: signal SIGKILL; the other replicas go on (2 rank(s), 1 replica(s)) and "
+                                     "this process ends\n")))
+        << r.err;
+    EXPECT_THAT(r.out, HasSubstr(str("2 rank(s) go on from step ", step, " without rank ", killed, " exited: signal SIGKILL; member(s) ",
+                                     partner, " left with their pipeline replica (1 replica(s) of 2 go on)\n")))
+        << r.out;
+    EXPECT_EQ(countOccurrences(r.out, "final parameters fingerprint"), 2) << "the remaining replica's two stages end\n" << r.out;
+    EXPECT_THAT(r.out, HasSubstr(str("gpt: done: ", kSteps, " steps"))) << r.out;
+    EXPECT_THAT(r.err, ::testing::Not(HasSubstr("Error"))) << r.err;
+    expectTheSameCurve(job, str("killed member ", killed, " at step ", step, " ", phase));
+  }
+
+  static TempDir* reference_;
+  static std::map<int64_t, Point>* curve_;
+};
+
+TempDir* GptElasticPipeline::reference_ = nullptr;
+std::map<int64_t, Point>* GptElasticPipeline::curve_ = nullptr;
+
+// The last stage dies once its pipeline step is done, before the gradients' average over dp:
+// its first stage leaves.
+TEST_F(GptElasticPipeline, LastStageKilledItsFirstStageLeavesTheOtherReplicaFinishes) {
+  expectTheOtherReplicaFinishes(3, 2, 4, "forward");
+}
+// The first stage dies after the average (all four ranks hold the step's gradients), before the
+// commit vote: the step is redone at dp 1 all the same.
+TEST_F(GptElasticPipeline, FirstStageKilledAfterTheAverageItsLastStageLeaves) {
+  expectTheOtherReplicaFinishes(2, 3, 5, "backward");
+}
+
+// --max-restarts: dtrun replaces the killed rank and, once it has left, its partner; the two
+// register as joiners and the members admit them together, as a whole pipeline replica, each
+// receiving its stage (parameters and optimizer state) from the member at its pp coordinate in
+// replica 0. The members wait for them at step 5 (the test switch), so the join lands mid-run
+// however slow the machine. The stages' spread over each dp group is 0 at the end.
+TEST_F(GptElasticPipeline, WithMaxRestartsTheBrokenReplicaComesBackWhole) {
+  TempDir out;
+  const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=3:3:forward", "DT_TEST_WAIT_FOR_JOINER_AT=5"}, {"--max-restarts", "1"});
+  const ProcessResult& r = job.result;
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 3 is replaced by member 4")) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("left the job: its replica lost a member at step 3 (rank 3 exited: signal SIGKILL)")) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 2 is replaced by member 5")) << r.err;
+  EXPECT_THAT(r.out, ::testing::ContainsRegex("4 rank\\(s\\) go on from step [0-9]+ with member (4, member 5|5, member 4)\n"))
+      << r.out;
+  EXPECT_EQ(countOccurrences(r.out, " joined at step "), 2) << r.out;
+  EXPECT_EQ(countOccurrences(r.out, "final parameters fingerprint"), 4) << "the job ends at full size\n" << r.out;
+  EXPECT_EQ(countOccurrences(r.out, "(spread across ranks 0)"), 4) << r.out;
+  expectTheSameCurve(job, "killed member 3 at step 3 forward, replaced");
+}
+
+}  // namespace
+}  // namespace dt::testing
