@@ -631,6 +631,17 @@ std::exception_ptr CollectiveRunner::explainFailure(std::exception_ptr error, co
   }
 }
 
+std::string CollectiveRunner::noteP2PFailure(const std::string& reason, int peer) {
+  reportFailure(reason);
+  if (peer < 0 || peer >= size_ || peer == rank_) return "";
+  try {
+    if (store_->check({failureKey(peer)})) return str("rank ", peer, " reported: ", store_->get(failureKey(peer)));
+  } catch (const std::exception& e) {
+    log_->debug("cannot read rank {}'s failure report: {}", peer, e.what());
+  }
+  return "";
+}
+
 void CollectiveRunner::reportFailure(const std::string& reason) {
   try {
     store_->set(failureKey(rank_), str(reason, " (on rank ", rank_, ")"));

@@ -176,6 +176,13 @@ class CollectiveRunner {
   WorkPtr rejectIfUnusable(const std::string& what, const std::string& description);
   // Marks the group broken by `failure` (the first cause wins) and aborts the transport.
   void fail(const std::exception_ptr& failure) { breakGroup(failure, "abort"); }
+  // A point-to-point transfer with `peer` failed on the transport: publishes this rank's
+  // `reason` where the other ranks' failure reports look (call it before fail(), whose abort
+  // is what the others see next), and returns what `peer` has published about its own failure
+  // ("rank 1 reported: recv from rank 2 ... failed: ..."), which names the rank that failed
+  // first when the peer only closed its connections on failing; "" when it has published
+  // nothing. Never waits for the peer: a dead one never publishes.
+  std::string noteP2PFailure(const std::string& reason, int peer);
   std::exception_ptr brokenCause() const;
   bool stopping() const;
   void shutdown();

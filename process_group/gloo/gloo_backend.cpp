@@ -168,6 +168,7 @@ struct P2PTask {
   std::vector<Tensor> copyBackTo; // recv into strided/several tensors
   WorkPtr work;
   std::string what;               // "send to rank 1 (tag 3)"
+  int peer = -1;
 };
 
 }  // namespace
@@ -265,7 +266,7 @@ struct GlooBackend::Impl {
       } catch (...) {
         // After an abort the connections were closed on purpose: its cause is the reason.
         failure = runner->brokenCause() ? withPrefix(runner->brokenCause(), str("[", who(), "] ", task.what, " failed: "))
-                                        : p2pFailure(task.what, std::current_exception());
+                                        : p2pFailure(task.what, task.peer, std::current_exception());
       }
       if (failure) {
         // The first failure breaks the group and closes the connections, so
@@ -279,8 +280,10 @@ struct GlooBackend::Impl {
     }
   }
 
-  // What a failed send/recv ("send to rank 1 (tag 3, ...)") reports.
-  std::exception_ptr p2pFailure(const std::string& what, std::exception_ptr error) const {
+  // What a failed send/recv ("send to rank 1 (tag 3, ...)") reports. A connection the peer
+  // closed may be a live peer that failed first and closed its connections (its report, which
+  // it published before closing, names the cause) or a dead one.
+  std::exception_ptr p2pFailure(const std::string& what, int peer, std::exception_ptr error) const {
     try {
       std::rethrow_exception(error);
     } catch (const gloo::IoException& e) {
@@ -289,8 +292,9 @@ struct GlooBackend::Impl {
         return std::make_exception_ptr(TimeoutError(
             str("[", who(), "] ", what, " timed out: ", message, ". Did the peer post the matching call?")));
       }
-      return std::make_exception_ptr(
-          BackendError(str("[", who(), "] ", what, " failed: ", message, " (peer exited or unreachable?)")));
+      const std::string peerSaid = runner->noteP2PFailure(str(what, " failed: ", message), peer);
+      return std::make_exception_ptr(BackendError(str("[", who(), "] ", what, " failed: ", message,
+                                                      peerSaid.empty() ? " (peer exited or unreachable?)" : "; " + peerSaid)));
     } catch (const std::exception& e) {
       return std::make_exception_ptr(BackendError(str("[", who(), "] ", what, " failed: ", glooMessage(e))));
     }
@@ -704,6 +708,7 @@ WorkPtr postP2P(GlooBackend::Impl& d, bool isSend, const std::vector<Tensor>& te
   P2PTask task;
   task.isSend = isSend;
   task.what = what;
+  task.peer = peer;
   task.deadline = Clock::now() + timeout.value_or(d.timeout);
   if (tensors.size() == 1 && tensors[0].isContiguous()) {
     task.staging = tensors[0];
@@ -729,7 +734,7 @@ WorkPtr postP2P(GlooBackend::Impl& d, bool isSend, const std::vector<Tensor>& te
     }
   } catch (...) {
     // The transport already knows the peer is gone: fail this Work and the group.
-    auto failure = d.p2pFailure(what, std::current_exception());
+    auto failure = d.p2pFailure(what, peer, std::current_exception());
     d.runner->fail(failure);
     return Work::failed(description, failure);
   }
