@@ -6,7 +6,8 @@
 // (the metrics file) equals an undisturbed run's within 1e-4 relative: the same examples per
 // step, the gradient averaged over one replica instead of two (the same mean, summed in another
 // order). With --max-restarts the replica comes back whole, each joiner receiving its stage from
-// the member at its pp coordinate, and the job ends at full size.
+// the member at its pp coordinate, and the job ends at full size. PP=2 x TP=2 x DP=2 on eight:
+// a replica of four leaves whole and the other rebinds its TP layers too.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -38,8 +39,9 @@ struct Job {
   std::map<int64_t, Point> curve;  // rank 0's metrics file, by step
 };
 
-Job runJob(const fs::path& out, const std::vector<std::string>& env, const std::vector<std::string>& dtrunExtra = {}) {
-  std::vector<std::string> argv{DTRUN_PATH, "--standalone", "--elastic", "--nproc", "4"};
+Job runJob(const fs::path& out, const std::vector<std::string>& env, const std::vector<std::string>& dtrunExtra = {},
+           int nproc = 4, const std::vector<std::string>& gptExtra = {}) {
+  std::vector<std::string> argv{DTRUN_PATH, "--standalone", "--elastic", "--nproc", std::to_string(nproc)};
   argv.insert(argv.end(), dtrunExtra.begin(), dtrunExtra.end());
   // Two micro-batches of 2 rows per replica at dp 2, of 4 rows at dp 1.
   for (const char* a : {GPT_PATH, "--layers", "2", "--heads", "2", "--width", "32", "--context", "16", "--dropout", "0",
@@ -49,6 +51,7 @@ Job runJob(const fs::path& out, const std::vector<std::string>& env, const std::
   }
   const std::string metrics = (out / "m.jsonl").string();
   for (const std::string& a : std::vector<std::string>{"--steps", std::to_string(kSteps), "--metrics", metrics}) argv.push_back(a);
+  argv.insert(argv.end(), gptExtra.begin(), gptExtra.end());
   // Generous: four processes on two busy cores; a hang shows as the deadline, not a pass.
   Job job{runProcess(argv, 240s, env), {}};
   static const std::regex line(R"re("step": (\d+).*"loss": ([-0-9.e+]+).*"grad_norm": ([-0-9.e+]+))re");
@@ -73,12 +76,14 @@ class GptElasticPipeline : public ::testing::Test {
     delete curve_;
   }
 
-  // Every step logged once, each point the undisturbed run's within 1e-4 relative.
-  static void expectTheSameCurve(const Job& job, const std::string& what) {
-    ASSERT_EQ(curve_->size(), static_cast<size_t>(kSteps)) << "the reference run logged every step";
-    ASSERT_EQ(job.curve.size(), curve_->size()) << what << "\n" << job.result.out;
+  // Every step logged once, each point the undisturbed run's (`reference`, else the suite's)
+  // within 1e-4 relative.
+  static void expectTheSameCurve(const Job& job, const std::string& what, const std::map<int64_t, Point>* reference = nullptr) {
+    if (reference == nullptr) reference = curve_;
+    ASSERT_EQ(reference->size(), static_cast<size_t>(kSteps)) << "the reference run logged every step";
+    ASSERT_EQ(job.curve.size(), reference->size()) << what << "\n" << job.result.out;
     double worst = 0;
-    for (const auto& [step, want] : *curve_) {
+    for (const auto& [step, want] : *reference) {
       const auto it = job.curve.find(step);
       ASSERT_NE(it, job.curve.end()) << what << ": no step " << step;
       const double loss = std::fabs(it->second.loss - want.loss) / std::fabs(want.loss);
@@ -129,6 +134,30 @@ TEST_F(GptElasticPipeline, LastStageKilledItsFirstStageLeavesTheOtherReplicaFini
 // commit vote: the step is redone at dp 1 all the same.
 TEST_F(GptElasticPipeline, FirstStageKilledAfterTheAverageItsLastStageLeaves) {
   expectTheOtherReplicaFinishes(2, 3, 5, "backward");
+}
+
+// PP=2 x TP=2 x DP=2 on eight: a replica is four ranks. Member 5 (stage 0, tp 1 of replica 1)
+// dies; its three partners leave, and replica 0 rebinds its TP layers and its pipeline onto the
+// new groups. Against an undisturbed run of the same shape (TP's sums in another order put the
+// PP=2 x DP=2 curve 8e-5 away, too near the bar).
+TEST_F(GptElasticPipeline, ThreeDimensionalReplicaOfFourLeavesWhole) {
+  TempDir reference, out;
+  const Job undisturbed = runJob(reference.path(), {}, {}, 8, {"--tp", "2"});
+  ASSERT_EQ(undisturbed.result.exitCode, 0) << undisturbed.result.out << undisturbed.result.err;
+  const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=5:3:forward"}, {}, 8, {"--tp", "2"});
+  const ProcessResult& r = job.result;
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_EQ(countOccurrences(r.err, " leaves at step 3: its pipeline replica (members 4, 5, 6, 7) lost rank 5 exited: signal "
+                                    "SIGKILL; the other replicas go on (4 rank(s), 1 replica(s)) and this process ends\n"),
+            3)
+      << r.err;
+  for (int member : {4, 6, 7}) EXPECT_THAT(r.err, HasSubstr(str("gpt: member ", member, " leaves at step 3"))) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("4 rank(s) go on from step 3 without rank 5 exited: signal SIGKILL; member(s) 4, 6, 7 left with "
+                               "their pipeline replica (1 replica(s) of 4 go on)\n"))
+      << r.out;
+  EXPECT_EQ(countOccurrences(r.out, "final parameters fingerprint"), 4) << r.out;
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("Error"))) << r.err;
+  expectTheSameCurve(job, "PP=2 x TP=2 x DP=2, killed member 5 at step 3 forward", &undisturbed.curve);
 }
 
 // --max-restarts: dtrun replaces the killed rank and, once it has left, its partner; the two
