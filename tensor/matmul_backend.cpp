@@ -97,7 +97,7 @@ namespace {
 //    OpenMP team (which fell to 8-60 GF/s at two threads beside a compile).
 // oneDNN takes the rest where OpenBLAS runs older kernels than the CPU has (OPENBLAS_CORETYPE
 // forced to an older core, or a CPU model newer than the library): 1.8-2x there.
-constexpr int64_t kOneDnnMinMacs = int64_t{1} << 18;
+[[maybe_unused]] constexpr int64_t kOneDnnMinMacs = int64_t{1} << 18;  // unused while auto keeps float32 on OpenBLAS (below)
 
 // OpenBLAS's cores by the widest vectors their sgemm kernels use: 512, 256, else older.
 int coreVectorBits(const std::string& core) {
@@ -125,12 +125,13 @@ bool openblasKernelsFitCpu(const std::string& core, bool cpuHasAvx512, bool cpuH
 
 namespace {
 
-bool autoPrefersOneDnn(const GemmProblem& p) {
-  if (p.m == 1 || p.n == 1 || p.m * p.n * p.k < kOneDnnMinMacs) return false;
-  static const bool blasFits =
-      openblasKernelsFitCpu(blasKernelName(), __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx2"));
-  return !blasFits;
-}
+// Auto keeps float32 on OpenBLAS for now, whatever its kernels: with oneDNN's float32 products
+// at more than one OpenMP thread, TrainerElastic.KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize
+// ends 1.1e-2 (relative) away from the undisturbed run where OpenBLAS stays within 1e-6, and
+// at OMP_NUM_THREADS=1 within 1e-6 again; standalone, 1 and 2 threads give bitwise the same
+// products, so the cause (a race between OpenMP and the program's other threads?) is not yet
+// found. Until it is, float32 on oneDNN is asked for (DT_MATMUL_BACKEND=onednn), not chosen.
+bool autoPrefersOneDnn(const GemmProblem&) { return false; }
 
 void runOpenBlas(const GemmProblem& p) {
   numThreads();  // makes sure OpenBLAS's thread count follows DT_NUM_THREADS
@@ -229,13 +230,7 @@ std::string matmulKernelName() {
   switch (matmulBackend()) {
     case MatmulBackend::OpenBlas: fp32 = blas; break;
     case MatmulBackend::OneDnn: fp32 = dnn; break;
-    case MatmulBackend::Auto: {
-      // The rule sends large products to oneDNN only where OpenBLAS's kernels do not fit the CPU.
-      const bool fits = openblasKernelsFitCpu(blasKernelName(), __builtin_cpu_supports("avx512f"),
-                                              __builtin_cpu_supports("avx2"));
-      fp32 = fits || dnn == blas ? blas : dnn + "+" + blas;
-      break;
-    }
+    case MatmulBackend::Auto: fp32 = blas; break;  // autoPrefersOneDnn: float32 stays on OpenBLAS
   }
   std::string bf16 = "fp32";
   if (matmulBackend() != MatmulBackend::OpenBlas && bf16MatmulNative()) {

@@ -290,10 +290,8 @@ TEST(MatmulBackend, AutoKeepsSmallAndMatrixVectorProductsOnOpenBlas) {
   EXPECT_EQ(detail::gemmEngineFor(tiny), detail::GemmEngine::OpenBlas);
   EXPECT_EQ(detail::gemmEngineFor(vector), detail::GemmEngine::OpenBlas);
   EXPECT_EQ(detail::gemmEngineFor(f64), detail::GemmEngine::OpenBlas);
-  const bool fits = detail::openblasKernelsFitCpu(blasKernelName(), __builtin_cpu_supports("avx512f"),
-                                                  __builtin_cpu_supports("avx2"));
-  EXPECT_EQ(detail::gemmEngineFor(large),
-            onednnAvailable() && !fits ? detail::GemmEngine::OneDnn : detail::GemmEngine::OpenBlas);
+  // Float32 stays on OpenBLAS under auto until the divergence in matmul_backend.cpp is understood.
+  EXPECT_EQ(detail::gemmEngineFor(large), detail::GemmEngine::OpenBlas);
   if (onednnAvailable()) {
     BackendScope scope(MatmulBackend::OneDnn);
     EXPECT_EQ(detail::gemmEngineFor(tiny), detail::GemmEngine::OneDnn) << "forced: every float32 product";
