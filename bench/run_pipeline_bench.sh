@@ -22,7 +22,8 @@
 #
 # usage: bench/run_pipeline_bench.sh  (env: PS="2 4" MS="4 8 16" SCHEDULES="gpipe 1f1b interleaved zb1 zbv"
 #          WORKLOADS="fixed gpt" UNIT_MS=20 STEPS=3 WARMUP=1 MICRO=2 LAYERS=12 WIDTH=512 HEADS=8 CONTEXT=128
-#          DT_BUILD_DIR=build-bench DT_JOBS=2 OUT=file)
+#          DT_BUILD_DIR=build-bench DT_JOBS=2 OUT=file; NO_BUILD=1 runs the build directory's
+#          pipeline_bench as it is, without configuring it)
 #   full run about 25 minutes on 2 idle cores (the gpt rows: 36 launches of the 38M model)
 #   QUICK=1: L8-H4-C64-T64, UNIT_MS=5, MS="4 8", STEPS=2 (checks the script: about a minute)
 set -uo pipefail
@@ -47,10 +48,12 @@ openblas_dir=/usr/lib/x86_64-linux-gnu/openblas-pthread
 if [ -d "$openblas_dir" ]; then export LD_LIBRARY_PATH="$openblas_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 DT_NUM_THREADS=1
 
-echo "== building pipeline_bench in $build" >&2
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF >/dev/null &&
-  cmake --build "$build" -j "${DT_JOBS:-2}" --target pipeline_bench >/dev/null ||
-  { echo "run_pipeline_bench: building failed" >&2; exit 2; }
+if [ "${NO_BUILD:-0}" != 1 ]; then
+  echo "== building pipeline_bench in $build" >&2
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF >/dev/null &&
+    cmake --build "$build" -j "${DT_JOBS:-2}" --target pipeline_bench >/dev/null ||
+    { echo "run_pipeline_bench: building failed" >&2; exit 2; }
+fi
 bench="$build/bench/pipeline_bench"
 
 echo "# run_pipeline_bench: workloads=[$workloads] p=[$ps] m=[$ms] schedules=[$schedules] unit_ms=$unit steps=$steps" \
