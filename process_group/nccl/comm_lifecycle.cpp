@@ -38,6 +38,48 @@ CallOutcome awaitCall(const std::function<CallState()>& state, const std::functi
   }
 }
 
+CallOutcome awaitEnqueue(std::mutex& handle, const std::function<bool()>& gone, const std::function<CallState()>& state,
+                         const std::function<bool()>& aborting, Clock::time_point deadline, BackoffPolicy policy) {
+  bool wentAway = false;
+  const CallOutcome outcome = awaitCall(
+      [&] {
+        std::lock_guard<std::mutex> lock(handle);
+        if (gone()) {
+          wentAway = true;
+          return CallState::Failed;  // ends the loop; reported as Aborted below
+        }
+        return state();
+      },
+      aborting, deadline, policy);
+  return wentAway ? CallOutcome::Aborted : outcome;
+}
+
+DeviceChoice chooseDevice(const DeviceHints& h) {
+  if (h.bound) {
+    if (*h.bound < 0 || (h.deviceCount > 0 && *h.bound >= h.deviceCount)) {
+      return {std::nullopt, str("the backend is bound to cuda:", *h.bound, ", but this process sees ", h.deviceCount,
+                                " CUDA device(s) (check CUDA_VISIBLE_DEVICES)")};
+    }
+    return {*h.bound, str("cuda:", *h.bound, ", the backend's bound device")};
+  }
+  if (h.lastUsed) return {*h.lastUsed, str("cuda:", *h.lastUsed, ", the device of the group's last op")};
+  if (h.current != 0) return {h.current, str("cuda:", h.current, ", this thread's current device")};
+  if (h.localRank && *h.localRank >= 0 && h.deviceCount > 0) {
+    const int device = *h.localRank % h.deviceCount;
+    return {device, str("cuda:", device, " from LOCAL_RANK ", *h.localRank, " (", h.deviceCount, " device(s))")};
+  }
+  if (h.currentHasContext) return {0, "cuda:0, where this process already works"};
+  if (h.groupSize == 1) return {0, "cuda:0 (a group of one rank)"};
+  return {std::nullopt,
+          str("no CUDA device is known for this rank: no op of the group has run on one, this thread's current device "
+              "is cuda:0 only by default (nothing made it current, the process holds no context there), and ",
+              h.localRank ? str("LOCAL_RANK ", *h.localRank, " cannot pick one (", h.deviceCount, " device(s) visible)")
+                          : std::string("LOCAL_RANK is unset"),
+              "; every rank would take cuda:0, which NCCL refuses at world >= 2. Call "
+              "dt::setCurrentDevice(dt::Device::cuda(localRank)) (or cuda::setCurrentDevice) before the first barrier, "
+              "pass NcclBackendOptions::device, or run a CUDA collective first")};
+}
+
 CloseResult closeCommunicators(const std::vector<CommCloser*>& comms, bool healthy,
                                const std::function<bool()>& drained, const std::function<bool()>& aborting,
                                Clock::time_point deadline, BackoffPolicy policy) {

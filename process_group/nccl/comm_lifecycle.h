@@ -1,14 +1,18 @@
 // The NCCL backend's decisions, apart from NCCL and CUDA: when a watched op
-// counts as done, how a nonblocking NCCL call is waited for, how each
-// device's communicator is created once while an abort can still get
-// through, and how shutdown chooses between finalizing and aborting.
+// counts as done, how a nonblocking NCCL call is waited for (and which lock
+// a launch holds meanwhile), which device an op without tensors (a barrier)
+// runs on, how each device's communicator is created once while an abort
+// can still get through, and how shutdown chooses between finalizing and
+// aborting.
 // NcclBackend implements the small interfaces below with its NCCL and CUDA
 // calls; tests implement them with fakes, so the rules are checked in every
 // build, with or without a GPU. No CUDA or NCCL header here.
 //
 // Contract:
-//  * Blocking: pollOp never blocks; awaitCall and closeCommunicators poll
-//    (with a Backoff) until their deadline at most; CommRegistry::getOrCreate
+//  * Blocking: pollOp and chooseDevice never block; awaitCall, awaitEnqueue
+//    and closeCommunicators poll (with a Backoff) until their deadline at
+//    most (awaitEnqueue takes the handle's lock for each look only, never
+//    across a pause); CommRegistry::getOrCreate
 //    blocks while another thread creates the same key (which is bounded by
 //    that creation's own deadline) and returns at once on an abort.
 //  * Thread safety: the free functions keep no state and call their
@@ -26,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,6 +88,52 @@ enum class CallOutcome { Done, Failed, Aborted, TimedOut };
 // holding its caller (and whoever waits for it) until the deadline.
 CallOutcome awaitCall(const std::function<CallState()>& state, const std::function<bool()>& aborting,
                       Clock::time_point deadline, BackoffPolicy policy);
+
+// A launch's wait for NCCL to finish enqueueing its op (ncclGroupEnd
+// returned ncclInProgress on a nonblocking communicator). `handle` is the
+// communicator's lock: an abort takes it to call ncclCommAbort, which frees
+// the communicator. Each look (`gone()`, then `state()`: ncclCommGetAsyncError)
+// runs under it, and it is free between looks: an abort, the watchdog's
+// async-error check of earlier ops and shutdown get through while the launch
+// waits (the launch order stays with the caller's own lock, which it holds
+// throughout). `gone()` says the communicator was aborted or destroyed: then
+// state() is not called again (the handle may be freed) and the outcome is
+// Aborted, as when `aborting()` (read without the lock) says an abort began.
+CallOutcome awaitEnqueue(std::mutex& handle, const std::function<bool()>& gone, const std::function<CallState()>& state,
+                         const std::function<bool()>& aborting, Clock::time_point deadline, BackoffPolicy policy);
+
+// ---- the device of an op without tensors (a barrier) -----------------------------------------------
+
+// What a rank knows about its GPU when an op brings no tensor to tell it.
+struct DeviceHints {
+  std::optional<int> bound;     // the backend's options (NcclBackendOptions::device)
+  std::optional<int> lastUsed;  // the device of this backend's most recent op
+  int current = 0;              // the calling thread's current device (cudaGetDevice)
+  // The process holds the primary context of `current` (something used it).
+  bool currentHasContext = false;
+  std::optional<int> localRank;  // LOCAL_RANK (dtrun, torchrun) or SLURM_LOCALID
+  int deviceCount = 0;           // visible CUDA devices
+  int groupSize = 1;
+};
+
+struct DeviceChoice {
+  std::optional<int> device;  // nullopt: none is known, refuse the op
+  std::string why;            // how it was chosen, or why none could be
+};
+
+// The first rule that applies, in this order:
+//  1. the bound device;
+//  2. the device of the last op (the group's communicator is there already);
+//  3. the thread's current device when it is not 0: a thread's device is
+//     cuda:0 until something sets it, so any other one was chosen;
+//  4. the launcher's contract (docs/gpu.md: rank r of a host uses
+//     cuda:LOCAL_RANK), LOCAL_RANK mod the device count;
+//  5. cuda:0 when the process already holds its context (it works there) or
+//     the group has one rank (no other rank can claim the same GPU).
+// Otherwise none: at world >= 2 every rank would take cuda:0 and NCCL would
+// refuse the duplicate GPU (or hang), so the op is refused with a hint. A
+// bound device that is not visible is refused too.
+DeviceChoice chooseDevice(const DeviceHints& hints);
 
 // ---- one op: completed, aborted or still running -----------------------------------------------
 

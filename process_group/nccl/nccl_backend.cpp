@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <list>
@@ -70,6 +71,20 @@ nccl::CallState callState(ncclResult_t result) {
   return result == ncclSuccess ? nccl::CallState::Done : nccl::CallState::Failed;
 }
 
+// LOCAL_RANK (dtrun, torchrun), else SLURM_LOCALID (srun without a launcher;
+// init.cpp's order); nullopt when neither is a non-negative integer.
+std::optional<int> localRankFromEnvironment() {
+  for (const char* name : {"LOCAL_RANK", "SLURM_LOCALID"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr || *value == '\0') continue;
+    char* end = nullptr;
+    const long parsed = std::strtol(value, &end, 10);
+    if (*end != '\0' || parsed < 0 || parsed > 1 << 20) return std::nullopt;
+    return static_cast<int>(parsed);
+  }
+  return std::nullopt;
+}
+
 // How long one wait of a creation for the store may last before it looks at the abort flag.
 constexpr std::chrono::milliseconds kAbortCheckInterval{100};
 
@@ -93,9 +108,19 @@ struct NcclComm {
   int index = 0;  // k: the group's k-th communicator
   ncclComm_t comm = nullptr;
   cuda::Stream stream;
-  cuda::Event ready;  // reused: the caller's stream at the last launch
-  // Held for launches and async-error queries, so that an abort (which frees
-  // the communicator) never races with a use of it.
+  cuda::Event ready;  // reused: the caller's stream at the last launch (under launchMutex)
+  // A launch's turn, held from ncclGroupStart until its completion event is
+  // recorded, across the wait for NCCL's helper thread: NCCL takes no call
+  // on a nonblocking communicator before the previous one left
+  // ncclInProgress, and the stream may not be touched before then. Also held
+  // by a graceful shutdown's finalize. Taken before `mutex`, never after it.
+  std::mutex launchMutex;
+  // The handle's lock: held for each NCCL call on the communicator (and each
+  // look at it while a launch waits), never across a wait or a sleep, so
+  // that an abort (ncclCommAbort frees the communicator) never races with a
+  // use of it and still gets through at once. Every ncclCommGetAsyncError is
+  // under it too: in NCCL 2.28 that call is not a pure read (once the helper
+  // is done it joins it and unlinks its group job, init.cc).
   std::mutex mutex;
   // Set (under the mutex) before ncclCommAbort; read without it by watchers.
   std::atomic<bool> aborted{false};
@@ -136,7 +161,11 @@ struct NcclBackend::Impl {
   // By device index. Its abort flag is the backend's: set (before any
   // ncclCommAbort) by abortAll, read by launches, watchers and creations.
   nccl::CommRegistry<NcclComm> comms;
-  std::atomic<int> lastDevice{-1};  // of the most recently created communicator
+  std::atomic<int> lastDevice{-1};  // of the most recent op (its communicator exists)
+  // LOCAL_RANK (else SLURM_LOCALID), read at construction: the launcher's
+  // contract says which GPU this rank uses (docs/gpu.md), for a barrier that
+  // comes before any op told the backend its device.
+  std::optional<int> localRank;
 
   bool aborting() const { return comms.aborting(); }
   // shutdown() began: no new op is launched.
@@ -321,7 +350,6 @@ struct NcclBackend::Impl {
       }
     }
     runner->log()->debug("NCCL communicator #{} ready on {}", c->index, device.str());
-    lastDevice.store(device.index);
     return c;
   }
 
@@ -350,12 +378,34 @@ struct NcclBackend::Impl {
   // 2.28's group.cc); the stream must not be touched before it is done. The
   // helper usually ends within tens of microseconds, so the wait spins
   // (yields) first: a sleep of a few microseconds costs ~50 us of timer slack.
-  // Returns NCCL's final result; throws on the deadline or an abort. Comm
-  // mutex held.
+  // Returns NCCL's final result; throws on the deadline or an abort. Called
+  // with c.launchMutex held and c.mutex not: it takes c.mutex for each look
+  // only (nccl::awaitEnqueue), so an abort or the watchdog's check of earlier
+  // ops on this communicator does not wait behind this op's enqueue.
+  //
+  // Why the communicators stay nonblocking for ops (issue 43, item 6), from
+  // NCCL 2.28.9's source: a blocking communicator runs ncclGroupEnd's launch
+  // on the caller's thread, and that launch connects lazily: the first
+  // collective of each algorithm (NCCL_RUNTIME_CONNECT, on by default) and
+  // the first send/recv with each peer exchange connection details with the
+  // peers and wait for them (group.cc, groupLaunch). A peer that is late or
+  // gone holds the caller there with no deadline of ours, and only NCCL's
+  // abort flag ends the wait, which only ncclCommAbort sets; on a blocking
+  // communicator ncclCommAbort does not wait for a call running on another
+  // thread (ncclCommEnsureReady joins only a nonblocking group job), so it
+  // would free the communicator under that call. Deriving a blocking
+  // communicator after a timed nonblocking init (ncclCommSplit with
+  // blocking = 1, itself nonblocking on a nonblocking parent) would bound
+  // creation but not these first-op waits. A nonblocking communicator costs a
+  // helper thread per op (pthread_create and join, tens of microseconds of
+  // host time; the GPU work is queued either way) and keeps every wait here,
+  // where the op's timeout bounds it and an abort ends it (ncclCommAbort
+  // stops and joins the helper). Not measured on a device yet.
   ncclResult_t finishEnqueue(NcclComm& c, ncclResult_t result, Clock::time_point deadline, const std::string& what,
                              Millis limit) {
     if (result != ncclInProgress) return result;
-    const nccl::CallOutcome outcome = nccl::awaitCall(
+    const nccl::CallOutcome outcome = nccl::awaitEnqueue(
+        c.mutex, [&] { return c.aborted.load() || c.destroyed.load(); },
         [&] {
           ncclCommGetAsyncError(c.comm, &result);
           return callState(result);
@@ -378,36 +428,43 @@ struct NcclBackend::Impl {
                   const AfterEnqueue& after = {}) {
     Launched l;
     l.comm = commFor(device);
+    lastDevice.store(device.index);
     l.done = std::make_shared<cuda::Event>();
     NcclComm& c = *l.comm;
     cuda::DeviceGuard guard(device);
     // Before anything is queued, so that a refusal leaves nothing in flight.
     for (const auto& t : keep) recordNcclStream(t, c.stream);
+    auto refuseGone = [&] {
+      return BackendError(str("[", who(), "] ", what, ": the communicator on ", device.str(), " was ",
+                              c.aborted ? "aborted" : "shut down"));
+    };
+    std::lock_guard<std::mutex> turn(c.launchMutex);
+    ncclResult_t result = ncclSuccess;
     {
       std::lock_guard<std::mutex> lock(c.mutex);
-      if (c.aborted || c.destroyed) {
-        throw BackendError(str("[", who(), "] ", what, ": the communicator on ", device.str(), " was ",
-                               c.aborted ? "aborted" : "shut down"));
-      }
+      if (c.aborted || c.destroyed) throw refuseGone();
       c.ready.record(cuda::currentStream(device));
       c.ready.block(c.stream);
-      ncclResult_t result = ncclGroupStart();
+      result = ncclGroupStart();
       if (result == ncclSuccess) {
         result = issue(c.comm, raw(c.stream));
         const ncclResult_t ended = ncclGroupEnd();
         if (result == ncclSuccess || result == ncclInProgress) result = ended;
       }
-      result = finishEnqueue(c, result, Clock::now() + limit, what, limit);
-      if (result != ncclSuccess) throw BackendError(str(what, ": NCCL refused the op: ", ncclText(result, c.comm)));
-      // Work of ours behind NCCL's on its stream (allgather's copies out):
-      // only now, once NCCL has finished enqueueing, may the stream be used.
-      if (after && !after(raw(c.stream))) {
-        throw BackendError(str(what, ": queueing the copies after the NCCL op on ", device.str(), " failed: ",
-                               cudaGetErrorString(cudaGetLastError())));
-      }
-      l.done->record(c.stream);
-      c.last = l.done;
     }
+    // The handle's lock is free while NCCL's helper enqueues (see finishEnqueue).
+    result = finishEnqueue(c, result, Clock::now() + limit, what, limit);
+    std::lock_guard<std::mutex> lock(c.mutex);
+    if (c.aborted || c.destroyed) throw refuseGone();
+    if (result != ncclSuccess) throw BackendError(str(what, ": NCCL refused the op: ", ncclText(result, c.comm)));
+    // Work of ours behind NCCL's on its stream (allgather's copies out):
+    // only now, once NCCL has finished enqueueing, may the stream be used.
+    if (after && !after(raw(c.stream))) {
+      throw BackendError(str(what, ": queueing the copies after the NCCL op on ", device.str(), " failed: ",
+                             cudaGetErrorString(cudaGetLastError())));
+    }
+    l.done->record(c.stream);
+    c.last = l.done;
     l.keep = std::move(keep);
     return l;
   }
@@ -554,6 +611,8 @@ struct NcclBackend::Impl {
       return false;
     }
     nccl::CallState finalize() override {
+      // After a launch still enqueueing (NCCL takes no call before it is done).
+      std::lock_guard<std::mutex> turn(c->launchMutex);
       std::lock_guard<std::mutex> lock(c->mutex);
       if (c->aborted) return nccl::CallState::Failed;
       cuda::DeviceGuard guard(c->device);
@@ -762,9 +821,26 @@ struct NcclBackend::Impl {
     if (p2pThread.joinable()) p2pThread.join();
   }
 
-  Device deviceForBarrier() {
-    const int last = lastDevice.load();
-    return Device::cuda(last >= 0 ? last : cuda::currentDevice());
+  // The device of a barrier (no tensor says it): see nccl::chooseDevice.
+  Device deviceForBarrier(const CpuCallSite& at) const {
+    nccl::DeviceHints hints;
+    if (options.device) {
+      if (!options.device->isCuda()) {
+        rejectCall(at, "barrier", str("NcclBackendOptions::device is ", options.device->str(),
+                                      "; the nccl backend needs a CUDA device (Device::cuda(i))"));
+      }
+      hints.bound = options.device->index;
+    }
+    if (const int last = lastDevice.load(); last >= 0) hints.lastUsed = last;
+    hints.current = cuda::currentDevice();
+    hints.currentHasContext = cuda::primaryContextActive(hints.current);
+    hints.localRank = localRank;
+    hints.deviceCount = cuda::deviceCount();
+    hints.groupSize = size;
+    const nccl::DeviceChoice choice = nccl::chooseDevice(hints);
+    if (!choice.device) rejectCall(at, "barrier", choice.why);
+    runner->log()->debug("barrier on {}", choice.why);
+    return Device::cuda(*choice.device);
   }
 };
 
@@ -780,6 +856,7 @@ NcclBackend::NcclBackend(StorePtr store, int rank, int size, NcclBackendOptions 
   d.size = size;
   d.options = std::move(options);
   d.timeout = d.options.resolvedTimeout();
+  d.localRank = localRankFromEnvironment();
   // Under "nccl/" so that its progress keys do not collide with the CPU
   // backend's of the same group (each has its own ProgressTracker).
   d.store = std::make_shared<PrefixStore>("nccl", std::move(store));
@@ -1170,7 +1247,7 @@ WorkPtr NcclBackend::scatter(const Tensor& output, const std::vector<Tensor>& in
 
 WorkPtr NcclBackend::barrier(const BarrierOptions& options) {
   auto& d = *impl_;
-  const Device device = d.deviceForBarrier();
+  const Device device = d.deviceForBarrier(d.callSite(options.seq));
   Tensor one = empty({1}, DType::Float32, device);
   // No device wait: a barrier's wait() holds the host until every rank arrived.
   return d.collective("barrier", options.seq, CollectiveFingerprint{}, options.timeout, device, {one}, false,

@@ -28,6 +28,9 @@
 //  * Enqueueing: on these nonblocking communicators NCCL finishes each op's
 //    enqueue on a helper thread of its own; the call waits for it (yielding
 //    first, then sleeping; bounded by the op's timeout, ended by an abort).
+//    Meanwhile it holds the communicator's launch order only, not the lock of
+//    its handle: an abort, the watchdog and shutdown get through. Why not
+//    blocking communicators: nccl_backend.cpp, before finishEnqueue.
 //  * Streams: each communicator has its own NCCL stream. An op is launched at
 //    the call, on the calling thread: the NCCL stream first waits (on the
 //    device) for the caller's current stream of that device, so the op sees
@@ -71,10 +74,12 @@
 //    op still watched, even one whose event completed: NCCL's kernels exit
 //    early on an abort, so an event does not mean a result.
 //  * Thread safety: as backend.h; launches on one communicator are
-//    serialised by its mutex, shutdown() may be called from any thread.
+//    serialised (NCCL takes no call on it before the previous one finished
+//    enqueueing), shutdown() and abort() may be called from any thread.
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,6 +93,9 @@ struct NcclBackendOptions : BackendCommonOptions {
   // How often a watched op polls its event and ncclCommGetAsyncError at
   // most (the first polls come sooner; see nccl_backend.cpp).
   std::chrono::microseconds pollInterval{1000};
+  // This rank's GPU, for ops that bring no tensor to tell it (barrier).
+  // Unset: see barrier() below.
+  std::optional<Device> device;
 };
 
 class NcclBackend final : public Backend {
@@ -107,8 +115,17 @@ class NcclBackend final : public Backend {
   WorkPtr reduceScatter(const Tensor& output, const std::vector<Tensor>& inputs,
                         const ReduceScatterOptions& options = {}) override;
   WorkPtr reduce(const std::vector<Tensor>& tensors, const ReduceOptions& options = {}) override;
-  // An allreduce of one element on the device of this rank's most recently
-  // created communicator (the current device if none); wait() blocks the host.
+  // An allreduce of one element; wait() blocks the host. Its device, by the
+  // first rule that applies (nccl::chooseDevice, comm_lifecycle.h): the
+  // options' device; the device of this backend's last op; the calling
+  // thread's current device when it is not cuda:0; cuda:(LOCAL_RANK mod the
+  // device count) (the launcher's contract, LOCAL_RANK read at construction,
+  // else SLURM_LOCALID); cuda:0 when the process already holds its context or
+  // the group has one rank. Otherwise (a PyTorch-style program that inits and
+  // barriers without choosing a device, outside dtrun) it throws
+  // InvalidArgument naming rank, group, op and seq, with the hint to call
+  // dt::setCurrentDevice(Device::cuda(localRank)) first or pass the device:
+  // every rank would take cuda:0, which NCCL refuses at world >= 2.
   WorkPtr barrier(const BarrierOptions& options = {}) override;
   WorkPtr send(const std::vector<Tensor>& tensors, int dstRank, const SendOptions& options = {}) override;
   WorkPtr recv(const std::vector<Tensor>& tensors, int srcRank, const RecvOptions& options = {}) override;

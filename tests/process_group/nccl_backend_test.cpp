@@ -2,15 +2,19 @@
 // wait, the watchdog's timeout report, communicator rendezvous timeouts,
 // ProcessGroup's routing of CUDA tensors, and the cases of issue 24's review
 // (no context on cuda:0, an aborted op fails, shutdown during a creation,
-// destroy() right after a device wait, allgather's two paths; their rules
-// also run without a GPU in nccl_lifecycle_test). Built in every configuration: the
+// destroy() right after a device wait, allgather's two paths) and of issue
+// 43's (a first-op barrier on each rank's own GPU). Their rules also run
+// without a GPU in nccl_lifecycle_test. Built in every configuration: the
 // Work and routing-error cases run everywhere; the others need NCCL and a
 // GPU and skip with the reason otherwise.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
+#include <memory>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "common/config.h"
 #include "common/errors.h"
@@ -161,6 +165,15 @@ TEST(NcclBackend, RejectsWhatNcclCannotTakeAtTheCallWithoutAGpu) {
   EXPECT_EQ(backend.brokenCause(), nullptr);  // bad input breaks nothing
   backend.shutdown();
   backend.shutdown();  // idempotent
+  // A barrier's device (issue 43, item 3) comes from the options first: a CPU one is refused in
+  // one line naming rank, group, op and seq, before any CUDA call.
+  NcclBackendOptions onCpu = fastOptions("bound");
+  onCpu.device = Device::cpu();
+  NcclBackend bound(std::make_shared<HashStore>(), 1, 2, onCpu);
+  expectThrowsWith<InvalidArgument>([&] { bound.barrier({.seq = 7}); },
+                                    {"[rank 1/2 pg=bound nccl] barrier #7 (not issued)",
+                                     "NcclBackendOptions::device is cpu", "Device::cuda(i)"});
+  bound.shutdown();
 }
 
 // ---- with a GPU --------------------------------------------------------------------------------
@@ -422,6 +435,53 @@ TEST(NcclBackend, ShutdownGetsThroughWhileACommunicatorIsBeingCreated) {
   // The op fails with the creation's "given up", or with "shut down" when the runner's shutdown
   // got there first; either way it did not wait out its 60 s.
   EXPECT_TRUE(error.find("given up") != std::string::npos || error.find("shut down") != std::string::npos) << error;
+}
+
+// Issue 43, item 3: a barrier as a group's first NCCL op, issued from threads that never chose a
+// device (init, then barrier). It took cudaGetDevice()'s default, cuda:0, on every rank, and NCCL
+// refused the duplicate GPU. Now rank r takes cuda:LOCAL_RANK (read when the backend is made; set
+// here one rank at a time, as dtrun sets it per process), or the options' device; the allreduce
+// after it reuses the barrier's communicator, which it could not if that were on another GPU.
+TEST(NcclBackend, AFirstOpBarrierOnThreadsWithoutADeviceTakesEachRanksOwnGpu) {
+  DT_NEED_GPUS(2);
+  auto store = std::make_shared<HashStore>();
+  std::vector<std::unique_ptr<NcclBackend>> backends;
+  for (int rank = 0; rank < 2; ++rank) {
+    testing::ScopedEnv localRank("LOCAL_RANK", std::to_string(rank));
+    backends.push_back(std::make_unique<NcclBackend>(store, rank, 2, fastOptions("first-barrier")));
+  }
+  auto boundStore = std::make_shared<HashStore>();  // a second group: its own rendezvous keys
+  std::vector<NcclBackendOptions> bound(2, fastOptions("first-barrier-bound"));
+  for (int rank = 0; rank < 2; ++rank) bound[rank].device = Device::cuda(rank);
+  runRanks(2, [&](int rank) {
+    backends[rank]->barrier({.seq = 1})->wait(60s);
+    Tensor t = full({64}, rank + 1, DType::Float32, Device::cuda(rank));
+    backends[rank]->allreduce({t}, {.seq = 2})->wait(60s);
+    EXPECT_EQ(t.toVector<float>(), std::vector<float>(64, 3.0f));
+    backends[rank]->shutdown();
+    NcclBackend withDevice(boundStore, rank, 2, bound[rank]);
+    withDevice.barrier()->wait(60s);
+    withDevice.shutdown();
+  });
+}
+
+// With no hint at all (no LOCAL_RANK, no op yet, no device chosen, cuda:0 unused) at world 2 the
+// barrier is refused in one line instead of reaching NCCL on cuda:0.
+TEST(NcclBackend, AFirstOpBarrierWithNoKnownDeviceIsRefusedWithAHint) {
+  DT_NEED_GPUS(1);
+  if (cuda::primaryContextActive(0)) GTEST_SKIP() << "cuda:0 already has a context in this process (run alone)";
+  testing::ScopedEnv localRank("LOCAL_RANK", "");
+  testing::ScopedEnv slurmLocalId("SLURM_LOCALID", "");
+  NcclBackend backend(std::make_shared<HashStore>(), 1, 2, fastOptions("no-device"));
+  std::thread fresh([&] {
+    expectThrowsWith<InvalidArgument>([&] { backend.barrier({.seq = 3}); },
+                                      {"[rank 1/2 pg=no-device nccl] barrier #3 (not issued)",
+                                       "no CUDA device is known", "LOCAL_RANK is unset", "setCurrentDevice"});
+  });
+  fresh.join();
+  EXPECT_EQ(backend.brokenCause(), nullptr);
+  EXPECT_FALSE(cuda::primaryContextActive(0)) << "refusing opened a context on cuda:0";
+  backend.shutdown();
 }
 
 TEST(ProcessGroupNccl, RoutesCudaTensorsToNcclAndCpuTensorsToTheCpuBackend) {

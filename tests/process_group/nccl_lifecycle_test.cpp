@@ -1,7 +1,8 @@
 // The NCCL backend's rules without NCCL (process_group/nccl/comm_lifecycle.h), over fakes of
 // the event, abort and NCCL state they read: which op counts as done, how a nonblocking call is
-// waited for, how communicators are created while an abort gets through, and when shutdown
-// finalizes and when it aborts. Runs in every build;
+// waited for (and that a launch waiting for NCCL's enqueue leaves the handle's lock to an abort),
+// which GPU a barrier takes when no op told the backend its device, how communicators are
+// created while an abort gets through, and when shutdown finalizes and when it aborts. Runs in every build;
 // nccl_backend_test.cpp runs the same paths on GPUs.
 #include <gtest/gtest.h>
 
@@ -9,6 +10,7 @@
 #include <atomic>
 #include <functional>
 #include <future>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -120,6 +122,8 @@ TEST(NcclBackoff, EnqueueingSpinsBeforeItsFirstSleepAndNeverSleepsLong) {
 }
 
 constexpr BackoffPolicy kFast{microseconds(0), microseconds(1), microseconds(1)};
+auto never = [] { return false; };
+auto always = [] { return true; };
 
 TEST(NcclAwaitCall, ReturnsWhenTheCallLeavesInProgress) {
   int polls = 0;
@@ -155,6 +159,155 @@ TEST(NcclAwaitCall, ACallStillInProgressAtTheDeadlineTimesOut) {
             CallOutcome::TimedOut);
 }
 
+// ---- awaitEnqueue: which lock a launch holds while NCCL's helper enqueues ---------------------------
+
+// The backend's launch waits for NCCL's helper thread with the communicator's launch order held
+// but not its handle lock (issue 43, item 6: it used to sleep holding both). Here the helper
+// stays in progress until an abort, which needs the handle lock (ncclCommAbort frees the
+// communicator): the abort must get it while the launch waits, and the launch must not look at
+// the handle again once it is gone.
+TEST(NcclAwaitEnqueue, AnAbortTakesTheHandleLockWhileALaunchWaitsAndTheLaunchLooksNoMore) {
+  std::mutex handle;
+  std::atomic<bool> freed{false};
+  std::atomic<int> looks{0}, looksAfterFree{0};
+  std::promise<void> waiting;
+  std::atomic<bool> signalled{false};
+  auto state = [&] {
+    // NCCL's helper still enqueueing; the 4th look tells the aborter that the launch waits.
+    if (freed.load()) looksAfterFree.fetch_add(1);
+    if (looks.fetch_add(1) == 3 && !signalled.exchange(true)) waiting.set_value();
+    return CallState::InProgress;
+  };
+  CallOutcome outcome = CallOutcome::Done;
+  // A long deadline and the backend's own policy: spins, then sleeps up to 1 ms.
+  std::thread launcher([&] {
+    outcome = awaitEnqueue(handle, [&] { return freed.load(); }, state, [] { return false; },
+                           Clock::now() + std::chrono::seconds(30), kEnqueuePolling);
+  });
+  waiting.get_future().wait();
+  const auto t0 = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(handle);  // abortOne: ncclCommAbort under the handle lock
+    freed = true;
+  }
+  const auto gotLock = Clock::now() - t0;
+  launcher.join();
+  EXPECT_LT(gotLock, std::chrono::milliseconds(200)) << "the abort waited behind the launch's wait";
+  EXPECT_EQ(outcome, CallOutcome::Aborted);
+  EXPECT_EQ(looksAfterFree.load(), 0) << "the launch used the handle after the abort freed it";
+}
+
+TEST(NcclAwaitEnqueue, EveryLookRunsUnderTheHandleLockAndTheOutcomesAreAwaitCallsOwn) {
+  std::mutex handle;
+  int looks = 0;
+  bool everUnlocked = false;
+  auto state = [&] {
+    // try_lock on a mutex this thread holds is undefined; another thread asks instead.
+    std::atomic<bool> got{false};
+    std::thread probe([&] {
+      if (handle.try_lock()) {
+        got = true;
+        handle.unlock();
+      }
+    });
+    probe.join();
+    everUnlocked = everUnlocked || got.load();
+    return ++looks < 3 ? CallState::InProgress : CallState::Done;
+  };
+  EXPECT_EQ(awaitEnqueue(handle, never, state, never, Clock::now() + std::chrono::hours(1), kFast), CallOutcome::Done);
+  EXPECT_EQ(looks, 3);
+  EXPECT_FALSE(everUnlocked) << "ncclCommGetAsyncError ran without the handle lock";
+  EXPECT_EQ(awaitEnqueue(handle, never, [] { return CallState::Failed; }, never, Clock::now() + std::chrono::hours(1),
+                         kFast),
+            CallOutcome::Failed);
+  EXPECT_EQ(awaitEnqueue(handle, never, [] { return CallState::InProgress; }, never, Clock::now(), kFast),
+            CallOutcome::TimedOut);
+  EXPECT_EQ(awaitEnqueue(handle, never, [] { return CallState::Done; }, always, Clock::now() + std::chrono::hours(1),
+                         kFast),
+            CallOutcome::Aborted);
+  // A communicator already gone is never looked at.
+  int looked = 0;
+  EXPECT_EQ(awaitEnqueue(handle, always, [&] { return ++looked, CallState::Done; }, never,
+                         Clock::now() + std::chrono::hours(1), kFast),
+            CallOutcome::Aborted);
+  EXPECT_EQ(looked, 0);
+}
+
+// ---- chooseDevice: the GPU of a barrier that is a group's first op ---------------------------------
+
+TEST(NcclChooseDevice, ABoundDeviceThenTheLastOpsDeviceWin) {
+  DeviceHints h;
+  h.deviceCount = 4;
+  h.groupSize = 4;
+  h.current = 3;
+  h.localRank = 2;
+  h.lastUsed = 1;
+  EXPECT_EQ(chooseDevice(h).device, 1);
+  h.bound = 2;
+  const DeviceChoice bound = chooseDevice(h);
+  EXPECT_EQ(bound.device, 2);
+  EXPECT_NE(bound.why.find("bound"), std::string::npos) << bound.why;
+  h.bound = 4;  // not visible here
+  const DeviceChoice invisible = chooseDevice(h);
+  EXPECT_FALSE(invisible.device);
+  EXPECT_NE(invisible.why.find("cuda:4"), std::string::npos) << invisible.why;
+  EXPECT_NE(invisible.why.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << invisible.why;
+}
+
+TEST(NcclChooseDevice, AFirstOpBarrierOnAThreadThatChoseNoDeviceTakesLocalRanksGpuNotCuda0) {
+  // The bug: every rank of a PyTorch-style program (init, then barrier) took cudaGetDevice()'s
+  // default, cuda:0, and NCCL refused the duplicate GPU at world >= 2.
+  for (int rank = 0; rank < 4; ++rank) {
+    DeviceHints h;
+    h.groupSize = 8;
+    h.deviceCount = 4;  // two hosts of four GPUs
+    h.localRank = rank;
+    EXPECT_EQ(chooseDevice(h).device, rank) << rank;
+    h.localRank = rank + 4;  // LOCAL_RANK beyond the device count wraps, as the trainer does
+    EXPECT_EQ(chooseDevice(h).device, rank) << rank;
+  }
+  // A device the thread chose wins over LOCAL_RANK (cuda:0 is only a default).
+  DeviceHints chosen;
+  chosen.groupSize = 2;
+  chosen.deviceCount = 2;
+  chosen.localRank = 0;
+  chosen.current = 1;
+  EXPECT_EQ(chooseDevice(chosen).device, 1);
+  // cuda:0 current with its context held but LOCAL_RANK saying 1: the launcher's contract wins.
+  chosen.current = 0;
+  chosen.currentHasContext = true;
+  chosen.localRank = 1;
+  EXPECT_EQ(chooseDevice(chosen).device, 1);
+}
+
+TEST(NcclChooseDevice, Cuda0IsTakenOnlyWhereItIsKnownToBeThisRanksOrNoOtherRankCanClaimIt) {
+  DeviceHints h;
+  h.groupSize = 2;
+  h.deviceCount = 2;
+  h.currentHasContext = true;  // no launcher, but this process works on cuda:0
+  EXPECT_EQ(chooseDevice(h).device, 0);
+  DeviceHints single;
+  single.deviceCount = 1;
+  EXPECT_EQ(chooseDevice(single).device, 0);  // a group of one: no duplicate possible
+}
+
+TEST(NcclChooseDevice, NoDeviceKnownAtWorldTwoIsRefusedWithAHint) {
+  DeviceHints h;
+  h.groupSize = 2;
+  h.deviceCount = 2;
+  const DeviceChoice none = chooseDevice(h);
+  EXPECT_FALSE(none.device);
+  for (const char* part : {"no CUDA device is known", "LOCAL_RANK is unset", "setCurrentDevice", "NcclBackendOptions::device"}) {
+    EXPECT_NE(none.why.find(part), std::string::npos) << part << " in: " << none.why;
+  }
+  EXPECT_EQ(none.why.find('\n'), std::string::npos) << "one line";
+  h.deviceCount = 0;  // LOCAL_RANK set, but nothing visible to map it onto
+  h.localRank = 1;
+  const DeviceChoice invisible = chooseDevice(h);
+  EXPECT_FALSE(invisible.device);
+  EXPECT_NE(invisible.why.find("LOCAL_RANK 1"), std::string::npos) << invisible.why;
+}
+
 // ---- closeCommunicators ----------------------------------------------------------------------------
 
 // A communicator as shutdown sees it; every call lands in one shared log ("0:finalize").
@@ -187,8 +340,6 @@ struct FakeCloser final : CommCloser {
 };
 
 const auto kLater = [] { return Clock::now() + std::chrono::hours(1); };
-auto never = [] { return false; };
-auto always = [] { return true; };
 
 TEST(NcclCloseCommunicators, AHealthyGroupWaitsForItsOpsThenFinalizesEveryOneBeforeDestroying) {
   std::vector<std::string> log;
