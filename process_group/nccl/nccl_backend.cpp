@@ -397,10 +397,12 @@ struct NcclBackend::Impl {
   // communicator after a timed nonblocking init (ncclCommSplit with
   // blocking = 1, itself nonblocking on a nonblocking parent) would bound
   // creation but not these first-op waits. A nonblocking communicator costs a
-  // helper thread per op (pthread_create and join, tens of microseconds of
-  // host time; the GPU work is queued either way) and keeps every wait here,
-  // where the op's timeout bounds it and an abort ends it (ncclCommAbort
-  // stops and joins the helper). Not measured on a device yet.
+  // helper thread per op, host time only (the GPU work is queued either way):
+  // a bare pthread create, poll and join took 80-140 us on the loaded 2-core
+  // CI machine, so many small ops on a host-bound step would feel it. It
+  // keeps every wait here, where the op's timeout bounds it and an abort ends
+  // it (ncclCommAbort stops and joins the helper). The NCCL path itself is
+  // not measured on a device yet.
   ncclResult_t finishEnqueue(NcclComm& c, ncclResult_t result, Clock::time_point deadline, const std::string& what,
                              Millis limit) {
     if (result != ncclInProgress) return result;
