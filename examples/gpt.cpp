@@ -65,6 +65,7 @@ struct Config {
   bool sp = false;  // and sequence parallelism
   int pp = 1;       // pipeline parallelism's degree (train/loop.h); DDP over world / pp replicas
   std::string schedule = "1f1b", split = "layers";
+  std::string scheduleFile;  // a schedule of the user's own (parallel/pipeline_schedule.h's text format)
   int virtualStages = 2;
   std::string precision = "fp32";  // bf16: the forward's matrix products under dt::autocast
   bool checkpoints() const { return checkpointDir != "none"; }
@@ -115,10 +116,12 @@ the end.
       .add("--sp", c.sp, "sequence parallelism with --tp: norms and residuals on a block of the sequence")
       .add("--pp", c.pp, "N", "pipeline parallelism: each model replica's blocks split into stages over N\nadjacent ranks "
                                "(embeddings on the first, the tied head on the last), DDP over\nthe replicas; its checkpoints "
-                               "resume at any --pp; no validation loss or sample\n(no rank holds the whole model)")
+                               "resume at any --pp; the validation loss runs through the stages\n(--eval-windows rounded down to a multiple of --global-batch); no sample")
       .add("--schedule", c.schedule, "NAME", "the pipeline's schedule with --pp (docs/parallel.md): gpipe, 1f1b,\ninterleaved "
                                               "(--virtual-stages chunks per rank), zb1 (ZB-H1), zbv",
            {"gpipe", "1f1b", "interleaved", "zb1", "zbv"})
+      .add("--schedule-file", c.scheduleFile, "PATH", "--pp: a schedule of your own instead (the text format of\ndocs/parallel.md), "
+                                                       "validated before the first step; its m is\nthe micro-batches")
       .add("--virtual-stages", c.virtualStages, "V", "--schedule interleaved: stages per rank (p * V stages in all)")
       .add("--split", c.split, "RULE", "--pp: blocks per stage by count (layers) or balancing the parameters (params)",
            {"layers", "params"});
@@ -152,8 +155,12 @@ the end.
                               "supported yet: add --checkpoint-dir none, or use --sharding ddp"));
   }
   if (c.sp && c.tp == 1) throw InvalidArgument("gpt: --sp needs --tp 2 or more (it splits the sequence over the TP group)");
+  if (!c.scheduleFile.empty() && c.pp == 1) {
+    throw InvalidArgument(str("gpt: --schedule-file ", c.scheduleFile, " needs --pp 2 or more (the schedule's p)"));
+  }
+  // (A schedule file's stages are counted by the loop, which refuses too few blocks the same way.)
   if (const int64_t stages = c.pp * (c.schedule == "interleaved" ? c.virtualStages : c.schedule == "zbv" ? 2 : 1);
-      c.pp > 1 && c.model.layers < stages) {
+      c.pp > 1 && c.scheduleFile.empty() && c.model.layers < stages) {
     throw InvalidArgument(str("gpt: --pp ", c.pp, " --schedule ", c.schedule,
                               c.schedule == "interleaved" ? str(" --virtual-stages ", c.virtualStages) : std::string(),
                               " makes ", stages, " stages but --layers is ", c.model.layers,
@@ -211,6 +218,31 @@ double validationLoss(dt::train::Loop& loop, const dt::nn::Gpt& model, const dt:
   return s[0] / s[1];
 }
 
+// The same under --pp, where no rank holds the whole model: the windows go through the pipeline
+// forward only (Loop::pipelineLoss), `batch` at a time over the dp replicas as a step's batch
+// (each replica a multiple of the schedule's m), so the count is rounded down to a multiple of
+// it (at least one; windows past the text's end start over). Every rank of a replica gets its
+// mean loss, so the sums over every rank count each window p * t times in both.
+double pipelineValidationLoss(dt::train::Loop& loop, const dt::data::TextWindows& val, int64_t count, int64_t batch) {
+  const dt::autocast fp32(dt::DType::BFloat16, false);  // measured in fp32, as without --pp
+  const dt::ProcessGroup& dp = loop.dataParallelGroup();
+  const int64_t stride = val.contextLength();
+  const int64_t available = (val.size() + stride - 1) / stride;
+  const int64_t perReplica = batch / dp.size();
+  const int64_t calls = std::max<int64_t>(1, std::min(count, available) / batch);
+  double lossSum = 0, rows = 0;
+  for (int64_t k = 0; k < calls; ++k) {
+    std::vector<int64_t> offsets;
+    for (int64_t i = 0; i < perReplica; ++i) offsets.push_back((k * batch + dp.rank() * perReplica + i) % available * stride);
+    lossSum += loop.pipelineLoss(val.get(offsets)) * static_cast<double>(perReplica);
+    rows += static_cast<double>(perReplica);
+  }
+  dt::Tensor sums = dt::fromVector<double>({lossSum, rows});
+  loop.group().allreduce(sums)->wait();
+  const auto s = sums.toVector<double>();
+  return s[0] / s[1];
+}
+
 double valueOf(const std::vector<std::pair<std::string, double>>& values, const std::string& name) {
   for (const auto& [key, v] : values) {
     if (key == name) return v;
@@ -237,11 +269,11 @@ int run(const Config& c) {
                     {"train_bytes", std::to_string(corpus.train.size())}};
   options.tensorParallel = c.tp;
   if (c.pp > 1) {
-    // The pipeline's micro-batches take --micro-batches' place; no evaluation (no rank holds the whole model).
+    // The pipeline's micro-batches take --micro-batches' place.
     options.microBatches = 1;
-    options.evalEvery = 0;
-    options.evalAtStart = false;
-    options.pipeline = {.degree = c.pp, .schedule = c.schedule, .microBatches = static_cast<int>(c.microBatches),
+    // A schedule file brings its own m: --micro-batches left at 1 takes it, any other must agree.
+    options.pipeline = {.degree = c.pp, .schedule = c.schedule, .scheduleFile = c.scheduleFile,
+                        .microBatches = static_cast<int>(!c.scheduleFile.empty() && c.microBatches == 1 ? 0 : c.microBatches),
                         .virtualStages = c.virtualStages,
                         .split = c.split == "params" ? dt::pipeline::SplitRule::Parameters : dt::pipeline::SplitRule::Layers,
                         .sequenceParallel = c.sp};
@@ -307,10 +339,13 @@ int run(const Config& c) {
       [&](int64_t step) { return schedule.at(step); });
   loop.setData(train);
   loop.addState("rng", dropoutRng);
-  if (c.pp == 1) {
-    loop.setEvaluation([&] { return std::vector<std::pair<std::string, double>>{{"val_loss", validationLoss(loop, *model, val, c.evalWindows)}}; },
-                       {"val_loss"});
-  }
+  loop.setEvaluation(
+      [&] {
+        const double loss = c.pp > 1 ? pipelineValidationLoss(loop, val, c.evalWindows, c.globalBatch)
+                                     : validationLoss(loop, *model, val, c.evalWindows);
+        return std::vector<std::pair<std::string, double>>{{"val_loss", loss}};
+      },
+      {"val_loss"});
   const bool bf16 = c.precision == "bf16";
   // What the products really ran in: bf16 falls back to fp32 where the CPU lacks the instructions.
   const std::string precision = !bf16 ? "fp32" : dt::bf16MatmulNative() ? "bf16" : "bf16-as-fp32";
@@ -323,7 +358,7 @@ int run(const Config& c) {
                 c.lr, static_cast<long long>(c.warmup), c.minLr, c.weightDecay, c.gradClip, static_cast<long long>(c.globalBatch),
                 static_cast<long long>(T), static_cast<long long>(c.globalBatch * c.tp * c.pp / world), c.microBatches > 1 ? str(" in ", c.microBatches, " micro-batches").c_str() : "",
                 static_cast<long long>(c.steps),
-                c.pp > 1 ? str("PP=", c.pp, " (", c.schedule, ")", c.tp > 1 ? str(" x TP=", c.tp, c.sp ? " with SP" : "") : std::string(),
+                c.pp > 1 ? str("PP=", c.pp, " (", c.scheduleFile.empty() ? c.schedule : c.scheduleFile, ")", c.tp > 1 ? str(" x TP=", c.tp, c.sp ? " with SP" : "") : std::string(),
                                " x DDP over ", world / (c.pp * c.tp)).c_str()
                 : c.tp > 1 ? str("TP=", c.tp, c.sp ? " with SP" : "", " x DDP over ", world / c.tp).c_str()
                 : c.sharding == "ddp" ? "DDP" : str("--sharding ", c.sharding).c_str(),
@@ -344,7 +379,7 @@ int run(const Config& c) {
     return dt::train::StepOutput{loss};
   };
   // --pp: the loop runs the pipeline itself (the last stage takes nn::Gpt's loss), on this
-  // thread, so the scope covers its stages' forwards; there is no evaluation under --pp.
+  // thread, so the scope covers its stages' forwards (the evaluation opts out of it).
   const dt::train::LoopResult r = [&] {
     const dt::autocast scope(dt::DType::BFloat16, bf16 && c.pp > 1);
     return loop.run(c.pp > 1 ? dt::train::StepFunction{} : step);
@@ -383,11 +418,9 @@ int run(const Config& c) {
   if (loop.fullySharded() != nullptr && c.sampleTokens > 0) whole.emplace(loop.fullySharded()->gatherFullParameters());
   if (finalRank == 0) {
     const double rate = static_cast<double>((r.steps - r.firstStep) * tokensPerStep) / std::max(r.seconds, 1e-9);
-    char validation[64] = "no validation loss under --pp";
-    if (c.pp == 1) std::snprintf(validation, sizeof(validation), "validation loss %.4f", valLoss);
-    std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; %s; precision=%s; peak RSS %.0f MiB per rank\n",
+    std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; validation loss %.4f; precision=%s; peak RSS %.0f MiB per rank\n",
                 static_cast<long long>(r.steps), examples::formatSeconds(r.elapsed).c_str(), r.steps > r.firstStep ? rate : 0.0, r.loss,
-                validation, precision.c_str(), mem[0]);
+                valLoss, precision.c_str(), mem[0]);
     if (c.sampleTokens > 0 && c.tp > 1) {
       std::printf("gpt: no sample with --tp %d: sampling needs the whole vocabulary's logits on one rank (not built yet)\n", c.tp);
     } else if (c.sampleTokens > 0 && c.pp > 1) {

@@ -305,17 +305,31 @@ struct PipelineRunner::Slot {
 };
 
 double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
+  return execute(inputs, targets, false);
+}
+
+double PipelineRunner::evaluate(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
+  NoGradGuard noGrad;
+  return execute(inputs, targets, true);
+}
+
+double PipelineRunner::execute(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets, bool forwardOnly) {
   std::vector<double> losses;
   int current = -1;
   const auto start = std::chrono::steady_clock::now();
-  lastStep_ = StepTiming{};
+  // An evaluation keeps step's timing and numbering: its own, and "evaluation k" in its errors.
+  StepTiming evaluationTiming;
+  StepTiming& timing = forwardOnly ? evaluationTiming : lastStep_;
+  timing = StepTiming{};
+  int64_t& count = forwardOnly ? evaluations_ : steps_;
+  const char* what = forwardOnly ? "evaluation" : "step";
   struct Wall {
     StepTiming& timing;
     std::chrono::steady_clock::time_point start;
     ~Wall() { timing.wallSeconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
-  } wall{lastStep_, start};
+  } wall{timing, start};
   try {
-    run(inputs, targets, losses, current);
+    run(inputs, targets, losses, current, forwardOnly, timing);
   } catch (...) {
     const Action* action =
         current >= 0 ? &schedule_.ranks[static_cast<size_t>(rank_)][static_cast<size_t>(current)] : nullptr;
@@ -329,7 +343,7 @@ double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector
     bool origin = !pp_->isBroken();
     std::string cause;
     if (options_.store) {
-      const std::string key = str("pipeline/", pp_->name(), "/", options_.tagBase, "/step", steps_, "/cause");
+      const std::string key = str("pipeline/", pp_->name(), "/", options_.tagBase, "/", what, count, "/cause");
       std::string what = "unknown exception";
       try {
         throw;
@@ -355,19 +369,19 @@ double PipelineRunner::step(const std::vector<Tensor>& inputs, const std::vector
       }
     }
     std::exception_ptr error =
-        withPrefix(std::current_exception(), str(where(stage), " step ", steps_, ",", at, " failed: "),
+        withPrefix(std::current_exception(), str(where(stage), " ", what, " ", count, ",", at, " failed: "),
                    cause + (action ? "\n" + actionGrid(schedule_, {{rank_, current}}) : std::string()));
     // The others are (or will be) waiting on this rank: break the group so they fail now.
     pp_->abort(error);
-    ++steps_;
+    ++count;
     std::rethrow_exception(error);
   }
-  ++steps_;
+  ++count;
   return losses.empty() ? 0.0 : losses.front();
 }
 
 void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets,
-                         std::vector<double>& losses, int& current) {
+                         std::vector<double>& losses, int& current, bool forwardOnly, StepTiming& timing) {
   const Schedule& s = schedule_;
   const int stages = s.numStages(), m = s.m;
   const bool holdsFirst = s.rankOfStage(0) == rank_, holdsLast = s.rankOfStage(stages - 1) == rank_;
@@ -468,6 +482,9 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
   const std::vector<Action>& actions = s.ranks[static_cast<size_t>(rank_)];
   for (current = 0; current < static_cast<int>(actions.size()); ++current) {
     const Action& a = actions[static_cast<size_t>(current)];
+    // Forward only: the list's F, SEND_F and RECV_F in their order. Dropping the backward actions
+    // only removes what a RECV_F could wait behind, so the order stays deadlock-free.
+    if (forwardOnly && a.kind != ActionKind::F && a.kind != ActionKind::SendF && a.kind != ActionKind::RecvF) continue;
     const int stage = s.stageOf(rank_, a.chunk);
     const FlightContext flightContext("pipeline %s mb %d stage %d", toString(a.kind), a.microBatch, stage);
     const bool computes = a.kind == ActionKind::F || a.kind == ActionKind::B || a.kind == ActionKind::I ||
@@ -480,7 +497,7 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
       ~ComputeTime() {
         if (computes) total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       }
-    } computeTime{computes, actionStart, lastStep_.computeSeconds};
+    } computeTime{computes, actionStart, timing.computeSeconds};
     Slot& slot = slots[{a.microBatch, stage}];
     const auto& chunk = stages_.chunks[static_cast<size_t>(a.chunk)];
     switch (a.kind) {
@@ -491,7 +508,7 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
           // Handed over on this rank (V's middle): cut the graph so each stage's B runs its own part.
           Slot& previous = slots[{a.microBatch, stage - 1}];
           slot.input = previous.output.detach();
-          slot.input.setRequiresGrad(true);
+          slot.input.setRequiresGrad(!forwardOnly);
         } else if (!slot.input.defined()) {
           throw InvalidArgument(str("F", a.microBatch, " of stage ", stage, " before its input arrived"));
         }
@@ -506,7 +523,7 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
       }
       case ActionKind::RecvF: {
         Tensor received = recvChecked(peerRank(s, rank_, a), true, stage - 1, a.microBatch, stage);
-        received.setRequiresGrad(true);
+        received.setRequiresGrad(!forwardOnly);
         slot.input = received;
         break;
       }
@@ -561,8 +578,11 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
   current = -1;
   for (Pending& p : sends) waitFor(p.work);
   sends.clear();
-  checkShapes_ = false;
-  syncTied();
+  if (!forwardOnly) {
+    // A forward-only pass checked the activations only: the gradients' shapes are still unseen.
+    checkShapes_ = false;
+    syncTied();
+  }
   // The mean loss, from the last stage to every rank.
   lossSum.data<double>()[0] = holdsLast ? lossTotal / m : 0.0;
   BroadcastOptions b;

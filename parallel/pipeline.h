@@ -185,6 +185,13 @@ class PipelineRunner {
   // on the rank of the last stage (empty vectors elsewhere). Returns the mean loss (every rank).
   double step(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
 
+  // The same mean loss without backward: this rank's F, SEND_F and RECV_F in the schedule's order
+  // (no gradients, no graph kept, no tied-gradient exchange), e.g. a validation loss. Set the
+  // chunks' eval() first for a loss without dropout. Collective over the group as step is, with
+  // the same arguments and errors (the failing action is marked in the grid the same way); it
+  // does not count as a step (steps() and lastStep() are step's).
+  double evaluate(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
+
   // A new activation spec: the next step checks shapes again.
   void setActivation(Shape shape, DType dtype);
 
@@ -197,8 +204,9 @@ class PipelineRunner {
 
  private:
   struct Slot;
+  double execute(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets, bool forwardOnly);
   void run(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets, std::vector<double>& losses,
-           int& current);
+           int& current, bool forwardOnly, StepTiming& timing);
   void syncTied();
   std::string where(int stage) const;
 
@@ -209,6 +217,7 @@ class PipelineRunner {
   int rank_;
   bool checkShapes_ = true;
   int64_t steps_ = 0;
+  int64_t evaluations_ = 0;
   StepTiming lastStep_;
 };
 

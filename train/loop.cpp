@@ -199,6 +199,23 @@ void Loop::makeSchedule() {
   namespace pl = dt::pipeline;
   const LoopOptions::Pipeline& o = options_.pipeline;
   const int p = o.degree, m = o.microBatches == 0 ? p : o.microBatches;
+  if (!o.scheduleFile.empty()) {
+    pl::Schedule mine = pl::parseFile(o.scheduleFile);
+    const std::string where = str(options_.program, ": pipeline schedule file ", o.scheduleFile, " (", mine.name, ", p=",
+                                  mine.p, " m=", mine.m, " v=", mine.v, ")");
+    if (mine.p != p) throw InvalidArgument(str(where, ": it is for ", mine.p, " ranks but pipeline.degree is ", p));
+    if (o.microBatches != 0 && mine.m != o.microBatches) {
+      throw InvalidArgument(str(where, ": its m is ", mine.m, " but pipeline.microBatches is ", o.microBatches,
+                                "; set it to 0 (the file's) or to ", mine.m));
+    }
+    try {
+      pl::validate(mine);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(str(where, ": ", e.what()));
+    }
+    schedule_ = std::move(mine);
+    return;
+  }
   const std::string& name = o.schedule;
   const std::string where = str(options_.program, ": pipeline schedule \"", name, "\" over ", p, " ranks with ", m,
                                 " micro-batch(es)");
@@ -998,7 +1015,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
   return true;
 }
 
-double Loop::pipelineStep(const data::Batch& batch) {
+std::pair<std::vector<Tensor>, std::vector<Tensor>> Loop::pipelineMicroBatches(const data::Batch& batch) const {
   const pipeline::Schedule& s = runner_->schedule();
   const int me = mesh_->coordinate("pp"), m = s.m;
   const int64_t rows = batch.inputs.size(0);
@@ -1013,6 +1030,26 @@ double Loop::pipelineStep(const data::Batch& batch) {
     if (first) inputs.push_back(batch.inputs.narrow(0, k * n, n).contiguous());
     if (last) targets.push_back(batch.targets.narrow(0, k * n, n).contiguous());
   }
+  return {std::move(inputs), std::move(targets)};
+}
+
+double Loop::pipelineLoss(const data::Batch& batch) {
+  if (!runner_) throw InvalidArgument(str(options_.program, ": pipelineLoss needs pipeline parallelism and run()"));
+  const auto [inputs, targets] = pipelineMicroBatches(batch);
+  struct EvalMode {  // back to training even when the evaluation throws
+    const std::vector<std::shared_ptr<nn::Module>>& chunks;
+    explicit EvalMode(const std::vector<std::shared_ptr<nn::Module>>& c) : chunks(c) {
+      for (const auto& chunk : chunks) chunk->eval();
+    }
+    ~EvalMode() {
+      for (const auto& chunk : chunks) chunk->train();
+    }
+  } evalMode(stages_->chunks);
+  return runner_->evaluate(inputs, targets);
+}
+
+double Loop::pipelineStep(const data::Batch& batch) {
+  const auto [inputs, targets] = pipelineMicroBatches(batch);
   double loss = runner_->step(inputs, targets);
   reach(step_, Phase::Forward);
   averageStageGradients(loss);

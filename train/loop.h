@@ -304,6 +304,10 @@ struct LoopOptions {
   struct Pipeline {
     int degree = 1;                  // p, the ranks of one pipeline; the world must be a multiple
     std::string schedule = "1f1b";   // gpipe, 1f1b, interleaved, zb1 (ZB-H1) or zbv
+    // A schedule of the user's own instead: a file in pipeline_schedule.h's text format, validated
+    // before the first step (InvalidArgument naming the file, with the grid); its p must be the
+    // degree, and its m and v are the step's (microBatches 0, or equal to its m).
+    std::string scheduleFile;
     int microBatches = 0;            // m per step (0: p); each (global batch / dp) / m rows
     int virtualStages = 2;           // interleaved's chunks per rank (zbv has 2, the others 1)
     dt::pipeline::SplitRule split = dt::pipeline::SplitRule::Layers;  // blocks per stage: count or parameters
@@ -403,6 +407,12 @@ class Loop {
   void addState(const std::string& name, Generator& perRankStream);
   void addState(const std::string& name, int64_t& value);
 
+  // Pipeline parallelism: `batch` (this rank's share, as a step's: a multiple of the schedule's m
+  // rows) through the stages without backward (PipelineRunner::evaluate), the stages in eval mode
+  // meanwhile; the mean loss over its rows (the dp replica's, on every rank of it). Collective over
+  // mesh()["pp"] (and "tp"); an evaluation callback's way to a validation loss. Only in run().
+  double pipelineLoss(const data::Batch& batch);
+
   // The model as the step function calls it (the wrapper over the current group). Only in run().
   Tensor forward(const Tensor& input);
   DistributedDataParallel& ddp();
@@ -436,6 +446,8 @@ class Loop {
   // One step's pipeline over this rank's share of the batch; the loss of the dp replica (elastic:
   // of the global batch, averaged over dp).
   double pipelineStep(const data::Batch& batch);
+  // The batch's m micro-batches: inputs where stage 0 is, targets where the last stage is.
+  std::pair<std::vector<Tensor>, std::vector<Tensor>> pipelineMicroBatches(const data::Batch& batch) const;
   // The stage's gradients averaged over mesh()["dp"], and elastic `loss` (the replica's) with them.
   void averageStageGradients(double& loss);
   // The membership dropped this rank with its replica: say why and end run() on this rank.

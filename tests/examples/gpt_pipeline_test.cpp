@@ -4,10 +4,12 @@
 // DDP over two (the same data split per replica), and with tensor parallelism inside the stages
 // PP=2 x TP=2 (with and without SP) as one process, PP=2 x TP=2 x DP=2 on eight as DDP over two:
 // each logged step's loss and gradient norm (the metrics file, 6 significant digits) within 1e-4
-// relative. Checkpoints hold the stages under the unsplit names: a PP=2 run resumes bitwise at
+// relative, and so is the validation loss at the end (through the stages, forward only).
+// Checkpoints hold the stages under the unsplit names: a PP=2 run resumes bitwise at
 // PP=2, at PP=1 (one process), a PP=1 run's checkpoint at PP=2 and a PP=2 x TP=2 one at PP=1,
-// each finishing on the uninterrupted run's curve. What does not
-// compose yet is refused in one line naming the flag and its value.
+// each finishing on the uninterrupted run's curve. A schedule file of one's own trains the same
+// curve, or is refused before the first step. What does not compose yet is refused in one line
+// naming the flag and its value.
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -36,6 +38,7 @@ const std::vector<std::string> kTiny{"--layers", "4", "--heads", "2", "--width",
 
 struct Point {
   double loss = 0, gradNorm = 0;
+  std::optional<double> valLoss;  // where the step evaluated (the last step: --eval-every 0)
 };
 
 std::vector<std::string> gptArgv(int nproc, const std::vector<std::string>& extra) {
@@ -62,10 +65,14 @@ GptRun train(int nproc, const std::vector<std::string>& extra, std::string metri
   EXPECT_EQ(r.exitCode, 0) << join(extra, " ") << "\n" << r.out << r.err;
   std::map<int64_t, Point>& curve = run.curve;
   static const std::regex line(R"re("step": (\d+).*"loss": ([-0-9.e+]+).*"grad_norm": ([-0-9.e+]+))re");
+  static const std::regex valLine(R"re("val_loss": ([-0-9.e+]+))re");
   std::ifstream in(metrics);
   for (std::string text; std::getline(in, text);) {
     std::smatch m;
-    if (std::regex_search(text, m, line)) curve[std::stoll(m[1].str())] = {std::stod(m[2].str()), std::stod(m[3].str())};
+    if (!std::regex_search(text, m, line)) continue;
+    Point& point = curve[std::stoll(m[1].str())];
+    point = {std::stod(m[2].str()), std::stod(m[3].str()), std::nullopt};
+    if (std::regex_search(text, m, valLine)) point.valLoss = std::stod(m[1].str());
   }
   EXPECT_EQ(curve.size(), 4u) << join(extra, " ") << "\n" << r.out << r.err;
   return run;
@@ -91,6 +98,12 @@ void expectSamePoint(const Point& want, const Point& got, const std::string& wha
   EXPECT_LT(std::fabs(got.loss - want.loss) / want.loss, 1e-4) << what << ": loss " << got.loss << " vs " << want.loss;
   EXPECT_LT(std::fabs(got.gradNorm - want.gradNorm) / want.gradNorm, 1e-4)
       << what << ": grad norm " << got.gradNorm << " vs " << want.gradNorm;
+  // Under --pp the validation loss runs through the stages, forward only (Loop::pipelineLoss).
+  ASSERT_EQ(got.valLoss.has_value(), want.valLoss.has_value()) << what << ": a validation loss on one side only";
+  if (want.valLoss) {
+    EXPECT_LT(std::fabs(*got.valLoss - *want.valLoss) / *want.valLoss, 1e-4)
+        << what << ": validation loss " << *got.valLoss << " vs " << *want.valLoss;
+  }
 }
 
 void expectSameCurve(const std::map<int64_t, Point>& reference, const std::map<int64_t, Point>& run, const std::string& what) {
@@ -102,6 +115,15 @@ void expectSameCurve(const std::map<int64_t, Point>& reference, const std::map<i
   }
 }
 
+// A p = 2, m = 2 schedule file whose rank 1 receives and runs its forwards as `rank1Forwards` says.
+std::string writeSchedule(const TempDir& dir, const std::string& rank1Forwards) {
+  const std::string path = (dir.path() / "schedule.txt").string();
+  std::ofstream(path) << "schedule reverse-gpipe p=2 m=2 v=1 placement=interleaved\n"
+                         "rank 0: F0 SEND_F0 F1 SEND_F1 RECV_B1 B1 RECV_B0 B0\n"
+                         "rank 1: " << rank1Forwards << " B1 SEND_B1 B0 SEND_B0\n";
+  return path;
+}
+
 TEST(GptPipeline, EveryScheduleOnTwoRanksTrainsAsOneProcess) {
   const auto reference = trainCurve(1, {});
   for (const char* schedule : {"gpipe", "1f1b", "interleaved", "zb1", "zbv"}) {
@@ -111,6 +133,10 @@ TEST(GptPipeline, EveryScheduleOnTwoRanksTrainsAsOneProcess) {
   // 1F1B with fewer micro-batches than stages runs (a larger bubble), and so does a split by parameters.
   expectSameCurve(reference, trainCurve(2, {"--pp", "2", "--schedule", "1f1b", "--micro-batches", "1", "--split", "params"}),
                   "--pp 2 --micro-batches 1 --split params");
+  // A schedule of one's own (--schedule-file): GPipe's forwards, the backwards in reverse order.
+  const TempDir dir;
+  const std::string mine = writeSchedule(dir, "RECV_F0 F0 RECV_F1 F1");
+  expectSameCurve(reference, trainCurve(2, {"--pp", "2", "--schedule-file", mine}), "--pp 2 --schedule-file");
 }
 
 TEST(GptPipeline, PipelineTimesDataParallelOnFourRanksTrainsAsDdpOnTwo) {
@@ -193,6 +219,13 @@ TEST(GptPipeline, RefusesWhatDoesNotComposeYetInOneLine) {
                 "pipeline schedule \"zb1\" over 2 ranks with 1 micro-batch(es)");
   expectRefused(2, {"--pp", "2", "--schedule", "interleaved", "--micro-batches", "2", "--virtual-stages", "4"},
                 "gpt: --pp 2 --schedule interleaved --virtual-stages 4 makes 8 stages but --layers is 4");
+  const TempDir dir;
+  const std::string mine = writeSchedule(dir, "RECV_F0 F0 RECV_F1 F1");
+  expectRefused(2, {"--pp", "2", "--schedule-file", mine, "--micro-batches", "4"},
+                "(reverse-gpipe, p=2 m=2 v=1): its m is 2 but pipeline.microBatches is 4");
+  // Rank 1 waits for micro-batch 1 while rank 0 sends 0 first: the validator's deadlock, before any step.
+  const std::string stuck = writeSchedule(dir, "RECV_F1 F1 RECV_F0 F0");
+  expectRefused(2, {"--pp", "2", "--schedule-file", stuck}, "(reverse-gpipe, p=2 m=2 v=1): pipeline schedule reverse-gpipe p=2 m=2 v=1 is invalid: deadlock");
 }
 
 }  // namespace

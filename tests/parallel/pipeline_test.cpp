@@ -2,7 +2,8 @@
 // single-process nn::Gpt built from the same seed, dropout off: p = 2 and 4, GPipe, 1F1B,
 // interleaved 1F1B (v = 2), ZB-H1 and ZBV (I the input gradients, W the weights'), m = 4..8.
 // The loss equals the unsplit model's and every gradient (matched by name) is within 1e-12
-// relative in float64, rtol 1e-5 / atol 4e-5 in float32, over two steps with SGD between; the tied
+// relative in float64, rtol 1e-5 / atol 4e-5 in float32, over two steps with SGD between (and
+// PipelineRunner::evaluate's forward-only loss, before the first, equals it too); the tied
 // embedding's gradient is the same on the first and the last stage and equals the unsplit one;
 // global clipping equals nn::clipGradNorm on the unsplit model. Robustness: a shape mismatch
 // between stages and a stage that throws end every rank with one error, long before the
@@ -146,6 +147,15 @@ void checkPipeline(const Case& c) {
       referenceOptimizer.zeroGrad();
       optimizer.zeroGrad();
       const Tensor expectedLoss = nn::Gpt::loss((*reference)(batch.inputs), batch.targets);
+      if (step == 0) {
+        // Forward only, before any backward: the same loss, no gradient anywhere, and the step
+        // after it still checks the gradients' shapes (the evaluation saw the activations only).
+        const double evaluated = runner.evaluate(holdsFirst ? batch.inputMicro : std::vector<Tensor>{},
+                                                 holdsLast ? batch.targetMicro : std::vector<Tensor>{});
+        expectScalarClose(evaluated, expectedLoss.to(DType::Float64).item<double>(), c.dtype, at + " evaluate's loss");
+        for (const auto& [name, t] : stages.namedParameters()) EXPECT_FALSE(t.grad().defined()) << at << ": " << name;
+        EXPECT_EQ(runner.steps(), 0) << at << ": an evaluation is not a step";
+      }
       expectedLoss.backward();
       const double loss = runner.step(holdsFirst ? batch.inputMicro : std::vector<Tensor>{},
                                       holdsLast ? batch.targetMicro : std::vector<Tensor>{});
