@@ -45,9 +45,17 @@ struct Offsets {
   int64_t at[N];
 };
 
+// Contiguous operands (and a broadcast scalar, stride 0) merge into one dim (makeGeometry), the
+// common case of every elementwise op in a step: their offsets are one multiply each, without
+// the 64-bit divide and modulo per element that the general walk costs (tens of instructions on
+// a GPU, which has no 64-bit integer divider).
 template <int N>
 __device__ inline Offsets<N> offsetsOf(const Geometry& g, int64_t linear) {
   Offsets<N> o;
+  if (g.ndim <= 1) {
+    for (int k = 0; k < N; ++k) o.at[k] = g.ndim == 0 ? 0 : linear * g.strides[k][0];
+    return o;
+  }
   for (int k = 0; k < N; ++k) o.at[k] = 0;
   for (int d = g.ndim - 1; d >= 0; --d) {
     const int64_t size = g.sizes[d];
