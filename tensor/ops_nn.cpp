@@ -2,11 +2,15 @@
 // dropout, and joining/indexing ops.
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "common/check.h"
 #include "common/config.h"
+#include "tensor/deferred_checks.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/fast_kernels.h"
 #include "tensor/internal/op_scope.h"
@@ -15,7 +19,9 @@
 #include "tensor/parallel.h"
 
 #if DT_HAVE_CUDA
+#include "tensor/cuda/cuda.h"
 #include "tensor/cuda/kernels.h"
+#include "tensor/cuda/stream.h"
 #endif
 
 namespace dt {
@@ -23,6 +29,40 @@ namespace dt {
 using namespace detail;
 
 namespace {
+
+#if DT_HAVE_CUDA
+// Queues the range check of idx (contiguous int64 on a CUDA device) and registers it with the
+// deferred checks (tensor/deferred_checks.h says when it is raised): no host wait here.
+void deferIndexCheck(const Tensor& idx, int64_t limit, bool hasIgnore, int64_t ignore,
+                     std::function<std::string(const IndexCheckResult&)> error) {
+  if (idx.numel() == 0) return;
+  const Device device = idx.device();
+  struct State {
+    DataPtr result;  // pinned host: the device copies {position, value} here
+    cuda::Event done;
+  };
+  auto state = std::make_shared<State>();
+  {
+    cuda::DeviceGuard guard(device);  // a new pinned segment is a runtime call: on this device, never cuda:0
+    state->result = cuda::pinnedHostAllocator().allocate(2 * sizeof(int64_t));
+  }
+  auto* result = static_cast<int64_t*>(state->result.get());
+  cuda::checkIndicesAsync(device, idx.data<int64_t>(), idx.numel(), limit, hasIgnore, ignore, result);
+  state->done.record(cuda::currentStream(device));
+  DeferredChecks::Check check;
+  check.device = device;
+  check.finished = [state](bool wait) {
+    if (wait) state->done.synchronize();
+    return wait || state->done.query();
+  };
+  check.result = [state] {
+    const auto* r = static_cast<const int64_t*>(state->result.get());
+    return IndexCheckResult{r[0], r[1]};
+  };
+  check.error = std::move(error);
+  deferredChecks().add(std::move(check));
+}
+#endif
 
 // Moves dim to the end and returns a contiguous [rows, n] tensor in compute dtype.
 Tensor lastDimRows(const Tensor& a, int64_t dim, DType ct) {
@@ -171,10 +211,7 @@ void crossEntropyForward(const T* lsm, const int64_t* target, int64_t n, int64_t
       losses[i] = 0;
       continue;
     }
-    if (t < 0 || t >= c) {
-      throw InvalidArgument(str("crossEntropy: target ", t, " at position ", i, " is out of range for ", c,
-                                " classes (ignoreIndex is ", o.ignoreIndex, ")"));
-    }
+    if (t < 0 || t >= c) throw InvalidArgument(crossEntropyTargetError(t, i, c, o.ignoreIndex));
     ++valid;
     losses[i] = smoothedNll(lsm + i * c, t, c, eps);
   }
@@ -249,28 +286,30 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
   }
   std::vector<double> losses;
   int64_t valid = 0;
+  Tensor validT;  // on CUDA: the count of counted rows, a float64 scalar on the device
   Tensor out;
   if (onGpu) {
 #if DT_HAVE_CUDA
-    // The per-row losses stay on the device; the status read back (bad target, valid count)
-    // is this op's one wait: the error must be raised here and the mean needs the count.
+    // Nothing is read back: the target check is deferred (tensor/deferred_checks.h: raised at
+    // the next host read on this device or the next optimizer step), a bad target's row gives
+    // loss 0 and is not counted meanwhile, and the mean divides by a count kept on the device.
     NoGradGuard ng;
     Tensor lossT = empty({n}, DType::Float64, logits.device());
-    const cuda::CrossEntropyStatus status =
-        cuda::crossEntropyForward(logits.device(), ct, lossT.data<double>(), lsm.dataPtr(),
-                                  tgt.data<int64_t>(), n, c, options.ignoreIndex, options.labelSmoothing);
-    if (status.badPosition >= 0) {
-      throw InvalidArgument(str("crossEntropy: target ", status.badTarget, " at position ",
-                                status.badPosition, " is out of range for ", c, " classes (ignoreIndex is ",
-                                options.ignoreIndex, ")"));
-    }
-    valid = status.valid;
+    Tensor countedT = empty({n}, DType::Float64, logits.device());
+    deferIndexCheck(tgt, c, true, options.ignoreIndex,
+                    [c, ignoreIndex = options.ignoreIndex](const IndexCheckResult& r) {
+                      return crossEntropyTargetError(r.value, r.position, c, ignoreIndex);
+                    });
+    cuda::crossEntropyForward(logits.device(), ct, lossT.data<double>(), countedT.data<double>(), lsm.dataPtr(),
+                              tgt.data<int64_t>(), n, c, options.ignoreIndex, options.labelSmoothing);
     if (options.reduction == Reduction::None) {
       out = lossT.reshape(single ? Shape{} : Shape{n}).to(logits.dtype());
     } else {
       Tensor total = sum(lossT);
-      // NaN when all are ignored, like PyTorch.
-      if (options.reduction == Reduction::Mean) total = div(total, static_cast<double>(valid));
+      if (options.reduction == Reduction::Mean) {
+        validT = sum(countedT);
+        total = div(total, validT);  // NaN when all are ignored, like PyTorch
+      }
       out = total.to(logits.dtype());
     }
 #endif
@@ -295,7 +334,7 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
   const Reduction reduction = options.reduction;
   recordFn(
       "CrossEntropyBackward", {logits}, out, [&] { return std::vector<SavedTensor>{SavedTensor(lsm), SavedTensor(tgt)}; },
-      [options, n, c, valid, reduction, single](const BackwardContext& ctx) -> TensorList {
+      [options, n, c, valid, validT, reduction, single](const BackwardContext& ctx) -> TensorList {
         const Tensor& l = ctx.saved[0];
         const Tensor& t = ctx.saved[1];
         Tensor g = ctx.grads[0].to(DType::Float64).contiguous();
@@ -304,7 +343,7 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
 #if DT_HAVE_CUDA
           cuda::crossEntropyBackward(l.device(), l.dtype(), out2.dataPtr(), l.dataPtr(), t.data<int64_t>(),
                                      g.data<double>(), reduction == Reduction::None,
-                                     reduction == Reduction::Mean ? static_cast<double>(valid) : 1.0, n, c,
+                                     validT.defined() ? validT.data<double>() : nullptr, n, c,
                                      options.ignoreIndex, options.labelSmoothing);
 #endif
           return {single ? out2.reshape({c}) : out2};
@@ -360,21 +399,20 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
     w = weight.contiguous();
   }
   auto outOfRange = [&](int64_t value) {
-    return InvalidArgument(
-        str("embedding: index ", value, " out of range for weight ", weight.describe(), " (", num, " rows)"));
+    return InvalidArgument(embeddingIndexError(value, -1, weight.describe(), num));
   };
   Shape outShape = indices.sizes();
   outShape.push_back(dim);
   Tensor out = empty(outShape, weight.dtype(), weight.device());
   if (onGpu) {
 #if DT_HAVE_CUDA
-    // The range check reads one word back (a kernel cannot throw): this op's one wait.
-    int64_t bad = 0;
-    if (cuda::firstIndexOutOfRange(weight.device(), idx.data<int64_t>(), idx.numel(), num, &bad) >= 0) {
-      throw outOfRange(bad);
-    }
+    // The range check is deferred (tensor/deferred_checks.h: raised at the next host read on
+    // this device or the next optimizer step); meanwhile a bad index gathers a zero row.
+    deferIndexCheck(idx, num, false, 0, [weightText = weight.describe(), num](const IndexCheckResult& r) {
+      return embeddingIndexError(r.value, r.position, weightText, num);
+    });
     cuda::gatherRows(weight.device(), weight.itemsize(), out.dataPtr(), w.dataPtr(), idx.data<int64_t>(),
-                     idx.numel(), dim);
+                     idx.numel(), dim, num);
 #endif
   } else {
     const int64_t* ip = idx.data<int64_t>();
@@ -396,7 +434,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
           Tensor gw = zeros({num, dim}, DType::Float64, g.device());
 #if DT_HAVE_CUDA
           cuda::scatterAddRows(g.device(), gw.data<double>(), g.data<double>(), ind.data<int64_t>(),
-                               ind.numel(), dim);
+                               ind.numel(), dim, num);
 #endif
           return {gw};
         }

@@ -10,6 +10,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "common/strings.h"
+#include "tensor/deferred_checks.h"
 #include "tensor/internal/detail.h"
 #include "tensor/internal/loop.h"
 #include "tensor/internal/op_scope.h"
@@ -536,6 +537,9 @@ void detail::cudaCopy(Tensor& dst, const Tensor& src) {
     stream.synchronize();
   }
   if (!landing.isSameAs(dst)) dst.copy_(landing);
+  // The host has just waited for this device: an earlier op's index check that failed is
+  // raised here, at no extra wait (tensor/deferred_checks.h).
+  if (!betweenGpus) detail::raiseDeferredChecks(side, false, "the next copy between the host and this device");
 }
 #endif
 

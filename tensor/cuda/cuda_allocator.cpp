@@ -354,6 +354,7 @@ void copyBytesAsync(void* dst, Device dstDevice, const void* src, Device srcDevi
   if (pageable) {
     // CUDA may return before a pageable source is staged or a pageable
     // destination written; waiting makes the rule simple: pageable means done.
+    countHostSync();
     check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle())), "synchronize after memcpy",
           stream.str());
   } else if (host != nullptr && pinnedCacheOwns(host)) {

@@ -5,9 +5,10 @@
 //    to element 0 of the operand (storage data + offset), strides and sizes
 //    count elements, never bytes.
 //  * Every function launches on cuda::currentStream(device) and returns
-//    without waiting (ops are asynchronous, as in PyTorch), except the few
-//    marked "waits": they read a small status back to raise a host error
-//    (an index out of range), which a kernel cannot throw.
+//    without waiting (ops are asynchronous, as in PyTorch). None waits: an
+//    index out of range, which a kernel cannot throw, is reported through
+//    checkIndicesAsync into host memory and raised later by the ops layer
+//    (tensor/deferred_checks.h); the kernels that take such indices skip them.
 //  * Compute dtypes: elementwise and reduction kernels take float32, float64,
 //    int32 or int64 (the ops layer converts float16/bfloat16/bool first, as
 //    the cpu kernels do); copy() converts between every dtype of dtype.h;
@@ -138,19 +139,16 @@ void scatterRows(Device device, DType type, void* out, const void* grad, const i
                  int64_t r, int64_t inner);
 void softmaxRows(Device device, DType type, void* out, const void* in, int64_t rows, int64_t n, bool logMode);
 
-struct CrossEntropyStatus {
-  int64_t badPosition = -1;  // first row whose target is out of range, or -1
-  int64_t badTarget = 0;
-  int64_t valid = 0;  // rows whose target is not ignoreIndex
-};
-// losses[r] (float64) from log-probabilities lsm; waits (returns the status).
-CrossEntropyStatus crossEntropyForward(Device device, DType type, double* losses, const void* lsm,
-                                       const int64_t* target, int64_t n, int64_t c, int64_t ignoreIndex,
-                                       double labelSmoothing);
+// losses[r] and counted[r] (float64 [n] each) from log-probabilities lsm: counted[r] is 1 where
+// target[r] is a class, 0 where it is ignoreIndex or out of range (loss 0; the caller checks
+// the targets with checkIndicesAsync).
+void crossEntropyForward(Device device, DType type, double* losses, double* counted, const void* lsm,
+                         const int64_t* target, int64_t n, int64_t c, int64_t ignoreIndex, double labelSmoothing);
 // out[r, j] = scale_r * (exp(lsm) - smoothing/c - (1 - smoothing) * [j == target]), where
-// scale_r = grad[r] (perRow) or grad[0] / divisor.
+// scale_r = grad[r] (perRow) or grad[0] / *divisor (a device float64; null divides by 1); 0 in
+// rows whose target is ignoreIndex or out of range.
 void crossEntropyBackward(Device device, DType type, void* out, const void* lsm, const int64_t* target,
-                          const double* grad, bool perRow, double divisor, int64_t n, int64_t c,
+                          const double* grad, bool perRow, const double* divisor, int64_t n, int64_t c,
                           int64_t ignoreIndex, double labelSmoothing);
 
 // w and b may be null. mean/rstd are float64 [rows]; gw/gb float64 [d] (overwritten), each may be null.
@@ -160,15 +158,22 @@ void layerNormBackward(Device device, DType type, void* gx, double* gw, double* 
                        const void* w, const void* grad, const double* mean, const double* rstd, int64_t rows,
                        int64_t d);
 
-// First position whose index is outside [0, limit), or -1; waits.
-int64_t firstIndexOutOfRange(Device device, const int64_t* idx, int64_t count, int64_t limit,
-                             int64_t* badValue);
-// out[i, :] = weight[idx[i], :] for rows of rowElems elements of itemSize bytes.
+// Queues a range check of idx[0, count) and returns without waiting: result[0] becomes the
+// first position whose value is outside [0, limit) (a value equal to `ignore` passes when
+// hasIgnore), or -1, and result[1] that value (0 when none). `result` is pinned host memory
+// (pinnedHostAllocator; the copy into it is asynchronous), valid once the stream has passed
+// this point (record an event after the call) and kept alive until then. count 0 writes
+// {-1, 0} at once.
+void checkIndicesAsync(Device device, const int64_t* idx, int64_t count, int64_t limit, bool hasIgnore,
+                       int64_t ignore, int64_t* result);
+// out[i, :] = weight[idx[i], :] for rows of rowElems elements of itemSize bytes; a row whose
+// index is outside [0, limit) is zeros.
 void gatherRows(Device device, size_t itemSize, void* out, const void* weight, const int64_t* idx,
-                int64_t count, int64_t rowElems);
-// gw[idx[i], :] += grad[i, :] (float64, atomic: repeated indices accumulate).
+                int64_t count, int64_t rowElems, int64_t limit);
+// gw[idx[i], :] += grad[i, :] (float64, atomic: repeated indices accumulate); an index
+// outside [0, limit) adds nothing.
 void scatterAddRows(Device device, double* gw, const double* grad, const int64_t* idx, int64_t count,
-                    int64_t rowElems);
+                    int64_t rowElems, int64_t limit);
 
 // One AdamW step over contiguous float32/float64 arrays, the same arithmetic as
 // optim.cpp's adamwRange (no fused multiply-add, so the bits match the cpu).

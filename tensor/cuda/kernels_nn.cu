@@ -182,31 +182,28 @@ __global__ void softmaxRowsKernel(T* out, const T* in, int64_t rows, int64_t n, 
 
 // ---- cross entropy ---------------------------------------------------------------------------
 
-// status: [0] first bad row (atomicMin, INT64_MAX when none), [1] valid count.
+// counted[i]: 1 for a row whose target is a class, else 0 (summed for the mean's divisor on
+// the device, so the host never reads the count). An out-of-range target (reported by the
+// deferred index check) counts as ignored and reads nothing.
 template <typename T>
-__global__ void crossEntropyForwardKernel(double* losses, unsigned long long* status, const T* lsm,
-                                          const int64_t* target, int64_t n, int64_t c, int64_t ignoreIndex,
-                                          double eps) {
+__global__ void crossEntropyForwardKernel(double* losses, double* counted, const T* lsm, const int64_t* target,
+                                          int64_t n, int64_t c, int64_t ignoreIndex, double eps) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = target[i];
-    if (t == ignoreIndex) {
+    if (t == ignoreIndex || t < 0 || t >= c) {
       losses[i] = 0;
+      counted[i] = 0;
       continue;
     }
-    if (t < 0 || t >= c) {
-      atomicMin(&status[0], static_cast<unsigned long long>(i));
-      losses[i] = 0;
-      continue;
-    }
-    atomicAdd(&status[1], 1ull);
+    counted[i] = 1;
     losses[i] = detail::smoothedNll(lsm + i * c, t, c, eps);
   }
 }
 
 template <typename T>
 __global__ void crossEntropyBackwardKernel(T* out, const T* lsm, const int64_t* target, const double* grad,
-                                           bool perRow, double divisor, int64_t n, int64_t c,
+                                           bool perRow, const double* divisor, int64_t n, int64_t c,
                                            int64_t ignoreIndex, double eps) {
   const int64_t total = n * c;
   const double smooth = eps / static_cast<double>(c);
@@ -214,11 +211,11 @@ __global__ void crossEntropyBackwardKernel(T* out, const T* lsm, const int64_t* 
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = e / c, j = e % c;
     const int64_t t = target[i];
-    if (t == ignoreIndex) {
+    if (t == ignoreIndex || t < 0 || t >= c) {  // out of range: ignored, as in the forward
       out[e] = T(0);
       continue;
     }
-    const double g = perRow ? grad[i] : grad[0] / divisor;
+    const double g = perRow ? grad[i] : divisor != nullptr ? grad[0] / *divisor : grad[0];
     // The cpu rounds the shared term to T before subtracting at the target: do the same.
     T v = static_cast<T>(g * (::exp(static_cast<double>(lsm[e])) - smooth));
     if (j == t) v = static_cast<T>(static_cast<double>(v) - g * (1.0 - eps));
@@ -318,30 +315,42 @@ __global__ void sumColumnChunksKernel(double* out, const double* partials, int64
 
 // ---- embedding ------------------------------------------------------------------------------------
 
-__global__ void indexCheckKernel(unsigned long long* first, const int64_t* idx, int64_t count,
-                                 int64_t limit) {
+// first: atomicMin of the bad positions (all ones when none).
+__global__ void indexCheckKernel(unsigned long long* first, const int64_t* idx, int64_t count, int64_t limit,
+                                 bool hasIgnore, int64_t ignore) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (idx[i] < 0 || idx[i] >= limit) atomicMin(first, static_cast<unsigned long long>(i));
+    const int64_t v = idx[i];
+    if ((v < 0 || v >= limit) && !(hasIgnore && v == ignore)) atomicMin(first, static_cast<unsigned long long>(i));
   }
+}
+
+// After indexCheckKernel on the same stream: out = {first bad position or -1, its value}.
+__global__ void indexCheckResultKernel(int64_t* out, const unsigned long long* first, const int64_t* idx) {
+  const unsigned long long f = *first;
+  out[0] = f == ~0ull ? -1 : static_cast<int64_t>(f);
+  out[1] = f == ~0ull ? 0 : idx[f];
 }
 
 template <typename T>
 __global__ void gatherRowsKernel(T* out, const T* weight, const int64_t* idx, int64_t count,
-                                 int64_t rowElems) {
+                                 int64_t rowElems, int64_t limit) {
   const int64_t total = count * rowElems;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[e] = weight[idx[e / rowElems] * rowElems + e % rowElems];
+    const int64_t row = idx[e / rowElems];
+    // An index out of range (its check is raised later) gathers zeros, never foreign memory.
+    out[e] = row >= 0 && row < limit ? weight[row * rowElems + e % rowElems] : T(0);
   }
 }
 
 __global__ void scatterAddRowsKernel(double* gw, const double* grad, const int64_t* idx, int64_t count,
-                                     int64_t rowElems) {
+                                     int64_t rowElems, int64_t limit) {
   const int64_t total = count * rowElems;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    atomicAdd(&gw[idx[e / rowElems] * rowElems + e % rowElems], grad[e]);
+    const int64_t row = idx[e / rowElems];
+    if (row >= 0 && row < limit) atomicAdd(&gw[row * rowElems + e % rowElems], grad[e]);
   }
 }
 
@@ -523,40 +532,20 @@ void softmaxRows(Device device, DType type, void* out, const void* in, int64_t r
   checkLaunch("softmaxRows", device);
 }
 
-CrossEntropyStatus crossEntropyForward(Device device, DType type, double* losses, const void* lsm,
-                                       const int64_t* target, int64_t n, int64_t c, int64_t ignoreIndex,
-                                       double labelSmoothing) {
-  CrossEntropyStatus result;
-  if (n == 0) return result;
+void crossEntropyForward(Device device, DType type, double* losses, double* counted, const void* lsm,
+                         const int64_t* target, int64_t n, int64_t c, int64_t ignoreIndex, double labelSmoothing) {
+  if (n == 0) return;
   DeviceGuard guard(device);
-  cudaStream_t s = streamFor(device);
-  unsigned long long* status = nullptr;
-  checkCall(cudaMallocAsync(reinterpret_cast<void**>(&status), 2 * sizeof(unsigned long long), s), "malloc",
-            device);
-  const unsigned long long init[2] = {~0ull, 0ull};
-  checkCall(cudaMemcpyAsync(status, init, sizeof(init), cudaMemcpyHostToDevice, s), "memcpy", device);
   dispatchFloat(type, "crossEntropy", [&](auto zero) {
     using T = decltype(zero);
-    crossEntropyForwardKernel<T><<<gridForThreads(n), kThreads, 0, s>>>(
-        losses, status, static_cast<const T*>(lsm), target, n, c, ignoreIndex, labelSmoothing);
+    crossEntropyForwardKernel<T><<<gridForThreads(n), kThreads, 0, streamFor(device)>>>(
+        losses, counted, static_cast<const T*>(lsm), target, n, c, ignoreIndex, labelSmoothing);
   });
   checkLaunch("crossEntropyForward", device);
-  unsigned long long host[2] = {0, 0};
-  checkCall(cudaMemcpyAsync(host, status, sizeof(host), cudaMemcpyDeviceToHost, s), "memcpy", device);
-  checkCall(cudaFreeAsync(status, s), "free", device);
-  checkCall(cudaStreamSynchronize(s), "crossEntropy status", device);
-  result.valid = static_cast<int64_t>(host[1]);
-  if (host[0] != ~0ull) {
-    result.badPosition = static_cast<int64_t>(host[0]);
-    checkCall(
-        cudaMemcpy(&result.badTarget, target + result.badPosition, sizeof(int64_t), cudaMemcpyDeviceToHost),
-        "memcpy", device);
-  }
-  return result;
 }
 
 void crossEntropyBackward(Device device, DType type, void* out, const void* lsm, const int64_t* target,
-                          const double* grad, bool perRow, double divisor, int64_t n, int64_t c,
+                          const double* grad, bool perRow, const double* divisor, int64_t n, int64_t c,
                           int64_t ignoreIndex, double labelSmoothing) {
   if (n * c == 0) return;
   DeviceGuard guard(device);
@@ -617,30 +606,31 @@ void layerNormBackward(Device device, DType type, void* gx, double* gw, double* 
   checkLaunch("layerNormBackward", device);
 }
 
-int64_t firstIndexOutOfRange(Device device, const int64_t* idx, int64_t count, int64_t limit,
-                             int64_t* badValue) {
-  if (count == 0) return -1;
+void checkIndicesAsync(Device device, const int64_t* idx, int64_t count, int64_t limit, bool hasIgnore,
+                       int64_t ignore, int64_t* result) {
+  if (count == 0) {
+    result[0] = -1;
+    result[1] = 0;
+    return;
+  }
   DeviceGuard guard(device);
   cudaStream_t s = streamFor(device);
-  unsigned long long* first = nullptr;
-  checkCall(cudaMallocAsync(reinterpret_cast<void**>(&first), sizeof(unsigned long long), s), "malloc",
-            device);
+  // [0] the atomicMin word, [1..2] the result; freed at once: the caching allocator reuses it
+  // only for work queued later on this stream.
+  const DataPtr scratch = workspace(device, 3 * sizeof(int64_t));
+  auto* first = static_cast<unsigned long long*>(scratch.get());
+  int64_t* out = static_cast<int64_t*>(scratch.get()) + 1;
   checkCall(cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), s), "memset", device);
-  indexCheckKernel<<<gridForThreads(count), kThreads, 0, s>>>(
-      first, idx, count, limit);
+  indexCheckKernel<<<gridForThreads(count), kThreads, 0, s>>>(first, idx, count, limit, hasIgnore, ignore);
   checkLaunch("indexCheck", device);
-  unsigned long long host = 0;
-  checkCall(cudaMemcpyAsync(&host, first, sizeof(host), cudaMemcpyDeviceToHost, s), "memcpy", device);
-  checkCall(cudaFreeAsync(first, s), "free", device);
-  checkCall(cudaStreamSynchronize(s), "index check", device);
-  if (host == ~0ull) return -1;
-  const auto position = static_cast<int64_t>(host);
-  checkCall(cudaMemcpy(badValue, idx + position, sizeof(int64_t), cudaMemcpyDeviceToHost), "memcpy", device);
-  return position;
+  indexCheckResultKernel<<<1, 1, 0, s>>>(out, first, idx);
+  checkLaunch("indexCheck (result)", device);
+  checkCall(cudaMemcpyAsync(result, out, 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, s), "memcpy of an index check",
+            device);
 }
 
 void gatherRows(Device device, size_t itemSize, void* out, const void* weight, const int64_t* idx,
-                int64_t count, int64_t rowElems) {
+                int64_t count, int64_t rowElems, int64_t limit) {
   if (count * rowElems == 0) return;
   DeviceGuard guard(device);
   const unsigned blocks = blocksFor(count * rowElems);
@@ -648,30 +638,30 @@ void gatherRows(Device device, size_t itemSize, void* out, const void* weight, c
   switch (itemSize) {
     case 1:
       gatherRowsKernel<uint8_t><<<blocks, kThreads, 0, s>>>(
-          static_cast<uint8_t*>(out), static_cast<const uint8_t*>(weight), idx, count, rowElems);
+          static_cast<uint8_t*>(out), static_cast<const uint8_t*>(weight), idx, count, rowElems, limit);
       break;
     case 2:
       gatherRowsKernel<uint16_t><<<blocks, kThreads, 0, s>>>(
-          static_cast<uint16_t*>(out), static_cast<const uint16_t*>(weight), idx, count, rowElems);
+          static_cast<uint16_t*>(out), static_cast<const uint16_t*>(weight), idx, count, rowElems, limit);
       break;
     case 4:
       gatherRowsKernel<uint32_t><<<blocks, kThreads, 0, s>>>(
-          static_cast<uint32_t*>(out), static_cast<const uint32_t*>(weight), idx, count, rowElems);
+          static_cast<uint32_t*>(out), static_cast<const uint32_t*>(weight), idx, count, rowElems, limit);
       break;
     default:
       gatherRowsKernel<uint64_t><<<blocks, kThreads, 0, s>>>(
-          static_cast<uint64_t*>(out), static_cast<const uint64_t*>(weight), idx, count, rowElems);
+          static_cast<uint64_t*>(out), static_cast<const uint64_t*>(weight), idx, count, rowElems, limit);
       break;
   }
   checkLaunch("gatherRows", device);
 }
 
 void scatterAddRows(Device device, double* gw, const double* grad, const int64_t* idx, int64_t count,
-                    int64_t rowElems) {
+                    int64_t rowElems, int64_t limit) {
   if (count * rowElems == 0) return;
   DeviceGuard guard(device);
   scatterAddRowsKernel<<<blocksFor(count * rowElems), kThreads, 0, streamFor(device)>>>(gw, grad, idx, count,
-                                                                                        rowElems);
+                                                                                        rowElems, limit);
   checkLaunch("scatterAddRows", device);
 }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <utility>
 
@@ -129,7 +130,15 @@ bool Stream::query() const {
   return true;
 }
 
+namespace {
+std::atomic<uint64_t> hostSyncs{0};
+}  // namespace
+
+uint64_t hostSyncCount() { return hostSyncs.load(std::memory_order_relaxed); }
+void countHostSync() { hostSyncs.fetch_add(1, std::memory_order_relaxed); }
+
 void Stream::synchronize() const {
+  countHostSync();
   DeviceGuard guard(device_);
   check(cudaStreamSynchronize(raw(*this)), "synchronize stream", device_);
 }
@@ -227,6 +236,7 @@ bool Event::query() const {
 
 void Event::synchronize() const {
   if (handle_ == nullptr) return;
+  countHostSync();
   DeviceGuard guard(device_);
   check(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_)), "synchronize event", device_);
 }

@@ -33,6 +33,7 @@
 //    one Event shared by threads needs the caller's lock.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "tensor/cuda/device_switch.h"
@@ -46,6 +47,15 @@ void setCurrentDevice(int index);
 // Whether this process holds the primary context of CUDA device `index`
 // (asking makes none; false without a driver or when the driver cannot tell).
 bool primaryContextActive(int index) noexcept;
+
+// How many times tensor/cuda made the host wait for a device in this process: each
+// Stream::synchronize, Event::synchronize, and copy to or from pageable host memory
+// (copyBytesAsync waits there) counts one, so a read of a value (item()) counts two (the copy,
+// then cudaCopy's wait for its stream). For tests that check an op queues its work without
+// waiting (crossEntropy, embedding) or that a step waits a known number of times (clipGradNorm
+// reads its norm once). Waits elsewhere (NCCL, cuBLAS, emptyCache) are not counted.
+uint64_t hostSyncCount();
+void countHostSync();  // for tensor/cuda's own waits outside stream.cpp
 
 class Stream {
  public:

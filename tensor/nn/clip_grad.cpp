@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "common/errors.h"
 #include "common/strings.h"
@@ -46,6 +48,19 @@ double statistic(const Tensor& g, bool maxMode) {
   return maxMode ? max(abs(g64)).item<double>() : sum(mul(g64, g64)).item<double>();
 }
 
+// The same on the gradient's device, as a float64 0-dim tensor there (no host read).
+Tensor deviceStatistic(const Tensor& g, bool maxMode) {
+  const Tensor g64 = g.to(DType::Float64);
+  return maxMode ? max(abs(g64)) : sum(mul(g64, g64));
+}
+
+// One device's statistics, summed (or maxed, NaN kept) on the device.
+Tensor combined(const std::vector<Tensor>& statistics, bool maxMode, Device device) {
+  if (statistics.empty()) return zeros({}, DType::Float64, device);
+  const Tensor all = stack(statistics);
+  return maxMode ? max(all) : sum(all);
+}
+
 }  // namespace
 
 double clipGradNorm(const std::vector<Tensor>& parameters, double maxNorm, const ClipGradNormOptions& options) {
@@ -61,13 +76,31 @@ double clipGradNorm(const std::vector<Tensor>& parameters, double maxNorm, const
   std::vector<Tensor> grads;
   double local = 0.0;  // the whole parameters' (all of them without isSplit)
   double split = 0.0;
+  // Gradients on a GPU: each parameter's statistic stays on its device and the device adds
+  // them up, so the host waits once per device (a read of two values), not once per
+  // parameter. {device, {whole parameters' statistics, split ones'}}, in first-seen order.
+  std::vector<std::pair<Device, std::pair<std::vector<Tensor>, std::vector<Tensor>>>> onDevices;
   for (size_t i = 0; i < parameters.size(); ++i) {
     Tensor g = parameters[i].grad();
     if (!g.defined()) continue;
     grads.push_back(g);
+    const bool isSplit = options.isSplit && options.isSplit(i);
+    if (!g.device().isCpu()) {
+      auto it = std::find_if(onDevices.begin(), onDevices.end(), [&](const auto& d) { return d.first == g.device(); });
+      if (it == onDevices.end()) it = onDevices.insert(onDevices.end(), {g.device(), {}});
+      (isSplit ? it->second.second : it->second.first).push_back(deviceStatistic(g, maxMode));
+      continue;
+    }
     const double s = statistic(g, maxMode);
-    double& into = options.isSplit && options.isSplit(i) ? split : local;
+    double& into = isSplit ? split : local;
     into = maxMode ? maxKeepNan(into, s) : into + s;
+  }
+  for (const auto& [device, statistics] : onDevices) {
+    const std::vector<double> both =
+        stack({combined(statistics.first, maxMode, device), combined(statistics.second, maxMode, device)})
+            .toVector<double>();  // this device's one host wait
+    local = maxMode ? maxKeepNan(local, both[0]) : local + both[0];
+    split = maxMode ? maxKeepNan(split, both[1]) : split + both[1];
   }
   if (options.reduceSplitPartial) {
     Tensor partial = scalarTensor(split, DType::Float64);

@@ -21,6 +21,9 @@
 //  * A non-finite norm: with errorIfNonfinite it throws InvalidArgument naming the first
 //    parameter whose gradient is not finite, and changes nothing; otherwise the gradients
 //    are scaled by a NaN factor, as PyTorch does.
+//  * Gradients on a GPU: the statistics are computed and added up on the device and read once
+//    per device (one host wait for the norm, not one per parameter); the partials passed to
+//    reducePartial / reduceSplitPartial are CPU tensors, as with CPU gradients.
 //  * Not differentiable (runs under NoGradGuard); bumps the versions of the gradients it scales.
 #pragma once
 

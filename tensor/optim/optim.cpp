@@ -7,6 +7,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "tensor/autograd/autograd.h"
+#include "tensor/deferred_checks.h"
 #include "tensor/nn/module.h"
 #include "tensor/ops.h"
 #include "tensor/parallel.h"
@@ -16,6 +17,25 @@
 #endif
 
 namespace dt::optim {
+
+namespace {
+
+// A CUDA op's deferred index check (tensor/deferred_checks.h) is raised before any parameter
+// changes, so a batch with a bad target or index never reaches the weights. It waits only
+// while checks are pending on a parameter's device: the forward's checks, long finished by
+// now in a step that read its loss or clipped its gradients (one wait per step otherwise,
+// with the backward already queued behind it).
+void raiseChecksBeforeStep(const std::vector<Tensor>& params) {
+  if (detail::deferredChecks().pendingTotal() == 0) return;
+  std::vector<Device> seen;
+  for (const Tensor& p : params) {
+    if (p.device().isCpu() || std::find(seen.begin(), seen.end(), p.device()) != seen.end()) continue;
+    seen.push_back(p.device());
+    detail::raiseDeferredChecks(p.device(), true, "the optimizer step, before it changed any parameter");
+  }
+}
+
+}  // namespace
 
 Optimizer::Optimizer(std::vector<Tensor> params) : Optimizer(std::vector<ParamGroup>{ParamGroup{std::move(params), {}}}) {}
 
@@ -153,6 +173,7 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options) : Optimizer(std::mo
 
 void SGD::step() {
   NoGradGuard ng;
+  raiseChecksBeforeStep(params_);
   const SGDOptions& o = options_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
@@ -230,6 +251,7 @@ void adamwKernel(T* p, const T* g, T* m, T* v, int64_t n, double lr, double b1, 
 
 void AdamW::step() {
   NoGradGuard ng;
+  raiseChecksBeforeStep(params_);
   const AdamWOptions& o = options_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];

@@ -11,6 +11,9 @@
 // created lazily on the first step. stateDict() holds that state as named
 // tensors ("state.<index>.<name>", plus "state.<index>.step" for AdamW) so it
 // saves with saveSafetensors; loadStateDict restores it (shapes must match).
+// On CUDA, step() first waits for the index checks that ops (crossEntropy,
+// embedding) left pending on its parameters' devices and throws the first
+// failure before it changes anything (tensor/deferred_checks.h).
 // Not thread-safe.
 #pragma once
 

@@ -15,12 +15,15 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/strings.h"
+#include "tensor/deferred_checks.h"
+#include "tensor/nn/clip_grad.h"
 #include "tensor/ops.h"
 #include "tensor/optim/optim.h"
 #include "tensor/storage.h"
@@ -270,9 +273,10 @@ TEST(CudaOps, CrossEntropy) {
   }
   checkOp("crossEntropy single row", [](const TensorList& t) { return crossEntropy(t[0], t[1]); },
           {randomTensor({10}, 13), scalarTensor(4.0, DType::Int64)});
+  // The target check is deferred (tensor/deferred_checks.h): raised at the loss's read.
   const Tensor bad = fromVector<int64_t>({0, 1, 10, 2, 3, 4, 5, 6}).to(kGpu);
-  expectThrowsWith<InvalidArgument>([&] { crossEntropy(logits.to(kGpu), bad); },
-                                    {"crossEntropy", "target 10 at position 2", "10 classes"});
+  expectThrowsWith<InvalidArgument>([&] { crossEntropy(logits.to(kGpu), bad).item<float>(); },
+                                    {"crossEntropy", "target 10 at position 2", "10 classes", "found on cuda:0"});
 }
 
 TEST(CudaOps, LayerNormAndEmbedding) {
@@ -288,9 +292,88 @@ TEST(CudaOps, LayerNormAndEmbedding) {
           {table, idx.to(DType::Int32)});
   expectThrowsWith<InvalidArgument>(
       [&] {
-        embedding(table.to(kGpu), fromVector<int64_t>({2, 10}).to(kGpu));
+        embedding(table.to(kGpu), fromVector<int64_t>({2, 10}).to(kGpu)).to(Device::cpu());
       },
-      {"embedding", "index 10", "10 rows"});
+      {"embedding", "index 10 at position 1", "10 rows", "found on cuda:0"});
+}
+
+// Issue 43 item 7: the index checks and the gradient norm do not make the host wait per call.
+TEST(CudaOps, IndexChecksQueueWithoutWaitingAndRaiseAtTheNextRead) {
+  REQUIRE_CUDA();
+#if DT_HAVE_CUDA
+  const Tensor logits = randomTensor({8, 10}, 12).to(kGpu);
+  const Tensor good = fromVector<int64_t>({0, 3, 9, 3, -100, 5, 1, 2}).to(kGpu);
+  const Tensor bad = fromVector<int64_t>({0, 3, 9, 3, -100, 5, 12, 2}).to(kGpu);
+  const Tensor table = randomTensor({10, 7}, 17).to(kGpu);
+  const Tensor idx = fromVector<int64_t>({1, 3, 3, 9, 0, 1}).to(kGpu);
+  Tensor leaf = logits.detach();
+  leaf.setRequiresGrad(true);
+  uint64_t before = cuda::hostSyncCount();
+  Tensor loss = add(crossEntropy(leaf, good), sum(embedding(table, idx)));
+  loss.backward();
+  EXPECT_EQ(cuda::hostSyncCount(), before) << "crossEntropy / embedding forward and backward waited";
+  EXPECT_TRUE(std::isfinite(loss.item<double>()));
+  EXPECT_EQ(detail::deferredChecks().pending(kGpu), 0u) << "a read drops the finished checks";
+  // A bad target: the op returns, the loss's read raises (at the latest the optimizer step would).
+  before = cuda::hostSyncCount();
+  Tensor badLoss = crossEntropy(logits, bad);
+  EXPECT_EQ(cuda::hostSyncCount(), before);
+  expectThrowsWith<InvalidArgument>([&] { badLoss.item<double>(); },
+                                    {"crossEntropy: target 12 at position 6 is out of range for 10 classes",
+                                     "found on cuda:0", "raised at the next copy between the host and this device"});
+  // Raised once; the device is still usable.
+  EXPECT_NO_THROW(crossEntropy(logits, good).item<double>());
+  // Meanwhile the bad rows read nothing out of bounds: zeros for an embedding row.
+  const Tensor rows = embedding(table, fromVector<int64_t>({2, 10, -3}).to(kGpu));
+  expectThrowsWith<InvalidArgument>([&] { rows.to(Device::cpu()); }, {"embedding: index 10 at position 1"});
+  const std::vector<double> got = rows.to(Device::cpu()).toVector<double>();
+  for (size_t j = 7; j < 21; ++j) EXPECT_EQ(got[j], 0.0) << j;
+#endif
+}
+
+TEST(CudaOps, ABadBatchNeverReachesTheWeights) {
+  REQUIRE_CUDA();
+#if DT_HAVE_CUDA
+  Tensor table = randomTensor({10, 7}, 17).to(kGpu);
+  table.setRequiresGrad(true);
+  optim::SGDOptions o;
+  o.lr = 0.1;
+  optim::SGD sgd({table}, o);
+  sum(embedding(table, fromVector<int64_t>({1, 11}).to(kGpu))).backward();
+  const Tensor saved = table.detach().clone();  // on the device: no read, no raise
+  expectThrowsWith<InvalidArgument>([&] { sgd.step(); },
+                                    {"embedding: index 11 at position 1", "raised at the optimizer step"});
+  expectMatches(saved.to(Device::cpu()), table.detach(), Tol{0.0, 0.0}, "the weights after the refused step");
+#endif
+}
+
+TEST(CudaOps, ClipGradNormReadsTheNormOnce) {
+  REQUIRE_CUDA();
+#if DT_HAVE_CUDA
+  std::vector<Tensor> cpuParams, gpuParams;
+  for (int i = 0; i < 6; ++i) {
+    const Tensor p = randomTensor({3 + i, 4}, 60 + i);
+    const Tensor g = randomTensor({3 + i, 4}, 70 + i);
+    cpuParams.push_back(p.clone());
+    cpuParams.back().setGrad(g.clone());
+    gpuParams.push_back(p.to(kGpu));
+    gpuParams.back().setGrad(g.to(kGpu));
+  }
+  const Tensor one = scalarTensor(1.0, DType::Float64).to(kGpu);
+  uint64_t before = cuda::hostSyncCount();
+  (void)one.item<double>();
+  const uint64_t perRead = cuda::hostSyncCount() - before;
+  for (double normType : {2.0, std::numeric_limits<double>::infinity()}) {
+    const double cpuNorm = nn::clipGradNorm(cpuParams, 0.5, {.normType = normType});
+    before = cuda::hostSyncCount();
+    const double gpuNorm = nn::clipGradNorm(gpuParams, 0.5, {.normType = normType});
+    EXPECT_EQ(cuda::hostSyncCount() - before, perRead) << "normType " << normType;
+    EXPECT_NEAR(gpuNorm, cpuNorm, 1e-5 * cpuNorm);
+  }
+  for (size_t i = 0; i < cpuParams.size(); ++i) {
+    expectMatches(cpuParams[i].grad(), gpuParams[i].grad(), kF32, str("clipped gradient ", i));
+  }
+#endif
 }
 
 TEST(CudaOps, MatrixProducts) {
