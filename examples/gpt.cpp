@@ -413,7 +413,7 @@ int run(const Config& c) {
     }
   }
   const int code = examples::reportParameters(kProgram, loop, r, c.quiet);
-  // fsdp: the whole model on every rank while rank 0 samples alone (no collective meanwhile).
+  // fsdp: the whole model on every rank while rank 0 (its tp group under --tp) samples: no dp collective meanwhile.
   std::optional<dt::FullyShardedDataParallel::FullParametersGuard> whole;
   if (loop.fullySharded() != nullptr && c.sampleTokens > 0) whole.emplace(loop.fullySharded()->gatherFullParameters());
   if (finalRank == 0) {
@@ -421,17 +421,22 @@ int run(const Config& c) {
     std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; validation loss %.4f; precision=%s; peak RSS %.0f MiB per rank\n",
                 static_cast<long long>(r.steps), examples::formatSeconds(r.elapsed).c_str(), r.steps > r.firstStep ? rate : 0.0, r.loss,
                 valLoss, precision.c_str(), mem[0]);
-    if (c.sampleTokens > 0 && c.tp > 1) {
-      std::printf("gpt: no sample with --tp %d: sampling needs the whole vocabulary's logits on one rank (not built yet)\n", c.tp);
-    } else if (c.sampleTokens > 0 && c.pp > 1) {
+    if (c.sampleTokens > 0 && c.pp > 1) {
       std::printf("gpt: no sample with --pp %d: sampling needs the whole model on one rank (not built yet)\n", c.pp);
-    } else if (c.sampleTokens > 0) {
-      dt::Generator sampleRng(c.seed + 7);
-      model->eval();
-      std::vector<int64_t> prompt;
-      for (unsigned char ch : c.prompt) prompt.push_back(ch);  // byte tokens
-      const auto text = model->generate(prompt, c.sampleTokens, {.temperature = c.temperature, .topK = c.topK}, sampleRng);
-      std::printf("gpt: sample (temperature %g, top-k %lld):\n%s\n", c.temperature, static_cast<long long>(c.topK), std::string(text.begin(), text.end()).c_str());
+    }
+  }
+  // --tp: the ranks of rank 0's tensor-parallel group generate together (the layout gathers each
+  // token's logits over tp), with the same draws; rank 0 prints.
+  const bool samples = c.sampleTokens > 0 && c.pp == 1 && (c.tp == 1 ? finalRank == 0 : loop.mesh().coordinate("dp") == 0);
+  if (samples) {
+    dt::Generator sampleRng(c.seed + 7);
+    model->eval();
+    std::vector<int64_t> prompt;
+    for (unsigned char ch : c.prompt) prompt.push_back(ch);  // byte tokens
+    const auto text = model->generate(prompt, c.sampleTokens, {.temperature = c.temperature, .topK = c.topK}, sampleRng);
+    if (finalRank == 0) {
+      std::printf("gpt: sample (temperature %g, top-k %lld):\n%s\n", c.temperature, static_cast<long long>(c.topK),
+                  std::string(text.begin(), text.end()).c_str());
     }
   }
   loop.group().barrier()->wait();

@@ -46,6 +46,21 @@ class TensorParallelGptLayout : public nn::GptLayout {
     return vocabParallelCrossEntropy(logits, targets, group_);
   }
 
+  int64_t windowLength(int64_t length) const override {
+    if (!sequenceParallel_) return length;
+    const int64_t t = group_->size();
+    return (length + t - 1) / t * t;  // <= contextLength, which t divides (enterBlocks checks)
+  }
+
+  Tensor wholeVocabulary(const Tensor& row) override {
+    if (!vocabParallel_) return row;
+    // Rank r holds the vocabulary's block r: the ranks' rows in rank order are the whole one.
+    std::vector<Tensor> blocks;
+    for (int r = 0; r < group_->size(); ++r) blocks.push_back(emptyLike(row));
+    group_->allgather(blocks, row.contiguous())->wait();
+    return cat(blocks, 0);
+  }
+
   const ProcessGroupPtr& group() const { return group_; }
   void rebindGroup(ProcessGroupPtr group) { group_ = std::move(group); }
 

@@ -212,17 +212,17 @@ int64_t sampleToken(const Tensor& logits, const SamplingOptions& options, Genera
 std::vector<int64_t> Gpt::generate(const std::vector<int64_t>& prompt, int64_t maxNewTokens,
                                    const SamplingOptions& options, Generator& generator) {
   if (prompt.empty()) throw InvalidArgument("Gpt::generate: the prompt needs at least one token");
-  if (layout_) {
-    throw NotSupportedError(str("Gpt::generate: not supported on a model with a layout (", layout_->describe(),
-                                "): its logits may be a block of the vocabulary; generate with the plain model"));
-  }
   NoGradGuard ng;
   std::vector<int64_t> tokens = prompt;
   for (int64_t n = 0; n < maxNewTokens; ++n) {
     const int64_t len = std::min<int64_t>(static_cast<int64_t>(tokens.size()), config_.contextLength);
-    const std::vector<int64_t> window(tokens.end() - len, tokens.end());
-    const Tensor logits = forward(fromVector<int64_t>(window, {1, len}));
-    tokens.push_back(sampleToken(logits.select(0, 0).select(0, len - 1), options, generator));
+    std::vector<int64_t> window(tokens.end() - len, tokens.end());
+    // Padding after the last real token: under causal attention no real position sees it.
+    if (layout_) window.resize(static_cast<size_t>(layout_->windowLength(len)), window.back());
+    const Tensor logits = forward(fromVector<int64_t>(window, {1, static_cast<int64_t>(window.size())}));
+    Tensor row = logits.select(0, 0).select(0, len - 1);
+    if (layout_) row = layout_->wholeVocabulary(row);
+    tokens.push_back(sampleToken(row, options, generator));
   }
   return tokens;
 }

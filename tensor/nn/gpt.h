@@ -35,8 +35,12 @@
 //    The output layer uses whatever parameter "weight" the child "wte" holds.
 //  * A GptLayout (setLayout) changes where the activations are split: the plain model has
 //    none. With one, forward's logits may be a block of the vocabulary: take the loss with
-//    nextTokenLoss(), which uses the layout's (Gpt::loss expects the whole vocabulary), and
-//    generate() is refused.
+//    nextTokenLoss(), which uses the layout's (Gpt::loss expects the whole vocabulary).
+//    generate() asks the layout for each window's length (sequence parallelism pads it, on the
+//    right, where causal attention leaves the real positions alone) and for the whole
+//    vocabulary's logits of the last position (a collective over the layout's group): every
+//    rank of that group calls generate with the same prompt and an equally seeded generator,
+//    and all of them get the same tokens.
 //  * Not thread-safe (as Module).
 #pragma once
 
@@ -153,6 +157,11 @@ class GptLayout {
   virtual Tensor loss(const Tensor& logits, const Tensor& targets) = 0;
   // For messages: "tensor-parallel over pg=tp0 (degree 2, sequence-parallel)".
   virtual std::string describe() const = 0;
+  // Generation: the tokens forward takes for a window of `length` (at most contextLength), and
+  // the whole vocabulary's logits [V] of one position from forward's row (a block of it when the
+  // output layer is split; then a collective). The plain model's: length and the row as they are.
+  virtual int64_t windowLength(int64_t length) const { return length; }
+  virtual Tensor wholeVocabulary(const Tensor& row) { return row; }
 };
 
 class Gpt : public Module {

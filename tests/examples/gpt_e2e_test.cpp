@@ -2,7 +2,7 @@
 // fortunes): 1, 2 and 4 ranks with the same global batch reach the same validation loss
 // (within 1 %), a seed and world size give bitwise the same model, and resuming from a
 // checkpoint is exact; the metrics file and the sample are written; --tp 2 (with and without
-// --sp) reaches DDP's validation loss, its checkpoint resumes at --tp 1, and the combinations
+// --sp) reaches DDP's validation loss and draws a sample, its checkpoint resumes at --tp 1, and the combinations
 // not built yet are refused in one line. Elastic --tp: gpt_elastic_test.cpp.
 #include <cmath>
 #include <filesystem>
@@ -145,6 +145,8 @@ TEST(GptE2e, TensorParallelReachesDdpsValidationLossAndItsCheckpointResumesWitho
     ASSERT_TRUE(tp.has_value()) << r.out << r.err;
     EXPECT_LT(std::fabs(*tp - *ddp) / *ddp, 1e-3) << (sequenceParallel ? "--tp 2 --sp: " : "--tp 2: ") << *tp
                                                    << " vs ddp's " << *ddp;
+    // The sample: rank 0's tensor-parallel group generates together (parallel_test checks the tokens).
+    EXPECT_NE(r.out.find("gpt: sample (temperature"), std::string::npos) << r.out;
   }
   const auto tpLoss = validationLoss(runGpt(4, {"--tp", "2", "--checkpoint-dir", "none"}).out);
   // As if the --tp 2 job had died after step 20; it resumes without tensor parallelism.

@@ -3,7 +3,8 @@
 // float64 (1e-12 relative) and float32 (rtol 1.3e-6, atol 1e-5). Logits (gathered), loss, every
 // gradient (assembled from its ParameterShard) and every weight after 1 and 10 AdamW steps; the
 // collectives of every step and of one block, counted, with the bytes per token per block
-// against 8 h (t-1)/t; the per-rank model-state bytes of the split layers against 1/t; and the
+// against 8 h (t-1)/t; generation (float64: the same tokens on every rank as the single-process
+// model's); the per-rank model-state bytes of the split layers against 1/t; and the
 // refusals (sizes the degree does not divide, a plan naming no module, T not divisible).
 #include <map>
 #include <string>
@@ -192,6 +193,18 @@ void checkGpt(const Case& c) {
       optimizer.step();
       if (step == 0 || step == 9) expectWholeParameters(*tp, *model, *reference, false, str(label, " after ", step + 1, " AdamW steps:"));
     }
+    // Generation through the layout (the logits gathered per token, windows padded under SP, the
+    // window sliding past the context): every rank draws the single-process model's tokens. In
+    // float64 only: a draw near a boundary of float32 probabilities could go either way.
+    if (c.dtype != DType::Float64) return;
+    for (double temperature : {0.0, 0.8}) {
+      Generator expectedDraws(7), draws(7);
+      const std::vector<int64_t> prompt{1, 2, 3};
+      const nn::SamplingOptions sampling{.temperature = temperature, .topK = 8};
+      const auto want = reference->generate(prompt, 2 * kConfig.contextLength, sampling, expectedDraws);
+      EXPECT_EQ(model->generate(prompt, 2 * kConfig.contextLength, sampling, draws), want)
+          << label << ": generated at temperature " << temperature;
+    }
   });
 }
 
@@ -371,8 +384,6 @@ TEST(GptParallel, UndividableSizesAndUnknownPathsAreRefusedInOneLineAndLeaveTheM
                                       {"T = 6 tokens per row do not split over the tensor-parallel degree t = 4"});
     expectThrowsWith<InvalidArgument>([&] { parallelize(*evenModel, tp, gptParallelPlan()); },
                                       {"parallelize: the model is already laid out"});
-    expectThrowsWith<NotSupportedError>([&] { evenModel->generate({1, 2}, 1, {}, data); },
-                                        {"Gpt::generate: not supported on a model with a layout"});
   });
 }
 
