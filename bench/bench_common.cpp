@@ -6,12 +6,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -32,8 +35,57 @@ uint16_t freePort() {
 
 }  // namespace
 
+std::string inChild(const std::function<std::string()>& query) {
+  int fds[2];
+  if (::pipe(fds) != 0) throw std::runtime_error(std::string("inChild: pipe failed: ") + std::strerror(errno));
+  std::fflush(nullptr);  // or the child's exit would write the parent's buffered output again
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    const int error = errno;
+    ::close(fds[0]);
+    ::close(fds[1]);
+    throw std::runtime_error(std::string("inChild: fork failed: ") + std::strerror(error));
+  }
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string answer;
+    int rc = 0;
+    try {
+      answer = query();
+    } catch (const std::exception& e) {
+      answer = e.what();
+      rc = 1;
+    }
+    for (size_t at = 0; at < answer.size();) {
+      const ssize_t n = ::write(fds[1], answer.data() + at, answer.size() - at);
+      if (n <= 0) break;
+      at += static_cast<size_t>(n);
+    }
+    ::_exit(rc);  // no exit handlers: they belong to the parent (and may touch CUDA)
+  }
+  ::close(fds[1]);
+  std::string answer;
+  char chunk[4096];
+  for (ssize_t n; (n = ::read(fds[0], chunk, sizeof chunk)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    answer.append(chunk, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    const std::string how = WIFEXITED(status) ? "exited with status " + std::to_string(WEXITSTATUS(status))
+                                              : "was killed by signal " + std::to_string(WTERMSIG(status));
+    throw std::runtime_error("inChild: the child " + how + (answer.empty() ? "" : ": " + answer));
+  }
+  return answer;
+}
+
 int forkRanks(int nproc, const std::function<int()>& runRank) {
   const uint16_t port = freePort();
+  std::fflush(nullptr);  // or each child's exit would write the parent's buffered output again
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
     const pid_t pid = ::fork();

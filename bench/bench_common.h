@@ -4,7 +4,13 @@
 //    torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 //    MASTER_PORT on a free loopback port; rank 0 hosts the store), runs
 //    runRank() in each, and returns the worst exit status. Call before any
-//    thread exists. A child that throws prints the error and exits 1.
+//    thread exists, and before any CUDA call: CUDA does not work in a child
+//    forked after the parent initialised it (any CUDA runtime call does), so
+//    every rank would fail. A child that throws prints the error and exits 1.
+//  * inChild(query): query() in a forked child, its string returned; for
+//    what must not run in a process that forks ranks later, such as asking
+//    CUDA for its devices (std::runtime_error naming the child's exit status
+//    and output when it fails). Call before any thread exists, like forkRanks.
 //  * rankMain(nproc, runRank, name): a benchmark's main: forkRanks when nproc
 //    > 0, else runRank() as one rank of an externally launched job (its error
 //    printed as "<name>: <what>", exit 1).
@@ -22,6 +28,7 @@
 namespace dt::bench {
 
 int forkRanks(int nproc, const std::function<int()>& runRank);
+std::string inChild(const std::function<std::string()>& query);
 int rankMain(int nproc, const std::function<int()>& runRank, const char* name);
 double peakRssMb();
 void resetPeakRss();

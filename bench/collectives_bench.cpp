@@ -1,7 +1,10 @@
 // collectives_bench: allreduce (sum) and broadcast (root 0) of float32
 // tensors through dtrain's ProcessGroup on the Gloo or shm backend (CPU
 // tensors) or NCCL (tensors on cuda:<local rank mod GPUs>; a rep ends when the
-// stream has finished it) (--backend, default gloo; impl=dtrain-<backend>),
+// stream has finished it; with --nproc a child process, not this one, asks
+// whether cuda:0 is usable, as the ranks forked after it could not use CUDA
+// once this process had initialised it) (--backend, default gloo;
+// impl=dtrain-<backend>),
 // with the methodology
 // of bench/peers/torch_allreduce.py so the numbers pair up:
 //   * per size: warm-up max(2, reps/10) ops, then `reps` timed ops (200 up to
@@ -51,6 +54,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -115,10 +119,6 @@ Args parseArgs(int argc, char** argv) {
   }
   if (a.backend != "gloo" && a.backend != "shm" && a.backend != "nccl") {
     std::fprintf(stderr, "--backend must be gloo, shm or nccl, got %s\n", a.backend.c_str());
-    std::exit(2);
-  }
-  if (a.backend == "nccl" && !dt::deviceAvailable(dt::Device::cuda(0))) {
-    std::fprintf(stderr, "--backend nccl needs a CUDA device: %s\n", dt::deviceUnavailableReason(dt::Device::cuda(0)).c_str());
     std::exit(2);
   }
   if (a.impl.empty()) a.impl = "dtrain-" + a.backend;
@@ -315,5 +315,22 @@ int runRank(const Args& args) {
 
 int main(int argc, char** argv) {
   const Args args = parseArgs(argc, argv);
+  if (args.backend == "nccl") {
+    // Asking for a device initialises CUDA's driver, and CUDA does not work in a child forked
+    // after that: with --nproc the question goes to a child of its own, so that the ranks are
+    // forked from a process that never touched CUDA (forkRanks refuses otherwise).
+    std::string why;
+    try {
+      const auto reason = [] { return dt::deviceUnavailableReason(dt::Device::cuda(0)); };
+      why = args.nproc > 0 ? dt::bench::inChild(reason) : reason();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "collectives_bench: cannot tell whether cuda:0 is usable: %s\n", e.what());
+      return 1;
+    }
+    if (!why.empty()) {
+      std::fprintf(stderr, "collectives_bench: --backend nccl needs a CUDA device: %s\n", why.c_str());
+      return 2;
+    }
+  }
   return dt::bench::rankMain(args.nproc, [&] { return runRank(args); }, "collectives_bench");
 }
