@@ -47,14 +47,16 @@ CommHook allreduceHook();
 // back into the buffer: half the bytes on the wire, float16's 11 (bfloat16's
 // 8) significant bits in the result. Buckets already in 16 bits are reduced
 // as they are.
-//  * On a GPU (the allreduce's Work has a device wait, work.h) everything is
-//    queued at the call on the caller's current stream, in order: the cast,
-//    the wait for the collective, the cast back. The returned Work's wait()
-//    orders the waiting stream after the cast back; wait(timeout),
-//    isCompleted() and then() report it done once the cast back has run.
-//    The compressed buffer is made, read back and freed on that one stream,
-//    so its memory is not reused while still read (the NCCL stream's use is
-//    recorded by the backend).
+//  * On a GPU (the allreduce's Work has a device wait, work.h) the hook queues
+//    the cast on the caller's current stream and returns: the wait for the
+//    collective and the cast back are queued on a side stream of the device
+//    (one per device and process, non-blocking), never on the caller's, so
+//    backward's next kernels run while the bucket is on the wire. The
+//    returned Work's wait() orders the waiting stream after the cast back;
+//    wait(timeout), isCompleted() and then() report it done once the cast
+//    back has run. The compressed buffer and the bucket's buffer are
+//    recorded as used on the side stream (cuda::recordStream), so neither's
+//    memory is reused before the cast back has read or written it.
 //  * On the CPU the cast back runs on a callback thread once the allreduce
 //    completed, and the returned Work completes after it.
 CommHook fp16CompressHook();
@@ -63,8 +65,7 @@ CommHook bf16CompressHook();
 namespace detail {
 
 // The compression hook's steps apart from CUDA, for tests: `allreduce`
-// stands for the group's, `mark` records a point in the calling thread's
-// current stream of a device (a CUDA event in the hook itself).
+// stands for the group's, `side` for the side stream of the hook's device.
 class StreamMark {
  public:
   virtual ~StreamMark() = default;
@@ -73,10 +74,23 @@ class StreamMark {
   // The host waits until the stream has passed the mark.
   virtual void synchronize() = 0;
 };
-using MarkStream = std::function<std::shared_ptr<StreamMark>(Device)>;
+
+class SideStream {
+ public:
+  virtual ~SideStream() = default;
+  // Queues `work` on the side stream of `device`, behind what the calling
+  // thread's current stream has queued so far (a device-side wait of the
+  // side stream; the current stream waits for nothing): `work` runs on this
+  // thread with the side stream current, so its kernels and the device waits
+  // it calls land there. `uses` are recorded as used on the side stream.
+  // Returns a mark of the side stream behind `work`. (The CUDA one runs
+  // `work` before it returns; a test's may keep it for later.)
+  virtual std::shared_ptr<StreamMark> run(Device device, const std::vector<Tensor>& uses,
+                                          const std::function<void()>& work) = 0;
+};
 
 WorkPtr compressedAllreduce(const Tensor& buffer, DType wireType,
-                            const std::function<WorkPtr(const Tensor&)>& allreduce, const MarkStream& mark);
+                            const std::function<WorkPtr(const Tensor&)>& allreduce, SideStream& side);
 
 }  // namespace detail
 
