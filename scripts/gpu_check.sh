@@ -258,6 +258,8 @@ early_tests=(
   'CudaContexts.FreshThreadsWorkingForCuda1OpenNoContextOnCuda0 tensor/tensor_cuda_test 2'
   'CompressHook.OnTwoGpusTheCallersStreamRunsOnWhileTheReductionWaitsForAPeer ddp/ddp_comm_hooks_test 2'  # item 5
   'CompressHook.OnAGpuUnderAStreamGuardTheNextKernelSeesTheResult ddp/ddp_comm_hooks_test 1'
+  'NcclBackend.AFirstOpBarrierOnThreadsWithoutADeviceTakesEachRanksOwnGpu process_group/nccl_backend_test 2'  # item 3
+  'NcclBackend.AFirstOpBarrierWithNoKnownDeviceIsRefusedWithAHint process_group/nccl_backend_test 1'
 )
 early_names=()
 for entry in "${early_tests[@]}"; do
