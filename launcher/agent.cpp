@@ -53,6 +53,7 @@ struct Worker {
   // elastic/left): not the job finishing; replaced under --max-restarts.
   bool leftJob = false;
   std::string killedBecause;  // dtrun sent this worker alone SIGKILL, and why
+  bool evicted = false;       // --evict-stragglers killed it: it is not replaced
   int64_t oomKillsAtStart = -1;  // oomKillCount() when it started
   std::optional<uint64_t> beat;
   int64_t beatSeenMs = 0;
@@ -111,6 +112,9 @@ struct Agent::Impl {
   bool storeGone = false;
   const std::string nonce = randomHex(4);  // tells this dtrun from another claiming the same node rank  // the store is unreachable: skip waits that need it
   std::vector<CoordinatorEvent> pendingEvents;  // taken while waiting, handled later
+  // Straggler reports read so far (the training loop's dt/straggler/<n>, train/straggler.h),
+  // over every attempt: the keys outlive an attempt.
+  int64_t stragglersSeen = 0;
   // Watch connections between dtruns. The kernel closes a dead process's
   // sockets at once, even after SIGKILL: the peer's read returns end-of-file
   // within milliseconds, which is proof that the dtrun is gone (its workers go
@@ -875,7 +879,7 @@ struct Agent::Impl {
     bool jobFinishing = false;  // a worker finished: nothing is replaced any more
     std::vector<std::string> replaced;
     auto replaceWorker = [&](Worker& w) {
-      if (!o.elastic || stopping || jobFinishing || w.replacements >= o.maxRestarts) return;
+      if (!o.elastic || stopping || jobFinishing || w.evicted || w.replacements >= o.maxRestarts) return;
       for (int s = 0; s < 2; ++s) {  // what the dead process wrote and was not read yet
         if (w.fds[s] < 0) continue;
         char chunk[4096];
@@ -960,6 +964,43 @@ struct Agent::Impl {
                                           " (--liveness-timeout ", formatDuration(o.livenessTimeout), ")");
           loseWorker(w, str("stopped responding: ", silence, "; frozen or hung: dtrun kills it (SIGKILL)"));
           w.killedBecause = silence;
+          signalGroup(w.pid, SIGKILL);
+        }
+      }
+    };
+    // Straggler reports: the training loop's rank 0 adds dt/straggler/<n> = "<member>\t<rank>\t<line>"
+    // (train/loop.cpp, docs/debugging.md). Node 0 prints each; with --evict-stragglers the node
+    // that runs the member kills it, posts its death like any other (the others recover in
+    // place) and never replaces it.
+    int64_t nextStragglerCheck = 0;
+    auto checkStragglers = [&](int64_t now) {
+      if (stopping || storeGone || now < nextStragglerCheck) return;
+      nextStragglerCheck = now + o.monitorInterval.count();
+      std::vector<std::string> reports;
+      try {
+        while (store->check({str("dt/straggler/", stragglersSeen + 1)})) {
+          reports.push_back(store->get(str("dt/straggler/", ++stragglersSeen)));
+        }
+      } catch (const std::exception&) {
+        // The store's loss is handled elsewhere; what was read is still reported.
+      }
+      for (const std::string& report : reports) {
+        const auto fields = split(report, '\t');
+        if (fields.size() < 3) continue;
+        const std::string line = join(std::vector<std::string>(fields.begin() + 2, fields.end()), "\t");
+        if (o.nodeRank == 0) say(str("straggler: ", line));
+        if (!o.evictStragglers) continue;
+        int member = -1;
+        try {
+          member = std::stoi(fields[0]);
+        } catch (const std::exception&) {
+          continue;
+        }
+        for (auto& w : workers) {
+          if (w.member != member || w.reaped || w.lost || w.pid <= 0) continue;
+          w.evicted = true;
+          w.killedBecause = "evicted as a straggler (--evict-stragglers)";
+          loseWorker(w, "was evicted as a straggler (--evict-stragglers): dtrun kills it (SIGKILL) and does not replace it");
           signalGroup(w.pid, SIGKILL);
         }
       }
@@ -1204,6 +1245,7 @@ struct Agent::Impl {
       if (drainDeadline != 0) limit(drainDeadline - now);
       if (coord) limit(o.monitorInterval.count());
       if (o.elastic && !stopping) limit(nextLivenessCheck - now);
+      if (!stopping && !storeGone) limit(nextStragglerCheck - now);
       const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(timeout));
       if (ready < 0 && errno != EINTR) throw Error(str("dtrun: poll failed: ", std::strerror(errno)));
 
@@ -1250,6 +1292,7 @@ struct Agent::Impl {
       }
       const int64_t after = wallMs();
       checkLiveness(after);
+      checkStragglers(after);
       if (coord && multiNode && !stopping && after - coord->lastContactMs() > o.nodeTimeout.count()) {
         storeGone = true;
         external(str("no answer from the job's store at ", storeAddr, " for ",

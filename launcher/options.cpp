@@ -125,6 +125,8 @@ const std::vector<OptionSpec>& optionSpecs() {
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.minNproc = parseCount(v, what, 1, 1 << 20, "a positive integer");
        }},
+      {"evict-stragglers", "DT_EVICT_STRAGGLERS", false, "off", "with --elastic: a rank the training loop reports as a straggler (docs/debugging.md) is killed by dtrun and not replaced; the others go on in place without it",
+       [](LaunchOptions& o, const std::string& v, const std::string& what) { o.evictStragglers = v.empty() ? true : parseBoolOption(v, what); }},
       {"liveness-timeout", "DT_LIVENESS_TIMEOUT", true, "5s", "with --elastic: a worker whose heartbeat stopped this long (frozen, hung) is declared dead and killed",
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.livenessTimeout = parseDurationOption(v, what);
@@ -342,6 +344,10 @@ ParseResult parseCommandLine(const std::vector<std::string>& args, const EnvLook
   if (o.minNodes < o.nnodes && !o.elastic) {
     throw InvalidArgument(str("--nnodes=", o.minNodes, ":", o.nnodes, " needs --elastic: nodes join a running job only in an "
                               "elastic job; accepted: --nnodes N, or --elastic --nnodes MIN:MAX"));
+  }
+  if (o.evictStragglers && !o.elastic) {
+    throw InvalidArgument("--evict-stragglers needs --elastic: only an elastic job goes on without the evicted rank; accepted: "
+                          "--elastic --evict-stragglers, or neither (stragglers are still reported)");
   }
   if (o.nodeRank >= o.nnodes && o.slurm != "on") {
     throw InvalidArgument(str("--node-rank=", o.nodeRank, " is out of range for --nnodes=", o.nnodes,

@@ -42,6 +42,8 @@ struct LaunchOptions {
   // --elastic: a worker that dies is left behind and the others go on (elastic/elastic_group.h).
   bool elastic = false;
   int minNproc = 1;             // --min-nproc: fewer workers left than this stop an elastic job
+  // --evict-stragglers (needs --elastic): a rank reported as a straggler is killed, not replaced.
+  bool evictStragglers = false;
   Millis livenessTimeout{5000}; // --liveness-timeout: a worker silent this long is declared dead
   Millis monitorInterval{500};  // store polling: failures elsewhere, heartbeats, hang watchdog
   std::string logDir;           // empty: no files

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <thread>
 #include <unordered_set>
 
@@ -32,6 +33,9 @@
 namespace dt::train {
 
 using Clock = std::chrono::steady_clock;
+// Per rank in a gather step's control vote: steps counted, then the means of data wait,
+// forward, backward, communication wait and the whole step (ms).
+constexpr int kFigureSlots = 6;
 
 const char* phaseName(Phase phase) {
   switch (phase) {
@@ -64,6 +68,14 @@ TestSwitches TestSwitches::fromEnvironment(TestSwitches given) {
   if (given.recordSamples.empty()) given.recordSamples = env::getString("DT_TEST_RECORD_SAMPLES");
   if (given.stepPauseMs == 0) given.stepPauseMs = env::getInt("DT_TEST_STEP_PAUSE_MS");
   if (given.stepPauseMs < 0) throw InvalidArgument(str("step pause ", given.stepPauseMs, " ms is negative"));
+  if (given.slowRank.empty()) given.slowRank = env::getString("DT_TEST_SLOW_RANK");
+  if (!given.slowRank.empty()) {
+    const auto parts = split(given.slowRank, ':');
+    const bool ok = parts.size() == 2 && !parts[0].empty() && !parts[1].empty() &&
+                    parts[0].find_first_not_of("0123456789") == std::string::npos &&
+                    parts[1].find_first_not_of("0123456789") == std::string::npos && parts[1].size() < 10;
+    if (!ok) throw InvalidArgument(str("slow rank \"", given.slowRank, "\" is not MEMBER:MS (e.g. 2:200: member 2 sleeps 200 ms in each forward)"));
+  }
   if (given.waitForJoinerAt < 0 && !env::getString("DT_TEST_WAIT_FOR_JOINER_AT").empty()) {
     given.waitForJoinerAt = env::getInt("DT_TEST_WAIT_FOR_JOINER_AT");
   }
@@ -116,6 +128,17 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
   }
   restartCount_ = env::getInt("DT_RESTART_COUNT");
   options_.test = TestSwitches::fromEnvironment(options_.test);
+  if (!options_.test.slowRank.empty()) {
+    const auto parts = split(options_.test.slowRank, ':');
+    slowMember_ = std::stoi(parts[0]);
+    slowMs_ = std::stoll(parts[1]);
+  }
+  try {
+    options_.stragglers = StragglerOptions::fromEnvironment(options_.stragglers);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(str(p, ": ", e.what()));
+  }
+  if (options_.stragglers.every > 0) stragglers_.emplace(options_.stragglers.threshold, options_.stragglers.window);
   const bool elastic = options_.forceElastic || env::getBool("DT_ELASTIC");
   if (const int t = options_.tensorParallel; t != 1) {
     if (t < 1) throw InvalidArgument(str(p, ": LoopOptions::tensorParallel is ", t, "; it must be 1 (off) or more"));
@@ -896,23 +919,50 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
   reach(step_, Phase::Begin);
   std::optional<AnomalyMode> anomaly;
   if (options_.anomalyMode) anomaly.emplace();
-  // {stop requested, previous step's loss, joiners waiting}, summed over the ranks.
-  double* ctl = control_.data<double>();
+  // Where this attempt's time goes (straggler detection): a few clock reads a step.
+  const Clock::time_point stepStart = Clock::now();
+  StepFigures figures;
+  const auto msSince = [](Clock::time_point from) { return std::chrono::duration<double, std::milli>(Clock::now() - from).count(); };
+  // {stop requested, previous step's loss, joiners waiting}, summed over the ranks; every
+  // stragglers.every steps followed by a block of every rank's step figures (its own slot
+  // filled, zeros elsewhere), so that the sum hands everyone everyone's: one slightly larger
+  // all-reduce every K steps instead of a collective of its own.
+  const bool gather = gatherStep();
+  Tensor& vote = gather ? controlWide_ : control_;
+  if (gather) controlWide_ = zeros({3 + kFigureSlots * group_->size()}, DType::Float64);
+  double* ctl = vote.data<double>();
   const int voters = group_->size();  // who sums the control vote (an admission grows the group after it)
   ctl[0] = stopSignal().load() != 0 ? 1.0 : 0.0;
   ctl[1] = lastLoss_;
   ctl[2] = elastic_ && elastic_->joinersWaiting() ? 1.0 : 0.0;
+  if (gather) putStepFigures(ctl);
   try {
     // Elastic: the control allreduce is the step's commit vote, after backward: a rank joins
     // it only with its gradients reduced, and no rank applies the step unless every rank of
     // the group voted. Otherwise it is in flight while the step computes.
-    WorkPtr controlWork = elastic_ ? nullptr : group_->allreduce(control_);
+    WorkPtr controlWork = elastic_ ? nullptr : group_->allreduce(vote);
+    Clock::time_point phaseStart = Clock::now();
     const data::LoadedBatch batch = loader_->next();
+    figures.dataMs = msSince(phaseStart);
     if (learningRate_) optimizer_->setLr(learningRate_(step_));
     optimizer_->zeroGrad();
     const int64_t rows = batch.batch.inputs.size(0);
     const int64_t pieces = pipelined() ? 0 : std::min<int64_t>(options_.microBatches, std::max<int64_t>(rows, 1));
-    double stepLoss = pipelined() ? pipelineStep(batch.batch) : 0.0;
+    double stepLoss = 0.0;
+    if (pipelined()) {
+      phaseStart = Clock::now();
+      if (slowMs_ > 0 && memberId() == slowMember_) std::this_thread::sleep_for(std::chrono::milliseconds(slowMs_));
+      const double slept = msSince(phaseStart);
+      phaseStart = Clock::now();
+      stepLoss = pipelineStep(batch.batch);
+      // The runner's compute (F, B, I, W alike) is the forward figure; its waiting and the dp
+      // average, communication.
+      const double total = msSince(phaseStart), compute = runner_->lastStep().computeSeconds * 1e3;
+      figures.forwardMs += slept + compute;
+      figures.commMs += std::max(0.0, total - compute);
+    }
+    // DDP's end-of-backward wait for its buckets, when its reducer ran this step.
+    const uint64_t ddpIterations = ddp_ ? ddp_->lastIteration().iteration : 0;
     std::vector<std::pair<std::string, double>> stepMetrics;
     for (int64_t k = 0, at = 0; k < pieces; ++k) {
       const int64_t n = rows / pieces + (k < rows % pieces ? 1 : 0);
@@ -925,8 +975,11 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       if (!lastMicroBatch_ && fsdp_) shardedNoSync.emplace(fsdp_->noSync());
       if (!lastMicroBatch_ && !fsdp_) noSync.emplace(ddp_->noSync());
       StepOutput out;
+      phaseStart = Clock::now();
       try {
         out = fn(micro);
+        // The test switch's straggler: slow in its forward, once a step.
+        if (k == 0 && slowMs_ > 0 && memberId() == slowMember_) std::this_thread::sleep_for(std::chrono::milliseconds(slowMs_));
       } catch (const Error&) {
         throw;
       } catch (const std::exception& e) {
@@ -943,6 +996,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
                                   " does not require a gradient: no parameter reaches it, so there is no backward to run "
                                   "(was it computed under NoGradGuard, detached, or from another model?)"));
       }
+      figures.forwardMs += msSince(phaseStart);
       reach(step_, Phase::Forward);
       const double fraction = static_cast<double>(n) / static_cast<double>(rows);
       stepLoss += out.loss.item<float>() * fraction;
@@ -952,7 +1006,14 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
         else it->second += v * fraction;
       }
       const double weight = lossWeight_ * fraction;
+      phaseStart = Clock::now();
       (weight == 1.0 ? out.loss : mul(out.loss, weight)).backward();  // the last one returns with averaged gradients
+      figures.backwardMs += msSince(phaseStart);
+    }
+    if (ddp_ && ddp_->lastIteration().iteration != ddpIterations) {
+      const double exposed = std::min(ddp_->lastIteration().exposedCommMs, figures.backwardMs);
+      figures.backwardMs -= exposed;
+      figures.commMs += exposed;
     }
     if (backwardReturns_) reach(step_, Phase::Backward);
     recordSamples(step_, batch.position);
@@ -973,14 +1034,30 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     }
     if (elastic_) {
       committedLoss_ = stepLoss;  // what recover() reports if the others commit the step without this rank
-      group_->allreduce(control_)->wait();
+      phaseStart = Clock::now();
+      group_->allreduce(vote)->wait();
+      figures.commMs += msSince(phaseStart);
       reach(step_, Phase::Commit);
     }
     optimizer_->step();
     if (zero_) zero_->gatherParameters();  // on the wire while the next step begins
     lastLoss_ = stepLoss;
-    if (controlWork) controlWork->wait();
+    if (controlWork) {
+      phaseStart = Clock::now();
+      controlWork->wait();
+      figures.commMs += msSince(phaseStart);
+    }
     ++step_;
+    figures.wallMs = msSince(stepStart);
+    if (gather) analyzeStepFigures(ctl);
+    if (stragglers_) {
+      stepSums_.dataMs += figures.dataMs;
+      stepSums_.forwardMs += figures.forwardMs;
+      stepSums_.backwardMs += figures.backwardMs;
+      stepSums_.commMs += figures.commMs;
+      stepSums_.wallMs += figures.wallMs;
+      ++stepCount_;
+    }
     if (hooks.afterStep) {
       hooks.afterStep({step_, elastic_ ? elastic_->membership().epoch : 0, group_->rank(), group_->size()});
     }
@@ -1252,6 +1329,83 @@ void Loop::report(const Progress& progress) {
 
 int Loop::memberId() const { return elastic_ ? elastic_->memberId() : group_->rank(); }
 
+bool Loop::gatherStep() const {
+  return stragglers_ && group_->size() > 1 && step_ > 0 && step_ % options_.stragglers.every == 0;
+}
+
+void Loop::putStepFigures(double* ctl) {
+  // Window means since the last gather; a rank with none yet (a joiner's first) sends a count of 0.
+  double* slot = ctl + 3 + kFigureSlots * group_->rank();
+  const double n = static_cast<double>(stepCount_);
+  slot[0] = n;
+  if (stepCount_ > 0) {
+    slot[1] = stepSums_.dataMs / n;
+    slot[2] = stepSums_.forwardMs / n;
+    slot[3] = stepSums_.backwardMs / n;
+    slot[4] = stepSums_.commMs / n;
+    slot[5] = stepSums_.wallMs / n;
+  }
+  stepSums_ = {};
+  stepCount_ = 0;
+}
+
+void Loop::analyzeStepFigures(const double* ctl) {
+  // Every rank decides the same from the same sums; rank 0 speaks. New ranks (an elastic loss
+  // or admission) start every count again.
+  if (elastic_ && elastic_->membership().epoch != stragglerEpoch_) {
+    stragglerEpoch_ = elastic_->membership().epoch;
+    stragglers_->reset();
+  }
+  const int world = group_->size();
+  std::vector<StepFigures> all(static_cast<size_t>(world));
+  int64_t steps = std::numeric_limits<int64_t>::max();
+  for (int r = 0; r < world; ++r) {
+    const double* slot = ctl + 3 + kFigureSlots * r;
+    if (slot[0] < 1) return;  // a rank without figures yet: this gather is not judged
+    steps = std::min(steps, static_cast<int64_t>(slot[0]));
+    all[static_cast<size_t>(r)] = StepFigures{slot[1], slot[2], slot[3], slot[4], slot[5]};
+  }
+  std::vector<int> roles;  // a pipeline's stages do different work: each is compared with its own
+  if (pipelined()) {
+    const int t = std::max(options_.tensorParallel, 1), pp = options_.pipeline.degree;
+    for (int r = 0; r < world; ++r) roles.push_back((r / t) % pp);
+  }
+  for (const StragglerVerdict& v : stragglers_->add(all, roles, steps)) {
+    if (group_->rank() != 0) continue;
+    const int member = elastic_ ? elastic_->membership().members.at(static_cast<size_t>(v.rank)) : v.rank;
+    reportStraggler(v, member);
+  }
+}
+
+void Loop::reportStraggler(const StragglerVerdict& v, int member) {
+  StorePtr store = elastic_ ? elastic_->store() : store_;
+  std::string host;
+  if (store) {
+    try {
+      const std::string key = str("dt/straggler/host/", member);
+      if (store->check({key})) host = store->get(key);
+    } catch (const std::exception&) {
+      // The host is a courtesy; the report goes on without it.
+    }
+  }
+  const std::string line = describeStraggler(options_.program, v, host, step_ - 1);  // the gather's figures end there
+  if (!options_.quiet) {
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  }
+  if (metrics_) {
+    metrics_->write(step_ - 1, {{"straggler_rank", v.rank}, {"straggler_member", member}, {"straggler_ratio", v.ratio}},
+                    {{"straggler_section", v.section}, {"straggler", line}});
+  }
+  if (!store) return;
+  try {  // for dtrun (launcher/agent.cpp reads dt/straggler/1, 2, ...)
+    const int64_t n = store->add("dt/straggler/count", 1);
+    store->set(str("dt/straggler/", n), str(member, "\t", v.rank, "\t", line));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: cannot post the straggler report to the job's store: %s\n", options_.program.c_str(), e.what());
+  }
+}
+
 void Loop::reach(int64_t step, Phase phase) {
   if (phase == Phase::Begin && options_.test.stepPauseMs > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(options_.test.stepPauseMs));
@@ -1320,6 +1474,18 @@ LoopResult Loop::run(StepFunction fn) {
   if (!pipelined() && !fn) throw InvalidArgument(str(options_.program, ": run() needs a step function"));
   checkSetUp();
   control_ = zeros({3}, DType::Float64);
+  if (stragglers_) {
+    // Where this member runs, for rank 0's straggler report.
+    StorePtr store = elastic_ ? elastic_->store() : store_;
+    char host[256] = {};
+    if (store && ::gethostname(host, sizeof(host) - 1) == 0) {
+      try {
+        store->set(str("dt/straggler/host/", memberId()), host);
+      } catch (const std::exception&) {
+        // The report names the rank without its host then.
+      }
+    }
+  }
   splitData();
   // ZeRO's optimizer comes once ZeRO is made (below); the others' update tensors that exist now.
   if (!makeOptimizer_) {

@@ -140,6 +140,7 @@
 #include "tensor/optim/optim.h"
 #include "tensor/profiler.h"
 #include "tensor/tensor.h"
+#include "train/straggler.h"
 #include "train/support.h"
 
 namespace dt::train {
@@ -222,8 +223,8 @@ struct LoopHooks {
 
 // Switches only tests use, to exercise the failure paths of a real program: LoopOptions::test,
 // or the environment for a program that sets nothing (DT_TEST_FAIL_AT, DT_TEST_RECORD_SAMPLES,
-// DT_TEST_STEP_PAUSE_MS, DT_TEST_WAIT_FOR_JOINER_AT), so that any program on the loop can be
-// killed and checked.
+// DT_TEST_STEP_PAUSE_MS, DT_TEST_WAIT_FOR_JOINER_AT, DT_TEST_SLOW_RANK), so that any program on
+// the loop can be killed, slowed and checked.
 struct TestSwitches {
   // "MEMBER:STEP:PHASE" each (PHASE: forward, backward, commit or checkpoint): that member
   // (the elastic member id, else the rank) SIGKILLs itself there. A member that joined after
@@ -234,6 +235,10 @@ struct TestSwitches {
   std::string recordSamples;
   // Sleep this long at the start of every step, so that kills and joins land mid-run.
   int64_t stepPauseMs = 0;
+  // "MEMBER:MS": that member (as in failAt) sleeps MS ms inside the forward phase of every step
+  // (after the step function returns, before backward), a straggler on purpose: straggler
+  // detection must name it and "forward". Empty: none.
+  std::string slowRank;
   // Elastic: at the start of this step the members wait (up to 2 minutes) for a replacement
   // to ask to join, unless one joined already, so that a test's join happens mid-run however
   // slow the machine. -1: never.
@@ -323,6 +328,13 @@ struct LoopOptions {
   bool measureTransfer = false;
   // Stop on SIGTERM, SIGUSR1 or SIGINT at the next step boundary (installs the handlers).
   bool stopOnSignals = true;
+  // Straggler detection (train/straggler.h, docs/debugging.md "Stragglers"): every `every` steps
+  // the ranks' step figures (data wait, forward, backward, communication wait) ride on the
+  // control all-reduce; a rank whose own time stays over threshold x the median for `window`
+  // steps is reported once per episode by rank 0: a line on stdout (even when quiet), the
+  // job's store for dtrun (dt/straggler/<n>), the metrics file. DT_STRAGGLER_EVERY, _THRESHOLD
+  // and _WINDOW override these; every = 0 turns it off.
+  StragglerOptions stragglers;
   LoopHooks hooks;
   TestSwitches test;
 };
@@ -487,6 +499,12 @@ class Loop {
   // Rank 0: the metrics line and the progress line (or LoopHooks::onLog).
   void report(const Progress& progress);
   void checkSetUp() const;
+  // Straggler detection: this rank's figures into the control vote's block on a gather step
+  // (`ctl` points at the vote), and the analysis once the vote is reduced.
+  bool gatherStep() const;
+  void putStepFigures(double* ctl);
+  void analyzeStepFigures(const double* ctl);
+  void reportStraggler(const StragglerVerdict& verdict, int member);
   // Phase::Backward (LoopHooks::atBackward, a fail-at in backward): a hook on every gradient.
   void armBackwardHook();
   // LoopHooks::at and TestSwitches at `phase` of `step`.
@@ -549,6 +567,14 @@ class Loop {
   double committedLoss_ = 0;  // elastic: the step's loss this rank voted with
   double gradNorm_ = 0;
   Tensor control_;              // the per-step control allreduce (see trainStep)
+  // A gather step's control vote: control_'s 3 values, then kFigureSlots per rank.
+  Tensor controlWide_;
+  StepFigures stepSums_;          // this rank's figures since the last gather, summed
+  int64_t stepCount_ = 0;         // ... over this many steps
+  std::optional<StragglerDetector> stragglers_;  // null: detection off
+  uint64_t stragglerEpoch_ = 0;   // the membership epoch the detector's counts belong to
+  int slowMember_ = -1;           // TestSwitches::slowRank parsed
+  int64_t slowMs_ = 0;
   bool lastMicroBatch_ = true;  // the backward now is the step's last
   bool backwardReturns_ = false;  // Sharding::Full: Phase::Backward once backward returned
   std::chrono::steady_clock::time_point loopStart_;

@@ -113,13 +113,15 @@ MetricsFile::MetricsFile(const std::string& path, int64_t keepThrough, const std
   out_.flush();
 }
 
-void MetricsFile::write(int64_t step, const std::vector<std::pair<std::string, double>>& values) {
+void MetricsFile::write(int64_t step, const std::vector<std::pair<std::string, double>>& values,
+                        const std::vector<std::pair<std::string, std::string>>& texts) {
   std::string line = str("{\"step\": ", step);
   for (const auto& [key, v] : values) {
     char number[32] = "null";
     if (std::isfinite(v)) std::snprintf(number, sizeof(number), "%.6g", v);
     line += str(", \"", key, "\": ", number);
   }
+  for (const auto& [key, text] : texts) line += str(", \"", key, "\": \"", jsonEscape(text), "\"");
   out_ << line << "}\n";
   out_.flush();
 }

@@ -49,7 +49,9 @@ void clearCheckpoints(ProcessGroup& group, const CheckpointDir& dir, const std::
 class MetricsFile {
  public:
   MetricsFile(const std::string& path, int64_t keepThrough, const std::string& program);
-  void write(int64_t step, const std::vector<std::pair<std::string, double>>& values);
+  // `texts` follow the numbers as JSON strings (an event's line: "straggler").
+  void write(int64_t step, const std::vector<std::pair<std::string, double>>& values,
+             const std::vector<std::pair<std::string, std::string>>& texts = {});
 
  private:
   std::ofstream out_;
