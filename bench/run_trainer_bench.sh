@@ -13,6 +13,9 @@
 #                                       DT_BUILD_DIR=build-bench OUT=file)
 #   BEFORE=path/to/an/older/trainer also runs that build in the same loop, as impl=dtrain-before
 #   (after dtrain at each world and repetition), and prints the dtrain : dtrain-before ratios.
+#   STRAGGLERS_OFF=1 also runs the same trainer with straggler detection off (DT_STRAGGLER_EVERY=0)
+#   as impl=dtrain-nostragglers in the same loop, and prints a RATIO line per world: detection on
+#   against off (goal: at most 1 % slower). TORCH=0 skips the torch peer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -28,6 +31,7 @@ peers=$repo/bench/peers
 out=${OUT:-$(mktemp /tmp/trainer-bench.XXXXXX.txt)}
 py=/usr/bin/python3
 before=${BEFORE:-}
+stragglers_off=${STRAGGLERS_OFF:-0}
 [ -z "$before" ] || [ -x "$before" ] || { echo "BEFORE=$before is not an executable trainer" >&2; exit 2; }
 
 # Same BLAS for both: OpenBLAS (pthread build), one thread (see bench/peers/README.md).
@@ -48,12 +52,13 @@ dtrun="$build/launcher/dtrun"
 trainer="$build/examples/trainer"
 
 have_torch=1
-"$py" -c "import torch, numpy" 2>/dev/null || { have_torch=0; echo "# torch peer skipped: $py cannot import torch and numpy (scripts/setup.sh --peers)" >&2; }
+[ "${TORCH:-1}" = 1 ] || have_torch=0
+[ $have_torch = 0 ] || "$py" -c "import torch, numpy" 2>/dev/null || { have_torch=0; echo "# torch peer skipped: $py cannot import torch and numpy (scripts/setup.sh --peers)" >&2; }
 
 echo "# run_trainer_bench: worlds=[$worlds] reps=$reps steps=$steps warmup=$warmup global_batch=$batch torch_workers=$torch_workers $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
-run_dtrain() {  # binary, world, impl label
+run_dtrain() {  # binary, world, impl label[, NAME=VALUE for the environment]
   echo "## world $2, repetition $rep: $3" >&2
-  timeout 900 "$dtrun" --standalone --nproc "$2" --prefix none "$1" --bench --quiet --no-eval \
+  env ${4:-} timeout 900 "$dtrun" --standalone --nproc "$2" --prefix none "$1" --bench --quiet --no-eval \
     --checkpoint-dir none --data "$data" --global-batch "$batch" --steps $((warmup + steps)) --bench-warmup "$warmup" \
     2>>"$out.log" | grep '^RESULT' | sed "s/ impl=dtrain / impl=$3 /" | tee -a "$out"
 }
@@ -61,6 +66,7 @@ for ((rep = 1; rep <= reps; rep++)); do
   for n in $worlds; do
     run_dtrain "$trainer" "$n" dtrain
     [ -z "$before" ] || run_dtrain "$before" "$n" dtrain-before
+    [ "$stragglers_off" = 0 ] || run_dtrain "$trainer" "$n" dtrain-nostragglers DT_STRAGGLER_EVERY=0
     [ $have_torch = 1 ] || continue
     echo "## world $n, repetition $rep: torch" >&2
     timeout 900 "$py" "$peers/torchrun_py311.py" --nproc_per_node "$n" --standalone \
@@ -73,6 +79,25 @@ echo
 echo "# medians ($out; stderr of the runs in $out.log)"
 "$py" "$peers/summarize.py" "$out"
 [ -z "$before" ] || { echo; "$py" "$peers/summarize.py" "$out" --ratio dtrain:dtrain-before; }
+if [ "$stragglers_off" != 0 ]; then
+  echo
+  "$py" - "$out" <<'EOF'
+import statistics, sys
+rates = {}
+for line in open(sys.argv[1]):
+    if not line.startswith("RESULT trainer "):
+        continue
+    kv = dict(f.split("=", 1) for f in line.split()[2:] if "=" in f)
+    rates.setdefault((int(kv["world"]), kv["impl"]), []).append(float(kv["samples_per_s"]))
+for world in sorted({w for w, _ in rates}):
+    on, off = rates.get((world, "dtrain")), rates.get((world, "dtrain-nostragglers"))
+    if not on or not off:
+        continue
+    ratio = statistics.median(on) / statistics.median(off)
+    print(f"RATIO trainer world={world} a=dtrain(stragglers on) b=dtrain-nostragglers ratio_samples_per_s={ratio:.3f} "
+          f"reps={min(len(on), len(off))} goal=at most 1% slower (>= 0.99): {'met' if ratio >= 0.99 else 'MISSED'}")
+EOF
+fi
 [ $have_torch = 1 ] || exit 0
 echo
 "$py" "$peers/summarize.py" "$out" --ratio dtrain:torch

@@ -38,6 +38,10 @@
 //    step function averaged over the window, and with `metricsFile` one JSON object per
 //    logged step (scripts/plot_metrics.py reads it). Hooks (LoopHooks) see every step, every
 //    phase and every log line; the example programs' test switches are made of them.
+//  * Stragglers (train/straggler.h, docs/debugging.md): each step's data wait, forward, backward
+//    and communication wait are timed; every stragglers.every steps the ranks' means ride on the
+//    control all-reduce, and rank 0 reports a rank that stays slower than the others (stdout,
+//    the metrics file, the job's store under dt/straggler/<n> for dtrun).
 //
 // Contract:
 //  * One Loop per process, used from one thread. Every rank calls the same methods in the
