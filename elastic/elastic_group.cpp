@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
 #include <thread>
 
@@ -97,22 +98,40 @@ struct ElasticGroup::Decision {
 };
 
 // Beats, and aborts the current group when one of its members dies.
+//
+// The beating thread never calls into a group: it hands each abort to a
+// thread of its own. An abort can take a while (a transport's abort such as
+// ncclCommAbort, the flight recorder's dump), and a beat late by that long
+// would get this live member posted dead by the launcher's liveness check;
+// every new epoch would then lose one more member.
 struct ElasticGroup::Watcher {
+  struct Abort {
+    std::shared_ptr<ProcessGroup> group;
+    std::exception_ptr cause;
+  };
+
   StorePtr store;
   int member;
   Millis interval;
   Logger log;
-  std::mutex mutex;  // guards the fields below
+  std::mutex mutex;  // guards the fields below; never held while a group is called
   std::condition_variable wake;
   bool stopping = false;
   std::shared_ptr<ProcessGroup> group;
   std::vector<int> members;
   int64_t seen = 0;  // deaths handled
+  std::deque<Abort> aborts;  // for the abort thread, in the order the deaths were seen
+  std::condition_variable abortWake;
   std::atomic<int64_t> joinersRegistered{0};
   std::thread thread;
+  std::thread aborter;
 
   Watcher(StorePtr s, int m, Millis i, Logger l) : store(std::move(s)), member(m), interval(i), log(std::move(l)) {
     seen = membership::deathCount(*store);
+    aborter = std::thread([this] {
+      setThreadName("dt-elastic-abrt");
+      runAborts();
+    });
     thread = std::thread([this] {
       setThreadName("dt-elastic");
       run();
@@ -124,25 +143,52 @@ struct ElasticGroup::Watcher {
       stopping = true;
     }
     wake.notify_all();
+    abortWake.notify_all();
     if (thread.joinable()) thread.join();
+    if (aborter.joinable()) aborter.join();
   }
 
   // The group to abort when one of `ms` dies (nullptr: none). A member that
-  // died before the group was handed over is acted on now (looked up through
-  // `lookup`: this thread's own client may be blocked in a wait).
+  // died before the group was handed over is acted on now, on the calling
+  // thread (looked up through `lookup`: this thread's own client may be
+  // blocked in a wait).
   void watch(std::shared_ptr<ProcessGroup> g, std::vector<int> ms, Store& lookup) {
-    std::lock_guard<std::mutex> lock(mutex);
-    group = std::move(g);
-    members = std::move(ms);
-    if (!group) return;
-    for (int m : members) {
-      if (auto reason = membership::deathOf(lookup, m)) abortFor(m, *reason);
+    std::vector<int> watched;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      group = g;
+      members = std::move(ms);
+      watched = members;
+    }
+    if (!g) return;
+    for (int m : watched) {
+      if (auto reason = membership::deathOf(lookup, m)) g->abort(lostError(watched, m, *reason));
     }
   }
 
-  void abortFor(int dead, const std::string& reason) {  // mutex held
+  static std::exception_ptr lostError(const std::vector<int>& ms, int dead, const std::string& reason) {
+    return std::make_exception_ptr(MemberLostError(str(memberName(ms, dead), " ", reason)));
+  }
+
+  // Queues the abort of the watched group for the abort thread. Mutex held.
+  void abortFor(int dead, const std::string& reason) {
     if (!group || std::find(members.begin(), members.end(), dead) == members.end()) return;
-    group->abort(std::make_exception_ptr(MemberLostError(str(memberName(members, dead), " ", reason))));
+    aborts.push_back(Abort{group, lostError(members, dead, reason)});
+    abortWake.notify_one();
+  }
+
+  void runAborts() {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (true) {
+      abortWake.wait(lock, [this] { return stopping || !aborts.empty(); });
+      if (stopping) return;  // the owner destroys the group next
+      Abort next = std::move(aborts.front());
+      aborts.pop_front();
+      lock.unlock();
+      next.group->abort(next.cause);
+      next = Abort{};  // the last reference may be this one: the group goes here, unlocked
+      lock.lock();
+    }
   }
 
   void run() {

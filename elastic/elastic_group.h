@@ -76,8 +76,11 @@
 //    leaving or not, throws MembershipError and the job stops. Joiners are admitted only in
 //    whole replicas, in registration order.
 //  * Not thread-safe: one training thread calls group() and recover(); the
-//    watcher thread only aborts. The destructor stops the watcher and
-//    destroys the group.
+//    watcher thread only beats and hands aborts to a second thread of this
+//    class, which aborts the group. So beats go on while an abort takes its
+//    time or an op is blocked in its backend (ProcessGroup::abort does not
+//    wait for it either). The destructor stops both threads and destroys the
+//    group.
 #pragma once
 
 #include <chrono>

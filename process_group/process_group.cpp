@@ -79,6 +79,20 @@ std::vector<int> exchangeHosts(Store& store, int rank, int size, const std::stri
 // options.backend ("gloo", "shm") forces one.
 BackendPtr makeCpuBackend(const StorePtr& store, int rank, int size, const ProcessGroupOptions& options,
                           std::chrono::milliseconds timeout, const std::vector<int>& parentRanks, int instance) {
+  if (options.cpuBackendFactory) {
+    BackendPtr made = options.cpuBackendFactory(BackendContext{store, rank, size, options.name, instance, timeout, parentRanks});
+    if (!made || made->rank() != rank || made->size() != size) {
+      throw InvalidArgument(str("process group ", options.name, " [rank ", rank, "/", size,
+                                "]: cpuBackendFactory returned ",
+                                made ? str("a backend of rank ", made->rank(), "/", made->size()) : std::string("null"),
+                                "; it must return a backend of the group's rank and size"));
+    }
+    if (rank == 0 && size > 1) {
+      logger("process_group")->info("process group {}: {} ranks, CPU collectives on {} (cpuBackendFactory)",
+                                    options.name, size, made->name());
+    }
+    return made;
+  }
   const std::string& forced = options.backend;
   std::vector<std::string> hostNames;
   std::vector<int> hostOf(static_cast<size_t>(size), 0);
@@ -133,6 +147,10 @@ void checkBackendName(const ProcessGroupOptions& options) {
                                 "rebuild with -DDT_USE_CUDA=ON -DDT_USE_NCCL=ON"));
   }
 #endif
+  if (options.cpuBackendFactory && (backend == "gloo" || backend == "shm")) {
+    throw InvalidArgument(str("process group ", options.name, ": backend ", backend,
+                              " and a cpuBackendFactory both choose the CPU backend; set one of them"));
+  }
   if (!backend.empty() && backend != "gloo" && backend != "shm" && backend != "nccl") {
     throw InvalidArgument(str("process group ", options.name, ": unknown backend ", quoteBytes(backend),
                               "; use gloo, shm or nccl (or leave it unset: shm within a host, gloo across hosts, "
@@ -181,10 +199,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(StorePtr store, int rank, int
 
 ProcessGroup::~ProcessGroup() { destroy(); }
 
-uint64_t ProcessGroup::lastSeq() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return seq_;
-}
+uint64_t ProcessGroup::lastSeq() const { return seq_.load(std::memory_order_acquire); }
 
 std::string ProcessGroup::who() const {
   return str("rank ", rank_, "/", size_, " pg=", options_.name);
@@ -196,15 +211,28 @@ void ProcessGroup::requireMember(const char* op) const {
                               " of its parent): this rank is not a member; only members may use the group"));
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (destroyed_) {
-    throw InvalidArgument(str(op, " on process group ", options_.name, " [", who(),
-                              "]: the group was destroyed; create a new one"));
-  }
+  if (destroyed_) throwDestroyed(op);
 }
 
-Backend& ProcessGroup::backendFor(const Device& device) {
-  requireMember("backendFor");
-  if (device.isCpu()) return *cpuBackend_;
+void ProcessGroup::throwDestroyed(const char* op) const {
+  throw InvalidArgument(str(op, " on process group ", options_.name, " [", who(),
+                            "]: the group was destroyed; create a new one"));
+}
+
+Backend& ProcessGroup::backendFor(const Device& device) { return *backendPtr("backendFor", device); }
+
+BackendPtr ProcessGroup::backendPtr(const char* op, const Device& device) {
+  if (device.isCpu() && isMember()) {
+    // Every small op passes here: one lock, no more checks.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (destroyed_) throwDestroyed(op);
+    return cpuBackend_;
+  }
+  requireMember(op);
+  return ncclBackend(op, device);
+}
+
+BackendPtr ProcessGroup::ncclBackend([[maybe_unused]] const char* op, const Device& device) {
   if (options_.backend == "gloo" || options_.backend == "shm") {
     throw InvalidArgument(str("[", who(), "] tensors on ", device.str(), ": the group was created with backend ",
                               options_.backend, ", which takes CPU tensors only; move the tensors to the CPU, or "
@@ -215,14 +243,37 @@ Backend& ProcessGroup::backendFor(const Device& device) {
     throw NotSupportedError(str("[", who(), "] tensors on ", device.str(), " need the nccl backend, which cannot run "
                                 "here: ", cuda::unavailableReason()));
   }
-  std::lock_guard<std::mutex> lock(ncclMutex_);
-  if (!ncclBackend_) {
-    // Lazily: a CPU-only program never pays for it. Not collective (the
-    // communicators are made by the first op on each device).
-    ncclBackend_ = std::make_shared<NcclBackend>(store_, rank_, size_,
-                                                 backendOptions<NcclBackendOptions>(options_, timeout_, parentRanks_, instance_));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (destroyed_) throwDestroyed(op);
+    if (ncclBackend_) return ncclBackend_;
   }
-  return *ncclBackend_;
+  // Lazily: a CPU-only program never pays for it. Not collective (the
+  // communicators are made by the first op on each device), but it talks to
+  // the store, so not under mutex_: abort() must not wait for it.
+  std::lock_guard<std::mutex> creating(ncclCreateMutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (destroyed_) throwDestroyed(op);
+    if (ncclBackend_) return ncclBackend_;
+  }
+  BackendPtr made = std::make_shared<NcclBackend>(store_, rank_, size_,
+                                                  backendOptions<NcclBackendOptions>(options_, timeout_, parentRanks_, instance_));
+  bool destroyed;
+  std::exception_ptr aborted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    destroyed = destroyed_;
+    if (!destroyed) ncclBackend_ = made;
+    aborted = abortCause_;
+  }
+  if (destroyed) {  // destroy() ran while it was being made
+    made->shutdown();
+    throwDestroyed(op);
+  }
+  // abort() before the first CUDA op: its "every later op fails" holds for CUDA ops too.
+  if (aborted) made->abort(aborted);
+  return made;
 #else
   throw NotSupportedError(str("[", who(), "] tensors on ", device.str(),
                               " need the nccl backend, which this build does not have (DT_HAVE_NCCL=0); "
@@ -233,18 +284,14 @@ Backend& ProcessGroup::backendFor(const Device& device) {
 template <typename Fn>
 WorkPtr ProcessGroup::numbered(const char* op, const Device& device, uint64_t& seqField, std::vector<Tensor> result,
                                Fn&& call) {
-  // CPU tensors (every small op) take the CPU backend under the one lock
-  // below; backendFor's own checks would lock twice more.
-  Backend* backend = device.isCpu() && isMember() ? nullptr : &backendFor(device);
-  // Holding the lock across the call keeps issue order == sequence order
-  // when several threads issue (backends only enqueue here).
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (destroyed_) {
-    throw InvalidArgument(str(op, " on process group ", options_.name, " [", who(),
-                              "]: the group was destroyed; create a new one"));
-  }
-  if (backend == nullptr) backend = cpuBackend_.get();
-  seqField = seq_ + 1;
+  // Held across the call, so that issue order == sequence order when several
+  // threads issue. The call may block (NCCL makes a device's communicator at
+  // its first op, and waits for NCCL to enqueue): only the issue lock is held
+  // meanwhile, never mutex_, which abort(), brokenCause() and destroy() take.
+  std::lock_guard<std::mutex> issue(issueMutex_);
+  const BackendPtr backend = backendPtr(op, device);  // alive even if destroy() runs meanwhile
+  const uint64_t seq = seq_.load(std::memory_order_relaxed) + 1;
+  seqField = seq;
   WorkPtr work;
   try {
     work = call(*backend);
@@ -253,7 +300,7 @@ WorkPtr ProcessGroup::numbered(const char* op, const Device& device, uint64_t& s
     if (std::string(e.what()).find(" (not issued)") != std::string::npos) throw;
     throw InvalidArgument(str("[", who(), "] ", op, " #", seqField, " (not issued): ", e.what()));
   }
-  ++seq_;
+  seq_.store(seq, std::memory_order_release);
   work->setResult(std::move(result));
   return work;
 }
@@ -379,15 +426,18 @@ WorkPtr ProcessGroup::recordedP2P(const char* op, const std::vector<Tensor>& ten
   return work;
 }
 
+// Point-to-point ops take no issue lock (they are not numbered); each holds
+// its backend for the call, which destroy() on another thread may outlast.
 WorkPtr ProcessGroup::send(const std::vector<Tensor>& tensors, int dstRank, SendOptions options) {
   requireMember("send");
-  return recordedP2P("send", tensors, dstRank, [&] { return backendFor(deviceOf(tensors)).send(tensors, dstRank, options); });
+  return recordedP2P("send", tensors, dstRank,
+                     [&] { return backendPtr("send", deviceOf(tensors))->send(tensors, dstRank, options); });
 }
 
 WorkPtr ProcessGroup::recv(const std::vector<Tensor>& tensors, int srcRank, RecvOptions options) {
   requireMember("recv");
-  WorkPtr work =
-      recordedP2P("recv", tensors, srcRank, [&] { return backendFor(deviceOf(tensors)).recv(tensors, srcRank, options); });
+  WorkPtr work = recordedP2P("recv", tensors, srcRank,
+                             [&] { return backendPtr("recv", deviceOf(tensors))->recv(tensors, srcRank, options); });
   work->setResult(tensors);
   return work;
 }
@@ -396,7 +446,7 @@ WorkPtr ProcessGroup::batchIsendIrecv(const std::vector<P2POp>& ops) {
   requireMember("batchIsendIrecv");
   WorkPtr work = recordedP2P("batchIsendIrecv", ops.empty() ? std::vector<Tensor>{} : ops[0].tensors,
                              ops.empty() ? -1 : ops[0].peer, [&] {
-    return backendFor(ops.empty() ? Device::cpu() : deviceOf(ops[0].tensors)).batchIsendIrecv(ops);
+    return backendPtr("batchIsendIrecv", ops.empty() ? Device::cpu() : deviceOf(ops[0].tensors))->batchIsendIrecv(ops);
   });
   std::vector<Tensor> received;
   for (const auto& op : ops) {
@@ -407,13 +457,13 @@ WorkPtr ProcessGroup::batchIsendIrecv(const std::vector<P2POp>& ops) {
 }
 
 std::exception_ptr ProcessGroup::brokenCause() const {
-  BackendPtr nccl;
+  BackendPtr cpu, nccl;
   {
-    std::lock_guard<std::mutex> lock(ncclMutex_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    cpu = cpuBackend_;
     nccl = ncclBackend_;
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (std::exception_ptr cause = cpuBackend_ ? cpuBackend_->brokenCause() : nullptr) return cause;
+  if (std::exception_ptr cause = cpu ? cpu->brokenCause() : nullptr) return cause;
   return nccl ? nccl->brokenCause() : nullptr;
 }
 
@@ -431,6 +481,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
     index = ++subgroups_;
   }
   if (options.name == "default") options.name = str(options_.name, ".sub", index);
+  if (!options.cpuBackendFactory && options.backend.empty()) options.cpuBackendFactory = options_.cpuBackendFactory;
   if (!options.timeout) options.timeout = timeout_;
   if (!options.checkFingerprints) options.checkFingerprints = options_.checkFingerprints;
   if (options.glooHostname.empty()) options.glooHostname = options_.glooHostname;
@@ -460,43 +511,36 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
   return group;
 }
 
+// Neither abort() nor destroy() takes the issue lock: a call blocked in its
+// backend holds it, and their purpose is to end such calls.
 void ProcessGroup::abort(std::exception_ptr cause) {
   std::vector<std::shared_ptr<ProcessGroup>> children;
+  BackendPtr cpu, nccl;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& weak : children_) {
       if (auto child = weak.lock()) children.push_back(std::move(child));
     }
+    cpu = cpuBackend_;
+    nccl = ncclBackend_;
+    if (!abortCause_) abortCause_ = cause;
   }
   for (const auto& child : children) child->abort(cause);
-  BackendPtr backend, nccl;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    backend = cpuBackend_;
-  }
-  {
-    std::lock_guard<std::mutex> lock(ncclMutex_);
-    nccl = ncclBackend_;
-  }
-  if (backend) backend->abort(cause);
+  if (cpu) cpu->abort(cause);
   if (nccl) nccl->abort(cause);
 }
 
 void ProcessGroup::destroy() {
-  BackendPtr backend;
-  BackendPtr nccl;
+  BackendPtr cpu, nccl;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (destroyed_) return;
     destroyed_ = true;
-    backend = std::move(cpuBackend_);
-  }
-  {
-    std::lock_guard<std::mutex> lock(ncclMutex_);
+    cpu = std::move(cpuBackend_);
     nccl = std::move(ncclBackend_);
   }
   if (nccl) nccl->shutdown();
-  if (backend) backend->shutdown();
+  if (cpu) cpu->shutdown();
 }
 
 }  // namespace dt

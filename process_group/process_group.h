@@ -45,10 +45,24 @@
 //    agree on the order, so issue one group's collectives from one thread.
 //    Different groups are independent. destroy() is idempotent; the
 //    destructor calls it.
+//  * Blocking: a collective's call into its backend may block (NCCL makes a
+//    device's communicator at its first op, up to the timeout). The group
+//    holds its issue lock across that call, so that sequence order is issue
+//    order: a second thread issuing on the same group waits behind it. Sends
+//    and recvs take no issue lock. abort(), brokenCause(), isBroken() and
+//    lastSeq() never wait for the issue lock or for a call in progress (they
+//    take a short lock that no backend call is made under): an abort from
+//    another thread (an elastic job's watcher) reaches an op blocked in its
+//    backend at once, and that op fails with the abort's cause. destroy()
+//    takes no issue lock either: it shuts the backends down while the call is
+//    in progress (Backend::shutdown, which for a healthy NCCL backend lets the
+//    ops on the device finish first), and the call keeps its backend alive
+//    until it returns.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -62,6 +76,18 @@
 #include "tensor/tensor.h"
 
 namespace dt {
+
+// What ProcessGroupOptions::cpuBackendFactory gets: the group a backend is
+// made for, as the built-in backends get it.
+struct BackendContext {
+  StorePtr store;  // the group's scope of the store (keys under it are the group's own)
+  int rank = 0;
+  int size = 1;
+  std::string groupName;
+  int instance = 0;  // which creation of the root group's name (flight recorder)
+  std::chrono::milliseconds timeout{0};
+  std::vector<int> globalRanks;  // the group's ranks in the parent's numbering
+};
 
 struct ProcessGroupOptions {
   std::string name = "default";
@@ -87,6 +113,16 @@ struct ProcessGroupOptions {
   // before it names the silent ones (an elastic job, which learns who died
   // from its launcher, keeps it short).
   std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
+  // Makes the backend for CPU tensors instead of the built-in choice (shm,
+  // gloo or both by host layout): a transport of one's own, or a double of one
+  // in a test. Called once per group by create() / newGroup() on every member
+  // (newGroup passes the parent's on unless the subgroup's options name a
+  // backend or a factory of their own); it may block (a collective set-up
+  // over context.store) and throw, and create() then throws its error. The
+  // backend keeps backend.h's contract; its rank() and size() must be the
+  // group's. Not with backend "gloo" or "shm" (InvalidArgument); with "nccl",
+  // barrier() still goes to NCCL.
+  std::function<BackendPtr(const BackendContext& context)> cpuBackendFactory;
 };
 
 class ProcessGroup {
@@ -138,21 +174,30 @@ class ProcessGroup {
   // group ranks follow ascending order). Collective over this group.
   std::shared_ptr<ProcessGroup> newGroup(std::vector<int> ranks, ProcessGroupOptions options = {});
 
-  // The backend that serves `device` (NotSupportedError if none can).
+  // The backend that serves `device` (NotSupportedError if none can); valid
+  // until destroy(). The first call for a CUDA device makes the NCCL backend.
   Backend& backendFor(const Device& device);
   // Breaks the group with `cause`: every op in flight or queued on any of its
   // backends fails at once with it, and so does every later op (Backend::abort).
   // The subgroups newGroup made from it (still alive) break too: a member lost to the
   // group is lost to them, and a rank waiting in one (a mesh's dp or tp group) must not
   // wait out the timeout for a peer that left through the parent.
-  // Any thread; idempotent. destroy() still releases the group.
+  // An NCCL backend made after the abort (by a later first CUDA op) is born
+  // aborted with the same cause.
+  // Any thread; idempotent; does not wait for an op in progress (see
+  // "Blocking" above). destroy() still releases the group.
   void abort(std::exception_ptr cause);
-  // Shuts the backends down; later calls fail with "destroyed".
+  // Shuts the backends down; later calls fail with "destroyed". Any thread.
   void destroy();
 
  private:
   ProcessGroup() = default;
   void requireMember(const char* op) const;
+  [[noreturn]] void throwDestroyed(const char* op) const;
+  // The backend for `device`, held by the caller for as long as it calls it:
+  // destroy() on another thread releases the group's reference meanwhile.
+  BackendPtr backendPtr(const char* op, const Device& device);
+  BackendPtr ncclBackend(const char* op, const Device& device);
   std::string who() const;
   template <typename Fn>
   WorkPtr recordedP2P(const char* op, const std::vector<Tensor>& tensors, int peer, Fn&& post);
@@ -165,16 +210,25 @@ class ProcessGroup {
   ProcessGroupOptions options_;
   std::chrono::milliseconds timeout_{0};
   std::vector<int> parentRanks_;
-  BackendPtr cpuBackend_;
-  mutable std::mutex ncclMutex_;  // guards ncclBackend_ (made by the first CUDA call)
-  BackendPtr ncclBackend_;
-  mutable std::mutex mutex_;
-  uint64_t seq_ = 0;
   int instance_ = 0;  // which creation of the root group's name (flight recorder)
   std::atomic<uint64_t> p2pSeq_{0};  // the flight recorder's numbering of send/recv
+  // Held across a collective's backend call, which may block (see "Blocking"
+  // above): the number a call gets is the order it reaches its backend in.
+  std::mutex issueMutex_;
+  // Held while the NCCL backend is made (its runner clones the store and
+  // writes to it): one is made, and mutex_ stays free meanwhile.
+  std::mutex ncclCreateMutex_;
+  // Guards the state below. Never held across a backend call or store I/O,
+  // so that abort(), brokenCause() and destroy() never wait for an op.
+  mutable std::mutex mutex_;
+  BackendPtr cpuBackend_;
+  BackendPtr ncclBackend_;  // made by the first CUDA call
+  std::exception_ptr abortCause_;  // the first abort(), for an NCCL backend made later
   int subgroups_ = 0;
   std::vector<std::weak_ptr<ProcessGroup>> children_;  // newGroup's member handles, for abort()
   bool destroyed_ = false;
+  // Written under issueMutex_ only (atomic: lastSeq() reads it without it).
+  std::atomic<uint64_t> seq_{0};
 };
 
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
