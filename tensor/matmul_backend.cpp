@@ -125,12 +125,10 @@ bool openblasKernelsFitCpu(const std::string& core, bool cpuHasAvx512, bool cpuH
 
 namespace {
 
-// Auto keeps float32 on OpenBLAS for now, whatever its kernels: with oneDNN's float32 products
-// at more than one OpenMP thread, TrainerElastic.KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize
-// ends 1.1e-2 (relative) away from the undisturbed run where OpenBLAS stays within 1e-6, and
-// at OMP_NUM_THREADS=1 within 1e-6 again; standalone, 1 and 2 threads give bitwise the same
-// products, so the cause (a race between OpenMP and the program's other threads?) is not yet
-// found. Until it is, float32 on oneDNN is asked for (DT_MATMUL_BACKEND=onednn), not chosen.
+// Auto keeps float32 on OpenBLAS for now, whatever its kernels. It was switched off when an
+// elastic test's trajectory ended 1.1e-2 from its reference with oneDNN's float32 products; that
+// turned out to be AdamW's sensitivity to the order of sums (OpenBLAS's own AVX-512 kernel ends
+// it 0.10 away, docs/tensor.md), not a fault of oneDNN. The rule returns once it is re-measured.
 bool autoPrefersOneDnn(const GemmProblem&) { return false; }
 
 void runOpenBlas(const GemmProblem& p) {
