@@ -257,8 +257,9 @@ BackendPtr ProcessGroup::ncclBackend([[maybe_unused]] const char* op, const Devi
     if (destroyed_) throwDestroyed(op);
     if (ncclBackend_) return ncclBackend_;
   }
-  BackendPtr made = std::make_shared<NcclBackend>(store_, rank_, size_,
-                                                  backendOptions<NcclBackendOptions>(options_, timeout_, parentRanks_, instance_));
+  NcclBackendOptions ncclOptions = backendOptions<NcclBackendOptions>(options_, timeout_, parentRanks_, instance_);
+  ncclOptions.device = options_.device;
+  BackendPtr made = std::make_shared<NcclBackend>(store_, rank_, size_, std::move(ncclOptions));
   bool destroyed;
   std::exception_ptr aborted;
   {
@@ -487,6 +488,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(std::vector<int> ranks, Pro
   if (options.glooHostname.empty()) options.glooHostname = options_.glooHostname;
   if (options.backend.empty()) options.backend = options_.backend;
   if (options.hostId.empty()) options.hostId = options_.hostId;
+  if (!options.device) options.device = options_.device;
   options.progressInterval = options_.progressInterval;
   std::shared_ptr<ProcessGroup> group(new ProcessGroup());
   group->options_ = std::move(options);

@@ -113,6 +113,11 @@ struct ProcessGroupOptions {
   // before it names the silent ones (an elastic job, which learns who died
   // from its launcher, keeps it short).
   std::chrono::milliseconds failureReportWindow = std::chrono::milliseconds(2500);
+  // This rank's GPU (a CUDA device), for NCCL ops that bring no tensor to tell it: a barrier
+  // that is the group's first NCCL op. Unset: NcclBackend::barrier's rule (the last op's device,
+  // a non-zero current device, cuda:(LOCAL_RANK mod the device count), else a one-line refusal).
+  // Subgroups inherit it.
+  std::optional<Device> device;
   // Makes the backend for CPU tensors instead of the built-in choice (shm,
   // gloo or both by host layout): a transport of one's own, or a double of one
   // in a test. Called once per group by create() / newGroup() on every member
