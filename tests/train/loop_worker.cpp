@@ -4,7 +4,7 @@
 //
 //   loop_worker DATA CHECKPOINT_DIR STEPS [--micro-batches K] [--clip C] [--pause-ms MS]
 //               [--throw-at STEP | --no-backward | --other-optimizer] [--profile DIR]
-//               [--anomaly] [--nan-at STEP] [--sharding none|full|zero2]
+//               [--anomaly] [--nan-at STEP] [--sharding none|full|zero2] [--metrics FILE]
 //
 // Prints, on every rank: "loop_worker: rank R/W steps N counter C ema E ema_sum X params P
 // stopped S" (E, P: fingerprints).
@@ -32,7 +32,7 @@ int main(int argc, char** argv) try {
   double clip = 0;
   bool noBackward = false, otherOptimizer = false, anomaly = false;
   int64_t nanAt = -1;
-  std::string profileDir, sharding = "none";
+  std::string profileDir, sharding = "none", metrics;
   for (int i = 4; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--micro-batches") microBatches = std::stoi(argv[++i]);
@@ -42,6 +42,7 @@ int main(int argc, char** argv) try {
     else if (flag == "--no-backward") noBackward = true;
     else if (flag == "--other-optimizer") otherOptimizer = true;
     else if (flag == "--profile") profileDir = argv[++i];
+    else if (flag == "--metrics") metrics = argv[++i];
     else if (flag == "--anomaly") anomaly = true;
     else if (flag == "--nan-at") nanAt = std::stoll(argv[++i]);
     else if (flag == "--sharding") sharding = argv[++i];
@@ -69,6 +70,7 @@ int main(int argc, char** argv) try {
                      : sharding == "zero2" ? dt::train::Sharding::Zero2
                                            : dt::train::Sharding::None;
   options.anomalyMode = anomaly;
+  options.metricsFile = metrics;
   if (!profileDir.empty()) {
     options.profileFrom = 3;
     options.profileSteps = 2;

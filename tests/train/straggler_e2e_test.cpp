@@ -1,12 +1,16 @@
-// Straggler detection under dtrun, through the docs' minimal trainer on 4 ranks: a rank slowed on
-// purpose (DT_TEST_SLOW_RANK: 200 ms in each forward against a step of about a millisecond)
-// is reported by the loop and by dtrun with its section, a run without one reports none, and
-// with --elastic --evict-stragglers dtrun kills the straggler and the job finishes on 3 ranks.
+// Straggler detection under dtrun, through programs on the training loop (tests/train/loop_worker,
+// the docs' minimal trainer) on 4 ranks: a rank slowed on purpose (DT_TEST_SLOW_RANK: 200 ms in
+// each forward against a step of about a millisecond) is reported by the loop (stdout, the
+// metrics file) and by dtrun with its section, a run without one reports none, and with
+// --elastic --evict-stragglers dtrun kills the straggler and the job finishes on 3 ranks.
 // The verdicts are the only thing timed: the slowdown is two orders of magnitude over the step,
 // so neither a loaded machine nor a quiet one can hide or fake it.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <regex>
 #include <set>
 
@@ -20,11 +24,18 @@ namespace {
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
 using ::testing::Not;
+namespace fs = std::filesystem;
 
 const std::string kMinimalTrainer = MINIMAL_TRAINER_PATH;
+const std::string kLoopWorker = LOOP_WORKER_PATH;
 
 // Gathers every 5 steps, a straggler after 20 slow ones: the test's run stays short.
 const std::vector<std::string> kKnobs = {"DT_STRAGGLER_EVERY=5", "DT_STRAGGLER_WINDOW=20"};
+
+std::string readFile(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
 
 std::vector<std::string> withKnobs(std::vector<std::string> extra) {
   extra.insert(extra.begin(), kKnobs.begin(), kKnobs.end());
@@ -44,12 +55,13 @@ TempDir* Stragglers::data_ = nullptr;
 
 TEST_F(Stragglers, ASlowedRankIsReportedWithItsSectionAndAnEvenRunReportsNone) {
   TempDir out;
-  const auto r = runProcess(dtrunProgram(4, {}, kMinimalTrainer, {data_->path().string(), (out.path() / "ck").string(), "40"}),
+  const fs::path metrics = out.path() / "metrics.jsonl";
+  const auto r = runProcess(dtrunProgram(4, {}, kLoopWorker, {data_->path().string(), (out.path() / "ck").string(), "40", "--metrics", metrics.string()}),
                             120s, withKnobs({"DT_TEST_SLOW_RANK=2:200"}));
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
   // One report, from dtrun, naming rank 2, its host and forward.
   static const std::regex report(
-      R"(dtrun: straggler: minimal_trainer: rank 2 \(host [^)]+\) is a straggler at step (\d+): .* for (\d+) steps; forward \d+ ms against .*: compute-bound)");
+      R"(dtrun: straggler: loop_worker: rank 2 \(host [^)]+\) is a straggler at step (\d+): .* for (\d+) steps; forward \d+ ms against .*: compute-bound)");
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.err, m, report)) << r.out << r.err;
   // Within the window: the first gathers that can cover 20 slow steps (a gather's figures
@@ -59,7 +71,12 @@ TEST_F(Stragglers, ASlowedRankIsReportedWithItsSectionAndAnEvenRunReportsNone) {
   EXPECT_GE(std::stoi(m[2]), 20) << m[0];
   EXPECT_EQ(countOccurrences(r.err, "dtrun: straggler:"), 1) << "one episode, one report\n" << r.err;
   EXPECT_EQ(countOccurrences(r.out, "is a straggler"), 1) << "rank 0's line\n" << r.out;
-  for (int rank = 0; rank < 4; ++rank) EXPECT_THAT(r.out, HasSubstr(str("rank ", rank, "/4 done after 40 steps")));
+  for (int rank = 0; rank < 4; ++rank) EXPECT_THAT(r.out, HasSubstr(str("loop_worker: rank ", rank, "/4 steps 40 ")));
+  // And the metrics file has it as a line of its own.
+  const std::string lines = readFile(metrics);
+  EXPECT_EQ(countOccurrences(lines, "\"straggler\": \"loop_worker: rank 2 "), 1) << lines;
+  EXPECT_THAT(lines, HasSubstr(str("{\"step\": ", m[1], ", \"straggler_rank\": 2, \"straggler_member\": 2, \"straggler_ratio\": ")));
+  EXPECT_THAT(lines, HasSubstr("\"straggler_section\": \"forward\""));
 
   TempDir even;
   const auto quiet = runProcess(dtrunProgram(4, {}, kMinimalTrainer, {data_->path().string(), (even.path() / "ck").string(), "80"}),
