@@ -972,14 +972,25 @@ struct Agent::Impl {
     // (train/loop.cpp, docs/debugging.md). Node 0 prints each; with --evict-stragglers the node
     // that runs the member kills it, posts its death like any other (the others recover in
     // place) and never replaces it.
+    // The reads go through a connection of their own with a short timeout, and wait while the
+    // store looks unresponsive: this loop is also what notices a store that stopped answering
+    // (a cut link drops packets, and a read on the job's connection would wait its whole timeout).
     int64_t nextStragglerCheck = 0;
+    StorePtr stragglerStore;
+    const Store* stragglerStoreOf = nullptr;
     auto checkStragglers = [&](int64_t now) {
       if (stopping || storeGone || now < nextStragglerCheck) return;
       nextStragglerCheck = now + o.monitorInterval.count();
+      if (coord && now - coord->lastContactMs() > 2 * o.monitorInterval.count()) return;
       std::vector<std::string> reports;
       try {
-        while (store->check({str("dt/straggler/", stragglersSeen + 1)})) {
-          reports.push_back(store->get(str("dt/straggler/", ++stragglersSeen)));
+        if (stragglerStoreOf != store.get()) {
+          stragglerStore = store->clone();
+          stragglerStore->setTimeout(std::chrono::milliseconds(std::clamp<int64_t>(o.monitorInterval.count(), 200, 1000)));
+          stragglerStoreOf = store.get();
+        }
+        while (stragglerStore->check({str("dt/straggler/", stragglersSeen + 1)})) {
+          reports.push_back(stragglerStore->get(str("dt/straggler/", ++stragglersSeen)));
         }
       } catch (const std::exception&) {
         // The store's loss is handled elsewhere; what was read is still reported.
