@@ -964,6 +964,8 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     // DDP's end-of-backward wait for its buckets, when its reducer ran this step.
     const uint64_t ddpIterations = ddp_ ? ddp_->lastIteration().iteration : 0;
     std::vector<std::pair<std::string, double>> stepMetrics;
+    std::vector<Tensor> microLosses;  // read once after the loop
+    std::vector<double> fractions;
     for (int64_t k = 0, at = 0; k < pieces; ++k) {
       const int64_t n = rows / pieces + (k < rows % pieces ? 1 : 0);
       const data::Batch micro = pieces == 1 ? batch.batch
@@ -999,7 +1001,8 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       figures.forwardMs += msSince(phaseStart);
       reach(step_, Phase::Forward);
       const double fraction = static_cast<double>(n) / static_cast<double>(rows);
-      stepLoss += out.loss.item<float>() * fraction;
+      microLosses.push_back(out.loss.detach().reshape({1}));
+      fractions.push_back(fraction);
       for (const auto& [name, v] : out.metrics) {
         auto it = std::find_if(stepMetrics.begin(), stepMetrics.end(), [&](const auto& e) { return e.first == name; });
         if (it == stepMetrics.end()) stepMetrics.emplace_back(name, v * fraction);
@@ -1009,6 +1012,13 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       phaseStart = Clock::now();
       (weight == 1.0 ? out.loss : mul(out.loss, weight)).backward();  // the last one returns with averaged gradients
       figures.backwardMs += msSince(phaseStart);
+    }
+    if (!microLosses.empty()) {
+      // One read of the micro-batches' losses a step, not one per micro-batch: on a GPU each read
+      // waits for the device. The same float values in the same order as reading them one by one.
+      const Tensor losses = microLosses.size() == 1 ? microLosses[0] : cat(microLosses, 0);
+      const std::vector<float> values = losses.to(DType::Float32).to(Device::cpu()).toVector<float>();
+      for (size_t k = 0; k < values.size(); ++k) stepLoss += values[k] * fractions[k];
     }
     if (ddp_ && ddp_->lastIteration().iteration != ddpIterations) {
       const double exposed = std::min(ddp_->lastIteration().exposedCommMs, figures.backwardMs);
