@@ -23,9 +23,11 @@ packages=(
   python3-matplotlib              # scripts/plot_metrics.py
   libcurl4-openssl-dev nlohmann-json3-dev   # store/etcd_store: etcd's v3 JSON gateway over HTTP(S)
   etcd-server openssl             # the etcd tests' private members (tests/store/etcd_test_support.h)
+  libtorch-dev pybind11-dev       # torch_shim: dtrain as a torch.distributed backend (docs/torch.md)
+  chromium libjs-chart.js         # dtrun --status-port's page (Chart.js) and its headless-browser test
 )
 if [[ "${1:-}" == "--peers" ]]; then
-  packages+=(libtorch-dev redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine time)
+  packages+=(redis-server redis-tools libopenblas0-pthread libopenmpi-dev openmpi-bin hyperfine time)
 fi
 
 missing=()
