@@ -30,6 +30,7 @@
 #include "common/errors.h"
 #include "common/strings.h"
 #include "data/text.h"
+#include "ddp/comm_hooks.h"
 #include "examples/run_support.h"
 #include "parallel/parallelize.h"
 #include "parallel/tensor_parallel.h"
@@ -68,6 +69,7 @@ struct Config {
   std::string scheduleFile;  // a schedule of the user's own (parallel/pipeline_schedule.h's text format)
   int virtualStages = 2;
   std::string precision = "fp32";  // bf16: the forward's matrix products under dt::autocast
+  std::string gradReduce = "fp32";  // bf16: gradients on the wire in bf16 (DDP's bf16 hook, the sharded wrapper's reduceDtype)
   bool checkpoints() const { return checkpointDir != "none"; }
 };
 
@@ -104,6 +106,10 @@ the end.
            "bf16: the matrix products of each forward and its backward in bf16 (fp32\naccumulation, "
            "dt::autocast); weights, AdamW, LayerNorm and the loss stay fp32.\nOn a CPU without bf16 "
            "instructions they run in fp32 (one log line says why)",
+           {"fp32", "bf16"})
+      .add("--grad-reduce", c.gradReduce, "P",
+           "bf16: gradients are cast to bf16, summed across the ranks in bf16 and cast\nback (half the bytes on the wire; "
+           "DDP's bf16 hook, or the fsdp wrapper's\nreduce dtype). Not with --sharding zero1/zero2",
            {"fp32", "bf16"})
       .add("--sharding", c.sharding, "MODE",
            "ddp: every rank holds everything; zero1/zero2: the optimizer state\n(zero2: and the gradients between steps) split over "
@@ -165,6 +171,10 @@ the end.
                               c.schedule == "interleaved" ? str(" --virtual-stages ", c.virtualStages) : std::string(),
                               " makes ", stages, " stages but --layers is ", c.model.layers,
                               " (every stage needs at least one block)"));
+  }
+  if (c.gradReduce == "bf16" && c.sharding.starts_with("zero")) {
+    throw InvalidArgument(str("gpt: --grad-reduce bf16 with --sharding ", c.sharding, " is not supported: ZeRO reduce-scatters "
+                              "DDP's buckets in fp32; use --sharding ddp or fsdp for bf16 gradients"));
   }
   if (c.pp > 1 && c.sharding != "ddp") {
     throw InvalidArgument(str("gpt: --pp ", c.pp, " with --sharding ", c.sharding, " is not built yet: the pipeline's replicas "
@@ -278,6 +288,7 @@ int run(const Config& c) {
                         .split = c.split == "params" ? dt::pipeline::SplitRule::Parameters : dt::pipeline::SplitRule::Layers,
                         .sequenceParallel = c.sp};
   }
+  if (c.gradReduce == "bf16") options.ddp.commHook = dt::bf16CompressHook();
   options.sharding = c.sharding == "ddp"     ? dt::train::Sharding::None
                      : c.sharding == "zero1" ? dt::train::Sharding::Zero1
                      : c.sharding == "zero2" ? dt::train::Sharding::Zero2
@@ -324,6 +335,7 @@ int run(const Config& c) {
   dt::TpCollectiveCounts tpLast;
   int64_t tpFrom = 0, tpTo = 0;
   dt::FullyShardOptions sharded{.reshardAfterForward = c.sharding == "fsdp"};
+  if (c.gradReduce == "bf16") sharded.mixedPrecision.reduceDtype = dt::DType::BFloat16;
   for (const auto& [name, block] : model->h->namedChildren()) sharded.units.push_back(block);
   if (c.pp > 1) {
     loop.setPipelineModel(model);
