@@ -425,9 +425,19 @@ void PipelineRunner::run(const std::vector<Tensor>& inputs, const std::vector<Te
     const Tensor contiguous = data.contiguous();
     if (check) {
       const Tensor meta = metaOf(contiguous.dtype(), contiguous.sizes());
-      waitFor(pp_->send({meta}, peer, {tag(forward ? kMetaF : kMetaB, edge, mb), options_.timeout, 0}));
       Tensor ack = zeros({kMetaDims + 1}, DType::Int64);
-      waitFor(pp_->recv({ack}, peer, {tag(forward ? kAckF : kAckB, edge, mb), options_.timeout, 0}));
+      try {
+        waitFor(pp_->send({meta}, peer, {tag(forward ? kMetaF : kMetaB, edge, mb), options_.timeout, 0}));
+        waitFor(pp_->recv({ack}, peer, {tag(forward ? kAckF : kAckB, edge, mb), options_.timeout, 0}));
+      } catch (...) {
+        // The transport names its own op (a recv of the verdict): say that this is the send's
+        // first-step handshake, so a SEND that found no receiver does not read as a recv.
+        std::rethrow_exception(withPrefix(std::current_exception(),
+                                          str("sending the ", forward ? "activation" : "gradient", " of micro-batch ", mb,
+                                              " to stage ", toStage, " (rank ", peer,
+                                              "; the first step's shape check waits for its verdict): "),
+                                          ""));
+      }
       if (ack.data<int64_t>()[0] != 0) {
         waitFor(pp_->send({zeros({1}, DType::Int64)}, peer, {tag(forward ? kMetaF : kMetaB, edge, mb), options_.timeout, 0}));
         // The receiver's expected shape is the one this rank is configured with too, unless the
@@ -678,13 +688,14 @@ RunnerStages fixedCostStages(const Schedule& schedule, int rank, const Costs& co
   return out;
 }
 
-double clipGradNorm(const PipelineRunner& runner, double maxNorm, nn::ClipGradNormOptions options) {
-  return clipGradNorm(runner, maxNorm, nullptr, std::move(options));
-}
+namespace {
 
-double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessGroupPtr& tensorParallel,
-                    nn::ClipGradNormOptions options) {
+// Every clipGradNorm of a pipeline: `holderOf` (optional) gives the tensor holding a parameter's
+// gradient, `tensorParallel` (optional) the group a split parameter's squares are summed over.
+double clipStages(const PipelineRunner& runner, double maxNorm, const ProcessGroupPtr& tensorParallel,
+                  const std::function<Tensor(const Tensor&)>& holderOf, nn::ClipGradNormOptions options) {
   const RunnerStages& st = runner.stages();
+  const auto held = [&holderOf](const Tensor& t) { return holderOf ? holderOf(t) : t; };
   std::vector<Tensor> parameters;
   std::vector<bool> split;  // per parameter: a tensor-parallel block (its squares summed over tp)
   std::set<const void*> seen;
@@ -697,7 +708,7 @@ double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessG
     for (const auto& [name, t] : chunk->namedParameters()) {
       if (skipCopy && t.dataPtr() == st.tiedCopy.dataPtr()) continue;
       if (!seen.insert(t.dataPtr()).second) continue;
-      parameters.push_back(t);
+      parameters.push_back(held(t));
       split.push_back(splitByName[name]);
     }
   }
@@ -712,22 +723,42 @@ double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessG
     };
   }
   const ProcessGroupPtr& pp = runner.group();
-  options.reducePartial = [&pp](Tensor& partial, bool max) {
+  // A holder's partial covers this rank's piece: over the holders' group first, then over pp.
+  options.reducePartial = [&pp, outer = holderOf ? options.reducePartial : nullptr](Tensor& partial, bool max) {
+    if (outer) outer(partial, max);
     AllreduceOptions o;
     o.reduceOp = max ? ReduceOp::Max : ReduceOp::Sum;
     pp->allreduce(partial, o)->wait();
   };
   const double norm = nn::clipGradNorm(parameters, maxNorm, options);
   // The copy left out of the norm is scaled as clipGradNorm scaled the rest.
-  if (skipCopy && st.tiedCopy.grad().defined()) {
+  const Tensor copy = skipCopy ? held(st.tiedCopy) : Tensor();
+  if (copy.defined() && copy.grad().defined()) {
     const double coefficient = maxNorm / (norm + 1e-6);
     if (coefficient < 1.0 || std::isnan(coefficient)) {
       NoGradGuard ng;
-      Tensor g = st.tiedCopy.grad();
+      Tensor g = copy.grad();
       mul_(g, coefficient);
     }
   }
   return norm;
+}
+
+}  // namespace
+
+double clipGradNorm(const PipelineRunner& runner, double maxNorm, nn::ClipGradNormOptions options) {
+  return clipStages(runner, maxNorm, nullptr, nullptr, std::move(options));
+}
+
+double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessGroupPtr& tensorParallel,
+                    nn::ClipGradNormOptions options) {
+  return clipStages(runner, maxNorm, tensorParallel, nullptr, std::move(options));
+}
+
+double clipGradNorm(const PipelineRunner& runner, double maxNorm, const std::function<Tensor(const Tensor&)>& holderOf,
+                    nn::ClipGradNormOptions options) {
+  if (!holderOf) throw InvalidArgument("pipeline: clipGradNorm with holders: holderOf is empty");
+  return clipStages(runner, maxNorm, nullptr, holderOf, std::move(options));
 }
 
 }  // namespace dt::pipeline
