@@ -1017,10 +1017,42 @@ FullyShardedDataParallel::NoSyncGuard FullyShardedDataParallel::noSync() { retur
 FullyShardedDataParallel::FullParametersGuard FullyShardedDataParallel::gatherFullParameters() {
   Impl& m = *impl_;
   m.requireIdle("gatherFullParameters");
+  m.current = ShardedIterationStats{};  // reduceGradients reports this guard's gathers as its iteration's
   for (auto& u : m.units) m.launchGather(*u, kFull);
   for (auto& u : m.units) m.finishGather(*u, false);
   m.summoned = true;
   return FullParametersGuard(this);
+}
+
+void FullyShardedDataParallel::reduceGradients() {
+  Impl& m = *impl_;
+  if (!m.summoned) {
+    throw InvalidArgument(str("[", m.who(), "] FullyShardedDataParallel::reduceGradients outside a gatherFullParameters() "
+                              "guard: inside one backward reduces nothing, outside it reduces by itself"));
+  }
+  NoGradGuard noGrad;
+  try {
+    for (auto& u : m.units) {
+      std::vector<Tensor> grads;
+      for (ShardParam& p : u->params) {
+        grads.push_back(p.param.grad());
+        p.param.setGrad(Tensor());
+      }
+      m.launchReduceScatter(*u, std::move(grads));
+    }
+    m.harvest(true);
+  } catch (...) {
+    for (auto& u : m.units) {
+      u->reduceWork.reset();
+      u->reduceInputs.clear();
+      u->reduceSlots = u->reduceOut = Tensor();
+    }
+    throw;
+  }
+  ++m.iteration;
+  m.current.iteration = m.iteration;
+  m.finishStats();
+  m.current = ShardedIterationStats{};
 }
 
 FullyShardedDataParallel::FullParametersGuard::FullParametersGuard(FullParametersGuard&& other) noexcept

@@ -67,6 +67,9 @@
 //    and frees each unit after its forward. gatherFullParameters() gathers every unit at
 //    once (a collective) and keeps them until the guard ends, so that one rank may then run
 //    the plain model alone (sampling, a fingerprint, a full state dict).
+//  * Whole parameters across many backwards (a pipeline's micro-batches, train/loop.h): inside
+//    a gatherFullParameters() guard the gradients accumulate whole, and reduceGradients()
+//    reduce-scatters them once: one gather and one reduce-scatter per unit per step.
 //
 // Diagnostics:
 //  * Construction is collective: every rank checks that all ranks wrap the same units with
@@ -199,6 +202,16 @@ class FullyShardedDataParallel {
   // A collective: every unit gathered until the guard ends (no collective then); meanwhile
   // the model's parameters are whole (in paramDtype) and its forward gathers nothing.
   [[nodiscard]] FullParametersGuard gatherFullParameters();
+
+  // Inside a gatherFullParameters() guard, backward reduces nothing: autograd accumulates into
+  // the model's whole parameters' .grad, over as many backwards as the caller runs (a pipeline's
+  // micro-batches, which call the stages' modules directly, not the wrapper). This reduce-scatters
+  // those sums, each divided by the group's size, into the shards' .grad (added to a defined one,
+  // as backward does), drops the whole gradients, and ends the iteration for the statistics:
+  // lastIteration() counts the guard's gathers (one per unit, however many backwards ran) and
+  // these reduce-scatters. A parameter without a gradient contributes zeros. Collective; inside
+  // the guard only (InvalidArgument otherwise).
+  void reduceGradients();
 
   // A collective over `group` (see the header comment). Between iterations only, or after an
   // iteration whose forward or backward threw (a member lost mid-step): that iteration is

@@ -124,6 +124,30 @@ TEST(Sharded, GradientAccumulationWithNoSyncMatchesDdp) {
   EXPECT_LT(relativeDifference(trainedParameters(ddp, 2, 8), trainedParameters(sharded, 2, 8)), kReassociation);
 }
 
+// A pipeline's way (train/loop.h): the parameters gathered once for all of a step's
+// micro-batches, the gradients accumulated whole and reduce-scattered once.
+TEST(Sharded, WholeParametersAcrossMicroBatchesMatchDdpAndGatherOncePerStep) {
+  RunSpec ddp = spec(Wrapper::Ddp), sharded = spec(Wrapper::Sharded);
+  ddp.microBatches = sharded.microBatches = 3;
+  sharded.wholeAcrossMicroBatches = true;
+  EXPECT_LT(relativeDifference(trainedParameters(ddp, 2, 8), trainedParameters(sharded, 2, 8)), kReassociation);
+  withRanks(2, [&](int, const std::shared_ptr<ProcessGroup>& group) {
+    RunSpec s = sharded;
+    s.model = smallGpt(4);
+    TrainingRank job(s, group);
+    job.train(0, 2);
+    const auto& stats = job.sharded()->lastIteration();
+    EXPECT_EQ(stats.gathers, 4u + 1) << "each block and the root once per step, not once per micro-batch (3)";
+    EXPECT_EQ(stats.reduceScatters, 4u + 1);
+    EXPECT_EQ(job.sharded()->totals().gathers, 2u * (4 + 1)) << "two steps";
+  });
+  withRanks(2, [&](int, const std::shared_ptr<ProcessGroup>& group) {
+    TrainingRank job(sharded, group);
+    EXPECT_THAT([&] { job.sharded()->reduceGradients(); },
+                ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("reduceGradients outside a gatherFullParameters() guard")));
+  });
+}
+
 TEST(Sharded, ActivationCheckpointingMatchesAndGathersNothingMore) {
   RunSpec ddp = spec(Wrapper::Ddp), sharded = spec(Wrapper::Sharded);
   ddp.model.activationCheckpointing = sharded.model.activationCheckpointing = true;

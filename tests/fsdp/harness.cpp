@@ -87,19 +87,26 @@ double TrainingRank::train(int64_t from, int64_t to) {
     for (int64_t i = rank; i < spec_.globalBatch; i += world) mine.push_back(i);
     const Tensor rows = indexSelect(all, 0, fromVector<int64_t>(mine));
     double stepLoss = 0;
+    const bool whole = fsdp_ && spec_.wholeAcrossMicroBatches;
+    std::optional<FullyShardedDataParallel::FullParametersGuard> gathered;
+    if (whole) gathered.emplace(fsdp_->gatherFullParameters());
     for (int m = 0; m < spec_.microBatches; ++m) {
       const Tensor part = rows.narrow(0, m * micro, micro);
       const Tensor inputs = part.narrow(1, 0, T).contiguous(), targets = part.narrow(1, 1, T).contiguous();
       std::optional<DistributedDataParallel::NoSyncGuard> ddpNoSync;
       std::optional<FullyShardedDataParallel::NoSyncGuard> shardedNoSync;
-      if (m + 1 < spec_.microBatches) {
+      if (m + 1 < spec_.microBatches && !whole) {
         if (fsdp_) shardedNoSync.emplace(fsdp_->noSync());
         else ddpNoSync.emplace(ddp_->noSync());
       }
-      const Tensor logits = fsdp_ ? (*fsdp_)(inputs) : (*ddp_)(inputs);
+      const Tensor logits = whole ? (*model_)(inputs) : fsdp_ ? (*fsdp_)(inputs) : (*ddp_)(inputs);
       const Tensor loss = nn::Gpt::loss(logits.to(DType::Float32), targets);
       stepLoss += loss.item<double>() / spec_.microBatches;
       mul(loss, 1.0 / spec_.microBatches).backward();
+    }
+    if (whole) {
+      fsdp_->reduceGradients();
+      gathered.reset();
     }
     if (fsdp_) {
       nn::clipGradNorm(fsdp_->parameters(), 1.0, {.reducePartial = fsdp_->gradNormReducer()});

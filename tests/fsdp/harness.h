@@ -32,6 +32,9 @@ struct RunSpec {
   FullyShardOptions sharded;  // units are filled in: every block
   DdpOptions ddp;             // DDP and ZeRO
   int microBatches = 1;       // noSync accumulation over the first micro-batches
+  // The sharded wrapper: the micro-batches run the model itself inside gatherFullParameters()
+  // and reduceGradients() reduces once (what a pipeline does), instead of noSync.
+  bool wholeAcrossMicroBatches = false;
   int64_t globalBatch = 12;
   // DDP and ZeRO: one thrown-away iteration first (DDP's bucket rebuild happens there).
   bool settle = true;
