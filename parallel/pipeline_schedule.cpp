@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -898,11 +899,15 @@ Schedule parse(const std::string& text) {
                    "[placement=interleaved|v]' first");
       s.name = words[1];
       bool hasP = false, hasM = false;
+      std::set<std::string> keys;
       for (size_t w = 2; w < words.size(); ++w) {
         const std::string& word = words[w];
         const size_t eq = word.find('=');
         const std::string key = word.substr(0, eq);
         const std::string value = eq == std::string::npos ? "" : word.substr(eq + 1);
+        // "p=2 ... p=4" is a typo, not a choice: taking either value would run a schedule the
+        // user did not mean.
+        if (!keys.insert(key).second) parseError(lineNumber, word, str("each header key once (", key, "= is given twice)"));
         if (key == "placement") {
           if (value == "interleaved") s.placement = Placement::Interleaved;
           else if (value == "v") s.placement = Placement::V;

@@ -336,6 +336,8 @@ TEST(PipelineSchedule, BadTextIsRefusedNamingLineTokenAndWhatWasExpected) {
       {"schedule s p=2\n", "line 1: expected p=<ranks> and m=<micro-batches>"},
       {"schedule s p=0 m=2\n", "line 1: token 'p=0': expected p=<a positive integer>"},
       {"schedule s p=2 m=2 x=1\n", "token 'x=1'"},
+      {"schedule s p=2 m=2 p=4\n", "token 'p=4': expected each header key once (p= is given twice)"},
+      {"schedule s p=2 m=2 v=2 placement=v placement=interleaved\n", "(placement= is given twice)"},
       {"schedule s p=2 m=2 placement=zigzag\n", "token 'placement=zigzag': expected placement=interleaved or placement=v"},
       {"schedule s p=2 m=2 v=1 placement=v\n", "v=2 with placement=v"},
       {"schedule s p=2 m=2\n# fine\nrank 0: F0 X3\n", "line 3: token 'X3': expected an action"},
