@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -91,11 +92,31 @@ Ms remainingUntil(Clock::time_point deadline) {
   return std::max(Ms(0), std::chrono::duration_cast<Ms>(deadline - Clock::now()));
 }
 
+// Where a store can be reached: the server, then its hot standby. Shared by a
+// TcpStore and its clones, so that a standby learned later reaches them all.
+struct ServerAddresses {
+  std::mutex mutex;
+  std::vector<std::pair<std::string, uint16_t>> list;
+
+  std::vector<std::pair<std::string, uint16_t>> snapshot() {
+    std::lock_guard lock(mutex);
+    return list;
+  }
+};
+
+// One connection attempt to one of several addresses may not take all of the
+// time left: the next address may be the one that answers.
+constexpr Ms kAttemptPerAddress{1000};
+// Backoff between rounds over the addresses while a standby promotes itself.
+constexpr Ms kFailoverBackoffMax{100};
+
 }  // namespace
 
 struct TcpStore::Client {
+  // The address in use (the server, or its standby after a fail-over).
   std::string host;
   uint16_t port = 0;
+  std::shared_ptr<ServerAddresses> addresses;
   std::string token;
   int rank = -1;
   bool worker = false;
@@ -121,11 +142,11 @@ struct TcpStore::Client {
   // most once; any other request abandons it.
   std::string unanswered;
 
-  static std::unique_ptr<Client> make(const std::string& host, uint16_t port, const TcpStoreOptions& options,
+  static std::unique_ptr<Client> make(std::shared_ptr<ServerAddresses> addresses, const TcpStoreOptions& options,
                                       bool worker) {
     auto client = std::make_unique<Client>();
-    client->host = host;
-    client->port = port;
+    client->addresses = std::move(addresses);
+    std::tie(client->host, client->port) = client->addresses->snapshot().front();
     client->token = options.token.value_or(env::getString("DT_STORE_TOKEN"));
     client->rank = options.rank;
     client->worker = worker;
@@ -160,7 +181,7 @@ struct TcpStore::Client {
       ++attempts;
       std::string reason;
       try {
-        tryConnectOnce(deadline);
+        tryConnectAny(deadline);
         if (attempts > 1) log->info("connected to the store at {} after {} attempts", address(), attempts);
         return;
       } catch (const RetryableConnectError& e) {
@@ -205,6 +226,30 @@ struct TcpStore::Client {
     if (ec) throw RetryableConnectError{str("cannot resolve ", host, ": ", ec.message())};
     for (const auto& entry : results) add(entry.endpoint());
     return out;
+  }
+
+  // One attempt at each address, the one in use first; host/port name the one
+  // that answered (else the server's, for messages).
+  void tryConnectAny(Clock::time_point deadline) {
+    auto candidates = addresses->snapshot();
+    if (candidates.size() == 1) {
+      tryConnectOnce(deadline);
+      return;
+    }
+    std::stable_partition(candidates.begin(), candidates.end(),
+                          [&](const auto& a) { return a.first == host && a.second == port; });
+    std::string reasons;
+    for (const auto& candidate : candidates) {
+      std::tie(host, port) = candidate;
+      try {
+        tryConnectOnce(std::min(deadline, Clock::now() + kAttemptPerAddress));
+        return;
+      } catch (const RetryableConnectError& e) {
+        reasons += str(reasons.empty() ? "" : "; ", address(), ": ", e.reason);
+      }
+    }
+    std::tie(host, port) = addresses->snapshot().front();
+    throw RetryableConnectError{reasons};
   }
 
   void tryConnectOnce(Clock::time_point deadline) {
@@ -290,6 +335,7 @@ struct TcpStore::Client {
                              proto::kVersion, ", the server version ", serverVersion, " (", message, ")"));
     }
     if (status == Status::AuthFailed) throw NetworkError(message);
+    if (status == Status::NotPrimary) throw RetryableConnectError{message};
     throw NetworkError(str("the store at ", address(), " refused the handshake: ", message));
   }
 
@@ -419,20 +465,36 @@ struct TcpStore::Client {
                           std::optional<Ms> requestTimeout, Clock::time_point start) {
     closeFd();
     worker = false;  // this client was counted when it first joined
-    try {
-      tryConnectOnce(std::min(deadline, Clock::now() + kReconnectWindow));
-    } catch (const RetryableConnectError&) {
-      return false;
-    } catch (const NetworkError&) {
-      return false;
+    const std::string before = address();
+    const auto until = std::min(deadline, Clock::now() + kReconnectWindow);
+    // With a standby, the cut is the proof that the server is gone: keep
+    // trying both addresses while the standby promotes itself (milliseconds).
+    const bool failover = addresses->snapshot().size() > 1;
+    Ms backoff{10};
+    while (true) {
+      try {
+        tryConnectAny(until);
+        break;
+      } catch (const RetryableConnectError&) {
+      } catch (const NetworkError&) {
+        return false;
+      }
+      if (!failover || Clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::min(backoff, remainingUntil(until)));
+      backoff = std::min(backoff * 2, kFailoverBackoffMax);
     }
     if (requestTimeout) {
       const auto elapsed = std::chrono::duration_cast<Ms>(Clock::now() - start);
       const int64_t rest = std::max<int64_t>(0, detail::addTimeouts(*requestTimeout, -elapsed).count());
       std::memcpy(out.data() + out.size() - 8, &rest, 8);
     }
-    log->warn("lost the connection to the store at {} during {} ({}); reconnected and sent the request again",
-              address(), op, where());
+    if (address() != before) {
+      log->warn("lost the connection to the store at {} during {} ({}); failed over to {} and sent the request again",
+                before, op, where(), address());
+    } else {
+      log->warn("lost the connection to the store at {} during {} ({}); reconnected and sent the request again",
+                address(), op, where());
+    }
     return true;
   }
 
@@ -528,7 +590,10 @@ TcpStore::TcpStore(std::string host, uint16_t port, TcpStoreOptions options)
     port_ = server_->port();
   }
   raiseFileLimitOnce();
-  client_ = Client::make(host_, port_, options_, /*worker=*/true);
+  auto addresses = std::make_shared<ServerAddresses>();
+  addresses->list.emplace_back(host_, port_);
+  client_ = Client::make(std::move(addresses), options_, /*worker=*/true);
+  if (!options_.standby.empty()) setStandby(options_.standby);
   client_->connect();
   if (server_ && options_.waitForWorkers && options_.numWorkers) {
     server_->waitForWorkers(*options_.numWorkers, options_.timeout);
@@ -538,7 +603,7 @@ TcpStore::TcpStore(std::string host, uint16_t port, TcpStoreOptions options)
 TcpStore::TcpStore(CloneTag, const TcpStore& other)
     : host_(other.host_), port_(other.port_), options_(other.options_), server_(other.server_) {
   setTimeout(other.timeout());
-  client_ = Client::make(host_, port_, options_, /*worker=*/false);
+  client_ = Client::make(other.client_->addresses, options_, /*worker=*/false);
   client_->connect();
 }
 
@@ -670,6 +735,34 @@ int64_t TcpStore::queueLen(const std::string& key) {
   std::lock_guard lock(client_->mutex);
   client_->request(Command::QueueLen).bytes(key).finish();
   return client_->roundTrip("queueLen", {key}, timeout()).i64();
+}
+
+void TcpStore::setStandby(const std::string& hostPort) {
+  const auto colon = hostPort.rfind(':');
+  int port = -1;
+  if (colon != std::string::npos && colon > 0) {
+    try {
+      port = std::stoi(hostPort.substr(colon + 1));
+    } catch (const std::exception&) {
+    }
+  }
+  if (port <= 0 || port > 65535) {
+    throw InvalidArgument(str("TcpStore standby address ", quoteBytes(hostPort), " is not host:port"));
+  }
+  std::string host = hostPort.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  auto& addresses = *client_->addresses;
+  std::lock_guard lock(addresses.mutex);
+  const std::pair<std::string, uint16_t> standby{host, static_cast<uint16_t>(port)};
+  if (std::find(addresses.list.begin(), addresses.list.end(), standby) == addresses.list.end()) {
+    addresses.list.push_back(standby);
+  }
+}
+
+std::string TcpStore::attachStandby(uint16_t port) {
+  std::lock_guard lock(client_->mutex);
+  client_->request(Command::AttachStandby).u16(port).finish();
+  return client_->roundTrip("attachStandby", {}, timeout()).bytes(SIZE_MAX, "address");
 }
 
 std::shared_ptr<Store> TcpStore::clone() { return std::shared_ptr<TcpStore>(new TcpStore(CloneTag{}, *this)); }

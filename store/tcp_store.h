@@ -32,6 +32,19 @@
 //    call abandons it). See tcp_store_server.h for how long replies are kept.
 //  * One client object owns one connection; its calls are serialised by a
 //    mutex. clone() opens a new connection (and has its own client id).
+//  * Fail-over to a hot standby (tcp_store_server.h): a client that knows the
+//    standby's address (options.standby, setStandby) treats a connection the
+//    server's kernel closed (end-of-file, reset: proof that the server
+//    process is gone) as above, except that the reconnect tries both
+//    addresses, with backoff, for up to 5 s (and the call's deadline), and
+//    sends the request again where one answers: the standby, once it has
+//    promoted itself. The request keeps its number, and the standby holds the
+//    primary's memory of replies, so a write the primary applied and did not
+//    acknowledge is applied once. A blocked get/wait/queuePop goes on waiting
+//    on the standby with the rest of its timeout. A reply that never comes
+//    (a timeout) is only suspicion: it never makes a client switch.
+//    A standby that is not serving answers the handshake with NotPrimary,
+//    which a client takes as "try the other address".
 #pragma once
 
 #include <cstdint>
@@ -57,6 +70,9 @@ struct TcpStoreOptions {
   std::optional<std::string> token;
   // Client rank, for "missing: rank N" in waitForWorkers/barrier messages; -1 unknown.
   int rank = -1;
+  // "host:port" of the server's hot standby ("": none); DT_STORE_STANDBY for
+  // dtrun's workers. With isServer it is only passed to clients and clones.
+  std::string standby;
 
   static Store::Duration defaultConnectTimeout();
 };
@@ -91,6 +107,14 @@ class TcpStore final : public Store {
   std::shared_ptr<Store> clone() override;
   std::string describe() const override;
 
+  // Adds "host:port", the server's hot standby, to the addresses this client
+  // and every clone of it (made before or after) fail over to. Thread-safe.
+  void setStandby(const std::string& hostPort);
+  // Asks the server to replicate to a standby server (TcpStoreServerOptions::
+  // standby) listening on `port` at this client's address as the server sees
+  // it. Returns that address ("host:port", what clients should be given) once
+  // the standby holds a full copy; throws Error when it cannot be attached.
+  std::string attachStandby(uint16_t port);
   // The port the server listens on (the bound one when constructed with port 0).
   uint16_t port() const;
   const std::string& host() const;

@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -166,6 +167,14 @@ class ReplyMemory {
 
   size_t clients() const { return entries_.size(); }
 
+  // fn(client, number, framed reply) for every remembered reply.
+  template <class Fn>
+  void forEachReply(Fn&& fn) const {
+    for (const auto& [client, entry] : entries_) {
+      if (!entry.reply.empty()) fn(client, entry.number, entry.reply);
+    }
+  }
+
  private:
   void touch(Entry& entry, Clock::time_point now) {
     entry.lastUsed = now;
@@ -206,6 +215,28 @@ class ReplyMemory {
   size_t bytes_ = 0;
 };
 
+// The primary's side of its replication connection to a hot standby.
+struct StandbyLink {
+  explicit StandbyLink(asio::io_context& io) : socket(io), timer(io) {}
+  tcp::socket socket;
+  asio::steady_timer timer;
+  std::string address;  // "host:port" of the standby, as clients should dial it
+  std::string out, writing;
+  bool writeInFlight = false;
+  bool active = false;   // the standby accepted the handshake; writes are forwarded
+  bool retiring = false;  // Retire is queued: close once it is written
+  std::vector<char> in = std::vector<char>(64 * 1024);
+  size_t inEnd = 0;
+  // Frames sent that expect an answer, and answers received (in order).
+  uint64_t forwarded = 0, acked = 0;
+  uint64_t syncedAt = 0;  // forwarded count once the copy of the state was queued
+  Clock::time_point lastProgress = Clock::now();
+  std::shared_ptr<Session> requester;  // the AttachStandby request, answered once synced
+};
+using StandbyLinkPtr = std::shared_ptr<StandbyLink>;
+
+enum class Role { Primary, Standby, Retired };
+
 }  // namespace
 
 struct TcpStoreServer::Impl {
@@ -240,6 +271,34 @@ struct TcpStoreServer::Impl {
   int joined = 0;
   int joinedWithoutRank = 0;
   std::set<int> joinedRanks;
+
+  // Replication (see the header). role is written on the loop's thread only;
+  // atomic for role() from others.
+  std::atomic<Role> role{Role::Primary};
+  bool standbySynced = false;  // standby: the primary's copy of its state is complete
+  bool standbyLinked = false;  // standby: a primary connected (it follows one, once)
+  StandbyLinkPtr link;         // primary: the standby it feeds
+  bool shuttingDown = false;
+  // Sessions whose replies wait for the standby's acknowledgement.
+  std::vector<std::shared_ptr<Session>> heldSessions;
+
+  // Primary: connect to a standby at host:port for `requester` (answered once synced).
+  void attachStandby(Session& requester, const asio::ip::address& host, uint16_t port);
+  // Sends a frame body to the standby (when one is attached and active); true when sent.
+  bool forward(std::string_view body);
+  // A blocking or non-blocking queuePop that takes an item now, as the standby must apply it.
+  void forwardPop(RequestId id, const std::string& key);
+  void linkWrite(const StandbyLinkPtr& l);
+  void linkRead(const StandbyLinkPtr& l);
+  void linkFrame(const StandbyLinkPtr& l, std::string_view body);
+  void linkWatch(const StandbyLinkPtr& l);
+  void sendCopyOfState(const StandbyLinkPtr& l);
+  // Ends replication: `retire` tells the standby it must never serve.
+  void dropLink(const std::string& reason, bool retire);
+  void releaseHeld();
+  // Standby: its primary's replication connection closed (promotion when proven).
+  void standbyLinkClosed(bool closedByPeer, const std::string& reason);
+  uint64_t forwardedNow() const { return link && link->active ? link->forwarded : 0; }
 
   void accept();
   void admitUnauthenticated(Session& session);
@@ -293,6 +352,14 @@ struct Session : std::enable_shared_from_this<Session> {
   Clock::time_point connectedAt = Clock::now();
   std::list<Session*>::iterator unauthenticatedEntry;
   bool listedUnauthenticated = false;
+  // Replication: this is a primary's connection to this standby server.
+  bool replicaLink = false;
+  bool peerClosed = false;  // the peer's kernel closed it (end-of-file or reset)
+  // Primary with a standby: `out` may reveal writes up to forward number
+  // outSeq, so it waits (held, in server.heldSessions) until the standby
+  // acknowledged that many.
+  uint64_t outSeq = 0;
+  bool held = false;
 
   void start() {
     std::error_code ec;
@@ -341,6 +408,7 @@ struct Session : std::enable_shared_from_this<Session> {
     if (closed) return;
     if (ec) {
       if (ec == asio::error::eof || ec == asio::error::connection_reset) {
+        peerClosed = true;
         if (end > begin) {
           close(str("disconnected in the middle of a request (", end - begin, " bytes buffered)"), true);
         } else {
@@ -429,6 +497,13 @@ struct Session : std::enable_shared_from_this<Session> {
       if (closeAfterWrite) close("handshake refused", false);
       return;
     }
+    if (server.link && server.link->active && server.link->acked < outSeq) {
+      if (!held) {
+        held = true;
+        server.heldSessions.push_back(shared_from_this());
+      }
+      return;
+    }
     writing.swap(out);
     out.clear();
     writeInFlight = true;
@@ -472,7 +547,9 @@ struct Session : std::enable_shared_from_this<Session> {
     std::error_code ignored;
     socket.shutdown(tcp::socket::shutdown_both, ignored);
     socket.close(ignored);
-    server.sessions.erase(shared_from_this());
+    auto self = shared_from_this();
+    server.sessions.erase(self);
+    if (replicaLink) server.standbyLinkClosed(peerClosed, reason);
   }
 
   void leaveUnauthenticated() {
@@ -483,6 +560,7 @@ struct Session : std::enable_shared_from_this<Session> {
 
   // --- replies ---------------------------------------------------------------
   proto::FrameWriter reply(Status status) {
+    outSeq = server.forwardedNow();
     proto::FrameWriter w(out);
     w.u8(static_cast<uint8_t>(status));
     return w;
@@ -492,7 +570,9 @@ struct Session : std::enable_shared_from_this<Session> {
 
   void handle(std::string_view body);
   void handleHello(proto::FrameReader& r);
-  void execute(Command command, proto::FrameReader& r);
+  // `body` is the whole request, forwarded to a standby as it is.
+  void execute(Command command, proto::FrameReader& r, std::string_view body);
+  void executeReplication(Command command, proto::FrameReader& r);
 };
 
 void Session::handleHello(proto::FrameReader& r) {
@@ -524,6 +604,34 @@ void Session::handleHello(proto::FrameReader& r) {
                                                    " (rank ", rank, "): ",
                                                    token.empty() ? "missing token" : "wrong token"));
     reply(Status::AuthFailed).u16(proto::kVersion).bytes(message).finish();
+    closeAfterWrite = true;
+    return;
+  }
+  const Role role = server.role.load();
+  if (flags & proto::kHelloReplica) {
+    if (role != Role::Standby || server.standbyLinked) {
+      const std::string message = str("the store server ", server.addressText, " is ",
+                                      role == Role::Standby ? "already the standby of another primary"
+                                                            : role == Role::Primary ? "a primary, not a standby"
+                                                                                    : "a retired standby",
+                                      ": it cannot follow ", peer);
+      server.log->warn("store server {}: refusing a replication connection from {}: {}", server.addressText, peer,
+                       message);
+      reply(Status::Error).bytes(message).finish();
+      closeAfterWrite = true;
+      return;
+    }
+    server.standbyLinked = true;
+    replicaLink = true;
+    server.log->info("standby store server {}: following the primary at {}", server.addressText, peer);
+  } else if (role != Role::Primary) {
+    const std::string message =
+        str("the store at ", server.addressText, " is ",
+            role == Role::Standby ? "a standby that serves only once its primary is gone"
+                                  : "a retired standby (its primary gave up on it, or it lost its primary before "
+                                    "holding a full copy)",
+            "; use the primary");
+    reply(Status::NotPrimary).u16(proto::kVersion).bytes(message).finish();
     closeAfterWrite = true;
     return;
   }
@@ -563,7 +671,7 @@ void Session::handle(std::string_view body) {
       id.number = r.u64();
       if (id.client != 0 && server.replay(*this, id, command)) return;
     }
-    execute(static_cast<Command>(command), r);
+    execute(static_cast<Command>(command), r, body);
   } catch (const proto::LimitError& e) {
     if (!handshaken) {
       fail(str("malformed handshake: ", e.what()));
@@ -586,7 +694,7 @@ void Session::handle(std::string_view body) {
   }
 }
 
-void Session::execute(Command command, proto::FrameReader& r) {
+void Session::execute(Command command, proto::FrameReader& r, std::string_view body) {
   const size_t maxKey = server.options.maxKeyBytes;
   const size_t maxValue = server.options.maxValueBytes;
   auto& state = server.state;
@@ -595,6 +703,7 @@ void Session::execute(Command command, proto::FrameReader& r) {
       std::string key = r.bytes(maxKey, "key");
       std::string value = r.bytes(maxValue, "value");
       r.expectEnd();
+      server.forward(body);
       state.set(key, std::move(value));
       replyOk();
       server.notifyKey(key);
@@ -615,6 +724,7 @@ void Session::execute(Command command, proto::FrameReader& r) {
       std::string key = r.bytes(maxKey, "key");
       const int64_t delta = r.i64();
       r.expectEnd();
+      server.forward(body);
       const int64_t value = state.add(key, delta);
       reply(Status::Ok).i64(value).finish();
       server.notifyKey(key);
@@ -625,6 +735,7 @@ void Session::execute(Command command, proto::FrameReader& r) {
       std::string expected = r.bytes(maxValue, "expected value");
       std::string desired = r.bytes(maxValue, "desired value");
       r.expectEnd();
+      server.forward(body);
       bool wrote = false;
       const Bytes result = state.compareSet(key, expected, desired, wrote);
       reply(Status::Ok).bytes(result).finish();
@@ -657,6 +768,7 @@ void Session::execute(Command command, proto::FrameReader& r) {
     case Command::Delete: {
       std::string key = r.bytes(maxKey, "key");
       r.expectEnd();
+      server.forward(body);
       reply(Status::Ok).u8(state.erase(key) ? 1 : 0).finish();
       return;
     }
@@ -668,6 +780,7 @@ void Session::execute(Command command, proto::FrameReader& r) {
       std::string key = r.bytes(maxKey, "key");
       std::string value = r.bytes(maxValue, "value");
       r.expectEnd();
+      server.forward(body);
       const Bytes* current = state.find(key);
       if (current && current->size() + value.size() > maxValue) {
         replyError(Status::InvalidArgument,
@@ -691,6 +804,7 @@ void Session::execute(Command command, proto::FrameReader& r) {
         items.emplace_back(std::move(key), std::move(value));
       }
       r.expectEnd();
+      server.forward(body);
       for (auto& [key, value] : items) state.set(key, std::move(value));
       replyOk();
       for (auto& item : items) server.notifyKey(item.first);
@@ -700,6 +814,7 @@ void Session::execute(Command command, proto::FrameReader& r) {
       std::string key = r.bytes(maxKey, "key");
       std::string value = r.bytes(maxValue, "value");
       r.expectEnd();
+      server.forward(body);
       state.queuePush(key, std::move(value));
       replyOk();
       server.serveQueue(key);
@@ -710,6 +825,13 @@ void Session::execute(Command command, proto::FrameReader& r) {
       const bool block = r.u8() != 0;
       const int64_t timeoutMs = r.i64();
       r.expectEnd();
+      // Only a pop that takes an item changes the state; a parked one is
+      // forwarded when it does (answer()).
+      if (state.queueLen(key) > 0) {
+        proto::FrameReader id(body.substr(1));
+        const uint64_t client = id.u64();
+        server.forwardPop({client, id.u64()}, key);
+      }
       if (auto item = state.queuePop(key)) {
         reply(Status::Ok).u8(1).bytes(*item).finish();
       } else if (!block) {
@@ -729,11 +851,65 @@ void Session::execute(Command command, proto::FrameReader& r) {
       r.expectEnd();
       replyOk();
       return;
+    case Command::AttachStandby: {
+      const uint16_t port = r.u16();
+      r.expectEnd();
+      std::error_code ec;
+      const auto remote = socket.remote_endpoint(ec);
+      if (ec) {
+        replyError(Status::Error, str("store attachStandby: the server cannot tell this connection's address: ",
+                                      ec.message()));
+        return;
+      }
+      server.attachStandby(*this, remote.address(), port);
+      return;
+    }
+    case Command::Remember:
+    case Command::Synced:
+    case Command::Retire:
+      executeReplication(command, r);
+      return;
     case Command::Hello:
       fail("sent a second handshake");
       return;
   }
   fail(str("unknown command ", int(command)));
+}
+
+void Session::executeReplication(Command command, proto::FrameReader& r) {
+  if (!replicaLink) {
+    fail(str("sent ", proto::commandName(static_cast<uint8_t>(command)),
+             ", which only a primary's replication connection may send"));
+    return;
+  }
+  switch (command) {
+    case Command::Remember: {
+      RequestId id;
+      id.client = r.u64();
+      id.number = r.u64();
+      std::string remembered = r.bytes(server.maxFrame, "remembered reply");
+      r.expectEnd();
+      server.replies.rememberReply(id, std::move(remembered), Clock::now());
+      replyOk();
+      return;
+    }
+    case Command::Synced:
+      r.expectEnd();
+      server.standbySynced = true;
+      server.log->info("standby store server {}: holds a full copy of the primary at {} ({} keys)", server.addressText,
+                       peer, server.state.size());
+      replyOk();
+      return;
+    case Command::Retire:
+      r.expectEnd();
+      server.role = Role::Retired;
+      server.log->warn("standby store server {}: the primary at {} retired it (it was too slow to acknowledge); it "
+                       "will never serve",
+                       server.addressText, peer);
+      return;
+    default:
+      fail(str("unexpected replication command ", int(command)));
+  }
 }
 
 }  // namespace
@@ -854,6 +1030,7 @@ bool TcpStoreServer::Impl::replay(Session& session, RequestId id, uint8_t comman
   if (!entry->reply.empty()) {
     log->debug("store server {}: {} request #{} from {} repeated; answered from memory", addressText,
                proto::commandName(command), id.number, session.peer);
+    session.outSeq = forwardedNow();
     session.out += entry->reply;
     return true;
   }
@@ -946,6 +1123,7 @@ void TcpStoreServer::Impl::answer(const WaiterPtr& waiter) {
       break;
     }
     case Command::QueuePop:
+      forwardPop(waiter->id, waiter->keys[0]);
       session->reply(Status::Ok).u8(1).bytes(*state.queuePop(waiter->keys[0])).finish();
       break;
     default:
@@ -992,8 +1170,291 @@ void TcpStoreServer::Impl::forget(const WaiterPtr& waiter) {
   }
 }
 
-void TcpStoreServer::Impl::closeAll() {
+// ---- replication, the primary's side ------------------------------------------
+
+void TcpStoreServer::Impl::attachStandby(Session& requester, const asio::ip::address& host, uint16_t port) {
+  const std::string address = host.is_v6() ? str("[", host.to_string(), "]:", port) : str(host.to_string(), ":", port);
+  if (role.load() != Role::Primary) {
+    requester.replyError(Status::Error, str("store attachStandby(", address, "): ", addressText,
+                                            " is a standby itself; ask the primary"));
+    return;
+  }
+  if (link) {
+    requester.replyError(Status::Error, str("store attachStandby(", address, "): the store at ", addressText,
+                                            " already replicates to the standby at ", link->address));
+    return;
+  }
+  auto l = std::make_shared<StandbyLink>(io);
+  l->address = address;
+  l->requester = requester.shared_from_this();
+  // Parked like a waiting request (no keys): the requester's next frames wait.
+  auto waiter = std::make_shared<Waiter>(io);
+  waiter->session = l->requester;
+  waiter->command = Command::AttachStandby;
+  requester.pending = waiter;
+  link = l;
+  log->info("store server {}: connecting to the standby at {}", addressText, address);
+  linkWatch(l);
+  l->socket.async_connect(tcp::endpoint(host, port), [this, l](std::error_code ec) {
+    if (link != l) return;
+    if (ec) {
+      dropLink(str("cannot connect to it: ", ec.message()), false);
+      return;
+    }
+    std::error_code ignored;
+    l->socket.set_option(tcp::no_delay(true), ignored);
+    proto::FrameWriter w(l->out);
+    w.u8(static_cast<uint8_t>(Command::Hello)).u32(proto::kMagic).u16(proto::kVersion).bytes(options.token);
+    w.i32(-1).u8(proto::kHelloReplica);
+    w.finish();
+    linkWrite(l);
+    linkRead(l);
+  });
+}
+
+bool TcpStoreServer::Impl::forward(std::string_view body) {
+  if (!link || !link->active) return false;
+  const auto length = static_cast<uint32_t>(body.size());
+  link->out.append(reinterpret_cast<const char*>(&length), 4);
+  link->out.append(body.data(), body.size());
+  ++link->forwarded;
+  linkWrite(link);
+  return true;
+}
+
+void TcpStoreServer::Impl::forwardPop(RequestId id, const std::string& key) {
+  if (!link || !link->active) return;
+  std::string frame;
+  proto::FrameWriter w(frame);
+  w.u8(static_cast<uint8_t>(Command::QueuePop)).u64(id.client).u64(id.number).bytes(key).u8(0).i64(0);
+  w.finish();
+  forward(std::string_view(frame).substr(proto::kHeaderBytes));
+}
+
+void TcpStoreServer::Impl::linkWrite(const StandbyLinkPtr& l) {
+  if (l->writeInFlight || l->out.empty() || !l->socket.is_open()) return;
+  l->writing.swap(l->out);
+  l->out.clear();
+  l->writeInFlight = true;
+  asio::async_write(l->socket, asio::buffer(l->writing), [this, l](std::error_code ec, size_t) {
+    l->writeInFlight = false;
+    l->writing.clear();
+    if (l->retiring) {  // no longer the current link: write out Retire, then close
+      std::error_code ignored;
+      if (ec || l->out.empty()) {
+        l->socket.shutdown(tcp::socket::shutdown_both, ignored);
+        l->socket.close(ignored);
+      } else {
+        linkWrite(l);
+      }
+      return;
+    }
+    if (link != l) return;
+    if (ec) {
+      dropLink(str("writing to it failed: ", ec.message()), false);
+      return;
+    }
+    linkWrite(l);
+  });
+}
+
+void TcpStoreServer::Impl::linkRead(const StandbyLinkPtr& l) {
+  if (l->in.size() - l->inEnd < kMinReadBytes) l->in.resize(l->in.size() * 2);
+  l->socket.async_read_some(asio::buffer(l->in.data() + l->inEnd, l->in.size() - l->inEnd),
+                            [this, l](std::error_code ec, size_t n) {
+                              if (link != l) return;
+                              if (ec) {
+                                dropLink(ec == asio::error::eof || ec == asio::error::connection_reset
+                                             ? "it closed the replication connection (its process is gone)"
+                                             : str("reading from it failed: ", ec.message()),
+                                         false);
+                                return;
+                              }
+                              l->inEnd += n;
+                              size_t at = 0;
+                              while (l->inEnd - at >= proto::kHeaderBytes && link == l) {
+                                const uint32_t length = proto::readLength(l->in.data() + at);
+                                if (length == 0 || length > maxFrame) {
+                                  dropLink(str("it sent a frame of ", length, " bytes"), true);
+                                  return;
+                                }
+                                if (l->inEnd - at < proto::kHeaderBytes + length) break;
+                                linkFrame(l, std::string_view(l->in.data() + at + proto::kHeaderBytes, length));
+                                at += proto::kHeaderBytes + length;
+                              }
+                              if (link != l) return;
+                              std::memmove(l->in.data(), l->in.data() + at, l->inEnd - at);
+                              l->inEnd -= at;
+                              // A large answer (a popped item, a compareSet's value) gets room to arrive whole.
+                              if (l->inEnd >= proto::kHeaderBytes) {
+                                const size_t need = proto::kHeaderBytes + proto::readLength(l->in.data());
+                                if (l->in.size() < need) l->in.resize(need);
+                              }
+                              releaseHeld();
+                              linkRead(l);
+                            });
+}
+
+void TcpStoreServer::Impl::linkFrame(const StandbyLinkPtr& l, std::string_view body) {
+  l->lastProgress = Clock::now();
+  if (!l->active) {  // the handshake's answer
+    proto::FrameReader r(body);
+    const auto status = static_cast<Status>(r.u8());
+    if (status != Status::Ok) {
+      std::string message = "(no reason given)";
+      try {
+        if (status == Status::VersionMismatch || status == Status::AuthFailed || status == Status::NotPrimary) r.u16();
+        message = r.bytes(SIZE_MAX, "message");
+      } catch (const proto::ProtocolError&) {
+      }
+      dropLink(str("it refused the replication connection: ", message), false);
+      return;
+    }
+    l->active = true;
+    sendCopyOfState(l);
+    return;
+  }
+  ++l->acked;
+  if (l->requester && l->acked >= l->syncedAt) {
+    auto requester = std::move(l->requester);
+    if (requester->closed) return;
+    requester->pending.reset();
+    requester->reply(Status::Ok).bytes(l->address).finish();
+    requester->flush();
+    requester->continueLater();
+    log->info("store server {}: the standby at {} holds a full copy; every write is now acknowledged by it first",
+              addressText, l->address);
+  }
+}
+
+void TcpStoreServer::Impl::sendCopyOfState(const StandbyLinkPtr& l) {
+  std::string frame;
+  auto send = [&](auto&& fill) {
+    frame.clear();
+    proto::FrameWriter w(frame);
+    fill(w);
+    w.finish();
+    forward(std::string_view(frame).substr(proto::kHeaderBytes));
+  };
+  for (const auto& [key, value] : state.keys()) {
+    send([&](proto::FrameWriter& w) { w.u8(static_cast<uint8_t>(Command::Set)).u64(0).u64(0).bytes(key).bytes(value); });
+  }
+  for (const auto& [key, items] : state.queues()) {
+    for (const auto& item : items) {
+      send([&](proto::FrameWriter& w) {
+        w.u8(static_cast<uint8_t>(Command::QueuePush)).u64(0).u64(0).bytes(key).bytes(item);
+      });
+    }
+  }
+  replies.forEachReply([&](uint64_t client, uint64_t number, const std::string& reply) {
+    send([&](proto::FrameWriter& w) { w.u8(static_cast<uint8_t>(Command::Remember)).u64(client).u64(number).bytes(reply); });
+  });
+  send([](proto::FrameWriter& w) { w.u8(static_cast<uint8_t>(Command::Synced)); });
+  l->syncedAt = l->forwarded;
+}
+
+// A standby that stops acknowledging (frozen, or its network cut) must not
+// stall every write for ever: after standbyTimeout the primary retires it.
+void TcpStoreServer::Impl::linkWatch(const StandbyLinkPtr& l) {
+  const auto interval = std::max(std::chrono::milliseconds(10), options.standbyTimeout / 4);
+  l->timer.expires_after(interval);
+  l->timer.async_wait([this, l](std::error_code ec) {
+    if (ec || link != l) return;
+    const bool waiting = !l->active || l->acked < l->forwarded;
+    if (!waiting) l->lastProgress = Clock::now();
+    const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - l->lastProgress);
+    if (waiting && silent >= options.standbyTimeout) {
+      dropLink(str(l->active ? "no acknowledgement" : "no answer to the replication handshake", " for ", silent.count(),
+                   " ms (standbyTimeout ", options.standbyTimeout.count(), " ms)"),
+               true);
+      return;
+    }
+    linkWatch(l);
+  });
+}
+
+void TcpStoreServer::Impl::dropLink(const std::string& reason, bool retire) {
+  StandbyLinkPtr l = link;
+  if (!l) return;
+  if (!reason.empty()) {
+    log->warn("store server {}: replication to the standby at {} ends: {}; this server goes on alone{}", addressText,
+              l->address, reason, retire ? " (the standby is told to retire)" : "");
+  }
+  if (l->requester) {
+    auto requester = std::move(l->requester);
+    if (!requester->closed) {
+      requester->pending.reset();
+      requester->replyError(Status::Error, str("store attachStandby: the standby at ", l->address,
+                                               " could not be attached: ", reason));
+      requester->flush();
+      requester->continueLater();
+    }
+  }
+  l->timer.cancel();
   std::error_code ignored;
+  if (retire && l->active && l->socket.is_open() && !l->retiring) {
+    // Retire goes after every frame already queued; the socket closes once it is written.
+    std::string frame;
+    proto::FrameWriter w(frame);
+    w.u8(static_cast<uint8_t>(Command::Retire));
+    w.finish();
+    l->out += frame;
+    l->retiring = true;
+    link.reset();
+    releaseHeld();
+    linkWrite(l);  // closes the socket once Retire is written
+    return;
+  }
+  l->socket.shutdown(tcp::socket::shutdown_both, ignored);
+  l->socket.close(ignored);
+  link.reset();
+  releaseHeld();
+}
+
+void TcpStoreServer::Impl::releaseHeld() {
+  if (heldSessions.empty()) return;
+  const uint64_t acked = link && link->active ? link->acked : UINT64_MAX;
+  std::vector<std::shared_ptr<Session>> still;
+  std::vector<std::shared_ptr<Session>> ready;
+  for (auto& session : heldSessions) {
+    if (session->closed) continue;
+    if (session->outSeq <= acked) {
+      session->held = false;
+      ready.push_back(std::move(session));
+    } else {
+      still.push_back(std::move(session));
+    }
+  }
+  heldSessions.swap(still);
+  for (auto& session : ready) session->flush();
+}
+
+// ---- replication, the standby's side -----------------------------------------
+
+void TcpStoreServer::Impl::standbyLinkClosed(bool closedByPeer, const std::string& reason) {
+  if (role.load() != Role::Standby || shuttingDown) return;
+  if (closedByPeer && standbySynced) {
+    role = Role::Primary;
+    log->warn("standby store server {}: promoted to primary, serving {} keys: the primary's replication connection "
+              "was closed by its peer ({}), which proves that the primary's process is gone",
+              addressText, state.size(), reason);
+    return;
+  }
+  role = Role::Retired;
+  log->warn("standby store server {}: retired, it will never serve: its replication connection ended ({}){}",
+            addressText, reason,
+            standbySynced ? " without proof that the primary is gone" : " before it held a full copy of the primary");
+}
+
+void TcpStoreServer::Impl::closeAll() {
+  shuttingDown = true;
+  std::error_code ignored;
+  if (link) {
+    link->timer.cancel();
+    link->socket.close(ignored);
+    link.reset();
+  }
+  heldSessions.clear();
   acceptor.close(ignored);
   acceptRetry.cancel();
   auto all = sessions;
@@ -1023,6 +1484,7 @@ std::shared_ptr<TcpStoreServer> TcpStoreServer::start(TcpStoreServerOptions opti
 
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (options.standby) impl->role = Role::Standby;
   impl->maxFrame = options.maxValueBytes + proto::kFrameSlack;
   const std::string wanted = str(options.bindAddress, ":", options.port);
   std::error_code ec;
@@ -1078,6 +1540,15 @@ TcpStoreServer::~TcpStoreServer() {
 
 uint16_t TcpStoreServer::port() const { return impl_->boundPort; }
 std::string TcpStoreServer::address() const { return impl_->addressText; }
+
+std::string TcpStoreServer::role() const {
+  switch (impl_->role.load()) {
+    case Role::Primary: return "primary";
+    case Role::Standby: return "standby";
+    case Role::Retired: return "retired";
+  }
+  return "?";
+}
 
 int TcpStoreServer::joinedWorkers() const {
   std::lock_guard lock(impl_->joinMutex);

@@ -35,6 +35,24 @@
 //    TimeoutError: "3/4 joined; missing: rank 2".
 //  * Raises RLIMIT_NOFILE's soft limit to the hard limit so that thousands of
 //    clients fit.
+//  * Hot standby (options.standby): a second server that a primary replicates
+//    to synchronously. A client asks the primary for it (TcpStore::
+//    attachStandby(port)); the primary connects to that port at the client's
+//    address, copies its whole state over, and from then on sends the standby
+//    every write it applies, in order, and holds every reply that could
+//    reveal a write (the write's own, and any read after it) until the
+//    standby has applied that write. So no reply a client saw is lost with the
+//    primary. A standby refuses ordinary clients (NotPrimary: they try their
+//    other address) until its primary's replication connection is closed by
+//    the peer's kernel (end-of-file or reset: proof that the primary process
+//    is gone); then it serves as the primary, with the replies it remembers
+//    for exactly-once retries. Silence on that connection is only suspicion:
+//    a standby never promotes itself for it. A primary whose standby leaves a
+//    write unacknowledged for standbyTimeout tells it to retire (it will never
+//    serve) and goes on alone; so does one whose standby's connection closes.
+//    A standby serves one primary once: after promotion, retirement or a
+//    replication connection lost before the copy was complete, it never
+//    follows again.
 #pragma once
 
 #include <chrono>
@@ -63,6 +81,11 @@ struct TcpStoreServerOptions {
   // Input buffered for large requests across all connections. 0:
   // DT_STORE_MAX_BUFFERED_BYTES.
   size_t maxBufferedBytes = 0;
+  // A hot standby: refuses clients until promoted (see the contract).
+  bool standby = false;
+  // Primary: how long the standby may leave a write unacknowledged (or take
+  // to accept the replication connection) before the primary retires it.
+  std::chrono::milliseconds standbyTimeout{10000};
 };
 
 class TcpStoreServer {
@@ -78,6 +101,8 @@ class TcpStoreServer {
   void waitForWorkers(int numWorkers, std::chrono::milliseconds timeout);
   // Worker clients that completed the handshake so far (ever, not just now).
   int joinedWorkers() const;
+  // "primary", "standby" (not serving yet) or "retired" (a standby that will never serve).
+  std::string role() const;
 
   struct Impl;
 

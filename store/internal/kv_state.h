@@ -37,6 +37,11 @@ class KvState {
   std::optional<Bytes> queuePop(const std::string& key);
   int64_t queueLen(const std::string& key) const;
 
+  // Every key and every queue (items oldest first), for a copy of the whole
+  // state (a primary server's standby).
+  const std::unordered_map<std::string, Bytes>& keys() const { return data_; }
+  const std::unordered_map<std::string, std::deque<Bytes>>& queues() const { return queues_; }
+
  private:
   std::unordered_map<std::string, Bytes> data_;
   std::unordered_map<std::string, std::deque<Bytes>> queues_;

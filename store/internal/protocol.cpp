@@ -26,6 +26,10 @@ const char* commandName(uint8_t command) {
     case Command::QueuePop: return "queuePop";
     case Command::QueueLen: return "queueLen";
     case Command::Ping: return "ping";
+    case Command::AttachStandby: return "attachStandby";
+    case Command::Remember: return "remember";
+    case Command::Synced: return "synced";
+    case Command::Retire: return "retire";
   }
   return "unknown";
 }

@@ -29,6 +29,17 @@
 // wait costs no cancellation round trip and leaves the stream in step.
 // A connection has at most one request in progress; further frames wait in
 // the server's buffer until it is answered (replies keep request order).
+//
+// Replication (version 3): a primary server feeds a hot standby server over a
+// connection it opens itself (Hello with kHelloReplica). On it the primary
+// sends, in the order it applied them, every mutating request it applies,
+// with the client's request id, and a blocking queuePop as the non-blocking
+// pop it became; before those, a copy of its state (Set and QueuePush with
+// client id 0, Remember for its remembered replies) ended by Synced. The
+// standby answers each frame (but Retire) as it would a client's, and the
+// primary counts the answers as acknowledgements. A standby refuses other
+// clients with NotPrimary until it is promoted: when that connection is
+// closed by its peer's kernel after Synced (the primary's process is gone).
 #pragma once
 
 #include <cstdint>
@@ -41,15 +52,16 @@
 namespace dt::store_proto {
 
 constexpr uint32_t kMagic = 0x54534444;  // "DDST" on the wire
-// 2: request ids on mutating requests.
-constexpr uint16_t kVersion = 2;
+// 2: request ids on mutating requests; 3: replication to a hot standby.
+constexpr uint16_t kVersion = 3;
 constexpr size_t kHeaderBytes = 4;
 // Framing overhead allowed on top of the value limit in one frame.
 constexpr size_t kFrameSlack = 64 * 1024;
 // The largest frame a connection may claim before its handshake succeeded
 // (a Hello with the longest token the server reads is about 4.1 KiB).
 constexpr size_t kMaxHandshakeBytes = 8 * 1024;
-constexpr uint8_t kHelloWorker = 1;  // counts towards waitForWorkers
+constexpr uint8_t kHelloWorker = 1;   // counts towards waitForWorkers
+constexpr uint8_t kHelloReplica = 2;  // a primary's replication connection to its standby
 
 // "id" is the request id of mutating requests: u64 client id, u64 request number.
 enum class Command : uint8_t {
@@ -69,8 +81,14 @@ enum class Command : uint8_t {
   QueuePop = 14,   // id, key, u8 block, i64 timeout -> Ok u8 has, [value] | Timeout
   QueueLen = 15,   // key                           -> Ok i64
   Ping = 16,       //                               -> Ok
+  // Replication. AttachStandby comes from a client; the rest only on a
+  // primary's replication connection (anywhere else they close the connection).
+  AttachStandby = 17,  // u16 port of a standby at the client's address -> Ok string "host:port", once synced
+  Remember = 18,       // u64 client id, u64 number, string framed reply -> Ok
+  Synced = 19,         //                            -> Ok (the copy of the primary's state is complete)
+  Retire = 20,         //                            (no reply) the primary gave up on this standby
 };
-constexpr uint8_t kMaxCommand = 16;
+constexpr uint8_t kMaxCommand = 20;
 // Bytes of a request id on the wire (u64 client id + u64 request number).
 constexpr size_t kRequestIdBytes = 16;
 
@@ -84,6 +102,7 @@ enum class Status : uint8_t {
   Error = 3,            // string message
   VersionMismatch = 4,  // u16 server version, string message
   AuthFailed = 5,       // u16 server version, string message
+  NotPrimary = 6,       // u16 server version, string message: a standby not (or no longer) serving
 };
 
 const char* commandName(uint8_t command);

@@ -15,6 +15,7 @@
 #include "store/hash_store.h"
 #include "store/prefix_store.h"
 #include "store/tcp_store.h"
+#include "store/tcp_store_server.h"
 #include "tests/testing/testing.h"
 #if DT_HAVE_ETCD
 #include "store/etcd_store.h"
@@ -76,6 +77,77 @@ struct TcpHarness : StoreHarness {
     TcpStoreOptions options;
     options.token = "conformance-token";
     return std::make_shared<TcpStore>("127.0.0.1", server->port(), options);
+  }
+  std::string where() override { return "127.0.0.1:"; }
+};
+
+// A primary that replicates every write to a hot standby before it answers
+// (tcp_store_server.h): the contract holds while replies wait for the standby.
+struct ReplicatedTcpHarness : StoreHarness {
+  std::shared_ptr<TcpStoreServer> standby;
+  std::shared_ptr<TcpStore> server;
+  std::string standbyAddress;
+  ReplicatedTcpHarness() {
+    TcpStoreServerOptions so;
+    so.token = "conformance-token";
+    so.standby = true;
+    standby = TcpStoreServer::start(so);
+    TcpStoreOptions options;
+    options.isServer = true;
+    options.waitForWorkers = false;
+    options.token = "conformance-token";
+    server = std::make_shared<TcpStore>("127.0.0.1", 0, options);
+    standbyAddress = server->attachStandby(standby->port());
+    server->setStandby(standbyAddress);
+  }
+  StorePtr main() override { return server; }
+  StorePtr newClient() override {
+    TcpStoreOptions options;
+    options.token = "conformance-token";
+    options.standby = standbyAddress;
+    return std::make_shared<TcpStore>("127.0.0.1", server->port(), options);
+  }
+  std::string where() override { return "127.0.0.1:"; }
+};
+
+// The standby after its primary is gone: it promoted itself and serves the
+// whole contract; clients are given both addresses and find it.
+struct FailedOverTcpHarness : StoreHarness {
+  std::shared_ptr<TcpStoreServer> standby;
+  uint16_t primaryPort = 0;
+  std::string standbyAddress;
+  StorePtr store;
+  FailedOverTcpHarness() {
+    TcpStoreServerOptions so;
+    so.token = "conformance-token";
+    so.standby = true;
+    standby = TcpStoreServer::start(so);
+    so.standby = false;
+    auto primary = TcpStoreServer::start(so);
+    primaryPort = primary->port();
+    {
+      TcpStoreOptions options;
+      options.token = "conformance-token";
+      TcpStore attacher("127.0.0.1", primaryPort, options);
+      standbyAddress = attacher.attachStandby(standby->port());
+      attacher.set("written/before/the/fail-over", "kept");
+    }
+    primary.reset();  // closes the replication connection: the standby promotes itself
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (standby->role() != "primary" && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(1ms);
+    }
+    if (standby->role() != "primary") throw std::runtime_error("the standby did not promote itself within 30 s");
+    store = newClient();
+    if (store->get("written/before/the/fail-over") != "kept") throw std::runtime_error("the standby lost a write");
+    store->deleteKey("written/before/the/fail-over");
+  }
+  StorePtr main() override { return store; }
+  StorePtr newClient() override {
+    TcpStoreOptions options;
+    options.token = "conformance-token";
+    options.standby = standbyAddress;
+    return std::make_shared<TcpStore>("127.0.0.1", primaryPort, options);
   }
   std::string where() override { return "127.0.0.1:"; }
 };
@@ -448,7 +520,9 @@ INSTANTIATE_TEST_SUITE_P(Stores, StoreConformance,
                          ::testing::Values(Impl{"HashStore", [] { return std::make_unique<HashHarness>(); }},
                                            Impl{"PrefixStore", [] { return std::make_unique<PrefixHarness>(); }},
                                            Impl{"FileStore", [] { return std::make_unique<FileHarness>(); }},
-                                           Impl{"TcpStore", [] { return std::make_unique<TcpHarness>(); }}),
+                                           Impl{"TcpStore", [] { return std::make_unique<TcpHarness>(); }},
+                                           Impl{"ReplicatedTcpStore", [] { return std::make_unique<ReplicatedTcpHarness>(); }},
+                                           Impl{"FailedOverTcpStore", [] { return std::make_unique<FailedOverTcpHarness>(); }}),
                          implName);
 #if DT_HAVE_ETCD
 INSTANTIATE_TEST_SUITE_P(Etcd, StoreConformance,
