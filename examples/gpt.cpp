@@ -121,8 +121,10 @@ the end.
                                "the loss never gathers the logits), DDP over the replicas")
       .add("--sp", c.sp, "sequence parallelism with --tp: norms and residuals on a block of the sequence")
       .add("--pp", c.pp, "N", "pipeline parallelism: each model replica's blocks split into stages over N\nadjacent ranks "
-                               "(embeddings on the first, the tied head on the last), DDP over\nthe replicas; its checkpoints "
-                               "resume at any --pp; the validation loss runs through the stages\n(--eval-windows rounded down to a multiple of --global-batch); no sample")
+                               "(embeddings on the first, the tied head on the last), DDP (or\n--sharding over the replicas, each "
+                               "stage gathered once a step); its checkpoints\nresume at any --pp; the validation loss runs through "
+                               "the stages (--eval-windows\nrounded down to a multiple of --global-batch); the sample from the "
+                               "stages' parameters\ngathered to the first pipeline")
       .add("--schedule", c.schedule, "NAME", "the pipeline's schedule with --pp (docs/parallel.md): gpipe, 1f1b,\ninterleaved "
                                               "(--virtual-stages chunks per rank), zb1 (ZB-H1), zbv",
            {"gpipe", "1f1b", "interleaved", "zb1", "zbv"})
@@ -176,9 +178,9 @@ the end.
     throw InvalidArgument(str("gpt: --grad-reduce bf16 with --sharding ", c.sharding, " is not supported: ZeRO reduce-scatters "
                               "DDP's buckets in fp32; use --sharding ddp or fsdp for bf16 gradients"));
   }
-  if (c.pp > 1 && c.sharding != "ddp") {
-    throw InvalidArgument(str("gpt: --pp ", c.pp, " with --sharding ", c.sharding, " is not built yet: the pipeline's replicas "
-                              "are plain DDP; use --sharding ddp"));
+  if (c.pp > 1 && c.sharding != "ddp" && c.tp > 1) {
+    throw InvalidArgument(str("gpt: --pp ", c.pp, " --tp ", c.tp, " with --sharding ", c.sharding, " is not built yet: "
+                              "use --sharding ddp with --tp inside the stages"));
   }
 
   return true;
@@ -289,6 +291,8 @@ int run(const Config& c) {
                         .sequenceParallel = c.sp};
   }
   if (c.gradReduce == "bf16") options.ddp.commHook = dt::bf16CompressHook();
+  // --pp with --sharding: the loop shards the stages itself (these options, its own units).
+  if (c.gradReduce == "bf16") options.fullyShard.mixedPrecision.reduceDtype = dt::DType::BFloat16;
   options.sharding = c.sharding == "ddp"     ? dt::train::Sharding::None
                      : c.sharding == "zero1" ? dt::train::Sharding::Zero1
                      : c.sharding == "zero2" ? dt::train::Sharding::Zero2
@@ -371,7 +375,8 @@ int run(const Config& c) {
                 static_cast<long long>(T), static_cast<long long>(c.globalBatch * c.tp * c.pp / world), c.microBatches > 1 ? str(" in ", c.microBatches, " micro-batches").c_str() : "",
                 static_cast<long long>(c.steps),
                 c.pp > 1 ? str("PP=", c.pp, " (", c.scheduleFile.empty() ? c.schedule : c.scheduleFile, ")", c.tp > 1 ? str(" x TP=", c.tp, c.sp ? " with SP" : "") : std::string(),
-                               " x DDP over ", world / (c.pp * c.tp)).c_str()
+                               c.sharding == "ddp" ? " x DDP over " : str(" x --sharding ", c.sharding, " over ").c_str(),
+                               world / (c.pp * c.tp)).c_str()
                 : c.tp > 1 ? str("TP=", c.tp, c.sp ? " with SP" : "", " x DDP over ", world / c.tp).c_str()
                 : c.sharding == "ddp" ? "DDP" : str("--sharding ", c.sharding).c_str(),
                 precision.c_str());
@@ -425,21 +430,30 @@ int run(const Config& c) {
     }
   }
   const int code = examples::reportParameters(kProgram, loop, r, c.quiet);
+  if (c.pp > 1 && loop.fullySharded() != nullptr && !c.quiet) {
+    // The stages' wrapper gathers once a step for all the micro-batches (docs/parallel.md).
+    const dt::FullyShardedDataParallel& w = *loop.fullySharded();
+    std::printf("gpt: rank %d/%d sharded stages: %zu unit(s); last step %zu gather(s), %zu reduce-scatter(s) for %d micro-batches\n",
+                finalRank, world, w.unitNames().size(), w.lastIteration().gathers, w.lastIteration().reduceScatters,
+                static_cast<int>(c.microBatches));
+  }
   // fsdp: the whole model on every rank while rank 0 (its tp group under --tp) samples: no dp collective meanwhile.
   std::optional<dt::FullyShardedDataParallel::FullParametersGuard> whole;
-  if (loop.fullySharded() != nullptr && c.sampleTokens > 0) whole.emplace(loop.fullySharded()->gatherFullParameters());
+  if (loop.fullySharded() != nullptr && c.sampleTokens > 0 && c.pp == 1) whole.emplace(loop.fullySharded()->gatherFullParameters());
+  // --pp: every stage's parameters into each rank's whole model (a collective); the first pipeline
+  // (its tp group under --tp) then samples as an unsplit model does.
+  if (c.pp > 1 && c.sampleTokens > 0) loop.gatherPipelineModel();
   if (finalRank == 0) {
     const double rate = static_cast<double>((r.steps - r.firstStep) * tokensPerStep) / std::max(r.seconds, 1e-9);
     std::printf("gpt: done: %lld steps in %s, %.0f tokens/s; train loss %.4f; validation loss %.4f; precision=%s; peak RSS %.0f MiB per rank\n",
                 static_cast<long long>(r.steps), examples::formatSeconds(r.elapsed).c_str(), r.steps > r.firstStep ? rate : 0.0, r.loss,
                 valLoss, precision.c_str(), mem[0]);
-    if (c.sampleTokens > 0 && c.pp > 1) {
-      std::printf("gpt: no sample with --pp %d: sampling needs the whole model on one rank (not built yet)\n", c.pp);
-    }
   }
   // --tp: the ranks of rank 0's tensor-parallel group generate together (the layout gathers each
   // token's logits over tp), with the same draws; rank 0 prints.
-  const bool samples = c.sampleTokens > 0 && c.pp == 1 && (c.tp == 1 ? finalRank == 0 : loop.mesh().coordinate("dp") == 0);
+  const bool samples = c.sampleTokens > 0 && (c.pp > 1   ? loop.mesh().coordinate("dp") == 0 && loop.mesh().coordinate("pp") == 0
+                                              : c.tp == 1 ? finalRank == 0
+                                                          : loop.mesh().coordinate("dp") == 0);
   if (samples) {
     dt::Generator sampleRng(c.seed + 7);
     model->eval();

@@ -70,8 +70,9 @@
 // Sends and receives use tags from options.tagBase up; nothing else should use those tags on
 // the group while a step runs. Tensor parallelism composes inside the stages (splitGpt);
 // data parallelism over replicas is the caller's: average the stages' gradients over the dp
-// group after step (train::Loop does, with checkpoints across PP degrees); ZeRO and the fully
-// sharded wrapper over dp are not built yet.
+// group after step (train::Loop does, with checkpoints across PP degrees), or shard them with
+// the fully sharded wrapper over dp (train::Loop's ZeRO and Full under a pipeline: the stage's
+// parameters gathered once per step, FullyShardedDataParallel::reduceGradients after it).
 #pragma once
 
 #include <chrono>
@@ -241,5 +242,13 @@ double clipGradNorm(const PipelineRunner& runner, double maxNorm, nn::ClipGradNo
 // first (parameterShardsOf), a replicated parameter counts once; collective over pp and tp.
 double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessGroupPtr& tensorParallel,
                     nn::ClipGradNormOptions options = {});
+// The same when a data-parallel wrapper holds the stages' gradients in pieces (the fully sharded
+// wrapper over dp, which train::Loop uses for ZeRO and Full under a pipeline): holderOf(parameter)
+// is the tensor whose .grad holds this rank's piece of the parameter's gradient (the wrapper's
+// shard), and options.reducePartial sums a partial statistic over the holders' group (the
+// wrapper's gradNormReducer()); that total then goes over pp. Every holder's gradient is scaled,
+// the last stage's tied copy's too, which the norm leaves out as above. Collective over both.
+double clipGradNorm(const PipelineRunner& runner, double maxNorm, const std::function<Tensor(const Tensor&)>& holderOf,
+                    nn::ClipGradNormOptions options);
 
 }  // namespace dt::pipeline

@@ -171,7 +171,16 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     if (pp < 1) throw refuse("must be 1 (off) or more");
     if (options_.sharding != Sharding::None) {
       const char* sharding = options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2";
-      throw refuse(str("with Sharding::", sharding, " is not built yet; use Sharding::None (DDP over the pipeline replicas)"));
+      // The stages' sharded wrapper over dp would need TP's placement inside it, and a lost
+      // replica's shards have no other copy (recovery reloads them from a checkpoint).
+      if (options_.tensorParallel > 1) {
+        throw refuse(str("with tensorParallel ", options_.tensorParallel, " and Sharding::", sharding,
+                         " is not built yet; use Sharding::None with tensor parallelism, or tensorParallel 1"));
+      }
+      if (elastic) {
+        throw refuse(str("with Sharding::", sharding, " under dtrun --elastic is not built yet; use Sharding::None "
+                         "(DDP over the pipeline replicas) under --elastic"));
+      }
     }
     if (options_.microBatches != 1) {
       throw refuse(str("with microBatches ", options_.microBatches,
@@ -325,6 +334,7 @@ ProcessGroup& Loop::dataParallelGroup() const { return mesh_ ? *(*mesh_)["dp"] :
 
 Loop::~Loop() {
   loader_.reset();
+  stagesGathered_.reset();  // before the wrapper it belongs to
   zero_.reset();  // it holds on to DDP
   fsdp_.reset();
   ddp_.reset();
@@ -397,6 +407,7 @@ void Loop::setPipelineModel(std::shared_ptr<nn::Gpt> model) {
   }
   model_ = std::move(model);
   makeRunner();
+  if (options_.sharding != Sharding::None) shardStages();
   if (mesh_->coordinate("dp") == 0 && !options_.quiet) {
     std::string lines;
     for (const std::string& line : split(stages_->summary(), '\n')) lines += str(p, ": ", line, "\n");
@@ -410,9 +421,76 @@ void Loop::setPipelineModel(std::shared_ptr<nn::Gpt> model) {
   }
 }
 
+namespace {
+
+// This rank's stages as one module for the sharded wrapper: each distinct submodule of the chunks
+// once (V's rank 0 holds the tied embedding in two chunks, and one tensor must be one shard).
+class StageModules final : public nn::Module {
+ public:
+  explicit StageModules(const pipeline::GptStages& stages) {
+    std::unordered_set<const nn::Module*> seen;
+    for (size_t c = 0; c < stages.chunks.size(); ++c) {
+      for (const auto& [name, child] : stages.chunks[c]->namedChildren()) {
+        if (seen.insert(child.get()).second) registerModule(str("chunk", c, "_", name), child);
+      }
+    }
+  }
+  Tensor forward(const Tensor&) override {
+    throw InvalidArgument("train: the pipeline's stage modules are run by the pipeline runner, chunk by chunk");
+  }
+  std::string typeName() const override { return "PipelineStages"; }
+};
+
+}  // namespace
+
+void Loop::shardStages() {
+  const std::string& p = options_.program;
+  const DType dtype = stages_->parameters().front().dtype();
+  if (options_.fullyShard.mixedPrecision.paramDtype != dtype) {
+    throw InvalidArgument(str(p, ": pipeline parallelism with Sharding and mixed-precision parameters (",
+                              toString(options_.fullyShard.mixedPrecision.paramDtype), " for ", toString(dtype),
+                              " parameters) is not built yet: the stage boundaries carry the parameters' dtype"));
+  }
+  // Every block of the stages a unit; the embeddings, ln_f and the head the root. They are all
+  // gathered together once a step (gatherFullParameters), so the units only decide how the
+  // gathers and reduce-scatters are cut.
+  auto stagesModule = std::make_shared<StageModules>(*stages_);
+  FullyShardOptions sharded = options_.fullyShard;
+  sharded.units.clear();
+  sharded.joining = false;
+  std::unordered_set<const nn::Module*> blocks;
+  for (const auto& [name, block] : dynamic_cast<const nn::Gpt&>(*model_).h->namedChildren()) blocks.insert(block.get());
+  for (const auto& [name, child] : stagesModule->namedChildren()) {
+    for (const auto& [inner, block] : child->namedChildren()) {
+      if (blocks.count(block.get())) sharded.units.push_back(block);
+    }
+  }
+  fsdp_ = std::make_unique<FullyShardedDataParallel>(stagesModule, dataGroup(), sharded);  // collective over dp
+  shardOf_.clear();
+  const std::vector<Tensor> params = stages_->parameters();
+  const std::vector<optim::ParamGroup> mapped = fsdp_->paramGroups({{params, 0.0}});
+  for (size_t i = 0; i < params.size(); ++i) shardOf_.emplace(params[i].id(), mapped.front().params[i]);
+}
+
+StageShards Loop::stageShards() const {
+  const ParameterMap map = fsdp_->parameterMap();
+  StageShards out;
+  size_t index = 0;
+  for (const auto& [id, shard] : shardOf_) out.emplace(id, StageShard{shard, map.of(shard, index++)});
+  return out;
+}
+
+Tensor Loop::stageShard(const Tensor& parameter) const {
+  auto it = shardOf_.find(parameter.id());
+  if (it == shardOf_.end()) {
+    throw InvalidArgument(str(options_.program, ": ", parameter.describe(), " is no parameter of this rank's sharded stages"));
+  }
+  return it->second;
+}
+
 void Loop::requireParts() const {
   if (!model_) throw InvalidArgument(str(options_.program, ": parameters() before setModel()"));
-  if (zeroSharded() && !zero_) {
+  if (zeroSharded() && !zero_ && !fsdp_) {
     throw InvalidArgument(str(options_.program, ": ZeRO's parts of the parameters exist once run() has wrapped the model: "
                               "make the optimizer in setOptimizer's factory, which run() calls then"));
   }
@@ -420,7 +498,7 @@ void Loop::requireParts() const {
 
 std::vector<Tensor> Loop::parameters() const {
   requireParts();
-  if (stages_) return stages_->parameters();
+  if (stages_ && !fsdp_) return stages_->parameters();
   if (fsdp_) return fsdp_->parameters();
   if (zero_) return zero_->parameters();
   return model_->parameters();
@@ -449,7 +527,7 @@ std::vector<optim::ParamGroup> Loop::paramGroups(const std::vector<optim::ParamG
       }
       if (!kept.params.empty()) out.push_back(std::move(kept));
     }
-    return out;
+    return fsdp_ ? fsdp_->paramGroups(out) : out;
   }
   if (fsdp_) return fsdp_->paramGroups(groups);
   if (zero_) return zero_->paramGroups(groups);
@@ -457,7 +535,7 @@ std::vector<optim::ParamGroup> Loop::paramGroups(const std::vector<optim::ParamG
 }
 
 void Loop::setOptimizer(optim::Optimizer& optimizer, std::function<double(int64_t)> learningRate) {
-  if (zeroSharded()) {
+  if (zeroSharded() && !pipelined()) {
     throw InvalidArgument(str(options_.program, ": with ZeRO the optimizer is made over ZeRO's parts, which run() creates "
                               "once it knows DDP's bucket layout: use setOptimizer([](dt::train::Loop& l) { return "
                               "std::make_unique<...>(l.parameters(), ...); })"));
@@ -577,7 +655,7 @@ void Loop::checkOptimizer() const {
   if (stages_) {
     std::unordered_set<const void*> seen;
     for (const auto& [name, t] : stages_->namedParameters()) {
-      if (seen.insert(t.dataPtr()).second) named.emplace_back(name, t);
+      if (seen.insert(t.dataPtr()).second) named.emplace_back(name, fsdp_ ? stageShard(t) : t);
     }
   } else if (options_.sharding == Sharding::None) {
     named = model_->namedParameters();
@@ -631,8 +709,9 @@ TrainingState Loop::trainingState(bool replicaLocal) {
     // degree, or none, reads them back (train/pipeline_state.h).
     const int replica = mesh_->coordinate("dp");
     const int tpRank = options_.tensorParallel > 1 ? mesh_->coordinate("tp") : 0;
-    state.add("model", pipelineModelState(*stages_, *model_, replica, tpRank))
-        .add("optim", pipelineOptimizerState(*stages_, *optimizer_, *model_, replica, tpRank, group_->rank() == 0));
+    const StageShards shards = fsdp_ ? stageShards() : StageShards{};
+    state.add("model", pipelineModelState(*stages_, *model_, replica, tpRank, shards))
+        .add("optim", pipelineOptimizerState(*stages_, *optimizer_, *model_, replica, tpRank, group_->rank() == 0, shards));
   } else if (fsdp_) {
     state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
   } else if (zero_) {
@@ -1037,8 +1116,11 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       if (zero_) clip.reducePartial = zero_->gradNormReducer();
       // Under TP the split parameters' sums go over tp, then (sharded) the wrapper's over dp.
       // A pipeline's over pp: its dp replicas hold the same averaged gradients by now.
-      gradNorm_ = runner_ ? (options_.tensorParallel > 1 ? pipeline::clipGradNorm(*runner_, options_.clipGradNorm, (*mesh_)["tp"])
-                                                         : pipeline::clipGradNorm(*runner_, options_.clipGradNorm))
+      // Sharded stages: each rank's pieces summed over dp, then over pp.
+      gradNorm_ = runner_ ? (fsdp_ ? pipeline::clipGradNorm(*runner_, options_.clipGradNorm,
+                                                            [this](const Tensor& t) { return stageShard(t); }, clip)
+                             : options_.tensorParallel > 1 ? pipeline::clipGradNorm(*runner_, options_.clipGradNorm, (*mesh_)["tp"])
+                                                           : pipeline::clipGradNorm(*runner_, options_.clipGradNorm))
                   : mesh_ ? clipTensorParallelGradNorm(*model_, parameters(), options_.clipGradNorm, (*mesh_)["tp"], clip)
                         : nn::clipGradNorm(parameters(), options_.clipGradNorm, clip);
     }
@@ -1051,6 +1133,11 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     }
     optimizer_->step();
     if (zero_) zero_->gatherParameters();  // on the wire while the next step begins
+    if (stages_ && zeroSharded()) {
+      // ZeRO keeps the parameters whole between steps: the stages gathered right after the update.
+      stagesGathered_.reset();
+      stagesGathered_.emplace(fsdp_->gatherFullParameters());
+    }
     lastLoss_ = stepLoss;
     if (controlWork) {
       phaseStart = Clock::now();
@@ -1132,14 +1219,56 @@ double Loop::pipelineLoss(const data::Batch& batch) {
       for (const auto& chunk : chunks) chunk->train();
     }
   } evalMode(stages_->chunks);
+  std::optional<FullyShardedDataParallel::FullParametersGuard> whole;
+  if (fsdp_ && !stagesGathered_) whole.emplace(fsdp_->gatherFullParameters());  // a collective over dp
   return runner_->evaluate(inputs, targets);
+}
+
+void Loop::gatherPipelineModel() {
+  const std::string& p = options_.program;
+  if (!runner_) throw InvalidArgument(str(p, ": gatherPipelineModel needs pipeline parallelism and setPipelineModel"));
+  // Sharded stages stay gathered from here on (a later step would find them so, and reduce as usual).
+  if (fsdp_ && !stagesGathered_) stagesGathered_.emplace(fsdp_->gatherFullParameters());
+  const ProcessGroupPtr& pp = (*mesh_)["pp"];
+  // Each parameter from the rank whose stage trains it: the tied weight from the first stage's (the
+  // last stage's copy is equal, see pipeline.h).
+  std::map<std::string, Tensor> mine;
+  for (const auto& [name, t] : stages_->namedParameters()) {
+    if (!(stages_->tiedIsLast && t.dataPtr() == stages_->tiedCopy.dataPtr())) mine.emplace(name, t);
+  }
+  const NamedTensors all = model_->namedParameters();
+  Tensor owners = zeros({static_cast<int64_t>(all.size())}, DType::Int64);
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (mine.count(all[i].first)) owners.data<int64_t>()[i] = pp->rank() + 1;
+  }
+  pp->allreduce(owners, {.reduceOp = ReduceOp::Max})->wait();
+  NoGradGuard noGrad;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const auto& [name, target] = all[i];
+    const int root = static_cast<int>(owners.data<int64_t>()[i]) - 1;
+    if (root < 0) throw InvalidArgument(str(p, ": gatherPipelineModel: no stage of pp group ", pp->name(), " holds ", name));
+    const auto held = mine.find(name);
+    Tensor buffer = root == pp->rank() ? held->second.detach().contiguous().clone() : empty(target.sizes(), target.dtype(), target.device());
+    pp->broadcast(buffer, {.root = root})->wait();
+    Tensor whole = target;
+    if (held == mine.end() || held->second.dataPtr() != target.dataPtr()) whole.copy_(buffer);
+  }
 }
 
 double Loop::pipelineStep(const data::Batch& batch) {
   const auto [inputs, targets] = pipelineMicroBatches(batch);
+  // Sharded stages: gathered once for the step's m micro-batches (not once per micro-batch, as
+  // the wrapper's own forward would), their gradients accumulated whole and reduce-scattered
+  // over dp once, averaged there; Full frees the whole parameters right after.
+  if (fsdp_ && !stagesGathered_) stagesGathered_.emplace(fsdp_->gatherFullParameters());
   double loss = runner_->step(inputs, targets);
   reach(step_, Phase::Forward);
-  averageStageGradients(loss);
+  if (fsdp_) {
+    fsdp_->reduceGradients();
+    if (!zeroSharded()) stagesGathered_.reset();
+  } else {
+    averageStageGradients(loss);
+  }
   return loss;
 }
 
@@ -1238,6 +1367,13 @@ void Loop::redistributeShards(const std::vector<StateTensor>& held) {
 }
 
 std::vector<Tensor> Loop::wholeParameters() {
+  if (stages_ && fsdp_) {
+    std::optional<FullyShardedDataParallel::FullParametersGuard> whole;
+    if (!stagesGathered_) whole.emplace(fsdp_->gatherFullParameters());
+    std::vector<Tensor> out;
+    for (const Tensor& p : stages_->parameters()) out.push_back(p.detach().clone());
+    return out;
+  }
   if (stages_) return stages_->parameters();  // the stage's: equal over its dp group
   if (fsdp_) {
     const auto full = fsdp_->gatherFullParameters();
@@ -1500,7 +1636,7 @@ LoopResult Loop::run(StepFunction fn) {
   // ZeRO's optimizer comes once ZeRO is made (below); the others' update tensors that exist now.
   if (!makeOptimizer_) {
     checkOptimizer();
-  } else if (!zeroSharded()) {
+  } else if (!zeroSharded() || pipelined()) {  // a pipeline's ZeRO is its sharded wrapper, made by now
     makeOptimizer();
   }
   if (joining_) {
@@ -1512,7 +1648,7 @@ LoopResult Loop::run(StepFunction fn) {
     }
   } else {
     const std::optional<CheckpointRef> ref = findCheckpoint();
-    if (zeroSharded()) {
+    if (zeroSharded() && !pipelined()) {
       wrapReplicated(true);
       // A checkpoint without DDP's bucket order (written by another mode, or before DDP had
       // settled) settles here too: ZeRO's parts must not be cut again once its state is loaded.

@@ -125,6 +125,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -144,6 +145,7 @@
 #include "tensor/optim/optim.h"
 #include "tensor/profiler.h"
 #include "tensor/tensor.h"
+#include "train/pipeline_state.h"
 #include "train/straggler.h"
 #include "train/support.h"
 
@@ -429,10 +431,18 @@ class Loop {
   // mesh()["pp"] (and "tp"); an evaluation callback's way to a validation loss. Only in run().
   double pipelineLoss(const data::Batch& batch);
 
+  // Pipeline parallelism, after run(): the trained parameters of every stage into the whole
+  // nn::Gpt given to setPipelineModel, on every rank of each pp group (each parameter broadcast
+  // from the rank whose stage trains it; sharded stages gathered over dp first, and kept so), so
+  // that one rank, or under tensor parallelism one tp group, can run the unsplit model alone: a
+  // sample (Gpt::generate). Collective over every rank.
+  void gatherPipelineModel();
+
   // The model as the step function calls it (the wrapper over the current group). Only in run().
   Tensor forward(const Tensor& input);
   DistributedDataParallel& ddp();
-  // Sharding::Full's wrapper (gatherFullParameters() to sample from the whole model), else null.
+  // Sharding::Full's wrapper (gatherFullParameters() to sample from the whole model), under a
+  // pipeline with any Sharding the stages' (its statistics; gatherPipelineModel to sample), else null.
   FullyShardedDataParallel* fullySharded() { return fsdp_.get(); }
   nn::Module& model() { return *model_; }
   optim::Optimizer& optimizer();
@@ -462,6 +472,11 @@ class Loop {
   // One step's pipeline over this rank's share of the batch; the loss of the dp replica (elastic:
   // of the global batch, averaged over dp).
   double pipelineStep(const data::Batch& batch);
+  // Sharding under a pipeline: the fully sharded wrapper over mesh()["dp"] on this rank's stages
+  // (blocks as units), and each stage parameter's shard.
+  void shardStages();
+  Tensor stageShard(const Tensor& parameter) const;
+  StageShards stageShards() const;
   // The batch's m micro-batches: inputs where stage 0 is, targets where the last stage is.
   std::pair<std::vector<Tensor>, std::vector<Tensor>> pipelineMicroBatches(const data::Batch& batch) const;
   // The stage's gradients averaged over mesh()["dp"], and elastic `loss` (the replica's) with them.
@@ -545,6 +560,10 @@ class Loop {
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ZeroRedundancy> zero_;
   std::unique_ptr<FullyShardedDataParallel> fsdp_;
+  // Sharded stages: the stage parameters' shards by Tensor::id(), and the stages' parameters
+  // gathered (Full: during a step; ZeRO: from an update to the next step's reduction).
+  std::unordered_map<const void*, Tensor> shardOf_;
+  std::optional<FullyShardedDataParallel::FullParametersGuard> stagesGathered_;
   // Sharding::Full under --elastic: after a loss, the newest checkpoint at the new world size.
   void reloadShards();
   // Sharding::Full: a joiner gets the members' shards (redistributeState) and step.

@@ -33,16 +33,38 @@ bool isLastStagesCopy(const pipeline::GptStages& stages, const Tensor& t) {
 // Where a stage's tensor sits in the checkpoint, and whether this rank writes it (see the header).
 class Placer {
  public:
-  Placer(const pipeline::GptStages& stages, const nn::Module& model, int replica, int tpRank)
-      : stages_(stages), replica_(replica), tpRank_(tpRank) {
+  Placer(const pipeline::GptStages& stages, const nn::Module& model, int replica, int tpRank, StageShards shards)
+      : stages_(stages), replica_(replica), tpRank_(tpRank), sharded_(std::move(shards)) {
     for (ParameterShard& shard : parameterShardsOf(model)) {
       std::string name = shard.name;
       shards_.emplace(std::move(name), std::move(shard));
     }
   }
 
+  // The tensor that holds `t`'s elements on this rank: its shard when sharded, else itself.
+  Tensor holder(const Tensor& t) const {
+    auto it = sharded_.find(t.id());
+    return it == sharded_.end() ? t : it->second.shard;
+  }
+
+  // What of `t` this rank holds, as a flat run (a shard's padding rows left out), or t itself.
+  Tensor held(const Tensor& t) const {
+    auto it = sharded_.find(t.id());
+    if (it == sharded_.end()) return t;
+    const StageShard& s = it->second;
+    const int64_t count = s.layout.count < 0 ? s.shard.numel() : s.layout.count;
+    return s.shard.reshape({-1}).narrow(0, 0, count);
+  }
+
   ParameterLayout of(const std::string& name, const Tensor& t) const {
     const bool copy = isLastStagesCopy(stages_, t);
+    if (auto it = sharded_.find(t.id()); it != sharded_.end()) {
+      // Each dp rank its own rows, named as the unsplit model names them.
+      ParameterLayout layout = it->second.layout;
+      layout.name = name;
+      layout.savedByAnotherRank = copy;
+      return layout;
+    }
     auto it = shards_.find(name);
     if (it != shards_.end() && it->second.dim >= 0) {
       return tensorParallelLayout(it->second, t.sizes(), replica_ != 0 || copy);
@@ -57,18 +79,19 @@ class Placer {
   const pipeline::GptStages& stages_;
   int replica_, tpRank_;
   std::map<std::string, ParameterShard> shards_;
+  StageShards sharded_;
 };
 
 class PipelineModelPart final : public StateProvider {
  public:
-  PipelineModelPart(const pipeline::GptStages& stages, const nn::Module& model, int replica, int tpRank)
-      : stages_(stages), placer_(stages, model, replica, tpRank) {}
+  PipelineModelPart(const pipeline::GptStages& stages, const nn::Module& model, int replica, int tpRank, StageShards shards)
+      : stages_(stages), placer_(stages, model, replica, tpRank, std::move(shards)) {}
 
   std::vector<StateTensor> collect() override {
     std::vector<StateTensor> out;
     for (auto& [name, t] : stageTensors(stages_)) {
       const ParameterLayout l = placer_.of(name, t);
-      if (!l.savedByAnotherRank) out.push_back({name, l.placement, l.shape, l.offset, t, l.stride, l.repeats});
+      if (!l.savedByAnotherRank) out.push_back({name, l.placement, l.shape, l.offset, placer_.held(t), l.stride, l.repeats});
     }
     return out;
   }
@@ -76,7 +99,7 @@ class PipelineModelPart final : public StateProvider {
   void restore(const StateSource& source, const std::string& prefix, const RestoreContext&) override {
     for (auto& [name, t] : stageTensors(stages_)) {
       const ParameterLayout l = placer_.of(name, t);
-      Tensor target = t;
+      Tensor target = placer_.held(t);
       restoreRuns(source, joinName(prefix, name), l.shape, l.offset, l.stride, l.repeats, target);
     }
   }
@@ -130,8 +153,8 @@ class StageSource final : public StateSource {
 class PipelineOptimizerPart final : public StateProvider {
  public:
   PipelineOptimizerPart(const pipeline::GptStages& stages, optim::Optimizer& optimizer, const nn::Module& model,
-                        int replica, int tpRank, bool writesSharedScalars)
-      : stages_(stages), optimizer_(optimizer), model_(model), placer_(stages, model, replica, tpRank),
+                        int replica, int tpRank, bool writesSharedScalars, StageShards shards)
+      : stages_(stages), optimizer_(optimizer), model_(model), placer_(stages, model, replica, tpRank, std::move(shards)),
         writesSharedScalars_(writesSharedScalars) {}
 
   std::vector<StateTensor> collect() override {
@@ -167,7 +190,7 @@ class PipelineOptimizerPart final : public StateProvider {
     ParameterMap map;
     std::set<const void*> seen;
     for (const auto& [name, t] : stages_.namedParameters()) {
-      if (seen.insert(t.dataPtr()).second) map.add(t, placer_.of(name, t));
+      if (seen.insert(t.dataPtr()).second) map.add(placer_.holder(t), placer_.of(name, t));
     }
     return map;
   }
@@ -182,14 +205,15 @@ class PipelineOptimizerPart final : public StateProvider {
 }  // namespace
 
 std::shared_ptr<StateProvider> pipelineModelState(const pipeline::GptStages& stages, const nn::Module& model, int replica,
-                                                  int tpRank) {
-  return std::make_shared<PipelineModelPart>(stages, model, replica, tpRank);
+                                                  int tpRank, StageShards shards) {
+  return std::make_shared<PipelineModelPart>(stages, model, replica, tpRank, std::move(shards));
 }
 
 std::shared_ptr<StateProvider> pipelineOptimizerState(const pipeline::GptStages& stages, optim::Optimizer& optimizer,
                                                       const nn::Module& model, int replica, int tpRank,
-                                                      bool writesSharedScalars) {
-  return std::make_shared<PipelineOptimizerPart>(stages, optimizer, model, replica, tpRank, writesSharedScalars);
+                                                      bool writesSharedScalars, StageShards shards) {
+  return std::make_shared<PipelineOptimizerPart>(stages, optimizer, model, replica, tpRank, writesSharedScalars,
+                                                 std::move(shards));
 }
 
 }  // namespace dt::train

@@ -18,6 +18,8 @@
 // counters are replicated scalars, which the checkpoint module writes from rank 0 alone: rank 0
 // (writesSharedScalars) lists each scalar state for every parameter of the whole model with its
 // own value, which is right because every parameter of a GPT is stepped at every step.
+// Sharded stages (StageShards): every dp rank writes and reads its own rows of each stage
+// parameter, and its optimizer state, placed where FullyShardedDataParallel places them.
 //
 // Contract:
 //  * restore reads only the names this rank's stages hold: the source holds the other stages'
@@ -28,6 +30,7 @@
 #pragma once
 
 #include <memory>
+#include <unordered_map>
 
 #include "checkpoint/state.h"
 #include "parallel/pipeline.h"
@@ -36,14 +39,25 @@
 
 namespace dt::train {
 
+// Sharded stages (the fully sharded wrapper over dp, train/loop.h's ZeRO and Full under a
+// pipeline): a stage parameter's piece on this rank (the optimizer's leaf) and its place in the
+// global tensor (FullyShardedDataParallel::parameterMap()), by the parameter's Tensor::id().
+// Every dp rank writes its own piece (the tied weight's last-stage copy still left to the first
+// stage); empty: the stages are whole on every dp replica.
+struct StageShard {
+  Tensor shard;
+  ParameterLayout layout;
+};
+using StageShards = std::unordered_map<const void*, StageShard>;
+
 // `model`: the whole (unsplit) model the stages were cut from, for the tensor-parallel shards
 // (parameterShardsOf) and the names of the parameters other ranks hold. `replica`: this rank's
 // coordinate along dp; `tpRank` along tp (0 without tensor parallelism).
 std::shared_ptr<StateProvider> pipelineModelState(const pipeline::GptStages& stages, const nn::Module& model, int replica,
-                                                  int tpRank);
+                                                  int tpRank, StageShards shards = {});
 
 std::shared_ptr<StateProvider> pipelineOptimizerState(const pipeline::GptStages& stages, optim::Optimizer& optimizer,
                                                       const nn::Module& model, int replica, int tpRank,
-                                                      bool writesSharedScalars);
+                                                      bool writesSharedScalars, StageShards shards = {});
 
 }  // namespace dt::train

@@ -10,6 +10,12 @@
 // each finishing on the uninterrupted run's curve. A schedule file of one's own trains the same
 // curve, or is refused before the first step. What does not compose yet is refused in one line
 // naming the flag and its value.
+// PP=2 x DP=2 with ZeRO-1, ZeRO-2 or the fully sharded wrapper over the replicas trains as one
+// process (clipping over the stages' shards included), each stage gathered once per step however
+// many micro-batches (the wrapper's count), and its checkpoint resumes bitwise at the same layout
+// and at PP=1. The sample at the end (the stages' parameters gathered to the first pipeline) is
+// the one an unsplit process draws from the same parameters (the run's own final checkpoint).
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -196,6 +202,104 @@ TEST(GptPipeline, CheckpointsResumeAcrossPipelineDegrees) {
   expectSamePoint(sharded.curve.at(4), gathered.curve.at(4), "PP=2 x TP=2 checkpoint resumed at PP=1, step 4");
 }
 
+// rank -> (units, gathers, reduce-scatters) of the last step that the sharded stages reported.
+std::map<int, std::array<int, 3>> shardedCounts(const std::string& out) {
+  static const std::regex line(
+      R"(gpt: rank (\d+)/\d+ sharded stages: (\d+) unit\(s\); last step (\d+) gather\(s\), (\d+) reduce-scatter\(s\))");
+  std::map<int, std::array<int, 3>> seen;
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) {
+    seen[std::stoi((*it)[1])] = {std::stoi((*it)[2]), std::stoi((*it)[3]), std::stoi((*it)[4])};
+  }
+  return seen;
+}
+
+TEST(GptPipeline, ShardedDataParallelOverThePipelineTrainsAsOneProcessGatheringOncePerStep) {
+  // The first logged loss is rank 0's own (its replica's half of the batch, as under DDP): the
+  // whole curve against DDP over two, and from step 2 on (the vote's mean over every rank), with
+  // every gradient norm, against one process.
+  const auto one = trainCurve(1, {}), reference = trainCurve(2, {});
+  struct Case {
+    const char* sharding;
+    const char* schedule;
+    const char* microBatches;
+  };
+  // zbv: rank 0 holds the first and the last stage, the tied embedding in two chunks and one shard.
+  for (const Case& c : {Case{"zero1", "1f1b", "2"}, Case{"zero2", "zb1", "2"}, Case{"fsdp", "1f1b", "4"},
+                        Case{"fsdp", "zbv", "2"}}) {
+    const std::string what = str("4 ranks --pp 2 --sharding ", c.sharding, " --schedule ", c.schedule, " --micro-batches ",
+                                 c.microBatches);
+    const GptRun run =
+        train(4, {"--pp", "2", "--sharding", c.sharding, "--schedule", c.schedule, "--micro-batches", c.microBatches});
+    expectSameCurve(reference, run.curve, what);
+    for (const auto& [step, want] : one) {
+      if (step >= 2 && run.curve.count(step)) expectSamePoint(want, run.curve.at(step), str(what, " against one process, step ", step));
+    }
+    const auto counts = shardedCounts(run.result.out);
+    EXPECT_EQ(counts.size(), 4u) << what << "\n" << run.result.out;
+    for (const auto& [rank, n] : counts) {
+      // Each stage's blocks and its root unit: gathered and reduced once per step, not once per micro-batch.
+      EXPECT_EQ(n[0], 3) << what << " rank " << rank << ": two blocks and the root per rank";
+      EXPECT_EQ(n[1], n[0]) << what << " rank " << rank << ": gathers in the last step";
+      EXPECT_EQ(n[2], n[0]) << what << " rank " << rank << ": reduce-scatters in the last step";
+    }
+  }
+}
+
+TEST(GptPipeline, ShardedPipelineCheckpointsResumeAtTheSameLayoutAndAtOneStage) {
+  TempDir dir;
+  const std::string metrics = (dir.path() / "m.jsonl").string();
+  for (const char* sharding : {"fsdp", "zero2"}) {
+    const std::string ckpt = (dir.path() / sharding).string();
+    const std::vector<std::string> flags{"--pp", "2", "--sharding", sharding, "--micro-batches", "2",
+                                         "--checkpoint-dir", ckpt, "--checkpoint-every", "2"};
+    const GptRun whole = train(4, flags, metrics);
+    const auto stages = fingerprints(whole.result.out);
+    EXPECT_EQ(stages.size(), 4u) << whole.result.out;
+    dropFinalCheckpoint(ckpt);
+    const GptRun again = train(4, flags, metrics);
+    EXPECT_NE(again.result.out.find("resumed from"), std::string::npos) << again.result.out;
+    EXPECT_EQ(fingerprints(again.result.out), stages) << "a PP=2 x --sharding " << sharding << " checkpoint resumed as it was written must be bitwise exact";
+    dropFinalCheckpoint(ckpt);
+    const GptRun unsplit = train(1, {"--micro-batches", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2"}, metrics);
+    EXPECT_NE(unsplit.result.out.find("resumed from"), std::string::npos) << unsplit.result.out;
+    expectSamePoint(whole.curve.at(4), unsplit.curve.at(4), str("PP=2 x --sharding ", sharding, " checkpoint resumed at PP=1, step 4"));
+  }
+}
+
+// Rank 0's lines after "gpt: sample (...):", without their "[rank 0] " prefix (a drawn byte may
+// be a line break).
+std::string sampleOf(const std::string& out) {
+  const auto header = out.find("gpt: sample (temperature ");
+  if (header == std::string::npos) return "";
+  const auto start = out.find('\n', header);
+  std::string text;
+  for (const std::string& line : split(out.substr(start == std::string::npos ? out.size() : start + 1), '\n')) {
+    if (line.starts_with("[rank 0] ")) text += line.substr(9) + "\n";
+  }
+  return text;
+}
+
+TEST(GptPipeline, TheSampleIsTheUnsplitModelsFromTheSameParameters) {
+  TempDir dir;
+  for (const std::vector<std::string>& layout : {std::vector<std::string>{"2", "--pp", "2", "--schedule", "zbv"},
+                                                 std::vector<std::string>{"4", "--pp", "2", "--sharding", "fsdp"}}) {
+    const std::string what = join(layout, " ");
+    const std::string ckpt = (dir.path() / str("ckpt", layout[0])).string();
+    std::vector<std::string> flags(layout.begin() + 1, layout.end());
+    flags.insert(flags.end(), {"--micro-batches", "2", "--sample-tokens", "48", "--checkpoint-dir", ckpt});
+    // One metrics file for both runs: the resumed one trains no step and writes no line of its own.
+    const std::string metrics = (dir.path() / str("m", layout[0], ".jsonl")).string();
+    const GptRun split = train(std::stoi(layout[0]), flags, metrics);
+    const std::string drawn = sampleOf(split.result.out);
+    EXPECT_TRUE(drawn.starts_with("The ") && drawn.size() >= 4u + 48u) << what << ": the prompt and 48 bytes\n" << split.result.out;
+    // One process from that run's final checkpoint (step 4 of 4: nothing left to train) holds the
+    // same parameters, bit for bit, and draws with the same seed.
+    const GptRun unsplit = train(1, {"--micro-batches", "2", "--sample-tokens", "48", "--checkpoint-dir", ckpt}, metrics);
+    EXPECT_NE(unsplit.result.out.find("resumed from"), std::string::npos) << unsplit.result.out;
+    EXPECT_EQ(drawn, sampleOf(unsplit.result.out)) << what << "\n" << split.result.out << unsplit.result.out;
+  }
+}
+
 // Each refusal: the job fails, every rank's error is one line, and it names the flag and value.
 void expectRefused(int nproc, const std::vector<std::string>& extra, const std::string& words, bool elastic = false) {
   std::vector<std::string> argv = gptArgv(nproc, extra);
@@ -211,7 +315,8 @@ void expectRefused(int nproc, const std::vector<std::string>& extra, const std::
 }
 
 TEST(GptPipeline, RefusesWhatDoesNotComposeYetInOneLine) {
-  expectRefused(2, {"--pp", "2", "--sharding", "zero1"}, "--pp 2 with --sharding zero1 is not built yet");
+  expectRefused(4, {"--pp", "2", "--tp", "2", "--sharding", "zero1", "--checkpoint-dir", "none"},
+                "--pp 2 --tp 2 with --sharding zero1 is not built yet");
   expectRefused(2, {"--pp", "3"}, "pipeline degree 3 does not divide the world size 2");
   expectRefused(2, {"--pp", "2", "--micro-batches", "3"},
                 "the global batch 8 does not split into 1 data-parallel replica(s) (world 2 / pipeline degree 2) of 3 micro-batches");
