@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 
@@ -42,8 +43,12 @@ std::string crcText(uint32_t crc) {
 }
 
 // The name a piece has inside its data file.
-std::string keyInFile(const StateTensorInfo& info, int rank) {
-  return info.placement == Placement::PerRank ? str(info.name, ".rank", rank) : info.name;
+// `piece`: the how-manieth piece of the tensor in this file (a rank may write several pieces of
+// one sharded tensor, nestedState's runs); the first keeps the bare name, as files before
+// pieces had it.
+std::string keyInFile(const StateTensorInfo& info, int rank, int piece = 0) {
+  if (info.placement == Placement::PerRank) return str(info.name, ".rank", rank);
+  return piece == 0 ? info.name : str(info.name, "#", piece);
 }
 
 // Writes bytes to path via path.tmp + fsync + rename.
@@ -82,12 +87,13 @@ class CheckpointReader final : public detail::PieceSource {
         readers_(manifest.files.size()) {
     for (const CheckpointTensor& t : manifest.tensors) {
       addTensor(t.info);
+      std::map<size_t, int> piecesInFile;  // the manifest lists a file's pieces of a tensor in the order written
       for (const CheckpointPiece& p : t.pieces) {
         if (p.file >= manifest.files.size()) {
           throw InvalidArgument(str("checkpoint manifest ", manifest.path.string(), ": a piece of \"", t.info.name,
                                     "\" names file #", p.file, " of ", manifest.files.size()));
         }
-        const std::string key = keyInFile(t.info, p.rank);
+        const std::string key = keyInFile(t.info, p.rank, piecesInFile[p.file]++);
         const size_t file = p.file;
         const StateTensorInfo info = t.info;
         Piece piece{p.rank, p.offset, p.count, [this, file, key, info](int64_t from, int64_t n, void* dst) {
@@ -362,6 +368,7 @@ CheckpointRef CheckpointDir::save(const TrainingState& state, ProcessGroup* grou
     NamedTensors contents;
     json::Value pieces = json::Value::array();
     size_t perRankIndex = 0;
+    std::map<std::string, int> piecesOf;
     for (const StateTensor& t : tensors) {
       if (t.placement == Placement::PerRank) {
         const auto& all = perRank[perRankIndex++];
@@ -369,7 +376,8 @@ CheckpointRef CheckpointDir::save(const TrainingState& state, ProcessGroup* grou
         for (int r = 0; r < world; ++r) contents.emplace_back(str(t.name, ".rank", r), all[static_cast<size_t>(r)]);
         pieces.push(detail::toJson(detail::descriptorOf(t, rank)));
       } else if (t.placement == Placement::Sharded || rank == 0) {
-        contents.emplace_back(t.name, t.local.detach().to(cpu));
+        const StateTensorInfo info{t.name, t.placement, t.shape, t.local.dtype()};
+        contents.emplace_back(keyInFile(info, rank, piecesOf[t.name]++), t.local.detach().to(cpu));
         pieces.push(detail::toJson(detail::descriptorOf(t, rank)));
       }
     }

@@ -1,8 +1,10 @@
 #include "checkpoint/state.h"
 
+#include <map>
 #include <set>
 #include <utility>
 
+#include "checkpoint/nested_state.h"
 #include "common/errors.h"
 #include "common/strings.h"
 #include "tensor/autograd/autograd.h"
@@ -359,9 +361,13 @@ TrainingState& TrainingState::addModule(const std::string& prefix, nn::Module& m
   return add(prefix, moduleState(module));
 }
 
+std::shared_ptr<StateProvider> optimizerState(optim::Optimizer& optimizer, ParameterMap parameters) {
+  return std::make_shared<OptimizerPart>(optimizer, std::move(parameters));
+}
+
 TrainingState& TrainingState::addOptimizer(const std::string& prefix, optim::Optimizer& optimizer,
                                            ParameterMap parameters) {
-  return add(prefix, std::make_shared<OptimizerPart>(optimizer, std::move(parameters)));
+  return add(prefix, optimizerState(optimizer, std::move(parameters)));
 }
 
 TrainingState& TrainingState::addGenerator(const std::string& name, Generator& generator) {
@@ -377,11 +383,15 @@ TrainingState& TrainingState::addTensor(const std::string& name, Tensor tensor, 
 
 std::vector<StateTensor> TrainingState::collect() const {
   std::vector<StateTensor> out;
-  std::set<std::string> seen;
+  std::map<std::string, Placement> seen;
   for (const auto& [prefix, part] : parts_) {
     for (StateTensor& t : part->collect()) {
       t.name = t.name.empty() ? prefix : joinName(prefix, t.name);
-      if (!seen.insert(t.name).second) throw InvalidArgument(str("TrainingState: two tensors are named \"", t.name, "\""));
+      // Several pieces of one sharded tensor may come from one rank (nestedState's runs).
+      if (auto [it, fresh] = seen.emplace(t.name, t.placement);
+          !fresh && (it->second != Placement::Sharded || t.placement != Placement::Sharded)) {
+        throw InvalidArgument(str("TrainingState: two tensors are named \"", t.name, "\""));
+      }
       const int64_t global = shapeNumel(t.shape);
       const int64_t held = t.local.defined() ? t.local.numel() : 0;
       const bool strided = t.repeats > 1;

@@ -35,7 +35,9 @@
 // Contract:
 //  * Names are "<prefix>.<name inside the part>" (the module's parameter paths, the
 //    optimizer's "<parameter>.<state>" such as "optim.h.0.attn.c_attn.weight.exp_avg") and
-//    must be unique; collect() throws InvalidArgument naming a duplicate.
+//    must be unique, except that one rank may hold several Sharded pieces of one tensor
+//    (nestedState's runs, checkpoint/nested_state.h); collect() throws InvalidArgument naming
+//    any other duplicate.
 //  * restore() is strict: a tensor the live state needs that the source lacks, or whose
 //    global shape differs, throws InvalidArgument naming the tensor, both shapes and the
 //    source; so does a source tensor under a module's prefix that the module does not have.

@@ -90,6 +90,10 @@ void addDescribed(PieceSource& source, std::map<std::string, StateTensorInfo>& s
 
 Tensor hostFlat(const Tensor& t) { return t.detach().to(Device::cpu()).contiguous().view({-1}); }
 
+// The key of a rank's `piece`-th piece of tensor `name` in encoded bytes (nestedState's ranks
+// hold several pieces of one sharded tensor).
+std::string pieceKey(const std::string& name, int piece) { return piece == 0 ? name : str(name, "#", piece); }
+
 // A source that records what restore() asks for and writes nothing (redistribution's first
 // pass); per-rank values are left to the second pass.
 class PlanningSource final : public StateSource {
@@ -133,9 +137,10 @@ std::string encodeState(const TrainingState& state) {
   json::Value header = headerOf(state);
   json::Value list = json::Value::array();
   NamedTensors tensors;
+  std::map<std::string, int> piecesOf;
   for (const StateTensor& t : state.collect()) {
     list.push(detail::toJson(detail::descriptorOf(t, state.rank())));
-    tensors.emplace_back(t.name, t.local.detach().to(Device::cpu()));
+    tensors.emplace_back(pieceKey(t.name, piecesOf[t.name]++), t.local.detach().to(Device::cpu()));
   }
   header.set("tensors", std::move(list));
   return encodeSafetensors(tensors, {{"dtrain_state", header.dump()}});
@@ -148,8 +153,10 @@ std::unique_ptr<StateSource> stateFromBytes(std::string bytes, const std::string
   const Header header = parseHeader(it->second, description);
   auto source = std::make_unique<PieceSource>(description, header.step, header.worldSize, header.metadata);
   std::map<std::string, StateTensorInfo> seen;
+  std::map<std::string, int> piecesOf;
   for (const PieceDescriptor& d : header.pieces) {
-    auto t = std::find_if(file.tensors.begin(), file.tensors.end(), [&](const auto& e) { return e.first == d.info.name; });
+    const std::string key = pieceKey(d.info.name, piecesOf[d.info.name]++);
+    auto t = std::find_if(file.tensors.begin(), file.tensors.end(), [&](const auto& e) { return e.first == key; });
     if (t == file.tensors.end()) throw InvalidArgument(str(description, " list \"", d.info.name, "\" but do not hold it"));
     addDescribed(*source, seen, d, t->second.view({-1}));
   }
@@ -297,14 +304,11 @@ void redistributeState(const std::vector<StateTensor>& held, TrainingState& stat
   const int world = group.size();
   // 1. Every rank's held pieces.
   json::Value list = json::Value::array();
+  std::vector<Tensor> myPieces;  // this rank's held pieces, in the order heldBy[rank] lists them
   for (const StateTensor& t : held) {
-    // The exchange below cuts runs [offset, offset + count); a strided shard would need it per run.
-    if (t.repeats > 1) {
-      throw NotSupportedError(str("redistributeState (rank ", rank, "/", world, " group ", group.name(), "): \"", t.name,
-                                  "\" is a strided (tensor-parallel) shard, which redistribution does not cut yet; "
-                                  "go through a checkpoint instead"));
-    }
-    if (t.placement != Placement::PerRank) list.push(detail::toJson(detail::descriptorOf(t, rank)));
+    if (t.placement == Placement::PerRank) continue;
+    list.push(detail::toJson(detail::descriptorOf(t, rank)));
+    myPieces.push_back(hostFlat(t.local));
   }
   std::vector<std::vector<PieceDescriptor>> heldBy(static_cast<size_t>(world));
   std::map<std::string, StateTensorInfo> index;
@@ -347,7 +351,21 @@ void redistributeState(const std::vector<StateTensor>& held, TrainingState& stat
     std::string name;
     int from, to;
     int64_t offset, count;
-    const PieceDescriptor* source;
+    size_t piece;     // which of heldBy[from]
+    int64_t localAt;  // where element `offset` is among that piece's elements
+  };
+  // Whether piece `p` holds element `at`; if so where among its elements, and how many from
+  // `at` on lie in one run (a strided piece holds `repeats` runs every `stride`).
+  const auto holds = [](const PieceDescriptor& p, int64_t at, int64_t* localAt, int64_t* inRun) {
+    const int64_t runs = std::max<int64_t>(p.repeats, 1);
+    const int64_t run = p.count / runs;
+    if (at < p.offset || run == 0) return false;
+    const int64_t i = runs == 1 ? 0 : (at - p.offset) / p.stride;
+    const int64_t within = at - p.offset - i * (runs == 1 ? 0 : p.stride);
+    if (i >= runs || within >= run) return false;
+    *localAt = i * run + within;
+    *inRun = run - within;
+    return true;
   };
   std::vector<Run> runs;
   for (int to = 0; to < world; ++to) {
@@ -359,10 +377,14 @@ void redistributeState(const std::vector<StateTensor>& held, TrainingState& stat
       const int64_t end = at + v.at(2).asInt();
       while (at < end) {
         const PieceDescriptor* best = nullptr;
+        size_t bestIndex = 0;
+        int64_t localAt = 0, inRun = 0;
         for (int from = 0; from < world && best == nullptr; ++from) {
-          for (const PieceDescriptor& p : heldBy[static_cast<size_t>(from)]) {
-            if (p.info.name == name && p.offset <= at && at < p.offset + p.count) {
-              best = &p;
+          const auto& theirs = heldBy[static_cast<size_t>(from)];
+          for (size_t k = 0; k < theirs.size(); ++k) {
+            if (theirs[k].info.name == name && holds(theirs[k], at, &localAt, &inRun)) {
+              best = &theirs[k];
+              bestIndex = k;
               break;
             }
           }
@@ -372,16 +394,14 @@ void redistributeState(const std::vector<StateTensor>& held, TrainingState& stat
                                     "\", which no rank holds (a lost rank's shards have no other copy: load them from "
                                     "the newest checkpoint instead)"));
         }
-        const int64_t n = std::min(end, best->offset + best->count) - at;
-        runs.push_back({name, best->rank, to, at, n, best});
+        const int64_t n = std::min(end - at, inRun);
+        runs.push_back({name, best->rank, to, at, n, bestIndex, localAt});
         at += n;
       }
     }
   }
 
   // 4. One allToAll per dtype moves the runs; buffers carry one spare element so none is empty.
-  std::map<std::string, Tensor> heldData;
-  for (const StateTensor& t : held) heldData[t.name] = hostFlat(t.local);
   auto source = std::make_unique<PieceSource>("redistributed state", state.step, world, state.metadata);
   std::map<std::string, StateTensorInfo> seen;
   std::map<DType, std::vector<const Run*>> byType;
@@ -406,10 +426,10 @@ void redistributeState(const std::vector<StateTensor>& held, TrainingState& stat
     const size_t width = itemSize(dtype);
     for (const Run* run : byType[dtype]) {
       if (run->from != rank) continue;
-      const Tensor& data = heldData.at(run->name);
+      const Tensor& data = myPieces.at(run->piece);
       int64_t& at = sendAt[static_cast<size_t>(run->to)];
       std::memcpy(static_cast<char*>(inputs[static_cast<size_t>(run->to)].dataPtr()) + static_cast<size_t>(at) * width,
-                  static_cast<const char*>(data.dataPtr()) + static_cast<size_t>(run->offset - run->source->offset) * width,
+                  static_cast<const char*>(data.dataPtr()) + static_cast<size_t>(run->localAt) * width,
                   static_cast<size_t>(run->count) * width);
       at += run->count;
     }

@@ -26,7 +26,8 @@
 //    now (collect() of the old layout, taken before the wrappers were rebound to `group`;
 //    a rank that joined holds nothing), `state` the layout the ranks hold after rebinding;
 //    every rank's new elements are fetched from the ranks that hold them (one allToAll per
-//    dtype of the needed runs) and restored into `state`. Every element needed must be held
+//    dtype of the needed runs) and restored into `state`. Held pieces may be strided (a
+//    tensor-parallel block) and a rank may hold several pieces of one tensor. Every element needed must be held
 //    by some rank (else InvalidArgument naming the tensor and the first missing element: a
 //    lost rank's shards have no other copy, load them from the newest checkpoint instead).
 //  * Memory: a restoring rank receives straight into its own tensors where they are
