@@ -2,7 +2,7 @@
 // build/examples/gpt`, on the training loop library (train/loop.h, docs/train.md), which brings
 // DDP / ZeRO / the fully sharded wrapper (--sharding), tensor parallelism (--tp, --sp; with DDP over
 // the rest of the ranks), pipeline parallelism (--pp, --schedule; with --tp inside the stages and
-// DDP over the rest of the ranks), gradient accumulation, clipping,
+// DDP over the rest of the ranks, or --sharding over them), gradient accumulation, clipping,
 // checkpoints with a bitwise resume, pre-emption (SIGTERM/SIGUSR1/SIGINT), progress and metrics
 // lines, and under `dtrun --elastic` in-place recovery and joiners. This file is the rest:
 //   data       Debian's fortunes (2.5 MB of English), byte tokens, a train/validation split by
@@ -64,7 +64,7 @@ struct Config {
   std::string sharding = "ddp";  // ddp, zero1, zero2 (ddp/zero.h), fsdp, fsdp-keep (fsdp/fully_shard.h: no reshard after forward)
   int tp = 1;       // tensor parallelism's degree (parallel/parallelize.h); DDP over world / tp replicas
   bool sp = false;  // and sequence parallelism
-  int pp = 1;       // pipeline parallelism's degree (train/loop.h); DDP over world / pp replicas
+  int pp = 1;       // pipeline parallelism's degree (train/loop.h); DDP (or --sharding) over world / pp replicas
   std::string schedule = "1f1b", split = "layers";
   std::string scheduleFile;  // a schedule of the user's own (parallel/pipeline_schedule.h's text format)
   int virtualStages = 2;

@@ -81,8 +81,8 @@
 //    in one line what cannot run: a world that p t does not divide, a global batch whose share
 //    per dp replica m does not divide, a schedule that refuses m (interleaved and zbv need a
 //    multiple of p, zb1 m >= p), and the combinations not built yet: a Sharding other than
-//    None and microBatches > 1 (the pipeline's own micro-batches replace gradient
-//    accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
+//    None with t > 1 or under --elastic, and microBatches > 1 (the pipeline's own micro-batches
+//    replace gradient accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
 //    t > 1 parallelized over mesh() first, pipeline.sequenceParallel saying whether with SP) and
 //    hands it over with setPipelineModel (not setModel), which keeps this rank's stages
 //    (pipeline::splitGpt, pipeline.split) and prints their summary on dp replica 0. parameters() and paramGroups()
@@ -103,6 +103,17 @@
 //    checkpoint resumes split. The runner leaves the first failing rank's error in the job's
 //    store (the launcher's or the membership's, scoped to the group instance), so the others'
 //    errors name it.
+//  * Sharded pipeline replicas (pipeline.degree p > 1 with Sharding::Zero1, Zero2 or Full, t = 1):
+//    setPipelineModel (then collective over mesh()["dp"]) wraps this rank's stages in the fully
+//    sharded wrapper over dp (blocks as units; fullyShard's units are replaced), and
+//    parameters() / paramGroups() are its shards. Each step gathers the stages once for all m
+//    micro-batches (gatherFullParameters), lets their gradients accumulate whole, and
+//    reduce-scatters them once, averaged over dp (FullyShardedDataParallel::reduceGradients):
+//    one gather and one reduce-scatter per unit a step. Full frees the whole parameters after
+//    the reduction; Zero1 and Zero2 gather again right after the optimizer step and keep them
+//    until the next reduction. Clipping goes over the shards, dp then pp; checkpoints hold each
+//    dp rank's rows under the unsplit names (any degree, or none, reads them). fullySharded()
+//    is the stages' wrapper.
 //  * Elastic pipelines (--elastic with pipeline.degree p, Sharding::None): a replica is one whole
 //    pipeline, p t adjacent ranks (ElasticOptions::replicaSize = p t). A loss takes it out as
 //    with TP (the live ranks leave with LoopResult::left); the whole replicas keep their (pp, tp)
@@ -401,7 +412,7 @@ class Loop {
   // modules of the model, which usually exists only after the loop: rank-dependent streams).
   void setModel(std::shared_ptr<nn::Module> model, FullyShardOptions sharded);
   // Pipeline parallelism: the whole model, the same on every rank; this rank keeps its stages
-  // (see the contract). Not collective. InvalidArgument without pipeline.degree > 1, for a
+  // (see the contract). Not collective, except with a Sharding (the wrapper over dp). InvalidArgument without pipeline.degree > 1, for a
   // model of fewer blocks than stages, a model not parallelized under tensorParallel > 1, or twice.
   void setPipelineModel(std::shared_ptr<nn::Gpt> model);
   // This rank's stages (null without setPipelineModel).
