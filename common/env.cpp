@@ -85,6 +85,8 @@ constexpr std::array kKnobs = {
     Knob{"DT_STANDALONE", "off", "dtrun --standalone: one node on loopback with a free store port.", "user"},
     Knob{"DT_BIND", "", "dtrun --bind: address node 0's store listens on (default: loopback for a loopback master address, else all).", "user"},
     Knob{"DT_HANG_TIMEOUT", "0", "dtrun --hang-timeout: fail the job when no rank completes a collective for this long; 0 = off.", "user"},
+    Knob{"DT_STATUS_PORT", "", "dtrun --status-port: serve the job's live status page and /metrics (Prometheus) on this port; 0 = any free port; unset = no page. See docs/debugging.md.", "user"},
+    Knob{"DT_STATUS_BIND", "127.0.0.1", "dtrun --status-bind: address the status page listens on; any other than loopback requires the random token dtrun prints with the page's address.", "user"},
     Knob{"DT_NODE_TIMEOUT", "10s", "dtrun --node-timeout: a node (or the store) silent for this long counts as failed.", "user"},
     Knob{"DT_RDZV_TIMEOUT", "300s", "dtrun --rdzv-timeout: how long nodes wait for each other at start and at each restart.", "user"},
     Knob{"DT_PREFIX", "[rank %r] ", "dtrun --prefix: console line prefix (%r rank, %l local rank, %n node, %h host); none disables.", "user"},

@@ -23,6 +23,8 @@
 #include "launcher/coordinator.h"
 #include "launcher/machine.h"
 #include "launcher/output.h"
+#include "launcher/status.h"
+#include "launcher/status_server.h"
 #include "launcher/summary.h"
 #include "launcher/worker_env.h"
 #include "store/membership.h"
@@ -112,6 +114,10 @@ struct Agent::Impl {
   bool storeGone = false;
   const std::string nonce = randomHex(4);  // tells this dtrun from another claiming the same node rank  // the store is unreachable: skip waits that need it
   std::vector<CoordinatorEvent> pendingEvents;  // taken while waiting, handled later
+  // --status-port: the live page (launcher/status.h). The server, which calls the collector,
+  // is declared after it and so destroyed first.
+  std::unique_ptr<StatusCollector> statusCollector;
+  std::unique_ptr<StatusServer> statusServer;
   // Straggler reports read so far (the training loop's dt/straggler/<n>, train/straggler.h),
   // over every attempt: the keys outlive an attempt.
   int64_t stragglersSeen = 0;
@@ -1442,8 +1448,24 @@ struct Agent::Impl {
     }
   }
 
+  void startStatusPage() {
+    if (o.statusPort < 0) return;
+    statusCollector = std::make_unique<StatusCollector>(
+        store, StatusCollector::Config{runId, o.elastic, Millis(std::clamp<int64_t>(o.monitorInterval.count(), 200, 1000))});
+    StatusServer::Config sc;
+    sc.bind = o.statusBind;
+    sc.port = o.statusPort;
+    if (!isLoopbackAddress(o.statusBind)) sc.token = randomHex(16);  // others on the network see the job only with it
+    sc.json = [c = statusCollector.get()] { return statusJson(c->view()); };
+    sc.metrics = [c = statusCollector.get()] { return prometheusText(c->view()); };
+    statusServer = std::make_unique<StatusServer>(std::move(sc));
+    statusCollector->start();
+    say(str("status page at ", statusServer->url(), " (Prometheus: /metrics)"));
+  }
+
   int run() {
     setupStore();
+    startStatusPage();
     for (int attempt = 0;; ++attempt) {
       if (coord) coord->endAttempt();
       const auto rdv = rendezvous(attempt);
@@ -1451,8 +1473,12 @@ struct Agent::Impl {
         say(str("received ", signalName(terminationSignal), " while waiting for the other nodes; stopping"));
         return 128 + terminationSignal;
       }
+      if (statusCollector) statusCollector->beginAttempt(attempt, rdv->worldSize);
       const AttemptResult result = runAttempt(attempt, *rdv);
       removeLeftoverSharedMemory();
+      if (statusCollector && (result.success || terminationSignal != 0 || attempt >= o.maxRestarts || o.elastic)) {
+        statusCollector->finish(result.success ? std::string("succeeded") : str("failed, exit code ", result.exitCode));
+      }
       if (result.success) {
         finishJob();
         return 0;

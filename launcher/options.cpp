@@ -162,6 +162,15 @@ const std::vector<OptionSpec>& optionSpecs() {
        [](LaunchOptions& o, const std::string& v, const std::string&) { o.bind = v; }},
       {"hang-timeout", "DT_HANG_TIMEOUT", true, "0 (off)", "fail the job when no rank completes a collective for this long",
        [](LaunchOptions& o, const std::string& v, const std::string& what) { o.hangTimeout = parseDurationOption(v, what); }},
+      {"status-port", "DT_STATUS_PORT", true, "(none)", "serve the job's live status page and /metrics (Prometheus text) on this port; 0 picks a free one (dtrun prints the address; docs/debugging.md)",
+       [](LaunchOptions& o, const std::string& v, const std::string& what) {
+         o.statusPort = parseCount(v, what, 0, 65535, "a port number from 0 to 65535 (0: any free port)");
+       }},
+      {"status-bind", "DT_STATUS_BIND", true, "127.0.0.1", "address the status page listens on; any address but loopback requires the random token dtrun prints with the page's address",
+       [](LaunchOptions& o, const std::string& v, const std::string& what) {
+         if (v.empty()) throw InvalidArgument(str(what, " is empty; accepted: an address of this machine (127.0.0.1, 0.0.0.0, a host name)"));
+         o.statusBind = v;
+       }},
       {"node-timeout", "DT_NODE_TIMEOUT", true, "10s", "a node (or the store) silent for this long counts as failed",
        [](LaunchOptions& o, const std::string& v, const std::string& what) {
          o.nodeTimeout = parseDurationOption(v, what);

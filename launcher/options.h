@@ -55,6 +55,8 @@ struct LaunchOptions {
   bool standalone = false;
   std::string bind;             // store listen address; empty: TcpStore's default
   Millis hangTimeout{0};        // 0: watchdog off
+  int statusPort = -1;          // --status-port: the live status page's port (0: any free one); -1: no page
+  std::string statusBind = "127.0.0.1";  // --status-bind: not loopback requires a token
   Millis nodeTimeout{10000};    // a node whose heartbeat is older than this is lost
   Millis rdzvTimeout{300000};   // how long nodes wait for each other at each (re)start
   std::string prefix = "[rank %r] ";  // "" disables; %r rank, %l local rank, %n node, %h host

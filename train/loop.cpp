@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cerrno>
@@ -23,6 +24,7 @@
 #include "parallel/clip_grad.h"
 #include "process_group/init.h"
 #include "store/prefix_store.h"
+#include "store/status_records.h"
 #include "tensor/autograd/anomaly.h"
 #include "tensor/autograd/autograd.h"
 #include "tensor/nn/clip_grad.h"
@@ -36,6 +38,33 @@ using Clock = std::chrono::steady_clock;
 // Per rank in a gather step's control vote: steps counted, then the means of data wait,
 // forward, backward, communication wait and the whole step (ms).
 constexpr int kFigureSlots = 6;
+
+// A record for dtrun's status page (store/status_records.h) is never worth a step: a store that
+// does not take it is said once per process and training goes on.
+template <typename Post>
+void postStatus(const StorePtr& store, const std::string& program, Post&& post) {
+  if (!store) return;
+  try {
+    post(*store);
+  } catch (const std::exception& e) {
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      std::fprintf(stderr, "%s: cannot post a status record to the job's store (dtrun's status page misses it): %s\n",
+                   program.c_str(), e.what());
+    }
+  }
+}
+
+int64_t epochMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// Rank 0's events (recoveries, admissions, checkpoints) for the page: the line it prints.
+void statusEvent(const StorePtr& store, const ProcessGroup& group, const std::string& program, const char* kind,
+                 const std::string& text) {
+  if (group.rank() != 0) return;
+  postStatus(store, program, [&](Store& s) { status::postEvent(s, {epochMs(), kind, text}); });
+}
 
 const char* phaseName(Phase phase) {
   switch (phase) {
@@ -824,7 +853,9 @@ void Loop::saveCheckpoint(const std::string& reason) {
   m["reason"] = reason;
   for (const auto& [key, value] : options_.config) m["config." + key] = value;
   const CheckpointRef ref = checkpoints_->save(state, group_.get());
-  say(str(options_.program, ": checkpoint at step ", step_, " (", reason, ") written to ", ref.tensors.string()));
+  const std::string line = str(options_.program, ": checkpoint at step ", step_, " (", reason, ") written to ", ref.tensors.string());
+  say(line);
+  statusEvent(elastic_ ? elastic_->store() : store_, *group_, options_.program, "checkpoint", line);
 }
 
 void Loop::periodicCheckpoint() {
@@ -891,8 +922,10 @@ void Loop::recover(std::exception_ptr cause) {
     loader_.reset();
     reloadShards();
     startLoader();
-    say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_,
-            " (the newest checkpoint: the lost shards have no other copy) without ", join(m.lost, ", ")));
+    const std::string line = str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ",
+                                 step_, " (the newest checkpoint: the lost shards have no other copy) without ", join(m.lost, ", "));
+    say(line);
+    statusEvent(elastic_->store(), *group_, options_.program, "recovery", line);
     return;
   }
   if (m.resumeStep > step_) {
@@ -910,8 +943,10 @@ void Loop::recover(std::exception_ptr cause) {
     // A member of the new epoch died meanwhile: one more round (each drops at least one member).
     return recover(std::current_exception());
   }
-  say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_, " without ",
-          join(m.lost, ", "), leftNote(m)));
+  const std::string line = str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ",
+                               step_, " without ", join(m.lost, ", "), leftNote(m));
+  say(line);
+  statusEvent(elastic_->store(), *group_, options_.program, "recovery", line);
 }
 
 std::string Loop::leftNote(const elastic::Membership& m) const {
@@ -943,9 +978,12 @@ void Loop::admitJoiners() {
   }
   std::vector<std::string> joined;
   for (int member : m.joined) joined.push_back(str("member ", member));
-  say(str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_,
+  const std::string line =
+      str(options_.program, ": epoch ", m.epoch, " of the job: ", m.size(), " rank(s) go on from step ", step_,
           m.joined.empty() ? std::string(" (the joiners that waited died first)") : str(" with ", join(joined, ", ")),
-          m.lost.empty() ? std::string() : str(" without ", join(m.lost, ", ")), leftNote(m)));
+          m.lost.empty() ? std::string() : str(" without ", join(m.lost, ", ")), leftNote(m));
+  say(line);
+  statusEvent(elastic_->store(), *group_, options_.program, "admission", line);
 }
 
 void Loop::transferState() {
@@ -1410,6 +1448,18 @@ void Loop::log(Window& window) {
   if (evalNow) evaluation_ = evaluate_();
   if (step_ % options_.logEvery != 0 && step_ != options_.steps && !evalNow) return;
   recentLoss_ = window.losses > 0 ? window.lossSum / static_cast<double>(window.losses) : lastLoss_;
+  const double seconds = std::chrono::duration<double>(Clock::now() - window.start).count();
+  const double rate = static_cast<double>((step_ - window.startStep) * options_.globalBatch * options_.unitsPerExample) /
+                      std::max(seconds, 1e-9);
+  postStatus(elastic_ ? elastic_->store() : store_, options_.program, [&](Store& s) {
+    static const std::string host = [] {
+      char name[256] = {};
+      return ::gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string();
+    }();
+    status::postRank(s, memberId(),
+                     {epochMs(), step_, options_.steps, recentLoss_, rate, options_.unit, status::residentBytes(),
+                      group_->rank(), group_->size(), host});
+  });
   if (group_->rank() == 0) {
     Progress progress;
     progress.step = step_;
@@ -1417,9 +1467,7 @@ void Loop::log(Window& window) {
     progress.epoch = sampler_->positionAfter(step_ - 1).epoch + 1;
     progress.epochs = (options_.steps + sampler_->batchesPerEpoch() - 1) / sampler_->batchesPerEpoch();
     progress.loss = recentLoss_;
-    const double seconds = std::chrono::duration<double>(Clock::now() - window.start).count();
-    progress.rate = static_cast<double>((step_ - window.startStep) * options_.globalBatch * options_.unitsPerExample) /
-                    std::max(seconds, 1e-9);
+    progress.rate = rate;
     progress.lr = optimizer_->lr();
     progress.gradNorm = gradNorm_;
     progress.elapsed = priorSeconds_ + runSeconds_;
@@ -1438,6 +1486,13 @@ void Loop::log(Window& window) {
 }
 
 void Loop::report(const Progress& progress) {
+  postStatus(elastic_ ? elastic_->store() : store_, options_.program, [&](Store& s) {
+    status::CurvePoint point{progress.step, progress.loss, progress.rate, {}};
+    for (const auto& [name, v] : progress.metrics) {
+      if (!std::isnan(v)) point.metrics.emplace_back(name, v);
+    }
+    status::postCurvePoint(s, point);
+  });
   if (metrics_) {
     std::vector<std::pair<std::string, double>> values = {{"loss", progress.loss},
                                                           {"lr", progress.lr},
