@@ -25,6 +25,7 @@ constexpr std::array kKnobs = {
     Knob{"DT_STORE_CONNECT_TIMEOUT", "60s", "How long a store client keeps retrying to reach a server that is not up yet.", "user"},
     Knob{"DT_STORE_TOKEN", "", "Authentication token a TcpStore server requires and its clients present. dtrun generates one per job.", "user, dtrun"},
     Knob{"DT_STORE_ADDR", "", "host:port of the launcher's rendezvous store; when set, every rank is a client of it.", "dtrun"},
+    Knob{"DT_STORE_STANDBY", "", "host:port of the hot standby of the store at DT_STORE_ADDR (dtrun --elastic on several nodes: hosted by node 1's dtrun); a client fails over to it when the store's connection is closed by its peer.", "dtrun"},
     Knob{"DT_STORE_MAX_KEY_BYTES", "4096", "Largest key a TcpStore server accepts.", "user"},
     Knob{"DT_STORE_STALL_TIMEOUT", "30s", "A TcpStore server disconnects a client that has sent part of a request (or no handshake) and nothing more for this long.", "user"},
     Knob{"DT_STORE_MAX_VALUE_BYTES", "67108864", "Largest value (and largest request) a TcpStore server accepts.", "user"},

@@ -29,6 +29,7 @@
 #include "launcher/worker_env.h"
 #include "store/membership.h"
 #include "store/tcp_store.h"
+#include "store/tcp_store_server.h"
 #if DT_HAVE_ETCD
 #include "launcher/etcd_rendezvous.h"
 #include "store/etcd_store.h"
@@ -134,6 +135,13 @@ struct Agent::Impl {
   std::map<int, int> watchOut;           // opened by this node: fd -> the node it watches
   std::string watchPort;                 // TCP store, node k: where node 0 listens
   bool watchTried = false;
+  // --elastic on several nodes with the TCP store: node 1's dtrun hosts the store's hot
+  // standby (store/tcp_store_server.h), so that node 0 is lost like any other node: the
+  // standby takes over when node 0's dtrun is gone, and every client (agents, workers) fails
+  // over to it. Node 1 also listens for watch connections then, and nodes 2+ open one to it.
+  std::shared_ptr<TcpStoreServer> standbyServer;  // node 1
+  std::string standbyAddr;                        // "host:port" once known ("" : none)
+  bool withStandby() const { return !o.etcd() && o.elastic && o.nnodes > 1; }
 
   void addWatchFds(std::vector<pollfd>& fds) const {
     if (watchListenFd >= 0) fds.push_back({watchListenFd, POLLIN, 0});
@@ -143,7 +151,7 @@ struct Agent::Impl {
 
   // A watched dtrun closed its connection: lost, unless it recorded a normal exit first.
   void watchedNodeClosed(int node) {
-    if (!o.etcd() && node == 0) {
+    if (!o.etcd() && node == 0 && standbyAddr.empty()) {
       pendingEvents.push_back({CoordinatorEvent::Kind::StoreLost,
                                "node 0's dtrun closed its watch connection: it died or was killed", 1});
       return;
@@ -342,6 +350,7 @@ struct Agent::Impl {
     if (o.nodeRank == 0) {
       so.isServer = true;
       so.waitForWorkers = false;
+      so.standbyTimeout = o.nodeTimeout;  // a standby silent that long is retired, not waited for
       so.bindAddress = o.bind;
       std::string failure;
       try {
@@ -388,10 +397,55 @@ struct Agent::Impl {
         say(str("note: using node 0's run id ", runId, " instead of ", o.runId));
       }
       storeAddr = str(o.masterAddr, ":", o.masterPort);
+      hostStandby();
     }
     // A node of --nnodes MIN:MAX may get another node id when it joins a running job: its
     // coordinator starts once the id is known (rendezvous).
     if (o.minNodes == o.nnodes || o.nodeRank == 0) startCoordinator(false);
+  }
+
+  // Node 1 (withStandby): starts the standby and has node 0's store replicate to it before this
+  // node claims its slot, so that every node learns it at the rendezvous (learnStandby).
+  void hostStandby() {
+    if (!withStandby() || o.nodeRank != 1) return;
+    try {
+      if (o.minNodes < o.nnodes && store->check({nodesKey(0)})) return;  // it joins a running job instead
+      TcpStoreServerOptions so;
+      const bool loopback = o.masterAddr == "localhost" || o.masterAddr.starts_with("127.") || o.masterAddr == "::1";
+      so.bindAddress = !o.bind.empty() ? o.bind : loopback ? "127.0.0.1" : "0.0.0.0";
+      so.token = token;
+      so.standby = true;
+      standbyServer = TcpStoreServer::start(so);
+      auto& tcp = static_cast<TcpStore&>(*store);
+      standbyAddr = tcp.attachStandby(standbyServer->port());
+      uint16_t port = 0;
+      watchListenFd = listenTcp(o.bind, port);
+      store->set("dtrun/standby", str(standbyAddr, "\t", port));
+      tcp.setStandby(standbyAddr);
+      say(str("this node hosts the hot standby of the job's store at ", standbyAddr, ": it takes over if node 0 is lost"));
+    } catch (const std::exception& e) {
+      say(str("warning: the job's store has no standby (", e.what(), "): losing node 0 will end the job"));
+      standbyServer.reset();
+      standbyAddr.clear();
+    }
+  }
+
+  // Every other node, once the nodes met: the standby's address for this node's store clients
+  // and its workers, and (nodes 2+) a watch connection to node 1's dtrun.
+  void learnStandby() {
+    if (!withStandby() || !standbyAddr.empty()) return;
+    try {
+      if (!store->check({"dtrun/standby"})) return;
+      const auto parts = split(store->get("dtrun/standby"), '\t');
+      static_cast<TcpStore&>(*store).setStandby(parts.at(0));
+      standbyAddr = parts.at(0);
+      if (o.nodeRank == 0) return;  // node 1 watches node 0, and node 0 accepts its watch
+      std::string host = standbyAddr.substr(0, standbyAddr.rfind(':'));
+      if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+      watchNode(1, host, static_cast<uint16_t>(std::stoi(parts.at(1))));
+    } catch (const std::exception& e) {
+      say(str("warning: cannot use the standby of the job's store (", e.what(), "): losing node 0 will end the job"));
+    }
   }
 
   // Waits on the signal channel and the coordinator for up to `ms`; handles
@@ -697,6 +751,7 @@ struct Agent::Impl {
   }
 
   AttemptResult runAttempt(int attempt, const Rendezvous& rdv) {
+    learnStandby();
     std::vector<Worker> workers(static_cast<size_t>(cfg.nproc));
     for (int i = 0; i < cfg.nproc; ++i) {
       Worker& w = workers[static_cast<size_t>(i)];
@@ -795,6 +850,7 @@ struct Agent::Impl {
 #endif
       {
         id.storeAddr = storeAddr;
+        id.storeStandby = standbyAddr;
         id.storeToken = token;
       }
       id.runId = runId;
@@ -1028,6 +1084,11 @@ struct Agent::Impl {
     std::set<int> lostNodes;
     auto loseNode = [&](int node, const std::string& why) {
       if (node < 0 || !lostNodes.insert(node).second) return;
+      if (coord) {
+        coord->markLost(node);
+        // Node 0 is gone (its watch connection closed: proof), so the standby serves now.
+        if (node == 0 && standbyServer) coord->hostStore();
+      }
       // Its members: as it recorded them (replacements and a joined node's workers included),
       // else the ranks it started with.
       std::vector<int> members;
@@ -1426,7 +1487,8 @@ struct Agent::Impl {
     }
     if (!coord || o.nnodes == 1 || storeGone) return;
     const int64_t until = wallMs() + std::min<int64_t>(o.nodeTimeout.count(), 10000);
-    if (o.nodeRank == 0 && !o.etcd()) {
+    const bool hostsStore = o.nodeRank == 0 || (standbyServer && standbyServer->role() == "primary");
+    if (hostsStore && !o.etcd()) {
       // Keep the store up until every other node has seen the outcome (etcd stays up by itself).
       coord->awaitExits();
       bool seen = false;

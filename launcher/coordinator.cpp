@@ -106,6 +106,8 @@ struct Coordinator::Shared {
   // Node heartbeats: last value and when it changed.
   std::map<int, std::pair<int64_t, int64_t>> heartbeats;
   std::map<int, bool> lost;
+  std::set<int> lostElsewhere;  // markLost(), under the mutex; merged into `lost` each tick
+  bool hostsStore = false;      // node 0, or hostStore() (under the mutex)
   bool storeLost = false;
   std::vector<CoordinatorEvent> events;
   std::atomic<int64_t> lastContact{0};
@@ -130,9 +132,12 @@ struct Coordinator::Shared {
     int k = -1, world = 0;
     int64_t startMs = 0;
     std::set<int> active;
+    bool host = false;
     {
       std::lock_guard<std::mutex> lock(mutex);
       active = nodes;
+      host = hostsStore;
+      for (int node : lostElsewhere) lost[node] = true;
       sets.swap(outboxSets);
       failure.swap(failureToPublish);
       publishExit = exitToPublish;
@@ -180,10 +185,12 @@ struct Coordinator::Shared {
         watchRegistrations(k, exits, active);
       } else {
         store->add(key(str("hb/", config.nodeRank)), 1);
-        // Node 0 watches everyone's heartbeats (one multiGet per tick) and
-        // records a lost node as the attempt's failure; the other nodes learn
-        // it from there, and notice node 0's own death as a store failure.
-        if (config.nodeRank == 0) watchHeartbeats(k, exits, now, active);
+        // The store's host (node 0, or the node whose standby took over)
+        // watches everyone's heartbeats (one multiGet per tick) and records a
+        // lost node as the attempt's failure; the other nodes learn it from
+        // there, and notice the host's own death as a store failure (or, with
+        // a standby, by its watch connection).
+        if (host) watchHeartbeats(k, exits, now, active);
       }
       if (k >= 0 && !failureSeen) {
         const std::string failedKey = key(str("a", k, "/failed"));
@@ -274,7 +281,7 @@ struct Coordinator::Shared {
     std::vector<std::string> keys;
     std::vector<int> watched;
     for (int node : active) {
-      if (node == 0 || lost[node]) continue;
+      if (node == config.nodeRank || lost[node]) continue;
       keys.push_back(key(str("hb/", node)));
       watched.push_back(node);
     }
@@ -341,6 +348,7 @@ struct Coordinator::Shared {
 Coordinator::Coordinator(StorePtr store, Config config, int wakeFd) : shared_(std::make_shared<Shared>()) {
   shared_->store = std::move(store);
   shared_->config = config;
+  shared_->hostsStore = config.nodeRank == 0;
   for (int node = 0; node < config.nnodes; ++node) shared_->nodes.insert(node);
   shared_->wakeFd = wakeFd;
   shared_->lastContact.store(wallMs());
@@ -416,6 +424,20 @@ void Coordinator::awaitExits() {
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->watchingExits = true;
+    shared_->kick = true;
+  }
+  shared_->cv.notify_all();
+}
+
+void Coordinator::markLost(int node) {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  shared_->lostElsewhere.insert(node);
+}
+
+void Coordinator::hostStore() {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->hostsStore = true;
     shared_->kick = true;
   }
   shared_->cv.notify_all();

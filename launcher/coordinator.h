@@ -96,6 +96,12 @@ class Coordinator {
   void publishExit();
   // Node 0: report ExitsSeen once every other node has published its exit.
   void awaitExits();
+  // A node the agent found lost by itself (a watch connection): not watched,
+  // nor waited for, any more.
+  void markLost(int node);
+  // This node's dtrun now hosts the job's store (its standby took over from
+  // node 0's): it watches the other nodes' heartbeats, as node 0 did.
+  void hostStore();
 
   std::vector<CoordinatorEvent> takeEvents();
   int64_t lastContactMs() const;

@@ -51,6 +51,8 @@ WorkerEnv buildWorkerEnv(const std::vector<std::string>& base, const WorkerIdent
   put("TORCHELASTIC_RESTART_COUNT", str(id.restartCount));
   put("TORCHELASTIC_MAX_RESTARTS", str(id.maxRestarts));
   put("DT_STORE_ADDR", id.storeAddr);
+  // Always set: an inherited one must not point a job's workers at another job's standby.
+  put("DT_STORE_STANDBY", id.storeStandby);
   put("DT_STORE_TOKEN", id.storeToken);
   put("DT_RUN_ID", id.runId);
   put("DT_RESTART_COUNT", str(id.restartCount));

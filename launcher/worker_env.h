@@ -24,6 +24,7 @@ struct WorkerIdentity {
   std::string masterAddr;
   int masterPort = 0;      // the port kept free for the workers (torchrun's MASTER_PORT)
   std::string storeAddr;   // host:port of the launcher's store
+  std::string storeStandby;  // host:port of its hot standby (DT_STORE_STANDBY; "" none)
   std::string storeToken;
   std::string runId;
   int restartCount = 0;

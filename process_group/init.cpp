@@ -161,6 +161,7 @@ JobConnection connectJob(InitOptions options) {
     storeOptions.timeout = timeout;
     storeOptions.rank = init.rank;
     if (!init.token.empty()) storeOptions.token.emplace(init.token);
+    if (init.launcherStore) storeOptions.standby = env::getString("DT_STORE_STANDBY");
     store = std::make_shared<TcpStore>(init.storeHost, init.storePort, storeOptions);
   }
   ProcessGroupOptions pg;

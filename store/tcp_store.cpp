@@ -586,6 +586,7 @@ TcpStore::TcpStore(std::string host, uint16_t port, TcpStoreOptions options)
                                                               : "0.0.0.0");
     serverOptions.port = port_;
     serverOptions.token = *options_.token;
+    serverOptions.standbyTimeout = options_.standbyTimeout;
     server_ = TcpStoreServer::start(serverOptions);
     port_ = server_->port();
   }

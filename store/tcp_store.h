@@ -73,6 +73,9 @@ struct TcpStoreOptions {
   // "host:port" of the server's hot standby ("": none); DT_STORE_STANDBY for
   // dtrun's workers. With isServer it is only passed to clients and clones.
   std::string standby;
+  // With isServer: how long a standby attached to this server may leave a
+  // write unacknowledged before the server retires it (tcp_store_server.h).
+  Store::Duration standbyTimeout{10000};
 
   static Store::Duration defaultConnectTimeout();
 };

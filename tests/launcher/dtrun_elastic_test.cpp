@@ -5,6 +5,7 @@
 // worker is replaced and the replacement joins the running job; with
 // --nnodes MIN:MAX a node started later joins the running job and can be lost
 // again; bad flag combinations are named.
+#include <fstream>
 #include <memory>
 #include <regex>
 #include <thread>
@@ -130,6 +131,55 @@ TEST(DtrunElastic, ANodeJoinsARunningJobAndIsLostAgain) {
   EXPECT_THAT(r0.out, HasSubstr("member 0: epoch 2: 2 member(s) go on from step 120"));
   expectFinished(r0, {0}, 2);
   expectFinished(r1, {1}, 2);
+}
+
+TEST(DtrunElastic, TheTcpStoreJobLosesNode0AndGoesOnWithTheOthers) {
+  // Three emulated nodes of two workers on loopback with the TCP store (--rdzv-backend static):
+  // node 0's dtrun hosts the store, node 1's its hot standby. In step 20 rank 0 SIGKILLs its
+  // dtrun and then itself (node 0's other worker dies with its dtrun): the standby takes over
+  // once the kernel closed its replication connection, every client fails over to it, nodes 1
+  // and 2 post node 0's members dead when their watch connections to node 0 close, and the four
+  // survivors finish exactly. --node-timeout 60s: nothing here may wait for a timeout.
+  const PortReservation reservation;
+  TempDir stamps;
+  const std::string stamp = (stamps.path() / "killed").string();
+  std::vector<std::unique_ptr<ChildProcess>> nodes;
+  for (int rank = 0; rank < 3; ++rank) {
+    nodes.push_back(std::make_unique<ChildProcess>(
+        std::vector<std::string>{kDtrun, "--nnodes", "3", "--node-rank", std::to_string(rank), "--nproc", "2",
+                                 "--elastic", "--master-addr", "127.0.0.1", "--master-port", reservation.text(),
+                                 "--node-timeout", "60s", kWorker, "300", "30", "0", "20", "node"},
+        std::vector<std::string>{"DT_TEST_KILL_STAMP=" + stamp}));
+  }
+  const auto lost = nodes[0]->wait(120s);
+  EXPECT_EQ(lost.exitCode, 128 + SIGKILL) << lost.out << lost.err;
+  const auto r1 = nodes[1]->wait(120s), r2 = nodes[2]->wait(120s);
+  ASSERT_EQ(r1.exitCode, 0) << r1.out << r1.err;
+  ASSERT_EQ(r2.exitCode, 0) << r2.out << r2.err;
+  EXPECT_THAT(r1.err, HasSubstr("this node hosts the hot standby of the job's store at 127.0.0.1:"));
+  EXPECT_THAT(r1.err, HasSubstr("promoted to primary"));
+  for (const auto* r : {&r1, &r2}) {
+    EXPECT_THAT(r->err, HasSubstr("node 0 is lost (node 0's dtrun closed its watch connection without finishing"))
+        << r->err;
+    EXPECT_THAT(r->err, Not(HasSubstr("finished without")));
+    EXPECT_THAT(r->out, HasSubstr("was lost with node 0")) << r->out;
+  }
+  expectFinished(r1, {2, 3}, 4);
+  expectFinished(r2, {4, 5}, 4);
+  // The kill to the survivors' first commit after it (printed, not asserted: a measure).
+  std::ifstream stampFile(stamp);
+  const std::string killed((std::istreambuf_iterator<char>(stampFile)), std::istreambuf_iterator<char>());
+  std::smatch at, resumed;
+  ASSERT_TRUE(std::regex_search(killed, at, std::regex(R"(kills its node at (\d+) ms)"))) << killed;
+  const std::string survivors = r1.out + r2.out;
+  int64_t last = 0;
+  const std::regex commit(R"(first commit after recovery at (\d+) ms)");
+  for (std::sregex_iterator it(survivors.begin(), survivors.end(), commit), end; it != end; ++it) {
+    last = std::max<int64_t>(last, std::stoll((*it)[1]));
+  }
+  ASSERT_GT(last, 0) << survivors;
+  std::printf("node 0 killed -> survivors' next commit: %lld ms (TCP store, standby on node 1)\n",
+              static_cast<long long>(last - std::stoll(at[1])));
 }
 
 TEST(DtrunElastic, BadCombinationsAreNamed) {

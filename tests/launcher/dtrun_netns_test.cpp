@@ -212,6 +212,37 @@ TEST(DtrunNetns, ElasticJobLosesAWholeHostAndTheOtherHostsFinishInPlace) {
   EXPECT_THAT(head.err, HasSubstr("the elastic job goes on without them")) << head.err;
 }
 
+// The same, losing host 0, whose dtrun hosts the job's TCP store: host 1's dtrun hosts its hot
+// standby, which takes over when its replication connection from host 0 is closed by host 0's
+// kernel; every client on hosts 1 and 2 fails over to it across the "network", and the four
+// survivors finish exactly.
+TEST(DtrunNetns, ElasticJobLosesTheStoresHostAndTheOtherHostsFinishOnItsStandby) {
+  Hosts hosts;
+  if (const std::string why = hosts.build(); !why.empty()) GTEST_SKIP() << "network namespaces unavailable: " << why;
+  std::vector<std::unique_ptr<ChildProcess>> nodes;
+  for (int h = 0; h < 3; ++h) {
+    nodes.push_back(std::make_unique<ChildProcess>(
+        hosts.dtrunOn(h, "0", {"--elastic", "--node-timeout", "60s"}, 3, {ELASTIC_WORKER_PATH, "40", "5", "0", "15", "node"})));
+  }
+  const auto lost = nodes[0]->wait(60s);
+  EXPECT_EQ(lost.exitCode, 128 + SIGKILL) << lost.err;
+  for (int h : {1, 2}) {
+    const auto r = nodes[static_cast<size_t>(h)]->wait(90s);
+    EXPECT_EQ(r.exitCode, 0) << "host " << h << ": " << r.out << r.err;
+    for (int local = 0; local < 2; ++local) {
+      const int rank = 2 * h + local;
+      // The survivors are renumbered 0-3 in member order: 2, 3, 4, 5.
+      EXPECT_THAT(r.out, HasSubstr(str("member ", rank, " rank ", 2 * (h - 1) + local, "/4 epoch 1 state 1914")))
+          << "host " << h << ": " << r.out << r.err;
+    }
+    EXPECT_THAT(r.out, HasSubstr("was lost with node 0")) << "host " << h << ": " << r.out;
+    EXPECT_THAT(r.err, HasSubstr("failed over to 10.231.0.2:")) << "host " << h << ": " << r.err;
+    if (h == 1) {
+      EXPECT_THAT(r.err, HasSubstr("this node hosts the hot standby of the job's store at 10.231.0.2:"));
+    }
+  }
+}
+
 // dtrun --elastic --nnodes 2:3 across three hosts: hosts 0 and 1 start the job
 // (after its last call for a third); host 2's dtrun, started later, joins it
 // as node 3 and its two workers (members 4 and 5) are admitted at a step

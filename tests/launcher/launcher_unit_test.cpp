@@ -149,6 +149,7 @@ TEST(LauncherEnv, WorkerContract) {
   id.masterPort = 40001;
   id.storeAddr = "10.0.0.1:29500";
   id.storeToken = "tok";
+  id.storeStandby = "10.0.0.2:41000";
   id.runId = "job7";
   id.restartCount = 2;
   id.maxRestarts = 3;
@@ -156,7 +157,7 @@ TEST(LauncherEnv, WorkerContract) {
   const std::map<std::string, std::string> expected = {
       {"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "1"},
       {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "40001"}, {"DT_STORE_ADDR", "10.0.0.1:29500"},
-      {"DT_STORE_TOKEN", "tok"}, {"DT_RUN_ID", "job7"}, {"DT_RESTART_COUNT", "2"}, {"DT_MAX_RESTARTS", "3"},
+      {"DT_STORE_TOKEN", "tok"}, {"DT_STORE_STANDBY", "10.0.0.2:41000"}, {"DT_RUN_ID", "job7"}, {"DT_RESTART_COUNT", "2"}, {"DT_MAX_RESTARTS", "3"},
       {"OMP_NUM_THREADS", "1"}, {"DT_NUM_THREADS", "1"}, {"PATH", "/bin"}, {"HOME", "/root"},
       {"TORCHELASTIC_RESTART_COUNT", "2"}};
   for (const auto& [name, value] : expected) EXPECT_EQ(lookupEntry(env.entries, name), value) << name;
