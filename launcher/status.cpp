@@ -63,6 +63,7 @@ struct Tracked {
   MemberView view;
   std::string lastSeen;  // the heartbeat or record last read: a change is a sign of life
   int64_t changedMs = -1;
+  bool settled = false;  // dead or left, and read since
 };
 
 }  // namespace
@@ -224,6 +225,13 @@ void StatusCollector::poll() {
       }
       for (auto& [member, t] : s.members) {
         MemberView& v = t.view;
+        const bool gone = v.state == "dead" || v.state == "left";
+        if (gone && t.settled) {  // its last figures stay; nothing of it changes any more
+          v.heartbeatAgeS = t.changedMs < 0 ? -1.0 : static_cast<double>(now - t.changedMs) / 1000.0;
+          continue;
+        }
+        t.settled = gone;  // read once more after its end: what it wrote last
+        // A sign of life: its record or its last collective moved, or (elastic) its heartbeat.
         std::string seen;
         if (const auto record = getIf(store, status::rankKey(member))) {
           seen = *record;
@@ -241,15 +249,16 @@ void StatusCollector::poll() {
         if (const auto op = getIf(store, str("dt/progress/", member))) {
           const auto space = op->find(' ');
           v.lastOp = space == std::string::npos ? *op : str("#", op->substr(0, space), " ", op->substr(space + 1));
+          seen += "\n" + *op;
         }
-        if (config_.elastic && v.state != "dead") {
+        if (config_.elastic) {
           if (const auto beat = membership::heartbeatOf(store, member)) seen = std::to_string(*beat);
           if (const auto why = membership::leftOf(store, member)) {
             v.state = "left";
             v.reason = *why;
           }
         }
-        if (!seen.empty() && seen != t.lastSeen) {
+        if (!gone && !seen.empty() && seen != t.lastSeen) {
           t.lastSeen = seen;
           t.changedMs = now;
           if (v.state == "starting" || v.state == "joining") v.state = "running";
@@ -359,9 +368,9 @@ std::string prometheusText(const JobView& v) {
     return str("member=\"", m.member, "\",rank=\"", m.rank, "\",host=\"", promLabel(m.host), "\"");
   };
   family("dtrain_job_step", "gauge", "Steps applied by the job (the furthest live member's at its last logged step).");
-  sample("dtrain_job_step", "", static_cast<double>(v.step));
+  if (v.step >= 0) sample("dtrain_job_step", "", static_cast<double>(v.step));
   family("dtrain_job_steps", "gauge", "Steps the job is to run.");
-  sample("dtrain_job_steps", "", static_cast<double>(v.steps));
+  if (v.steps > 0) sample("dtrain_job_steps", "", static_cast<double>(v.steps));
   family("dtrain_job_loss", "gauge", "Training loss at the newest logged step (mean over the ranks and the window).");
   sample("dtrain_job_loss", "", v.loss);
   family("dtrain_job_throughput", "gauge", "Units (samples, tokens) per second of the whole job over the newest log window.");

@@ -150,6 +150,25 @@ TEST(StatusCollector, ReadsMembersEventsAndCurvesFromTheStore) {
   EXPECT_EQ(f.events.back().kind, "finish");
 }
 
+TEST(StatusCollector, AProgramOffTheLoopShowsRunningOnceItsProcessGroupRecordsACollective) {
+  auto store = std::make_shared<HashStore>();
+  StatusCollector collector(store, {"run10", false, std::chrono::milliseconds(1000)});
+  collector.beginAttempt(0, 2);
+  store->set("dt/progress/1", "3 broadcast");
+  collector.poll();
+  const JobView v = collector.view();
+  ASSERT_EQ(v.members.size(), 2u);
+  EXPECT_EQ(v.members[0].state, "starting") << "no sign of life yet";
+  EXPECT_EQ(v.members[0].heartbeatAgeS, -1.0);
+  EXPECT_EQ(v.members[1].state, "running");
+  EXPECT_EQ(v.members[1].lastOp, "#3 broadcast");
+  EXPECT_EQ(v.members[1].step, -1) << "no loop, no step";
+  EXPECT_EQ(v.step, -1);
+  for (const auto& s : parsePrometheusText(prometheusText(v))) {
+    EXPECT_NE(s.name, "dtrain_job_step") << "an unknown step is left out, not written as -1";
+  }
+}
+
 TEST(StatusCollector, JsonAndPrometheusRenderTheView) {
   auto store = std::make_shared<HashStore>();
   StatusCollector collector(store, {"run\"8", true, std::chrono::milliseconds(1000)});
