@@ -21,8 +21,18 @@
 //     formula=0.375 bubble_max=... bubble_mean=... bubble_ranks=a,b,c,d idle_ms_max=...
 //   RESULT pipeline workload=gpt schedule=zb1 p=4 m=8 ... step_ms=... tokens_per_s=...
 //     peak_rss_mb_ranks=... peak_rss_mb_max=... bubble_ranks=... formula=...
+//     state_mb_ranks=... peak_alloc_mb_ranks=... f_mb_ranks=... pending_w_mb_ranks=...
+//     in_flight_ranks=... pending_w_ranks=...
 // (bubble: idle / compute per rank, the median over the timed steps; formula: simulate() with
-// F = I = W = 1, B = 2.)
+// F = I = W = 1, B = 2.) The gpt rows' memory from the allocator, which RSS's page reuse and
+// fragmentation do not blur: state_mb is what a rank holds between steps (parameters, AdamW's
+// moments), peak_alloc_mb the most it held during a timed step; f_mb what one micro-batch's
+// forward through the rank's first chunk keeps until its B or I (measured once, outside the
+// schedule), pending_w_mb what that micro-batch still keeps after its I until its W; in_flight
+// and pending_w the simulator's peak counts of each on the rank (peakInFlight,
+// peakPendingWeightGrads). Activations at the peak are then about
+// in_flight x f_mb + pending_w x pending_w_mb (one chunk per rank; the counts' peaks need not
+// coincide).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -37,6 +47,8 @@
 #include "ddp/ddp.h"
 #include "parallel/pipeline.h"
 #include "process_group/init.h"
+#include "tensor/autograd/autograd.h"
+#include "tensor/memory_stats.h"
 #include "tensor/nn/clip_grad.h"
 #include "tensor/nn/gpt.h"
 #include "tensor/ops.h"
@@ -148,6 +160,7 @@ int runRank(const Args& args) {
   std::vector<dt::Tensor> inputs, targets;
   dt::Tensor ddpInputs, ddpTargets;
   double formula = 0;
+  double forwardMb = 0, pendingWMb = 0, inFlight = 0, pendingW = 0;
   dt::Generator data(1000);  // the same tokens on every rank: each takes its part
 
   if (ddpBaseline) {
@@ -163,7 +176,10 @@ int runRank(const Args& args) {
     ddpTargets = mine.narrow(1, 1, T).contiguous();
   } else {
     const pp::Schedule schedule = scheduleOf(args, world);
-    formula = pp::simulate(schedule).bubble;
+    const pp::SimulationResult simulated = pp::simulate(schedule);
+    formula = simulated.bubble;
+    inFlight = simulated.peakInFlight.at(static_cast<size_t>(rank));
+    pendingW = simulated.peakPendingWeightGrads.at(static_cast<size_t>(rank));
     const bool first = schedule.rankOfStage(0) == rank, last = schedule.rankOfStage(schedule.numStages() - 1) == rank;
     dt::Shape activation;
     if (args.workload == "fixed") {
@@ -190,6 +206,22 @@ int runRank(const Args& args) {
         if (first) inputs.push_back(tokens.narrow(1, 0, T).contiguous());
         if (last) targets.push_back(tokens.narrow(1, 1, T).contiguous());
       }
+      // What one micro-batch costs the rank's first chunk: the forward's graph until its I, and
+      // what its deferred weight gradients keep from the I to the W.
+      const auto& chunk = stages.chunks.front();
+      dt::Generator probe(7);
+      dt::Tensor x = stages.stages.front() == 0 ? dt::randint(0, args.gpt.vocabSize, {args.microBatch, T}, probe)
+                                                : dt::randn(activation, probe).setRequiresGrad(true);
+      const auto live = [] { return static_cast<double>(dt::memoryStats().allocatedBytes) / (1 << 20); };
+      const double before = live();
+      dt::Tensor y = (*chunk)(x);
+      forwardMb = live() - before;
+      dt::Tensor g = dt::randn(y.sizes(), probe);
+      dt::WeightGradients w = dt::backwardDeferringWeights({y}, {g}, chunk->parameters());
+      y = g = x = dt::Tensor();  // the output, its gradient and the input's gradient, as the runner drops them
+      pendingWMb = live() - before;
+      w.run();
+      chunk->zeroGrad();
     }
   }
 
@@ -209,6 +241,11 @@ int runRank(const Args& args) {
     }
   };
   for (int i = 0; i < args.warmup; ++i) step();
+  if (!ddpBaseline) {
+    for (const auto& chunk : runner->stages().chunks) chunk->zeroGrad();
+  }
+  const double stateMb = static_cast<double>(dt::memoryStats().allocatedBytes) / (1 << 20);
+  dt::resetPeakMemoryStats();
   dt::bench::resetPeakRss();
   std::vector<double> stepMs, bubbles, idleMs;
   for (int i = 0; i < args.steps; ++i) {
@@ -231,6 +268,13 @@ int runRank(const Args& args) {
   const std::vector<double> bubbleByRank = gatherPerRank(group, bubbles.empty() ? 0.0 : dt::bench::median(bubbles));
   const std::vector<double> idleByRank = gatherPerRank(group, idleMs.empty() ? 0.0 : dt::bench::median(idleMs));
   const std::vector<double> rssByRank = gatherPerRank(group, dt::bench::peakRssMb());
+  const std::vector<double> stateByRank = gatherPerRank(group, stateMb);
+  const std::vector<double> peakByRank =
+      gatherPerRank(group, static_cast<double>(dt::memoryStats().peakAllocatedBytes) / (1 << 20));
+  const std::vector<double> forwardByRank = gatherPerRank(group, forwardMb);
+  const std::vector<double> pendingByRank = gatherPerRank(group, pendingWMb);
+  const std::vector<double> inFlightByRank = gatherPerRank(group, inFlight);
+  const std::vector<double> pendingCountByRank = gatherPerRank(group, pendingW);
   if (rank == 0) {
     const double ms = *std::max_element(stepByRank.begin(), stepByRank.end());
     const double tokens = static_cast<double>(args.m * args.microBatch * (args.workload == "gpt" ? T : 1));
@@ -252,8 +296,18 @@ int runRank(const Args& args) {
                   *std::max_element(bubbleByRank.begin(), bubbleByRank.end()), bubbleSum / world,
                   joined(bubbleByRank, "%.4f").c_str(), *std::max_element(idleByRank.begin(), idleByRank.end()));
     }
-    std::printf(" peak_rss_mb_max=%.1f peak_rss_mb_ranks=%s\n", *std::max_element(rssByRank.begin(), rssByRank.end()),
+    std::printf(" peak_rss_mb_max=%.1f peak_rss_mb_ranks=%s", *std::max_element(rssByRank.begin(), rssByRank.end()),
                 joined(rssByRank, "%.0f").c_str());
+    if (args.workload == "gpt") {
+      std::printf(" state_mb_ranks=%s peak_alloc_mb_max=%.1f peak_alloc_mb_ranks=%s", joined(stateByRank, "%.1f").c_str(),
+                  *std::max_element(peakByRank.begin(), peakByRank.end()), joined(peakByRank, "%.1f").c_str());
+      if (runner) {
+        std::printf(" f_mb_ranks=%s pending_w_mb_ranks=%s in_flight_ranks=%s pending_w_ranks=%s",
+                    joined(forwardByRank, "%.2f").c_str(), joined(pendingByRank, "%.2f").c_str(),
+                    joined(inFlightByRank, "%.0f").c_str(), joined(pendingCountByRank, "%.0f").c_str());
+      }
+    }
+    std::printf("\n");
     std::fflush(stdout);
   }
   group->barrier()->wait();

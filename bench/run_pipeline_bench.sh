@@ -18,7 +18,9 @@
 # RATIO lines with goals (met / MISSED):
 #   bubble: |measured - formula| <= 0.03 per rank (max over ranks), every fixed row, and the gpt rows;
 #   ZB-H1 step / 1F1B step <= 0.9 at p=4, m=8 (gpt), with peak RSS ZB-H1 / 1F1B <= 1.1;
-#   tokens/s of each schedule against DDP's (no goal).
+#   tokens/s of each schedule against DDP's (no goal);
+#   where ZB-H1's memory goes (gpt, rank 0): the allocator's peak against 1F1B's, and what a micro-batch
+#   keeps from its I to its W against what its forward keeps (pipeline_bench's f_mb and pending_w_mb).
 #
 # usage: bench/run_pipeline_bench.sh  (env: PS="2 4" MS="4 8 16" SCHEDULES="gpipe 1f1b interleaved zb1 zbv"
 #          WORKLOADS="fixed gpt" UNIT_MS=20 STEPS=3 WARMUP=1 MICRO=2 LAYERS=12 WIDTH=512 HEADS=8 CONTEXT=128
@@ -129,6 +131,15 @@ for w in ("gpt", "fixed"):
                       (f" goal<=0.9 {'met' if step <= 0.9 else 'MISSED'}" if goal else ""))
         ratios.append(f"RATIO pipeline_peak_rss zb1/1f1b workload={w} p=4 m=8 value={rss:.3f}" +
                       (f" goal<=1.1 {'met' if rss <= 1.1 else 'MISSED'}" if goal else ""))
+        if "peak_alloc_mb_ranks" in zb and "peak_alloc_mb_ranks" in one:
+            # Where ZB-H1's extra memory lives (rank 0, the peak): the allocator's live bytes over the
+            # state, and what one micro-batch keeps after its I until its W against its forward's graph.
+            first = lambda r, k: float(r[k].split(",")[0])
+            acts = [first(r, "peak_alloc_mb_ranks") - first(r, "state_mb_ranks") for r in (zb, one)]
+            ratios.append(f"RATIO pipeline_peak_alloc zb1/1f1b workload={w} p=4 m=8 rank=0 value={first(zb, 'peak_alloc_mb_ranks') / first(one, 'peak_alloc_mb_ranks'):.3f} "
+                          f"above_state={acts[0] / acts[1]:.3f} ({acts[0]:.1f} / {acts[1]:.1f} MiB)")
+            ratios.append(f"RATIO pipeline_pending_w/forward workload={w} p=4 m=8 rank=0 value={first(zb, 'pending_w_mb_ranks') / first(zb, 'f_mb_ranks'):.3f} "
+                          f"({first(zb, 'pending_w_mb_ranks'):.2f} / {first(zb, 'f_mb_ranks'):.2f} MiB per micro-batch; pending W peak {zb['pending_w_ranks'].split(',')[0]}, in flight {zb['in_flight_ranks'].split(',')[0]})")
 print()
 print("\n".join(ratios))
 PYEOF
