@@ -59,15 +59,14 @@ class NestedSource final : public StateSource {
     if (!name.starts_with(head_)) return std::nullopt;
     return outer_(name.substr(head_.size()));
   }
-  // A global tensor of the mapped shape shows as its local shape; another global shape is an
-  // error here, where both shapes can be named.
+  // A global tensor of the mapped shape shows as its local shape (written whole by one process
+  // or in pieces alike). Another shape stays as it is: an optimizer's step count under the
+  // parameter's name, or a tensor of another model, which the inner part names as a mismatch.
   void localize(StateTensorInfo& info) const {
     const std::optional<OuterPlacement> outer = outerOf(info.name);
-    if (!outer || outer->layout.placement != Placement::Sharded || info.placement != Placement::Sharded) return;
-    if (info.shape != outer->layout.shape) {
-      throw InvalidArgument(str(base_.describe(), ": tensor \"", info.name, "\" is ", describeShape(info.shape),
-                                " there but ", describeShape(outer->layout.shape), " here (this rank holds a ",
-                                describeShape(outer->localShape), " block of it); was it written for another model?"));
+    if (!outer || outer->layout.placement != Placement::Sharded || info.placement == Placement::PerRank ||
+        info.shape != outer->layout.shape) {
+      return;
     }
     info.shape = outer->localShape;
   }
@@ -86,14 +85,17 @@ class NestedPart final : public StateProvider {
     std::vector<StateTensor> out;
     for (StateTensor& t : inner_->collect()) {
       const std::optional<OuterPlacement> outer = outer_(t.name);
-      if (!outer || t.shape != outer->localShape || t.placement == Placement::PerRank) {
+      if (!outer || t.placement == Placement::PerRank) {
         out.push_back(std::move(t));
         continue;
       }
       const ParameterLayout& global = outer->layout;
       if (global.placement != Placement::Sharded) {
         if (t.placement == Placement::Sharded && !outer->writesShards) continue;
-        t.shape = global.shape;
+        out.push_back(std::move(t));
+        continue;
+      }
+      if (t.shape != outer->localShape) {  // not the tensor's elements (an optimizer's step count)
         out.push_back(std::move(t));
         continue;
       }

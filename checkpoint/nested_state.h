@@ -16,13 +16,13 @@
 // redistributeState carry several pieces of one name from one rank.
 //  * Inner Replicated (the same on every rank of the inner group, e.g. ZeRO's parameters):
 //    written as pieces by the rank whose OuterPlacement says writesReplicated (the inner
-//    group's replica 0), dropped elsewhere. When the outer layout is Replicated too it stays
-//    one Replicated tensor.
+//    group's replica 0), dropped elsewhere. When the outer layout is Replicated it stays as
+//    it is (one Replicated tensor).
 //  * Inner Sharded (each rank of the inner group holds other elements): every rank's pieces,
 //    unless the outer layout is Replicated (every outer rank holds the same local tensor) and
 //    writesShards is false (outer ranks other than the first).
-//  * Tensors without an OuterPlacement, or whose shape is not localShape (an optimizer's step
-//    count), pass through unchanged.
+//  * Tensors without an OuterPlacement, or whose shape is not the localShape of a Sharded
+//    layout (an optimizer's step count), pass through unchanged.
 // Restore: the inner part reads from a source that shows each mapped tensor at its local shape
 // and reads the local elements it asks for from their runs in the global tensor; names,
 // strictness and errors are the inner part's.
@@ -45,7 +45,7 @@
 namespace dt {
 
 struct OuterPlacement {
-  Shape localShape;        // the tensor as the inner part holds it
+  Shape localShape;        // the tensor as the inner part holds it (unused for a Replicated layout)
   ParameterLayout layout;  // where the local tensor's elements sit in the global tensor
   bool writesReplicated = true;  // inner Replicated tensors under a Sharded layout: this rank writes them
   bool writesShards = true;      // inner Sharded tensors under a Replicated layout: this rank writes its pieces

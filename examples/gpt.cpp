@@ -158,10 +158,6 @@ the end.
   if (c.warmup > c.steps) throw InvalidArgument(str("gpt: --warmup ", c.warmup, " is more than --steps ", c.steps));
   if (c.prompt.empty()) throw InvalidArgument("gpt: --prompt is empty (the sample needs at least one byte)");
   if (c.checkpointDir.empty()) throw InvalidArgument("gpt: --checkpoint-dir is empty (use none to write no checkpoints)");
-  if (c.tp > 1 && c.sharding != "ddp" && c.checkpoints()) {
-    throw InvalidArgument(str("gpt: --tp ", c.tp, " with --sharding ", c.sharding, " trains, but its checkpoints are not "
-                              "supported yet: add --checkpoint-dir none, or use --sharding ddp"));
-  }
   if (c.sp && c.tp == 1) throw InvalidArgument("gpt: --sp needs --tp 2 or more (it splits the sequence over the TP group)");
   if (!c.scheduleFile.empty() && c.pp == 1) {
     throw InvalidArgument(str("gpt: --schedule-file ", c.scheduleFile, " needs --pp 2 or more (the schedule's p)"));

@@ -104,4 +104,40 @@ ParameterMap tensorParallelParameterMap(const nn::Module& model, int replica) {
   return map;
 }
 
+OuterPlacementOf tensorParallelPlacement(const nn::Module& model, int tpSize, int tpRank, int replica, bool optimizerNames) {
+  if (tpSize < 1 || tpRank < 0 || tpRank >= tpSize) {
+    throw InvalidArgument(str("tensorParallelPlacement: tp rank ", tpRank, " of ", tpSize, " is impossible"));
+  }
+  std::map<std::string, OuterPlacement> byName;
+  for (auto& [name, shard] : shardsByName(model)) {
+    OuterPlacement placement;
+    placement.writesReplicated = replica == 0;
+    placement.writesShards = tpRank == 0;
+    if (shard.dim >= 0) {
+      placement.localShape = shard.globalShape;
+      auto& size = placement.localShape[static_cast<size_t>(shard.dim)];
+      if (size % tpSize != 0) {
+        throw InvalidArgument(str("tensorParallelPlacement: parameter \"", name, "\" ", describeShape(shard.globalShape),
+                                  " does not split dim ", shard.dim, " over ", tpSize, " ranks"));
+      }
+      size /= tpSize;
+      placement.layout = tensorParallelLayout(shard, placement.localShape, replica != 0);
+    } else {
+      placement.layout = {name, Placement::Replicated, shard.globalShape};
+    }
+    byName.emplace(name, std::move(placement));
+  }
+  return [byName = std::move(byName), optimizerNames](const std::string& name) -> std::optional<OuterPlacement> {
+    std::string parameter = name;
+    if (optimizerNames) {
+      const auto dot = name.rfind('.');
+      if (dot == std::string::npos) return std::nullopt;
+      parameter = name.substr(0, dot);
+    }
+    auto it = byName.find(parameter);
+    if (it == byName.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
 }  // namespace dt

@@ -36,6 +36,7 @@
 
 #include <memory>
 
+#include "checkpoint/nested_state.h"
 #include "checkpoint/state.h"
 #include "parallel/parallelize.h"
 
@@ -51,5 +52,19 @@ std::shared_ptr<StateProvider> tensorParallelModelState(nn::Module& model, int r
 
 // The ParameterMap for TrainingState::addOptimizer over `model`'s parameters, placed the same way.
 ParameterMap tensorParallelParameterMap(const nn::Module& model, int replica);
+
+// ZeRO or the fully sharded wrapper over a tensor-parallel `model` (checkpoint/nested_state.h):
+// where the wrapper's tensors, each the whole of this rank's TP block as the wrapper sees it,
+// sit in the global tensors. Names are `model`'s parameter paths, or with optimizerNames
+// "<parameter>.<state>". `tpSize`/`tpRank`: this rank's TP group; `replica`: its coordinate
+// along the data-parallel dimensions, whose 0 writes what the wrapper holds replicated (ZeRO's
+// parameters); the TP-replicated parameters' shards are written by tp rank 0's wrapper.
+// Read from the TP layers' own shapes, so it holds while the wrapper has resized the model's
+// parameter tensors.
+//
+//   state.add("model", dt::nestedState(fsdp.modelState(), tensorParallelPlacement(*model, t, tpRank, dp, false)))
+//        .add("optim", dt::nestedState(dt::optimizerState(adamw, fsdp.parameterMap()),
+//                                      tensorParallelPlacement(*model, t, tpRank, dp, true)));
+OuterPlacementOf tensorParallelPlacement(const nn::Module& model, int tpSize, int tpRank, int replica, bool optimizerNames);
 
 }  // namespace dt

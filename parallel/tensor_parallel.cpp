@@ -419,7 +419,9 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) {
 }
 
 std::vector<ParameterShard> ColumnParallelLinear::parameterShards() const {
-  const int64_t offset = group_->rank() * (weight.size(0) / options_.parts);
+  // From the layer's own sizes, not the weight tensor's: a sharded wrapper around the layer
+  // resizes that tensor to its rows of it between uses.
+  const int64_t offset = group_->rank() * (outFeatures_ / options_.parts / group_->size());
   std::vector<ParameterShard> shards{{"weight", {outFeatures_, inFeatures_}, 0, offset, options_.parts}};
   if (bias.defined()) shards.push_back({"bias", {outFeatures_}, 0, offset, options_.parts});
   return shards;

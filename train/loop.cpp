@@ -174,21 +174,14 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     const char* sharding = options_.sharding == Sharding::Full    ? "Full"
                            : options_.sharding == Sharding::Zero1 ? "Zero1"
                                                                   : "Zero2";
-    if (options_.sharding != Sharding::None && !options_.checkpointDir.empty()) {
-      // The wrappers' states name the TP shards by global name with local shapes: every tp rank
-      // would write a different tensor under one name. Until they are placed like
-      // tensorParallelModelState's, no checkpoints.
-      throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") with Sharding::", sharding,
-                                " trains, but its checkpoints are not supported yet (checkpointDir \"", options_.checkpointDir,
-                                "\"); run without a checkpoint directory, or with Sharding::None (DDP)"));
-    }
     if (options_.sharding != Sharding::None && elastic) {
       // A lost rank's shards of the sharded wrappers have no other copy: recovery reloads them
-      // from the newest checkpoint, which TP inside these wrappers cannot write yet.
+      // from the newest checkpoint and moves the survivors' to the new layout, which no test
+      // has yet run with TP blocks inside the wrapper.
       throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") with Sharding::", sharding,
-                                " under dtrun --elastic is not supported yet: after a loss the sharded wrapper reloads "
-                                "the lost shards from the newest checkpoint, and TP inside it has no checkpoints yet; "
-                                "use Sharding::None (DDP over the replicas) under --elastic"));
+                                " under dtrun --elastic is not supported yet: recovering the sharded wrapper's state "
+                                "inside tensor-parallel groups is not built; use Sharding::None (DDP over the "
+                                "replicas) under --elastic"));
     }
     // A loss takes its whole TP group (one model replica) out; joiners come back t at a time.
     options_.elastic.replicaSize = t;
@@ -741,10 +734,17 @@ TrainingState Loop::trainingState(bool replicaLocal) {
     const StageShards shards = fsdp_ ? stageShards() : StageShards{};
     state.add("model", pipelineModelState(*stages_, *model_, replica, tpRank, shards))
         .add("optim", pipelineOptimizerState(*stages_, *optimizer_, *model_, replica, tpRank, group_->rank() == 0, shards));
-  } else if (fsdp_) {
-    state.add("model", fsdp_->modelState()).addOptimizer("optim", *optimizer_, fsdp_->parameterMap());
-  } else if (zero_) {
-    state.add("model", zero_->modelState()).addOptimizer("optim", *optimizer_, zero_->parameterMap());
+  } else if (fsdp_ || zero_) {
+    std::shared_ptr<StateProvider> model = fsdp_ ? fsdp_->modelState() : zero_->modelState();
+    std::shared_ptr<StateProvider> optim = optimizerState(*optimizer_, fsdp_ ? fsdp_->parameterMap() : zero_->parameterMap());
+    if (const int t = options_.tensorParallel; t > 1) {
+      // The wrapper holds each TP block as a whole tensor of its own: placed in the global
+      // tensors, so that the checkpoint loads at any (TP, DP) shape and sharding.
+      const int tpRank = mesh_->coordinate("tp"), replica = mesh_->coordinate("dp");
+      model = nestedState(model, tensorParallelPlacement(*model_, t, tpRank, replica, false));
+      optim = nestedState(optim, tensorParallelPlacement(*model_, t, tpRank, replica, true));
+    }
+    state.add("model", model).add("optim", optim);
   } else if (mesh_) {
     // The shards by global name and shape; replica 0 of each TP group writes them.
     const int replica = mesh_->coordinate("dp");

@@ -63,9 +63,10 @@
 //    counts each shard once (clipTensorParallelGradNorm), and checkpoints place the shards by
 //    global name and shape, so a run resumes at another t or without TP. With Sharding::Zero1,
 //    Zero2 or Full the wrapper shards over mesh()["dp"] with TP inside (clipping through the
-//    wrapper's leaves and reducer), but without checkpoints: refused in one line at
-//    construction with a checkpointDir, and under --elastic (a loss would reload the lost
-//    shards from a checkpoint).
+//    wrapper's leaves and reducer), and its checkpoints place each TP block's wrapper shards
+//    in the global tensors (checkpoint/nested_state.h), so they too resume at another t,
+//    sharding or world size; under --elastic this combination is refused in one line at
+//    construction (recovering the wrapper's state inside TP groups is not built).
 //  * Elastic tensor parallelism (Sharding::None): a replica is one TP group of t adjacent
 //    ranks (ElasticOptions::replicaSize = t). A loss takes its whole replica out: the live
 //    ranks of its TP group leave (run() prints one line on stderr and returns on them with
