@@ -74,7 +74,8 @@ def main():
     parser.add_argument("--ops", default="allreduce,broadcast")
     parser.add_argument("--reps", type=int, default=0, help="timed reps per size (0: by size)")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up calls per size (0: max(2, reps/10))")
-    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "dtrain"),
+                        help="dtrain: dtrain's torch.distributed backend (import dtrain_torch)")
     parser.add_argument("--impl", default="", help="the impl= label (default torch-<backend>)")
     args = parser.parse_args()
     impl = args.impl or f"torch-{args.backend}"
@@ -87,6 +88,8 @@ def main():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
         finish = torch.cuda.synchronize
+    if args.backend == "dtrain":
+        import dtrain_torch  # noqa: F401  (registers the backend)
     dist.init_process_group(backend=args.backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
 

@@ -137,6 +137,8 @@ class Runner:
         if self.rank != 0:
             return
         median = statistics.median(durations)
+        if self.args.backend == "dtrain":
+            impl = impl.replace("torch-", "dtrain_torch-", 1)  # the same program, dtrain underneath
         print(f"RESULT ddp_mlp impl={impl} world={self.world} batch={BATCH} threads={self.args.threads} "
               f"blas={loaded_blas()} steps={self.args.steps} step_ms={median * 1e3:.2f} "
               f"min_ms={min(durations) * 1e3:.2f} mean_ms={statistics.fmean(durations) * 1e3:.2f} "
@@ -193,6 +195,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--modes", default="ddp,nooverlap", help="variants at world >= 2 (ddp, nooverlap, compute)")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "dtrain"),
+                        help="dtrain: dtrain's torch.distributed backend (import dtrain_torch), impl=dtrain_torch-<mode>")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -200,7 +204,9 @@ def main():
         Runner(args, 1, 0).single()
         return
 
-    dist.init_process_group(backend="gloo", init_method="env://")
+    if args.backend == "dtrain":
+        import dtrain_torch  # noqa: F401  (registers the backend)
+    dist.init_process_group(backend=args.backend, init_method="env://")
     runner = Runner(args, dist.get_world_size(), dist.get_rank())
     for mode in args.modes.split(","):
         if mode not in ("ddp", "nooverlap", "compute"):

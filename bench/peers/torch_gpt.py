@@ -324,6 +324,8 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: forward and loss under torch.cpu.amp.autocast(dtype=torch.bfloat16)")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "dtrain"),
+                        help="dtrain: dtrain's torch.distributed backend (import dtrain_torch), impl=dtrain_torch")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.micro:
@@ -331,7 +333,9 @@ def main():
 
     distributed = "RANK" in os.environ
     if distributed:
-        dist.init_process_group(backend="gloo", init_method="env://")
+        if args.backend == "dtrain":
+            import dtrain_torch  # noqa: F401  (registers the backend)
+        dist.init_process_group(backend=args.backend, init_method="env://")
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
     if args.global_batch % world:
@@ -372,7 +376,8 @@ def main():
         dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
         timed = args.steps - args.bench_warmup
-        print(f"RESULT gpt impl=torch world={world} global_batch={args.global_batch} "
+        impl = "dtrain_torch" if args.backend == "dtrain" else "torch"
+        print(f"RESULT gpt impl={impl} world={world} global_batch={args.global_batch} "
               f"model=L{args.layers}-H{args.heads}-C{args.width}-T{t} steps={args.steps} "
               f"step_ms={1e3 * seconds / timed:.3f} tokens_per_s={timed * args.global_batch * t / seconds:.1f} "
               f"peak_rss_mb={rss.item():.1f} val_loss_nats={val_loss:.5f} "
