@@ -14,7 +14,7 @@
 // and a rank's idle time runs to the end of the step's slowest rank (the simulator's makespan).
 //
 // Usage: pipeline_bench --nproc P --workload fixed|gpt --schedule gpipe|1f1b|interleaved|zb1|zbv|ddp
-//          [--m 8] [--v 2] [--unit-ms 20] [--steps 5] [--warmup 1] [--backend shm|gloo]
+//          [--m 8] [--v 2] [--zb-pending K] [--unit-ms 20] [--steps 5] [--warmup 1] [--backend shm|gloo]
 //          [--layers 12 --width 512 --heads 8 --context 128 --vocab 256 --micro-batch 2]
 // Rank 0 prints one line:
 //   RESULT pipeline workload=fixed schedule=1f1b p=4 m=8 v=1 unit_ms=20 backend=shm step_ms=...
@@ -67,6 +67,7 @@ struct Args {
   std::string backend = "shm";
   int m = 8;
   int v = 2;
+  int zbPending = 0;  // zb1: deferred weight gradients per rank at most (0: p)
   double unitMs = 20;
   int steps = 5;
   int warmup = 1;
@@ -77,7 +78,7 @@ struct Args {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "pipeline_bench: %s\nusage: pipeline_bench --nproc P --workload fixed|gpt --schedule "
-               "gpipe|1f1b|interleaved|zb1|zbv|ddp [--m M] [--v V] [--unit-ms U] [--steps S] [--warmup W] "
+               "gpipe|1f1b|interleaved|zb1|zbv|ddp [--m M] [--v V] [--zb-pending K] [--unit-ms U] [--steps S] [--warmup W] "
                "[--backend shm|gloo] [--layers L --width C --heads H --context T --vocab N --micro-batch B]\n",
                why.c_str());
   std::exit(2);
@@ -96,6 +97,7 @@ Args parseArgs(int argc, char** argv) {
       else if (arg == "--backend") a.backend = value;
       else if (arg == "--m") a.m = std::stoi(value);
       else if (arg == "--v") a.v = std::stoi(value);
+      else if (arg == "--zb-pending") a.zbPending = std::stoi(value);
       else if (arg == "--unit-ms") a.unitMs = std::stod(value);
       else if (arg == "--steps") a.steps = std::stoi(value);
       else if (arg == "--warmup") a.warmup = std::stoi(value);
@@ -113,6 +115,7 @@ Args parseArgs(int argc, char** argv) {
   if (a.workload != "fixed" && a.workload != "gpt") usage("--workload " + a.workload + " (fixed or gpt)");
   if (a.schedule == "ddp" && a.workload != "gpt") usage("--schedule ddp is a baseline of --workload gpt");
   if (a.steps < 1) usage("--steps must be at least 1");
+  if (a.zbPending != 0 && a.schedule != "zb1") usage("--zb-pending bounds zb1's pending weight gradients");
   return a;
 }
 
@@ -120,7 +123,7 @@ pp::Schedule scheduleOf(const Args& a, int p) {
   if (a.schedule == "gpipe") return pp::gpipe(p, a.m);
   if (a.schedule == "1f1b") return pp::oneFOneB(p, a.m);
   if (a.schedule == "interleaved") return pp::interleavedOneFOneB(p, a.m, a.v);
-  if (a.schedule == "zb1") return pp::zeroBubbleH1(p, a.m);
+  if (a.schedule == "zb1") return pp::zeroBubbleH1(p, a.m, a.zbPending);
   if (a.schedule == "zbv") return pp::zeroBubbleV(p, a.m);
   usage("--schedule " + a.schedule + " (gpipe, 1f1b, interleaved, zb1, zbv, ddp)");
 }
@@ -280,8 +283,10 @@ int runRank(const Args& args) {
     const double tokens = static_cast<double>(args.m * args.microBatch * (args.workload == "gpt" ? T : 1));
     double bubbleSum = 0;
     for (double b : bubbleByRank) bubbleSum += b;
+    // zb1 with fewer pending W than p is its own row: zb1k1, zb1k2, ...
+    const std::string label = args.zbPending > 0 && args.zbPending < world ? dt::str("zb1k", args.zbPending) : args.schedule;
     std::printf("RESULT pipeline workload=%s schedule=%s p=%d m=%d v=%d backend=%s", args.workload.c_str(),
-                args.schedule.c_str(), world, args.m, runner ? runner->schedule().v : 1, args.backend.c_str());
+                label.c_str(), world, args.m, runner ? runner->schedule().v : 1, args.backend.c_str());
     if (args.workload == "fixed") {
       std::printf(" unit_ms=%g", args.unitMs);
     } else {

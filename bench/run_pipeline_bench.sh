@@ -17,13 +17,15 @@
 #
 # RATIO lines with goals (met / MISSED):
 #   bubble: |measured - formula| <= 0.03 per rank (max over ranks), every fixed row, and the gpt rows;
-#   ZB-H1 step / 1F1B step <= 0.9 at p=4, m=8 (gpt), with peak RSS ZB-H1 / 1F1B <= 1.1;
+#   ZB-H1 step / 1F1B step <= 0.9 at p=4, m=8 (gpt), with peak RSS ZB-H1 / 1F1B <= 1.1 (and the same
+#   for the ZB_PENDING rows, zb1kK: ZB-H1 with at most K pending weight gradients per rank);
 #   tokens/s of each schedule against DDP's (no goal);
 #   where ZB-H1's memory goes (gpt, rank 0): the allocator's peak against 1F1B's, and what a micro-batch
 #   keeps from its I to its W against what its forward keeps (pipeline_bench's f_mb and pending_w_mb).
 #
 # usage: bench/run_pipeline_bench.sh  (env: PS="2 4" MS="4 8 16" SCHEDULES="gpipe 1f1b interleaved zb1 zbv"
 #          WORKLOADS="fixed gpt" UNIT_MS=20 STEPS=3 WARMUP=1 MICRO=2 LAYERS=12 WIDTH=512 HEADS=8 CONTEXT=128
+#          ZB_PENDING="1 2" (extra zb1 rows at p=4 m=8 with at most K pending W per rank: zb1k1, zb1k2)
 #          DT_BUILD_DIR=build-bench DT_JOBS=2 OUT=file; NO_BUILD=1 runs the build directory's
 #          pipeline_bench as it is, without configuring it)
 #   full run about 25 minutes on 2 idle cores (the gpt rows: 36 launches of the 38M model)
@@ -61,8 +63,9 @@ bench="$build/bench/pipeline_bench"
 echo "# run_pipeline_bench: workloads=[$workloads] p=[$ps] m=[$ms] schedules=[$schedules] unit_ms=$unit steps=$steps" \
   "warmup=$warmup micro_batch=$micro model=${model[*]} $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
 
-run_row() {  # workload p m schedule
+run_row() {  # workload p m schedule [zb-pending]
   local args=(--nproc "$2" --workload "$1" --schedule "$4" --m "$3" --steps "$steps" --warmup "$warmup")
+  if [ -n "${5:-}" ]; then args+=(--zb-pending "$5"); fi
   if [ "$1" = fixed ]; then args+=(--unit-ms "$unit"); else args+=("${model[@]}"); fi
   echo "## $*" >&2
   local line
@@ -82,6 +85,9 @@ for workload in $workloads; do
         run_row "$workload" "$p" "$m" "$schedule"
       done
       if [ "$workload" = gpt ] && ((m % p == 0)); then run_row gpt "$p" "$m" ddp; fi
+      if ((p == 4 && m == 8)); then
+        for k in ${ZB_PENDING:-}; do run_row "$workload" "$p" "$m" zb1 "$k"; done
+      fi
     done
   done
 done
@@ -100,7 +106,7 @@ def find(workload, p, m, schedule):
         if (r["workload"], r["p"], r["m"], r["schedule"]) == (workload, p, m, schedule):
             return r
     return None
-order = ["gpipe", "1f1b", "interleaved", "zb1", "zbv", "ddp"]
+order = ["gpipe", "1f1b", "interleaved", "zb1k1", "zb1k2", "zb1k3", "zb1", "zbv", "ddp"]
 ratios = []
 print("| workload | p | m | schedule | v | step ms | x 1F1B | tokens/s | x DDP | bubble formula | bubble max | bubble mean | per rank | peak RSS MiB (max) | x 1F1B | per rank |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -121,24 +127,24 @@ for r in sorted(rows, key=lambda r: (r["workload"], int(r["p"]), int(r["m"]), or
                       f"formula={formula} goal<=0.03 {'met' if worst <= 0.03 else 'MISSED'}")
     if ddp and s != "ddp":
         ratios.append(f"RATIO pipeline_tokens_per_s {s}/ddp workload={w} p={p} m={m} value={float(r['tokens_per_s']) / float(ddp['tokens_per_s']):.3f}")
-for w in ("gpt", "fixed"):
-    zb, one = find(w, "4", "8", "zb1"), find(w, "4", "8", "1f1b")
+for w, label in [(w, label) for w in ("gpt", "fixed") for label in ("zb1", "zb1k1", "zb1k2", "zb1k3")]:
+    zb, one = find(w, "4", "8", label), find(w, "4", "8", "1f1b")
     if zb and one:
         step = float(zb["step_ms"]) / float(one["step_ms"])
         rss = float(zb["peak_rss_mb_max"]) / float(one["peak_rss_mb_max"])
         goal = w == "gpt"
-        ratios.append(f"RATIO pipeline_step zb1/1f1b workload={w} p=4 m=8 value={step:.3f}" +
+        ratios.append(f"RATIO pipeline_step {label}/1f1b workload={w} p=4 m=8 value={step:.3f}" +
                       (f" goal<=0.9 {'met' if step <= 0.9 else 'MISSED'}" if goal else ""))
-        ratios.append(f"RATIO pipeline_peak_rss zb1/1f1b workload={w} p=4 m=8 value={rss:.3f}" +
+        ratios.append(f"RATIO pipeline_peak_rss {label}/1f1b workload={w} p=4 m=8 value={rss:.3f}" +
                       (f" goal<=1.1 {'met' if rss <= 1.1 else 'MISSED'}" if goal else ""))
         if "peak_alloc_mb_ranks" in zb and "peak_alloc_mb_ranks" in one:
             # Where ZB-H1's extra memory lives (rank 0, the peak): the allocator's live bytes over the
             # state, and what one micro-batch keeps after its I until its W against its forward's graph.
             first = lambda r, k: float(r[k].split(",")[0])
             acts = [first(r, "peak_alloc_mb_ranks") - first(r, "state_mb_ranks") for r in (zb, one)]
-            ratios.append(f"RATIO pipeline_peak_alloc zb1/1f1b workload={w} p=4 m=8 rank=0 value={first(zb, 'peak_alloc_mb_ranks') / first(one, 'peak_alloc_mb_ranks'):.3f} "
+            ratios.append(f"RATIO pipeline_peak_alloc {label}/1f1b workload={w} p=4 m=8 rank=0 value={first(zb, 'peak_alloc_mb_ranks') / first(one, 'peak_alloc_mb_ranks'):.3f} "
                           f"above_state={acts[0] / acts[1]:.3f} ({acts[0]:.1f} / {acts[1]:.1f} MiB)")
-            ratios.append(f"RATIO pipeline_pending_w/forward workload={w} p=4 m=8 rank=0 value={first(zb, 'pending_w_mb_ranks') / first(zb, 'f_mb_ranks'):.3f} "
+            ratios.append(f"RATIO pipeline_pending_w/forward schedule={label} workload={w} p=4 m=8 rank=0 value={first(zb, 'pending_w_mb_ranks') / first(zb, 'f_mb_ranks'):.3f} "
                           f"({first(zb, 'pending_w_mb_ranks'):.2f} / {first(zb, 'f_mb_ranks'):.2f} MiB per micro-batch; pending W peak {zb['pending_w_ranks'].split(',')[0]}, in flight {zb['in_flight_ranks'].split(',')[0]})")
 print()
 print("\n".join(ratios))

@@ -68,6 +68,7 @@ struct Config {
   std::string schedule = "1f1b", split = "layers";
   std::string scheduleFile;  // a schedule of the user's own (parallel/pipeline_schedule.h's text format)
   int virtualStages = 2;
+  int zbPending = 0;  // --schedule zb1: deferred weight gradients per rank at most (0: --pp)
   std::string precision = "fp32";  // bf16: the forward's matrix products under dt::autocast
   std::string gradReduce = "fp32";  // bf16: gradients on the wire in bf16 (DDP's bf16 hook, the sharded wrapper's reduceDtype)
   bool checkpoints() const { return checkpointDir != "none"; }
@@ -131,6 +132,9 @@ the end.
       .add("--schedule-file", c.scheduleFile, "PATH", "--pp: a schedule of your own instead (the text format of\ndocs/parallel.md), "
                                                        "validated before the first step; its m is\nthe micro-batches")
       .add("--virtual-stages", c.virtualStages, "V", "--schedule interleaved: stages per rank (p * V stages in all)")
+      .add("--zb-pending", c.zbPending, "K", "--schedule zb1: at most K deferred weight gradients wait per rank, 1 to\n--pp "
+                                              "(0: --pp); each keeps about a micro-batch's activations, and fewer\nleave more "
+                                              "bubble: (2p-1-K)/(3m) instead of (p-1)/(3m)", 0)
       .add("--split", c.split, "RULE", "--pp: blocks per stage by count (layers) or balancing the parameters (params)",
            {"layers", "params"});
   flags.section("evaluation and output")
@@ -283,6 +287,7 @@ int run(const Config& c) {
     options.pipeline = {.degree = c.pp, .schedule = c.schedule, .scheduleFile = c.scheduleFile,
                         .microBatches = static_cast<int>(!c.scheduleFile.empty() && c.microBatches == 1 ? 0 : c.microBatches),
                         .virtualStages = c.virtualStages,
+                        .maxPendingWeightGrads = c.zbPending,
                         .split = c.split == "params" ? dt::pipeline::SplitRule::Parameters : dt::pipeline::SplitRule::Layers,
                         .sequenceParallel = c.sp};
   }

@@ -445,13 +445,17 @@ std::vector<std::vector<Action>> zeroBubbleOrders(const Schedule& s, InFlightLim
 
 }  // namespace
 
-Schedule zeroBubbleH1(int p, int m) {
+Schedule zeroBubbleH1(int p, int m, int maxPendingWeightGrads) {
   requireParameters("ZB-H1", p, m, 1);
   DT_REQUIRE(m >= p, "pipeline schedule ZB-H1: m=", m, " is below p=", p,
              " (the deferred weight gradients fill the bubble only with m >= p micro-batches)");
+  const int pending = maxPendingWeightGrads == 0 ? p : maxPendingWeightGrads;
+  DT_REQUIRE(pending >= 1 && pending <= p, "pipeline schedule ZB-H1: at most ", maxPendingWeightGrads,
+             " pending weight gradients per rank; it must be 1 to p=", p, " (0: p)");
   Schedule s = emptySchedule("ZB-H1", p, m, 1, Placement::Interleaved);
-  // 1F1B's memory: rank r holds at most p - r forwards before their I.
-  auto orders = zeroBubbleOrders(s, [p](int r) { return p - r; }, p);
+  // 1F1B's memory: rank r holds at most p - r forwards before their I; and at most `pending`
+  // deferred W, each holding about a forward's worth (x and dy of every weight's product).
+  auto orders = zeroBubbleOrders(s, [p](int r) { return p - r; }, pending);
   return withCommunication(std::move(s), orders);
 }
 

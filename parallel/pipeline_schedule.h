@@ -136,8 +136,12 @@ Schedule oneFOneB(int p, int m);
 // in groups of p run chunk after chunk. Needs m a multiple of p (so m >= p) and v >= 1.
 Schedule interleavedOneFOneB(int p, int m, int v);
 // Zero-bubble ZB-H1 (Qi et al., 2024): 1F1B's forwards and in-flight limit with B split into
-// I and W; W runs when nothing else can, or when p of them are pending. Needs m >= p.
-Schedule zeroBubbleH1(int p, int m);
+// I and W; W runs when nothing else can, or when maxPendingWeightGrads of them (0: p) are
+// pending on the rank. Needs m >= p. A pending W keeps about what its forward kept (the input
+// and the output gradient of every weight's product), so the bound trades memory for bubble:
+// with unit costs the bubble is (2p - 1 - k) / (3m) for k pending at most, from 1F1B's
+// (p - 1)/m memory plus k forwards' worth: (p - 1) / (3m) at k = p, 2(p - 1) / (3m) at k = 1.
+Schedule zeroBubbleH1(int p, int m, int maxPendingWeightGrads = 0);
 // ZBV-shaped zero bubble over the V placement (v = 2; each chunk half a stage): the same list
 // scheduler as ZB-H1 with at most 2p chunk-forwards in flight per rank (p whole stages' worth,
 // 1F1B's rank 0). Not the paper's hand-drawn ZB-V order; it reaches (p-1)/(6m) with unit costs.

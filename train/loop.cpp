@@ -277,11 +277,15 @@ void Loop::makeSchedule() {
   if (name == "interleaved" && o.virtualStages < 1) {
     throw InvalidArgument(str(where, ": pipeline.virtualStages is ", o.virtualStages, "; it must be at least 1"));
   }
+  if (name != "zb1" && o.maxPendingWeightGrads != 0) {
+    throw InvalidArgument(str(where, ": pipeline.maxPendingWeightGrads ", o.maxPendingWeightGrads,
+                              " bounds ZB-H1's deferred weight gradients; use schedule zb1, or leave it at 0"));
+  }
   try {
     if (name == "gpipe") schedule_ = pl::gpipe(p, m);
     else if (name == "1f1b") schedule_ = pl::oneFOneB(p, m);
     else if (name == "interleaved") schedule_ = pl::interleavedOneFOneB(p, m, o.virtualStages);
-    else if (name == "zb1") schedule_ = pl::zeroBubbleH1(p, m);
+    else if (name == "zb1") schedule_ = pl::zeroBubbleH1(p, m, o.maxPendingWeightGrads);
     else if (name == "zbv") schedule_ = pl::zeroBubbleV(p, m);
     else throw InvalidArgument("unknown; use gpipe, 1f1b, interleaved, zb1 or zbv");
   } catch (const InvalidArgument& e) {

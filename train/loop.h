@@ -333,6 +333,9 @@ struct LoopOptions {
     std::string scheduleFile;
     int microBatches = 0;            // m per step (0: p); each (global batch / dp) / m rows
     int virtualStages = 2;           // interleaved's chunks per rank (zbv has 2, the others 1)
+    // zb1: deferred weight gradients waiting per rank at most, 1 to p (0: p). Each keeps about a
+    // micro-batch's forward activations; fewer cost bubble: (2p - 1 - k) / (3m) with unit costs.
+    int maxPendingWeightGrads = 0;
     dt::pipeline::SplitRule split = dt::pipeline::SplitRule::Layers;  // blocks per stage: count or parameters
     // With tensorParallel: the model was parallelized with sequence parallelism, so a stage
     // boundary carries this rank's T / tensorParallel tokens.

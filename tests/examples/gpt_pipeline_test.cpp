@@ -136,6 +136,9 @@ TEST(GptPipeline, EveryScheduleOnTwoRanksTrainsAsOneProcess) {
     expectSameCurve(reference, trainCurve(2, {"--pp", "2", "--schedule", schedule, "--micro-batches", "2"}),
                     str("--pp 2 --schedule ", schedule));
   }
+  // ZB-H1 with one pending weight gradient per rank (less memory, more bubble) computes the same.
+  expectSameCurve(reference, trainCurve(2, {"--pp", "2", "--schedule", "zb1", "--zb-pending", "1", "--micro-batches", "2"}),
+                  "--pp 2 --schedule zb1 --zb-pending 1");
   // 1F1B with fewer micro-batches than stages runs (a larger bubble), and so does a split by parameters.
   expectSameCurve(reference, trainCurve(2, {"--pp", "2", "--schedule", "1f1b", "--micro-batches", "1", "--split", "params"}),
                   "--pp 2 --micro-batches 1 --split params");
@@ -324,6 +327,10 @@ TEST(GptPipeline, RefusesWhatDoesNotComposeYetInOneLine) {
                 "pipeline schedule \"zb1\" over 2 ranks with 1 micro-batch(es)");
   expectRefused(2, {"--pp", "2", "--schedule", "interleaved", "--micro-batches", "2", "--virtual-stages", "4"},
                 "gpt: --pp 2 --schedule interleaved --virtual-stages 4 makes 8 stages but --layers is 4");
+  expectRefused(2, {"--pp", "2", "--schedule", "zb1", "--micro-batches", "2", "--zb-pending", "3"},
+                "at most 3 pending weight gradients per rank; it must be 1 to p=2");
+  expectRefused(2, {"--pp", "2", "--schedule", "1f1b", "--zb-pending", "1"},
+                "pipeline.maxPendingWeightGrads 1 bounds ZB-H1's deferred weight gradients; use schedule zb1");
   const TempDir dir;
   const std::string mine = writeSchedule(dir, "RECV_F0 F0 RECV_F1 F1");
   expectRefused(2, {"--pp", "2", "--schedule-file", mine, "--micro-batches", "4"},

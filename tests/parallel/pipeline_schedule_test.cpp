@@ -2,7 +2,8 @@
 // schedule for p in {2, 4}, m in {p, 2p, 4p}, v in {1, 2} validates, and its unit-cost bubble
 // and peak in-flight counts equal the formulas; the text format round-trips; a swapped
 // send/recv pair, missing or misplaced actions, bad text and bad parameters are refused with
-// messages that say where. One small grid is pinned so that any change to it shows.
+// messages that say where. One small grid is pinned so that any change to it shows. ZB-H1 with a
+// bound k on pending weight gradients: the bubble (2p - 1 - k) / (3m) for every k.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -135,6 +136,30 @@ TEST(PipelineSchedule, ZeroBubbleH1BubbleIsPMinusOneOverThreeMWithOneFOneBsMemor
       EXPECT_EQ(count(s, rank, ActionKind::W), m);
     }
   }
+}
+
+// The bound on pending W (each keeps about a forward's activations): every k from 1 to p, the
+// bubble (2p - 1 - k) / (3m), between 1F1B's and ZB-H1's, and never more than k pending.
+TEST(PipelineSchedule, ZeroBubbleH1WithFewerPendingWeightGradsTradesBubbleForMemory) {
+  for (int p : {2, 3, 4, 8}) {
+    for (int m : {p, p + 1, 2 * p, 4 * p + 3}) {
+      for (int k = 1; k <= p; ++k) {
+        SCOPED_TRACE(::testing::Message() << "p=" << p << " m=" << m << " k=" << k);
+        const Schedule s = zeroBubbleH1(p, m, k);
+        const SimulationResult r = checkedSimulation(s);
+        EXPECT_NEAR(r.bubble, double(2 * p - 1 - k) / (3 * m), kTolerance);
+        for (int rank = 0; rank < p; ++rank) {
+          EXPECT_EQ(r.peakInFlight[rank], p - rank) << "rank " << rank;
+          EXPECT_LE(r.peakPendingWeightGrads[rank], k) << "rank " << rank;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(zeroBubbleH1(4, 8, 0).ranks, zeroBubbleH1(4, 8).ranks) << "0 is p";
+  EXPECT_EQ(zeroBubbleH1(4, 8, 4).ranks, zeroBubbleH1(4, 8).ranks);
+  EXPECT_NE(invalidArgument([] { zeroBubbleH1(4, 8, 5); }).find("at most 5 pending weight gradients per rank; it must be 1 to p=4"),
+            std::string::npos);
+  EXPECT_NE(invalidArgument([] { zeroBubbleH1(4, 8, -1); }).find("it must be 1 to p=4"), std::string::npos);
 }
 
 TEST(PipelineSchedule, ZeroBubbleVBubbleIsPMinusOneOverSixMOnTheVPlacement) {
