@@ -80,6 +80,7 @@ struct StatusCollector::State {
   std::mutex pollMu;
   StorePtr pollStore;  // the thread's clone (start()), else the store itself
   std::map<int, Tracked> members;
+  int polledAttempt = -1;  // the attempt the counters below are of
   int64_t deaths = 0, joiners = 0, loopEvents = 0, stragglers = 0, curvePoints = 0;
   std::deque<JobEvent> events;
   std::deque<status::CurvePoint> curve;
@@ -170,6 +171,14 @@ void StatusCollector::poll() {
   }
   const int64_t now = wallMs();
   std::string error;
+  // A restarted worker group (--max-restarts without --elastic) writes under "restart<k>/"
+  // (process_group/init.h): its counters start again, and its members are new processes.
+  const std::string px = config_.elastic || attempt <= 0 ? std::string() : str("restart", attempt, "/");
+  if (attempt != s.polledAttempt) {
+    s.polledAttempt = attempt;
+    s.members.clear();
+    s.loopEvents = s.stragglers = s.curvePoints = 0;
+  }
   if (world > 0) {
     Store& store = *s.pollStore;
     try {
@@ -203,19 +212,19 @@ void StatusCollector::poll() {
           s.joiners = n;
         }
       }
-      for (int64_t n = s.loopEvents + 1, total = counter(store, status::kEventCount); n <= total; ++n) {
-        if (const auto e = status::decodeEvent(store.get(status::eventKey(n)))) s.addEvent({e->timeMs, e->kind, e->text});
+      for (int64_t n = s.loopEvents + 1, total = counter(store, px + status::kEventCount); n <= total; ++n) {
+        if (const auto e = status::decodeEvent(store.get(px + status::eventKey(n)))) s.addEvent({e->timeMs, e->kind, e->text});
         s.loopEvents = n;
       }
-      for (int64_t n = s.stragglers + 1, total = counter(store, "dt/straggler/count"); n <= total; ++n) {
-        const auto fields = split(store.get(str("dt/straggler/", n)), '\t');  // "<member>\t<rank>\t<line>"
+      for (int64_t n = s.stragglers + 1, total = counter(store, px + "dt/straggler/count"); n <= total; ++n) {
+        const auto fields = split(store.get(str(px, "dt/straggler/", n)), '\t');  // "<member>\t<rank>\t<line>"
         if (fields.size() >= 3) {
           s.addEvent({now, "straggler", join(std::vector<std::string>(fields.begin() + 2, fields.end()), "\t")});
         }
         s.stragglers = n;
       }
-      for (int64_t n = s.curvePoints + 1, total = counter(store, status::kCurveCount); n <= total; ++n) {
-        if (auto p = status::decodeCurvePoint(store.get(status::curveKey(n)))) {
+      for (int64_t n = s.curvePoints + 1, total = counter(store, px + status::kCurveCount); n <= total; ++n) {
+        if (auto p = status::decodeCurvePoint(store.get(px + status::curveKey(n)))) {
           // A restart or a recovery may log a step again: the newer point replaces the older.
           while (!s.curve.empty() && s.curve.back().step >= p->step) s.curve.pop_back();
           s.curve.push_back(std::move(*p));
@@ -233,7 +242,7 @@ void StatusCollector::poll() {
         t.settled = gone;  // read once more after its end: what it wrote last
         // A sign of life: its record or its last collective moved, or (elastic) its heartbeat.
         std::string seen;
-        if (const auto record = getIf(store, status::rankKey(member))) {
+        if (const auto record = getIf(store, px + status::rankKey(member))) {
           seen = *record;
           if (const auto r = status::decodeRankRecord(*record)) {
             v.rank = r->rank;

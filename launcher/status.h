@@ -26,7 +26,6 @@
 //    docs/debugging.md).
 #pragma once
 
-#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>

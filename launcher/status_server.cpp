@@ -1,6 +1,7 @@
 #include "launcher/status_server.h"
 
 #include <arpa/inet.h>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>

@@ -17,6 +17,7 @@
 #include "launcher/status.h"
 #include "launcher/status_server.h"
 #include "store/hash_store.h"
+#include "store/prefix_store.h"
 #include "store/membership.h"
 #include "store/status_records.h"
 #include "tests/launcher/status_test_support.h"
@@ -169,6 +170,32 @@ TEST(StatusCollector, AProgramOffTheLoopShowsRunningOnceItsProcessGroupRecordsAC
   }
 }
 
+TEST(StatusCollector, ARestartedGroupIsReadUnderItsRestartPrefix) {
+  auto store = std::make_shared<HashStore>();
+  StatusCollector collector(store, {"run11", false, std::chrono::milliseconds(1000)});
+  collector.beginAttempt(0, 2);
+  status::postRank(*store, 0, {1, 30, 100, 0.9, 10, "samples", 1, 0, 2, "a"});
+  status::postCurvePoint(*store, {20, 0.9, 10, {}});
+  collector.poll();
+  EXPECT_EQ(collector.view().members[0].step, 30);
+  // Restart 1 (dtrun --max-restarts): the workers' keys live under restart1/ and resume from a checkpoint at 25.
+  collector.beginAttempt(1, 2);
+  PrefixStore restart("restart1", store);
+  status::postRank(restart, 1, {2, 40, 100, 0.8, 12, "samples", 1, 1, 2, "b"});
+  status::postCurvePoint(restart, {40, 0.8, 12, {}});
+  status::postEvent(restart, {3, "checkpoint", "at 40"});
+  collector.poll();
+  const JobView v = collector.view();
+  EXPECT_EQ(v.attempt, 1);
+  EXPECT_EQ(v.members[0].state, "starting") << "a new process, not seen yet";
+  EXPECT_EQ(v.members[1].step, 40);
+  EXPECT_EQ(v.members[1].host, "b");
+  ASSERT_EQ(v.curve.size(), 2u);
+  EXPECT_EQ(v.curve[1].step, 40);
+  EXPECT_EQ(v.events.back().text, "at 40");
+  EXPECT_EQ(v.events[v.events.size() - 2].text, "restart 1: 2 worker(s) started");
+}
+
 TEST(StatusCollector, JsonAndPrometheusRenderTheView) {
   auto store = std::make_shared<HashStore>();
   StatusCollector collector(store, {"run\"8", true, std::chrono::milliseconds(1000)});
@@ -287,28 +314,16 @@ TEST(StatusServer, SetUpErrorsNameThePortTheAddressOrTheFile) {
   StatusServer first(serverConfig());
   StatusServer::Config busy = serverConfig();
   busy.port = first.port();
-  try {
-    StatusServer second(busy);
-    ADD_FAILURE() << "a second server on port " << first.port();
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr(str("--status-port ", first.port(), " on 127.0.0.1 is in use")));
-  }
+  testing::expectThrowsWith<Error>([&] { StatusServer second(busy); },
+                                   {str("--status-port ", first.port(), " on 127.0.0.1 is in use"), "pass another port, or 0"});
   StatusServer::Config noChart = serverConfig();
   noChart.chartJsPath = "/nonexistent/chart.min.js";
-  try {
-    StatusServer server(noChart);
-    ADD_FAILURE() << "served without Chart.js";
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("Chart.js at /nonexistent/chart.min.js, which is missing: install Debian's libjs-chart.js"));
-  }
+  testing::expectThrowsWith<Error>([&] { StatusServer server(noChart); },
+                                   {"Chart.js at /nonexistent/chart.min.js, which is missing: install Debian's libjs-chart.js"});
   StatusServer::Config badBind = serverConfig();
   badBind.bind = "no-such-host.invalid";
-  try {
-    StatusServer server(badBind);
-    ADD_FAILURE() << "bound to an address that does not resolve";
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("--status-bind \"no-such-host.invalid\" does not resolve"));
-  }
+  testing::expectThrowsWith<Error>([&] { StatusServer server(badBind); },
+                                   {"--status-bind \"no-such-host.invalid\" does not resolve"});
 }
 
 TEST(StatusServer, LoopbackAndTargets) {
@@ -335,13 +350,8 @@ TEST(StatusOptions, PortAndBindParseWithTheirFallbacks) {
   const auto r = parseCommandLine({"--status-port", "0", "./trainer"}, lookup);
   EXPECT_EQ(r.options.statusPort, 0);
   EXPECT_EQ(r.options.statusBind, "0.0.0.0");
-  try {
-    parseCommandLine({"--status-port", "70000", "./trainer"}, lookup);
-    ADD_FAILURE() << "port 70000 accepted";
-  } catch (const InvalidArgument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("70000"));
-    EXPECT_THAT(e.what(), HasSubstr("a port number from 0 to 65535"));
-  }
+  testing::expectThrowsWith<InvalidArgument>([&] { parseCommandLine({"--status-port", "70000", "./trainer"}, lookup); },
+                                             {"--status-port", "70000", "a port number from 0 to 65535"});
   EXPECT_THAT(helpText(), HasSubstr("--status-port"));
   EXPECT_THAT(helpText(), HasSubstr("DT_STATUS_BIND"));
 }
