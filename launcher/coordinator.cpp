@@ -225,7 +225,7 @@ struct Coordinator::Shared {
         }
       }
     }
-    if (config.hangTimeout.count() > 0 && config.nodeRank == 0 && k >= 0 && !hangReported && world > 0) {
+    if (config.hangTimeout.count() > 0 && host && k >= 0 && !hangReported && world > 0) {
       std::vector<std::string> progress(static_cast<size_t>(world));
       std::vector<std::string> names;
       for (int r = 0; r < world; ++r) names.push_back(str("dt/progress/", r));

@@ -278,6 +278,9 @@ struct TcpStoreServer::Impl {
   bool standbySynced = false;  // standby: the primary's copy of its state is complete
   bool standbyLinked = false;  // standby: a primary connected (it follows one, once)
   StandbyLinkPtr link;         // primary: the standby it feeds
+  // Forward numbers continue from one standby to the next, so that a reply
+  // numbered under an earlier one is never held for a later one's count.
+  uint64_t forwardedBefore = 0;
   bool shuttingDown = false;
   // Sessions whose replies wait for the standby's acknowledgement.
   std::vector<std::shared_ptr<Session>> heldSessions;
@@ -512,6 +515,8 @@ struct Session : std::enable_shared_from_this<Session> {
       self->writing.clear();
       if (self->closed) return;
       if (ec) {
+        // A reset (or a pipe its peer closed) comes from the peer's kernel: as good as end-of-file.
+        self->peerClosed = ec == asio::error::connection_reset || ec == asio::error::broken_pipe;
         self->close(str("write failed: ", ec.message()), false);
         return;
       }
@@ -639,6 +644,7 @@ void Session::handleHello(proto::FrameReader& r) {
   leaveUnauthenticated();
   handshakeTimer.cancel();
   reply(Status::Ok).u16(proto::kVersion).finish();
+  outSeq = 0;  // the first reply on a connection reveals no write: never held for the standby
   if (flags & proto::kHelloWorker) {
     {
       std::lock_guard lock(server.joinMutex);
@@ -1186,6 +1192,7 @@ void TcpStoreServer::Impl::attachStandby(Session& requester, const asio::ip::add
   }
   auto l = std::make_shared<StandbyLink>(io);
   l->address = address;
+  l->forwarded = l->acked = forwardedBefore;
   l->requester = requester.shared_from_this();
   // Parked like a waiting request (no keys): the requester's next frames wait.
   auto waiter = std::make_shared<Waiter>(io);
@@ -1376,6 +1383,7 @@ void TcpStoreServer::Impl::linkWatch(const StandbyLinkPtr& l) {
 void TcpStoreServer::Impl::dropLink(const std::string& reason, bool retire) {
   StandbyLinkPtr l = link;
   if (!l) return;
+  forwardedBefore = l->forwarded;
   if (!reason.empty()) {
     log->warn("store server {}: replication to the standby at {} ends: {}; this server goes on alone{}", addressText,
               l->address, reason, retire ? " (the standby is told to retire)" : "");

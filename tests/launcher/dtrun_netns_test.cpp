@@ -5,6 +5,7 @@
 // other host must report it and exit non-zero within the node timeout.
 // Skipped (with the reason) where namespaces cannot be created.
 #include <csignal>
+#include <map>
 #include <regex>
 #include <thread>
 #include <unistd.h>
@@ -180,67 +181,62 @@ TEST(DtrunNetns, KilledHostDtrunIsReportedByTheOthers) {
 }
 
 #ifdef ELASTIC_WORKER_PATH
-// dtrun --elastic across three hosts: rank 2 (host 1) SIGKILLs its own dtrun
-// and itself at step 15, so host 1 and both its ranks vanish at once. Host 0
-// sees the watch connection close, posts ranks 2-3 dead, and the four ranks of
-// hosts 0 and 2 finish in place with every step applied exactly once.
-TEST(DtrunNetns, ElasticJobLosesAWholeHostAndTheOtherHostsFinishInPlace) {
-  Hosts hosts;
-  if (const std::string why = hosts.build(); !why.empty()) GTEST_SKIP() << "network namespaces unavailable: " << why;
+// dtrun --elastic across three hosts of two ranks, of which the first rank of host `lostHost`
+// SIGKILLs its own dtrun and itself at step 15, so that host and both its ranks vanish at once.
+// Checks that the lost host's dtrun died of it and that the four ranks of the other two hosts
+// finish in place with every step applied exactly once (renumbered 0-3 in member order); returns
+// the survivors' results by host for the caller's own checks.
+std::map<int, ProcessResult> loseAHost(Hosts& hosts, int lostHost, const std::vector<std::string>& flags) {
   std::vector<std::unique_ptr<ChildProcess>> nodes;
   for (int h = 0; h < 3; ++h) {
-    nodes.push_back(std::make_unique<ChildProcess>(
-        hosts.dtrunOn(h, "0", {"--elastic"}, 3, {ELASTIC_WORKER_PATH, "40", "5", "2", "15", "node"})));
+    nodes.push_back(std::make_unique<ChildProcess>(hosts.dtrunOn(
+        h, "0", flags, 3, {ELASTIC_WORKER_PATH, "40", "5", std::to_string(2 * lostHost), "15", "node"})));
   }
-  const auto lost = nodes[1]->wait(60s);
+  const auto lost = nodes[static_cast<size_t>(lostHost)]->wait(60s);
   EXPECT_EQ(lost.exitCode, 128 + SIGKILL) << lost.err;
-  for (int h : {0, 2}) {
+  std::map<int, ProcessResult> survivors;
+  for (int h = 0; h < 3; ++h) {
+    if (h == lostHost) continue;
     const auto r = nodes[static_cast<size_t>(h)]->wait(90s);
     EXPECT_EQ(r.exitCode, 0) << "host " << h << ": " << r.out << r.err;
     for (int local = 0; local < 2; ++local) {
-      const int rank = 2 * h + local;
-      // The survivors are renumbered 0-3 in member order: 0, 1, 4, 5.
-      EXPECT_THAT(r.out, HasSubstr(str("member ", rank, " rank ", h == 0 ? local : 2 + local, "/4 epoch 1 state 1914")))
+      const int newRank = 2 * (h > lostHost ? h - 1 : h) + local;
+      EXPECT_THAT(r.out, HasSubstr(str("member ", 2 * h + local, " rank ", newRank, "/4 epoch 1 state 1914")))
           << "host " << h << ": " << r.out << r.err;
       EXPECT_THAT(r.out, HasSubstr("expected 1914 lost ")) << r.out;
     }
-    EXPECT_THAT(r.out, HasSubstr("was lost with node 1")) << "host " << h << ": " << r.out;
+    EXPECT_THAT(r.out, HasSubstr(str("was lost with node ", lostHost))) << "host " << h << ": " << r.out;
+    survivors[h] = r;
   }
-  const auto head = nodes[0]->wait(1s);
+  return survivors;
+}
+
+// Host 1 lost: host 0 sees the watch connection close and posts ranks 2-3 dead.
+TEST(DtrunNetns, ElasticJobLosesAWholeHostAndTheOtherHostsFinishInPlace) {
+  Hosts hosts;
+  if (const std::string why = hosts.build(); !why.empty()) GTEST_SKIP() << "network namespaces unavailable: " << why;
+  const auto survivors = loseAHost(hosts, 1, {"--elastic"});
+  ASSERT_EQ(survivors.count(0), 1u);
+  const auto& head = survivors.at(0);
   EXPECT_THAT(head.err, HasSubstr("node 1 is lost (node 1's dtrun closed its watch connection without finishing"))
       << head.err;
   EXPECT_THAT(head.err, HasSubstr("the elastic job goes on without them")) << head.err;
 }
 
-// The same, losing host 0, whose dtrun hosts the job's TCP store: host 1's dtrun hosts its hot
-// standby, which takes over when its replication connection from host 0 is closed by host 0's
-// kernel; every client on hosts 1 and 2 fails over to it across the "network", and the four
-// survivors finish exactly.
+// Host 0 lost, whose dtrun hosts the job's TCP store: host 1's dtrun hosts its hot standby, which
+// takes over when its replication connection from host 0 is closed by host 0's kernel; every
+// client on hosts 1 and 2 fails over to it across the "network". --node-timeout 60s: nothing
+// may wait for a timeout.
 TEST(DtrunNetns, ElasticJobLosesTheStoresHostAndTheOtherHostsFinishOnItsStandby) {
   Hosts hosts;
   if (const std::string why = hosts.build(); !why.empty()) GTEST_SKIP() << "network namespaces unavailable: " << why;
-  std::vector<std::unique_ptr<ChildProcess>> nodes;
-  for (int h = 0; h < 3; ++h) {
-    nodes.push_back(std::make_unique<ChildProcess>(
-        hosts.dtrunOn(h, "0", {"--elastic", "--node-timeout", "60s"}, 3, {ELASTIC_WORKER_PATH, "40", "5", "0", "15", "node"})));
-  }
-  const auto lost = nodes[0]->wait(60s);
-  EXPECT_EQ(lost.exitCode, 128 + SIGKILL) << lost.err;
-  for (int h : {1, 2}) {
-    const auto r = nodes[static_cast<size_t>(h)]->wait(90s);
-    EXPECT_EQ(r.exitCode, 0) << "host " << h << ": " << r.out << r.err;
-    for (int local = 0; local < 2; ++local) {
-      const int rank = 2 * h + local;
-      // The survivors are renumbered 0-3 in member order: 2, 3, 4, 5.
-      EXPECT_THAT(r.out, HasSubstr(str("member ", rank, " rank ", 2 * (h - 1) + local, "/4 epoch 1 state 1914")))
-          << "host " << h << ": " << r.out << r.err;
-    }
-    EXPECT_THAT(r.out, HasSubstr("was lost with node 0")) << "host " << h << ": " << r.out;
+  const auto survivors = loseAHost(hosts, 0, {"--elastic", "--node-timeout", "60s"});
+  for (const auto& [h, r] : survivors) {
     EXPECT_THAT(r.err, HasSubstr("failed over to 10.231.0.2:")) << "host " << h << ": " << r.err;
-    if (h == 1) {
-      EXPECT_THAT(r.err, HasSubstr("this node hosts the hot standby of the job's store at 10.231.0.2:"));
-    }
+    EXPECT_THAT(r.err, HasSubstr("node 0 is lost (node 0's dtrun closed its watch connection")) << r.err;
   }
+  ASSERT_EQ(survivors.count(1), 1u);
+  EXPECT_THAT(survivors.at(1).err, HasSubstr("this node hosts the hot standby of the job's store at 10.231.0.2:"));
 }
 
 // dtrun --elastic --nnodes 2:3 across three hosts: hosts 0 and 1 start the job

@@ -30,17 +30,9 @@ using Clock = std::chrono::steady_clock;
 using store_testing::Child;
 using store_testing::kToken;
 using store_testing::ServerProcess;
-
-// Waits for `done` with a generous deadline (the machine may be busy).
-template <class Pred>
-bool eventually(Pred done, std::chrono::milliseconds deadline = 60s) {
-  const auto until = Clock::now() + deadline;
-  while (!done()) {
-    if (Clock::now() > until) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
+using dt::testing::eventually;
+// How long to wait for an event on a machine that may be busy.
+constexpr auto kPatience = 60s;
 
 std::shared_ptr<TcpStore> clientOf(uint16_t port, const std::string& standby = "", Store::Duration connect = 20s) {
   TcpStoreOptions options;
@@ -160,15 +152,15 @@ TEST(TcpStoreFailover, KillingThePrimaryLosesNoAcknowledgedWriteAndDoublesNone) 
     }));
   }
 
-  ASSERT_TRUE(eventually([&] { return waitersCalling == kWaiters && acks >= 300; })) << acks;
+  ASSERT_TRUE(eventually([&] { return waitersCalling == kWaiters && acks >= 300; }, kPatience)) << acks;
   const int64_t before = acks;
-  ASSERT_TRUE(eventually([&] { return acks >= before + 100; }));  // the waiters' gets have reached the primary
+  ASSERT_TRUE(eventually([&] { return acks >= before + 100; }, kPatience));  // the waiters' gets have reached the primary
   const auto killedAt = Clock::now();
   const int64_t acksAtKill = acks;
   primary.child().kill();  // SIGKILL
-  ASSERT_TRUE(eventually([&] { return acks > acksAtKill + 10; })) << "no write acknowledged after the kill";
+  ASSERT_TRUE(eventually([&] { return acks > acksAtKill + 10; }, kPatience)) << "no write acknowledged after the kill";
   const auto resumedAfter = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt);
-  ASSERT_TRUE(eventually([&] { return acks >= acksAtKill + 300; }));
+  ASSERT_TRUE(eventually([&] { return acks >= acksAtKill + 300; }, kPatience));
   EXPECT_EQ(standby->role(), "primary");
 
   auto late = clientOf(primary.port(), standbyAddress);  // the primary's port refuses: it finds the standby
@@ -216,6 +208,8 @@ TEST(TcpStoreFailover, AStandbyThatOnlyStopsAnsweringIsRetiredAndNeverServes) {
   const std::string standbyAddress = store->attachStandby(standby.port);
   store->set("before", "1");
   ASSERT_EQ(::kill(standby.child->pid(), SIGSTOP), 0);
+  // Stopped for sure before the write: a stop still in flight could let it acknowledge.
+  ASSERT_TRUE(eventually([&] { return dt::testing::processState(standby.child->pid()) == 'T'; }, kPatience));
   // Silence is suspicion: the primary waits standbyTimeout, retires the standby and goes on.
   store->set("while-it-is-stopped", "2");
   EXPECT_EQ(store->get("while-it-is-stopped"), "2");
@@ -228,7 +222,7 @@ TEST(TcpStoreFailover, AStandbyThatOnlyStopsAnsweringIsRetiredAndNeverServes) {
     } catch (const TimeoutError& e) {
       return std::string(e.what()).find("retired standby") != std::string::npos;
     }
-  }));
+  }, kPatience));
   store.reset();
   primary.reset();
   expectStandbyRefuses(standby.port, "retired standby");

@@ -38,25 +38,7 @@ std::string envOf(const char* name) {
   return value == nullptr ? "(unset)" : value;
 }
 
-// The state letter of /proc/<pid>/stat: R, S, T (stopped), ...
-char processState(pid_t pid) {
-  std::ifstream stat(str("/proc/", pid, "/stat"));
-  std::string line;
-  std::getline(stat, line);
-  const auto close = line.rfind(')');
-  return close == std::string::npos || close + 2 >= line.size() ? '?' : line[close + 2];
-}
 
-// Polls until pred() holds (true) or `limit` passes (false).
-template <typename Pred>
-bool eventually(Pred pred, std::chrono::milliseconds limit = 20s) {
-  const auto end = Clock::now() + limit;
-  while (!pred()) {
-    if (Clock::now() > end) return false;
-    std::this_thread::sleep_for(2ms);
-  }
-  return true;
-}
 
 bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
 

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -20,6 +21,14 @@
 #include "common/strings.h"
 
 namespace dt::testing {
+
+char processState(int pid) {
+  std::ifstream stat(str("/proc/", pid, "/stat"));
+  std::string line;
+  std::getline(stat, line);
+  const auto close = line.rfind(')');
+  return close == std::string::npos || close + 2 >= line.size() ? '?' : line[close + 2];
+}
 
 void runRanks(int worldSize, const std::function<void(int rank)>& fn, std::chrono::milliseconds deadline) {
   std::mutex mutex;

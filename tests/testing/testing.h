@@ -8,6 +8,10 @@
 //  * TempDir: a fresh directory removed at scope exit.
 //  * expectThrowsWith<E>(fn, {"substring", ...}): the call throws E and its
 //    message contains every substring.
+//  * eventually(pred, limit): polls pred until it holds (true) or limit passes
+//    (false): waiting for an event with a deadline, not a fixed sleep.
+//  * processState(pid): the state letter of /proc/<pid>/stat (R, S, T for
+//    stopped, ...; '?' when unreadable): SIGSTOP takes effect asynchronously.
 //  * PortReservation: a loopback TCP port nobody else is handed while it
 //    lives, for a server another process starts on a fixed port (dtrun's
 //    --master-port, MASTER_PORT). It is bound with SO_REUSEADDR and never
@@ -24,11 +28,24 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 namespace dt::testing {
+
+char processState(int pid);
+
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(20)) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
 
 void runRanks(int worldSize, const std::function<void(int rank)>& fn,
               std::chrono::milliseconds deadline = std::chrono::seconds(60));
