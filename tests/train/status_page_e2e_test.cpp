@@ -185,5 +185,33 @@ TEST(StatusPage, ShowsMembersStepDeathAndRecoveryOfAnElasticRunInChromium) {
   EXPECT_THAT(r.out, HasSubstr("stopped by SIGTERM"));
 }
 
+TEST(StatusPage, OffLoopbackATokenIsRequiredAndABusyPortIsAnError) {
+  ChildProcess dtrun(dtrunProgram(1, {"--status-bind", "0.0.0.0", "--status-port", "0"}, "/bin/sleep", {"600"}));
+  ASSERT_TRUE(dtrun.waitForOutput("(Prometheus: /metrics)", 120s)) << dtrun.output();
+  std::smatch m;
+  const std::string output = dtrun.output();
+  static const std::regex address(R"(dtrun: status page at http://[^:/]+:(\d+)/\?token=([0-9a-f]{32}) \(Prometheus: /metrics\))");
+  ASSERT_TRUE(std::regex_search(output, m, address)) << output;
+  const auto port = static_cast<uint16_t>(std::stoi(m[1]));
+  const std::string token = m[2];
+  EXPECT_EQ(httpGet(port, "/status.json").status, 403);
+  EXPECT_EQ(httpGet(port, "/").status, 403);
+  EXPECT_EQ(httpGet(port, "/metrics", "Authorization: Bearer " + token.substr(1) + "0\r\n").status, 403);
+  const HttpReply json = httpGet(port, "/status.json?token=" + token);
+  ASSERT_EQ(json.status, 200) << json.body;
+  EXPECT_FALSE(json::parse(json.body, "/status.json").get("run_id").asString().empty()) << json.body;
+  EXPECT_EQ(httpGet(port, "/metrics", "Authorization: Bearer " + token + "\r\n").status, 200);
+
+  // A second job asking for the same port: a one-line error naming it, exit 1, nothing started.
+  const ProcessResult busy = runProcess(dtrunProgram(1, {"--status-port", std::to_string(port)}, "/bin/true", {}), 60s);
+  EXPECT_EQ(busy.exitCode, 1) << busy.out << busy.err;
+  EXPECT_THAT(busy.err, HasSubstr(str("--status-port ", port, " on 127.0.0.1 is in use")));
+
+  dtrun.signal(SIGTERM);
+  const ProcessResult r = dtrun.wait(120s);
+  EXPECT_FALSE(r.timedOut) << r.out << r.err;
+  EXPECT_EQ(r.exitCode, 128 + SIGTERM) << r.out << r.err;
+}
+
 }  // namespace
 }  // namespace dt::testing
