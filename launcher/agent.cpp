@@ -646,7 +646,9 @@ struct Agent::Impl {
     for (const auto& node : split(store->get(nodesKey(attempt)), ',')) out.nodes.push_back(std::stoi(node));
     out.nodes.push_back(id);
     startCoordinator(o.etcd());
-    if (!o.etcd()) setupWatch();
+    // Node 0 already lost (this dtrun was pointed at the standby that took over): nothing to watch there.
+    const std::string node0 = str("dtrun/a", attempt, "/done/0");
+    if (!o.etcd() && !(store->check({node0}) && store->get(node0) == "lost")) setupWatch();
     store->append(str("dtrun/a", attempt, "/late"), str(id, ","));
     say(str("the job is running: this node joins it as node ", id, " (its workers are admitted at a step boundary)"));
     return out;

@@ -4,7 +4,8 @@
 // --min-nproc the job stops naming who is left; with --max-restarts a dead
 // worker is replaced and the replacement joins the running job; with
 // --nnodes MIN:MAX a node started later joins the running job and can be lost
-// again; bad flag combinations are named.
+// again; with the TCP store, losing node 0 (the store's host) is survived on node 1's standby,
+// and a node joins through it afterwards; bad flag combinations are named.
 #include <fstream>
 #include <memory>
 #include <regex>
@@ -180,6 +181,38 @@ TEST(DtrunElastic, TheTcpStoreJobLosesNode0AndGoesOnWithTheOthers) {
   ASSERT_GT(last, 0) << survivors;
   std::printf("node 0 killed -> survivors' next commit: %lld ms (TCP store, standby on node 1)\n",
               static_cast<long long>(last - std::stoll(at[1])));
+}
+
+TEST(DtrunElastic, AfterNode0IsLostANodeJoinsThroughTheStandby) {
+  // A --nnodes 2:3 job of one worker per node on loopback, the TCP store on node 0 and its hot
+  // standby on node 1. Member 0 kills node 0 in step 40; a dtrun started afterwards, pointed at
+  // the standby's address (which node 1's dtrun prints), joins the running job as node 3 and its
+  // worker (member 2) is admitted; members 1 and 2 finish exactly.
+  const PortReservation reservation;
+  const std::vector<std::string> worker = {kWorker, "600", "20", "0", "40", "node"};
+  auto node = [&](int rank, const std::string& port) {
+    std::vector<std::string> argv = {kDtrun, "--nnodes", "2:3", "--node-rank", std::to_string(rank), "--elastic",
+                                     "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", port,
+                                     "--node-timeout", "60s"};
+    argv.insert(argv.end(), worker.begin(), worker.end());
+    return std::make_unique<ChildProcess>(argv);
+  };
+  auto n0 = node(0, reservation.text()), n1 = node(1, reservation.text());
+  ASSERT_TRUE(n1->waitForOutput("this node hosts the hot standby of the job's store at 127.0.0.1:", 60s)) << n1->output();
+  std::smatch standby;
+  const std::string announced = n1->output();
+  ASSERT_TRUE(std::regex_search(announced, standby, std::regex(R"(hot standby of the job's store at 127\.0\.0\.1:(\d+))")));
+  const auto r0 = n0->wait(60s);
+  EXPECT_EQ(r0.exitCode, 128 + SIGKILL) << r0.out << r0.err;
+  auto late = node(2, standby[1].str());
+  const auto r1 = n1->wait(120s), r2 = late->wait(120s);
+  ASSERT_EQ(r1.exitCode, 0) << r1.out << r1.err;
+  ASSERT_EQ(r2.exitCode, 0) << r2.out << r2.err;
+  EXPECT_THAT(r1.err, HasSubstr("node 0 is lost (node 0's dtrun closed its watch connection without finishing"));
+  EXPECT_THAT(r2.err, HasSubstr("this node joins it as node 3"));
+  EXPECT_THAT(r2.out, HasSubstr("member 2: joined at step"));
+  expectFinished(r1, {1}, 2);
+  expectFinished(r2, {2}, 2);
 }
 
 TEST(DtrunElastic, BadCombinationsAreNamed) {
