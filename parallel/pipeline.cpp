@@ -756,9 +756,9 @@ double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessG
 }
 
 double clipGradNorm(const PipelineRunner& runner, double maxNorm, const std::function<Tensor(const Tensor&)>& holderOf,
-                    nn::ClipGradNormOptions options) {
+                    nn::ClipGradNormOptions options, const ProcessGroupPtr& tensorParallel) {
   if (!holderOf) throw InvalidArgument("pipeline: clipGradNorm with holders: holderOf is empty");
-  return clipStages(runner, maxNorm, nullptr, holderOf, std::move(options));
+  return clipStages(runner, maxNorm, tensorParallel, holderOf, std::move(options));
 }
 
 }  // namespace dt::pipeline

@@ -247,8 +247,10 @@ double clipGradNorm(const PipelineRunner& runner, double maxNorm, const ProcessG
 // is the tensor whose .grad holds this rank's piece of the parameter's gradient (the wrapper's
 // shard), and options.reducePartial sums a partial statistic over the holders' group (the
 // wrapper's gradNormReducer()); that total then goes over pp. Every holder's gradient is scaled,
-// the last stage's tied copy's too, which the norm leaves out as above. Collective over both.
+// the last stage's tied copy's too, which the norm leaves out as above. With `tensorParallel` the
+// split parameters' partial goes over tp first (a replicated one's pieces are equal across tp and
+// count once), then the whole sum over the holders' group and pp. Collective over all of them.
 double clipGradNorm(const PipelineRunner& runner, double maxNorm, const std::function<Tensor(const Tensor&)>& holderOf,
-                    nn::ClipGradNormOptions options);
+                    nn::ClipGradNormOptions options, const ProcessGroupPtr& tensorParallel = nullptr);
 
 }  // namespace dt::pipeline

@@ -193,11 +193,13 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     if (pp < 1) throw refuse("must be 1 (off) or more");
     if (options_.sharding != Sharding::None) {
       const char* sharding = options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2";
-      // The stages' sharded wrapper over dp would need TP's placement inside it, and a lost
+      // TP blocks inside the stages' sharded wrapper train, but their checkpoints would need the
+      // wrapper's rows placed inside TP's blocks under the unsplit names (not built); and a lost
       // replica's shards have no other copy (recovery reloads them from a checkpoint).
-      if (options_.tensorParallel > 1) {
+      if (options_.tensorParallel > 1 && !options_.checkpointDir.empty()) {
         throw refuse(str("with tensorParallel ", options_.tensorParallel, " and Sharding::", sharding,
-                         " is not built yet; use Sharding::None with tensor parallelism, or tensorParallel 1"));
+                         " trains, but its checkpoints are not built yet (checkpointDir \"", options_.checkpointDir,
+                         "\"); run without a checkpoint directory, or with Sharding::None"));
       }
       if (elastic) {
         throw refuse(str("with Sharding::", sharding, " under dtrun --elastic is not built yet; use Sharding::None "
@@ -1160,7 +1162,8 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       // A pipeline's over pp: its dp replicas hold the same averaged gradients by now.
       // Sharded stages: each rank's pieces summed over dp, then over pp.
       gradNorm_ = runner_ ? (fsdp_ ? pipeline::clipGradNorm(*runner_, options_.clipGradNorm,
-                                                            [this](const Tensor& t) { return stageShard(t); }, clip)
+                                                            [this](const Tensor& t) { return stageShard(t); }, clip,
+                                                            options_.tensorParallel > 1 ? (*mesh_)["tp"] : nullptr)
                              : options_.tensorParallel > 1 ? pipeline::clipGradNorm(*runner_, options_.clipGradNorm, (*mesh_)["tp"])
                                                            : pipeline::clipGradNorm(*runner_, options_.clipGradNorm))
                   : mesh_ ? clipTensorParallelGradNorm(*model_, parameters(), options_.clipGradNorm, (*mesh_)["tp"], clip)

@@ -11,7 +11,8 @@
 // curve, or is refused before the first step. What does not compose yet is refused in one line
 // naming the flag and its value.
 // PP=2 x DP=2 with ZeRO-1, ZeRO-2 or the fully sharded wrapper over the replicas trains as one
-// process (clipping over the stages' shards included), each stage gathered once per step however
+// process (clipping over the stages' shards included; PP=2 x TP=2 x DP=2 on eight as DDP over
+// two), each stage gathered once per step however
 // many micro-batches (the wrapper's count), and its checkpoint resumes bitwise at the same layout
 // and at PP=1. The sample at the end (the stages' parameters gathered to the first pipeline) is
 // the one an unsplit process draws from the same parameters (the run's own final checkpoint).
@@ -246,6 +247,17 @@ TEST(GptPipeline, ShardedDataParallelOverThePipelineTrainsAsOneProcessGatheringO
       EXPECT_EQ(n[2], n[0]) << what << " rank " << rank << ": reduce-scatters in the last step";
     }
   }
+  // TP inside the sharded stages: PP=2 x TP=2 x DP=2 on eight (no checkpoints: not built there).
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--sharding", "fsdp", "--schedule", "1f1b"},
+        std::vector<std::string>{"--sharding", "zero2", "--sp", "--schedule", "zb1"}}) {
+    std::vector<std::string> args{"--pp", "2", "--tp", "2", "--micro-batches", "2"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const std::string what = str("8 ranks ", join(args, " "));
+    const GptRun run = train(8, args);
+    expectSameCurve(reference, run.curve, what);
+    EXPECT_EQ(shardedCounts(run.result.out).size(), 8u) << what << "\n" << run.result.out;
+  }
 }
 
 TEST(GptPipeline, ShardedPipelineCheckpointsResumeAtTheSameLayoutAndAtOneStage) {
@@ -318,8 +330,11 @@ void expectRefused(int nproc, const std::vector<std::string>& extra, const std::
 }
 
 TEST(GptPipeline, RefusesWhatDoesNotComposeYetInOneLine) {
-  expectRefused(4, {"--pp", "2", "--tp", "2", "--sharding", "zero1", "--checkpoint-dir", "none"},
-                "--pp 2 --tp 2 with --sharding zero1 is not built yet");
+  {
+    const TempDir ckpt;
+    expectRefused(4, {"--pp", "2", "--tp", "2", "--sharding", "zero1", "--checkpoint-dir", ckpt.path().string()},
+                  "--pp 2 --tp 2 with --sharding zero1 trains, but its checkpoints are not built yet");
+  }
   expectRefused(2, {"--pp", "3"}, "pipeline degree 3 does not divide the world size 2");
   expectRefused(2, {"--pp", "2", "--micro-batches", "3"},
                 "the global batch 8 does not split into 1 data-parallel replica(s) (world 2 / pipeline degree 2) of 3 micro-batches");
