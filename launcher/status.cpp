@@ -54,16 +54,12 @@ int64_t counter(Store& store, const std::string& key) {
   }
 }
 
-std::optional<std::string> getIf(Store& store, const std::string& key) {
-  if (!store.check({key})) return std::nullopt;
-  return store.get(key);
-}
-
 struct Tracked {
   MemberView view;
   std::string lastSeen;  // the heartbeat or record last read: a change is a sign of life
   int64_t changedMs = -1;
   bool settled = false;  // dead or left, and read since
+  bool known[3] = {false, false, false};  // its record, progress and heartbeat keys exist
 };
 
 }  // namespace
@@ -232,19 +228,43 @@ void StatusCollector::poll() {
         }
         s.curvePoints = n;
       }
+      // Per member: its status record, its last collective and (elastic) its heartbeat. A key
+      // once written stays, so the keys seen before are read in one multiGet and only the
+      // others are checked, one by one, until they appear: a poll of a running job is a few
+      // round trips, not a few per member.
+      const int kinds = config_.elastic ? 3 : 2;
+      auto keyOf = [&](int member, int kind) {
+        return kind == 0 ? px + status::rankKey(member) : kind == 1 ? str("dt/progress/", member) : str("elastic/alive/", member);
+      };
+      std::vector<std::string> keys;
+      std::vector<std::pair<int, int>> slots;  // (member, kind) of each key
+      std::vector<std::pair<int, bool>> polled;  // (member, gone)
       for (auto& [member, t] : s.members) {
-        MemberView& v = t.view;
-        const bool gone = v.state == "dead" || v.state == "left";
+        const bool gone = t.view.state == "dead" || t.view.state == "left";
         if (gone && t.settled) {  // its last figures stay; nothing of it changes any more
-          v.heartbeatAgeS = t.changedMs < 0 ? -1.0 : static_cast<double>(now - t.changedMs) / 1000.0;
+          t.view.heartbeatAgeS = t.changedMs < 0 ? -1.0 : static_cast<double>(now - t.changedMs) / 1000.0;
           continue;
         }
         t.settled = gone;  // read once more after its end: what it wrote last
-        // A sign of life: its record or its last collective moved, or (elastic) its heartbeat.
-        std::string seen;
-        if (const auto record = getIf(store, px + status::rankKey(member))) {
-          seen = *record;
-          if (const auto r = status::decodeRankRecord(*record)) {
+        polled.emplace_back(member, gone);
+        for (int kind = 0; kind < kinds; ++kind) {
+          const std::string key = keyOf(member, kind);
+          if (!t.known[kind] && !store.check({key})) continue;
+          t.known[kind] = true;
+          keys.push_back(key);
+          slots.emplace_back(member, kind);
+        }
+      }
+      const std::vector<Bytes> values = keys.empty() ? std::vector<Bytes>() : store.multiGet(keys);
+      // A sign of life: its record or its last collective moved, or (elastic) its heartbeat.
+      std::map<int, std::string> seen;
+      for (size_t i = 0; i < values.size(); ++i) {
+        const auto [member, kind] = slots[i];
+        MemberView& v = s.members[member].view;
+        const std::string& value = values[i];
+        if (kind == 0) {
+          seen[member] = value;
+          if (const auto r = status::decodeRankRecord(value)) {
             v.rank = r->rank;
             v.host = r->host;
             v.step = r->step;
@@ -254,23 +274,28 @@ void StatusCollector::poll() {
             if (!r->unit.empty()) s.unit = r->unit;
             s.steps = std::max(s.steps, r->steps);
           }
+        } else if (kind == 1) {
+          const auto space = value.find(' ');
+          v.lastOp = space == std::string::npos ? value : str("#", value.substr(0, space), " ", value.substr(space + 1));
+          seen[member] += "\n" + value;
+        } else {
+          seen[member] = "beat " + value;  // the heartbeat alone says whether it lives
         }
-        if (const auto op = getIf(store, str("dt/progress/", member))) {
-          const auto space = op->find(' ');
-          v.lastOp = space == std::string::npos ? *op : str("#", op->substr(0, space), " ", op->substr(space + 1));
-          seen += "\n" + *op;
-        }
-        if (config_.elastic) {
-          if (const auto beat = membership::heartbeatOf(store, member)) seen = std::to_string(*beat);
+      }
+      for (const auto& [member, gone] : polled) {
+        Tracked& t = s.members[member];
+        MemberView& v = t.view;
+        const std::string& sign = seen[member];
+        if (!gone && !sign.empty() && sign != t.lastSeen) {
+          t.lastSeen = sign;
+          t.changedMs = now;
+          if (v.state == "starting" || v.state == "joining") v.state = "running";
+        } else if (config_.elastic && !gone) {
+          // Only a member that stopped beating can have left with its replica.
           if (const auto why = membership::leftOf(store, member)) {
             v.state = "left";
             v.reason = *why;
           }
-        }
-        if (!gone && !seen.empty() && seen != t.lastSeen) {
-          t.lastSeen = seen;
-          t.changedMs = now;
-          if (v.state == "starting" || v.state == "joining") v.state = "running";
         }
         v.heartbeatAgeS = t.changedMs < 0 ? -1.0 : static_cast<double>(now - t.changedMs) / 1000.0;
       }

@@ -170,6 +170,23 @@ TEST(StatusCollector, AProgramOffTheLoopShowsRunningOnceItsProcessGroupRecordsAC
   }
 }
 
+TEST(StatusCollector, AMemberThatLeftWithItsReplicaShowsWhy) {
+  auto store = std::make_shared<HashStore>();
+  StatusCollector collector(store, {"run12", true, std::chrono::milliseconds(1000)});
+  collector.beginAttempt(0, 2);
+  membership::beat(*store, 0, 1);
+  membership::beat(*store, 1, 1);
+  collector.poll();
+  EXPECT_EQ(collector.view().members[1].state, "running");
+  membership::beat(*store, 0, 2);  // member 0 beats on; member 1 leaves and stops
+  membership::postLeft(*store, 1, "its tensor-parallel group lost member 3");
+  collector.poll();
+  const JobView v = collector.view();
+  EXPECT_EQ(v.members[0].state, "running");
+  EXPECT_EQ(v.members[1].state, "left");
+  EXPECT_EQ(v.members[1].reason, "its tensor-parallel group lost member 3");
+}
+
 TEST(StatusCollector, ARestartedGroupIsReadUnderItsRestartPrefix) {
   auto store = std::make_shared<HashStore>();
   StatusCollector collector(store, {"run11", false, std::chrono::milliseconds(1000)});
