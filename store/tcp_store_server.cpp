@@ -296,8 +296,10 @@ struct TcpStoreServer::Impl {
   void linkFrame(const StandbyLinkPtr& l, std::string_view body);
   void linkWatch(const StandbyLinkPtr& l);
   void sendCopyOfState(const StandbyLinkPtr& l);
-  // Ends replication: `retire` tells the standby it must never serve.
-  void dropLink(const std::string& reason, bool retire);
+  // Ends replication: `retire` tells the standby it must never serve. `standbyEnded`: its
+  // process closed the connection, which a standby that finished its job does too (so it is
+  // logged at info level: the owner of the standby reports a loss in its own words).
+  void dropLink(const std::string& reason, bool retire, bool standbyEnded = false);
   void releaseHeld();
   // Standby: its primary's replication connection closed (promotion when proven).
   void standbyLinkClosed(bool closedByPeer, const std::string& reason);
@@ -1271,10 +1273,10 @@ void TcpStoreServer::Impl::linkRead(const StandbyLinkPtr& l) {
                             [this, l](std::error_code ec, size_t n) {
                               if (link != l) return;
                               if (ec) {
-                                dropLink(ec == asio::error::eof || ec == asio::error::connection_reset
-                                             ? "it closed the replication connection (its process is gone)"
-                                             : str("reading from it failed: ", ec.message()),
-                                         false);
+                                const bool ended = ec == asio::error::eof || ec == asio::error::connection_reset;
+                                dropLink(ended ? "it closed the replication connection (its process ended)"
+                                               : str("reading from it failed: ", ec.message()),
+                                         false, ended);
                                 return;
                               }
                               l->inEnd += n;
@@ -1380,14 +1382,13 @@ void TcpStoreServer::Impl::linkWatch(const StandbyLinkPtr& l) {
   });
 }
 
-void TcpStoreServer::Impl::dropLink(const std::string& reason, bool retire) {
+void TcpStoreServer::Impl::dropLink(const std::string& reason, bool retire, bool standbyEnded) {
   StandbyLinkPtr l = link;
   if (!l) return;
   forwardedBefore = l->forwarded;
-  if (!reason.empty()) {
-    log->warn("store server {}: replication to the standby at {} ends: {}; this server goes on alone{}", addressText,
-              l->address, reason, retire ? " (the standby is told to retire)" : "");
-  }
+  log->log(standbyEnded ? spdlog::level::info : spdlog::level::warn,
+           "store server {}: replication to the standby at {} ends: {}; this server goes on alone{}", addressText,
+           l->address, reason, retire ? " (the standby is told to retire)" : "");
   if (l->requester) {
     auto requester = std::move(l->requester);
     if (!requester->closed) {
