@@ -178,10 +178,6 @@ the end.
     throw InvalidArgument(str("gpt: --grad-reduce bf16 with --sharding ", c.sharding, " is not supported: ZeRO reduce-scatters "
                               "DDP's buckets in fp32; use --sharding ddp or fsdp for bf16 gradients"));
   }
-  if (c.pp > 1 && c.sharding != "ddp" && c.tp > 1 && c.checkpoints()) {
-    throw InvalidArgument(str("gpt: --pp ", c.pp, " --tp ", c.tp, " with --sharding ", c.sharding, " trains, but its "
-                              "checkpoints are not built yet: add --checkpoint-dir none, or use --sharding ddp"));
-  }
 
   return true;
 }

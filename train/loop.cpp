@@ -193,14 +193,7 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     if (pp < 1) throw refuse("must be 1 (off) or more");
     if (options_.sharding != Sharding::None) {
       const char* sharding = options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2";
-      // TP blocks inside the stages' sharded wrapper train, but their checkpoints would need the
-      // wrapper's rows placed inside TP's blocks under the unsplit names (not built); and a lost
-      // replica's shards have no other copy (recovery reloads them from a checkpoint).
-      if (options_.tensorParallel > 1 && !options_.checkpointDir.empty()) {
-        throw refuse(str("with tensorParallel ", options_.tensorParallel, " and Sharding::", sharding,
-                         " trains, but its checkpoints are not built yet (checkpointDir \"", options_.checkpointDir,
-                         "\"); run without a checkpoint directory, or with Sharding::None"));
-      }
+      // A lost replica's shards have no other copy (recovery reloads them from a checkpoint).
       if (elastic) {
         throw refuse(str("with Sharding::", sharding, " under dtrun --elastic is not built yet; use Sharding::None "
                          "(DDP over the pipeline replicas) under --elastic"));
@@ -738,8 +731,16 @@ TrainingState Loop::trainingState(bool replicaLocal) {
     const int replica = mesh_->coordinate("dp");
     const int tpRank = options_.tensorParallel > 1 ? mesh_->coordinate("tp") : 0;
     const StageShards shards = fsdp_ ? stageShards() : StageShards{};
-    state.add("model", pipelineModelState(*stages_, *model_, replica, tpRank, shards))
-        .add("optim", pipelineOptimizerState(*stages_, *optimizer_, *model_, replica, tpRank, group_->rank() == 0, shards));
+    std::shared_ptr<StateProvider> model = pipelineModelState(*stages_, *model_, replica, tpRank, shards);
+    std::shared_ptr<StateProvider> optim =
+        pipelineOptimizerState(*stages_, *optimizer_, *model_, replica, tpRank, group_->rank() == 0, shards);
+    if (const int t = options_.tensorParallel; fsdp_ && t > 1) {
+      // The wrapper's rows of each TP block, under the unsplit names, placed in the global
+      // tensors as for TP inside a sharded wrapper without a pipeline.
+      model = nestedState(model, tensorParallelPlacement(*model_, t, tpRank, replica, false));
+      optim = nestedState(optim, tensorParallelPlacement(*model_, t, tpRank, replica, true));
+    }
+    state.add("model", model).add("optim", optim);
   } else if (fsdp_ || zero_) {
     std::shared_ptr<StateProvider> model = fsdp_ ? fsdp_->modelState() : zero_->modelState();
     std::shared_ptr<StateProvider> optim = optimizerState(*optimizer_, fsdp_ ? fsdp_->parameterMap() : zero_->parameterMap());

@@ -82,8 +82,8 @@
 //    in one line what cannot run: a world that p t does not divide, a global batch whose share
 //    per dp replica m does not divide, a schedule that refuses m (interleaved and zbv need a
 //    multiple of p, zb1 m >= p), and the combinations not built yet: a Sharding other than
-//    None with t > 1 and a checkpointDir, or under --elastic, and microBatches > 1 (the
-//    pipeline's own micro-batches replace gradient accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
+//    None under --elastic, and microBatches > 1 (the pipeline's own micro-batches replace
+//    gradient accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
 //    t > 1 parallelized over mesh() first, pipeline.sequenceParallel saying whether with SP) and
 //    hands it over with setPipelineModel (not setModel), which keeps this rank's stages
 //    (pipeline::splitGpt, pipeline.split) and prints their summary on dp replica 0. parameters() and paramGroups()
@@ -105,7 +105,8 @@
 //    store (the launcher's or the membership's, scoped to the group instance), so the others'
 //    errors name it.
 //  * Sharded pipeline replicas (pipeline.degree p > 1 with Sharding::Zero1, Zero2 or Full; with
-//    t > 1 the wrapper shards each rank's TP blocks, clipping goes over tp too, no checkpoints):
+//    t > 1 the wrapper shards each rank's TP blocks, clipping goes over tp too, and checkpoints
+//    place the rows inside the TP blocks, parallel/checkpoint.h's tensorParallelPlacement):
 //    setPipelineModel (then collective over mesh()["dp"]) wraps this rank's stages in the fully
 //    sharded wrapper over dp (blocks as units; fullyShard's units are replaced), and
 //    parameters() / paramGroups() are its shards. Each step gathers the stages once for all m
