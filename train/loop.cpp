@@ -427,6 +427,7 @@ void Loop::setPipelineModel(std::shared_ptr<nn::Gpt> model) {
                               "(dt::parallelize), then hand it over"));
   }
   model_ = std::move(model);
+  releaseOtherStages();
   makeRunner();
   if (options_.sharding != Sharding::None) shardStages();
   if (mesh_->coordinate("dp") == 0 && !options_.quiet) {
@@ -509,6 +510,23 @@ Tensor Loop::stageShard(const Tensor& parameter) const {
   return it->second;
 }
 
+void Loop::releaseOtherStages() {
+  // The other stages' parameters are nobody's to train here: their bytes go, while the tensors
+  // stay for their names and shapes (checkpoints, paramGroups, decay groups read those), until
+  // gatherPipelineModel gives them memory and values again. A storage a stage uses stays.
+  std::vector<Storage> mine;
+  for (const Tensor& t : stages_->parameters()) mine.push_back(t.storage());
+  const auto used = [&mine](const Storage& s) {
+    return std::any_of(mine.begin(), mine.end(), [&s](const Storage& m) { return m.isSameAs(s); });
+  };
+  for (const auto& [name, t] : model_->namedParameters()) {
+    Storage storage = t.storage();
+    if (storage.nbytes() == 0 || used(storage)) continue;
+    released_.emplace_back(storage, storage.nbytes());
+    storage.resizeBytes(0);
+  }
+}
+
 void Loop::requireParts() const {
   if (!model_) throw InvalidArgument(str(options_.program, ": parameters() before setModel()"));
   if (zeroSharded() && !zero_ && !fsdp_) {
@@ -530,8 +548,8 @@ std::vector<optim::ParamGroup> Loop::paramGroups(const std::vector<optim::ParamG
   if (stages_) {
     // The whole model's tensors by name, then the stage's under the same names: the last
     // stage's tied copy is "wte.weight" as the original is.
-    std::unordered_map<const void*, std::string> names;
-    for (const auto& [name, t] : model_->namedParameters()) names.emplace(t.dataPtr(), name);
+    std::unordered_map<const void*, std::string> names;  // by identity: the other stages' tensors hold no bytes
+    for (const auto& [name, t] : model_->namedParameters()) names.emplace(t.id(), name);
     std::map<std::string, Tensor> mine;
     for (const auto& [name, t] : stages_->namedParameters()) mine.emplace(name, t);
     std::vector<optim::ParamGroup> out;
@@ -539,7 +557,7 @@ std::vector<optim::ParamGroup> Loop::paramGroups(const std::vector<optim::ParamG
     for (const optim::ParamGroup& g : groups) {
       optim::ParamGroup kept{{}, g.weightDecay};
       for (const Tensor& t : g.params) {
-        auto name = names.find(t.dataPtr());
+        auto name = names.find(t.id());
         if (name == names.end()) {
           throw InvalidArgument(str(options_.program, ": paramGroups: ", t.describe(), " is not a parameter of the model"));
         }
@@ -1282,6 +1300,8 @@ void Loop::gatherPipelineModel() {
   for (const auto& [name, t] : stages_->namedParameters()) {
     if (!(stages_->tiedIsLast && t.dataPtr() == stages_->tiedCopy.dataPtr())) mine.emplace(name, t);
   }
+  for (auto& [storage, bytes] : released_) storage.resizeBytes(bytes);  // filled below
+  released_.clear();
   const NamedTensors all = model_->namedParameters();
   Tensor owners = zeros({static_cast<int64_t>(all.size())}, DType::Int64);
   for (size_t i = 0; i < all.size(); ++i) {

@@ -86,7 +86,9 @@
 //    gradient accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
 //    t > 1 parallelized over mesh() first, pipeline.sequenceParallel saying whether with SP) and
 //    hands it over with setPipelineModel (not setModel), which keeps this rank's stages
-//    (pipeline::splitGpt, pipeline.split) and prints their summary on dp replica 0. parameters() and paramGroups()
+//    (pipeline::splitGpt, pipeline.split), frees the bytes of the other stages' parameters (the
+//    tensors stay for names and shapes; gatherPipelineModel refills them) and prints the stages'
+//    summary on dp replica 0. parameters() and paramGroups()
 //    are then the stage's (paramGroups keeps, by name, the groups' tensors this rank holds, the
 //    last stage's copy of the tied embedding standing for wte.weight), so the same optimizer
 //    code serves both. run()'s step function must be empty: each step splits the dp replica's
@@ -418,7 +420,9 @@ class Loop {
   // modules of the model, which usually exists only after the loop: rank-dependent streams).
   void setModel(std::shared_ptr<nn::Module> model, FullyShardOptions sharded);
   // Pipeline parallelism: the whole model, the same on every rank; this rank keeps its stages
-  // (see the contract). Not collective, except with a Sharding (the wrapper over dp). InvalidArgument without pipeline.degree > 1, for a
+  // (see the contract) and frees the bytes of the other stages' parameters (their tensors stay,
+  // for names and shapes; do not read their values until gatherPipelineModel). Not collective,
+  // except with a Sharding (the wrapper over dp). InvalidArgument without pipeline.degree > 1, for a
   // model of fewer blocks than stages, a model not parallelized under tensorParallel > 1, or twice.
   void setPipelineModel(std::shared_ptr<nn::Gpt> model);
   // This rank's stages (null without setPipelineModel).
@@ -492,6 +496,8 @@ class Loop {
   // Sharding under a pipeline: the fully sharded wrapper over mesh()["dp"] on this rank's stages
   // (blocks as units), and each stage parameter's shard.
   void shardStages();
+  // Frees the bytes of the whole model's parameters that no local stage holds (released_).
+  void releaseOtherStages();
   Tensor stageShard(const Tensor& parameter) const;
   StageShards stageShards() const;
   // The batch's m micro-batches: inputs where stage 0 is, targets where the last stage is.
@@ -580,6 +586,8 @@ class Loop {
   // Sharded stages: the stage parameters' shards by Tensor::id(), and the stages' parameters
   // gathered (Full: during a step; ZeRO: from an update to the next step's reduction).
   std::unordered_map<const void*, Tensor> shardOf_;
+  // The other stages' parameters' storages, freed by setPipelineModel, and their sizes.
+  std::vector<std::pair<Storage, size_t>> released_;
   std::optional<FullyShardedDataParallel::FullParametersGuard> stagesGathered_;
   // Sharding::Full under --elastic: after a loss, the newest checkpoint at the new world size.
   void reloadShards();
