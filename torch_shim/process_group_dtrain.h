@@ -23,9 +23,12 @@
 //    List[Tensor]; empty for barrier and send) that completes, or fails with dtrain's error,
 //    on dtrain's callback threads (work.h), never on the group's worker. result() is the same
 //    tensors.
-//  * Blocking: an op call returns at once (a group's first CUDA op does not exist here);
-//    create() blocks until every rank of the group joined (the timeout) and throws
-//    dt::TimeoutError naming the missing ranks.
+//  * Blocking: an op call returns at once with its Work; create() blocks until every rank of
+//    the group joined (up to the timeout) and throws dt::TimeoutError naming the missing ranks.
+//  * Timeouts: the group's is CreateOptions::timeout (torch's init_process_group/new_group
+//    timeout, 30 min unless given); an op's own where torch passes one (its options' timeout),
+//    else the group's. A lost peer fails the ops at once, not at the timeout (shm: its pid is
+//    watched; Gloo: its socket closes; the report then waits dtrain's failure-report window).
 //  * Thread safety: as dt::ProcessGroup: issue one group's collectives from one thread, in the
 //    same order on every rank; Works and futures may be used from any thread.
 //  * Ownership: the group owns its dt::ProcessGroup; destroying it (or the last reference)

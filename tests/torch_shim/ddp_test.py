@@ -7,7 +7,6 @@
 # comm hooks (PyTorch's allreduce hook, which chains on Work.get_future(), and its fp16
 # compression hook, whose float16 all-reduce rounds: a looser bound).
 import copy
-import sys
 
 import torch
 import torch.distributed as dist

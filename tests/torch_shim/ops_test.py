@@ -3,8 +3,7 @@
 # compares against values each rank computes itself; any mismatch raises and the rank exits 1.
 import argparse
 import math
-import os
-import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -243,6 +242,11 @@ if world > 1:
     # dtrain's own check, before anything is issued: a shape mismatch names both shapes.
     expect_error("allgather shapes", lambda: dist.all_gather([torch.zeros(2)] * world, torch.zeros(3)), "allgather",
                  dtrain_torch.InvalidArgument)
+    # dtrain's who-is-stuck report reaches Python: rank 0 runs an all_reduce the others never join.
+    stuck = dist.new_group(backend="dtrain", timeout=timedelta(seconds=2))
+    if rank == 0:
+        expect_error("who is stuck", lambda: dist.all_reduce(torch.ones(4), group=stuck),
+                     "never started #1", dtrain_torch.TimeoutError)
 dist.barrier()
 print(f"ops ok world={world} init={args.init} checks={checks} backend={pg.dtrain_backend()}", flush=True)
 dist.destroy_process_group()

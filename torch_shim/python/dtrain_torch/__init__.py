@@ -29,10 +29,18 @@ from ._C import (  # noqa: F401
 
 BACKEND = "dtrain"
 
+# Users see (and catch) them as dtrain_torch.<Kind>, not as the extension's.
+for _error in (Error, TimeoutError, NetworkError, BackendError, DesyncError, InvalidArgument, NotSupportedError,
+               MemberLostError):
+    _error.__module__ = __name__
+
 
 def _create_process_group(options, pg_options=None):
     # torch's extended_api hands one _DistributedBackendOptions: the group's store (a
     # PrefixStore named after the group), rank, size, timeout, name and global ranks.
+    if pg_options is not None:
+        raise ValueError(f"the dtrain backend takes no pg_options (got {pg_options!r}); "
+                         "DT_BACKEND and the other DT_* variables configure it (docs/torch.md)")
     return ProcessGroupDtrain.create(
         options.store,
         options.group_rank,
