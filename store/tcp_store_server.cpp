@@ -1345,13 +1345,15 @@ void TcpStoreServer::Impl::sendCopyOfState(const StandbyLinkPtr& l) {
     w.finish();
     forward(std::string_view(frame).substr(proto::kHeaderBytes));
   };
-  for (const auto& [key, value] : state.keys()) {
-    send([&](proto::FrameWriter& w) { w.u8(static_cast<uint8_t>(Command::Set)).u64(0).u64(0).bytes(key).bytes(value); });
+  for (const auto& entry : state.keys()) {
+    send([&](proto::FrameWriter& w) {
+      w.u8(static_cast<uint8_t>(Command::Set)).u64(0).u64(0).bytes(entry.first).bytes(entry.second);
+    });
   }
-  for (const auto& [key, items] : state.queues()) {
-    for (const auto& item : items) {
+  for (const auto& queue : state.queues()) {
+    for (const auto& item : queue.second) {
       send([&](proto::FrameWriter& w) {
-        w.u8(static_cast<uint8_t>(Command::QueuePush)).u64(0).u64(0).bytes(key).bytes(item);
+        w.u8(static_cast<uint8_t>(Command::QueuePush)).u64(0).u64(0).bytes(queue.first).bytes(item);
       });
     }
   }
