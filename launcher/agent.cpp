@@ -350,7 +350,9 @@ struct Agent::Impl {
     if (o.nodeRank == 0) {
       so.isServer = true;
       so.waitForWorkers = false;
-      so.standbyTimeout = o.nodeTimeout;  // a standby silent that long is retired, not waited for
+      // A standby silent for half the node timeout is retired, not waited for: the writes it holds
+      // up must resume before the nodes take the store itself for lost (--node-timeout).
+      so.standbyTimeout = std::max(o.nodeTimeout / 2, Millis(100));
       so.bindAddress = o.bind;
       std::string failure;
       try {

@@ -183,6 +183,37 @@ TEST(DtrunElastic, TheTcpStoreJobLosesNode0AndGoesOnWithTheOthers) {
               static_cast<long long>(last - std::stoll(at[1])));
 }
 
+TEST(DtrunElastic, TheTcpStoreJobLosesItsStandbysNodeToSilenceAndGoesOn) {
+  // Three nodes on the TCP store; in step 20 member 2 stops node 1 whole (its dtrun, which hosts
+  // the store's standby, and both workers SIGSTOPped): silence, not proof. Node 0's store stops
+  // waiting for the standby after half of --node-timeout 3s and retires it (the job's writes go
+  // on), node 0 declares node 1 lost when its heartbeats are 3 s old, and nodes 0 and 2 finish.
+  const PortReservation reservation;
+  TempDir stamps;
+  const std::string stamp = (stamps.path() / "silenced").string();
+  std::vector<std::unique_ptr<ChildProcess>> nodes;
+  for (int rank = 0; rank < 3; ++rank) {
+    nodes.push_back(std::make_unique<ChildProcess>(
+        std::vector<std::string>{kDtrun, "--nnodes", "3", "--node-rank", std::to_string(rank), "--nproc", "2",
+                                 "--elastic", "--master-addr", "127.0.0.1", "--master-port", reservation.text(),
+                                 "--node-timeout", "3s", kWorker, "300", "30", "2", "20", "nodestop"},
+        std::vector<std::string>{"DT_TEST_KILL_STAMP=" + stamp}));
+  }
+  const auto r0 = nodes[0]->wait(120s), r2 = nodes[2]->wait(120s);
+  ASSERT_EQ(r0.exitCode, 0) << r0.out << r0.err;
+  ASSERT_EQ(r2.exitCode, 0) << r2.out << r2.err;
+  EXPECT_THAT(r0.err, HasSubstr("this server goes on alone (the standby is told to retire)"));
+  EXPECT_THAT(r0.err, HasSubstr("node 1 is lost (node 1 stopped sending heartbeats"));
+  expectFinished(r0, {0, 1}, 4);
+  expectFinished(r2, {4, 5}, 4);
+  // Node 1's processes are still stopped: SIGKILL reaches them anyway.
+  const pid_t silent = nodes[1]->pid();
+  std::ifstream children(str("/proc/", silent, "/task/", silent, "/children"));
+  for (pid_t pid = 0; children >> pid;) ::kill(pid, SIGKILL);
+  nodes[1]->signal(SIGKILL);
+  nodes[1]->wait(60s);
+}
+
 TEST(DtrunElastic, AfterNode0IsLostANodeJoinsThroughTheStandby) {
   // A --nnodes 2:3 job of one worker per node on loopback, the TCP store on node 0 and its hot
   // standby on node 1. Member 0 kills node 0 in step 40; a dtrun started afterwards, pointed at
