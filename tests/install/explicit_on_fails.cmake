@@ -23,4 +23,7 @@ expect_configure_failure(etcd_missing "DT_USE_ETCD=ON but libcurl"
   -DDT_USE_CUDA=OFF -DDT_USE_ETCD=ON -DCMAKE_DISABLE_FIND_PACKAGE_CURL=ON)
 expect_configure_failure(onednn_missing "DT_USE_ONEDNN=ON but oneDNN was not found.*scripts/setup.sh"
   -DDT_USE_CUDA=OFF -DDT_USE_ONEDNN=ON -DDT_ONEDNN_INCLUDE_DIR=/nonexistent)
+expect_configure_failure(torch_missing "DT_BUILD_TORCH=ON but Torch's CMake config.*scripts/setup.sh"
+  -DDT_USE_CUDA=OFF -DDT_BUILD_TORCH=ON -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON)
+expect_configure_failure(torch_bad_value "DT_BUILD_TORCH=maybe is not valid" -DDT_USE_CUDA=OFF -DDT_BUILD_TORCH=maybe)
 file(REMOVE_RECURSE ${WORK_DIR})
