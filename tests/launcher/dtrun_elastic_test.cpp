@@ -134,6 +134,23 @@ TEST(DtrunElastic, ANodeJoinsARunningJobAndIsLostAgain) {
   expectFinished(r1, {1}, 2);
 }
 
+// Three dtruns of two workers on loopback, the TCP store on `port` (node 0's, with node 1's
+// standby), running the elastic worker for 300 steps of 30 ms with `death` (its DIE_RANK DIE_STEP
+// HOW); the killer's line goes to `stamp` too.
+std::vector<std::unique_ptr<ChildProcess>> threeNodesOnTheTcpStore(const std::string& port, const std::string& stamp,
+                                                                   const std::string& nodeTimeout,
+                                                                   const std::vector<std::string>& death) {
+  std::vector<std::unique_ptr<ChildProcess>> nodes;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::vector<std::string> argv = {kDtrun, "--nnodes", "3", "--node-rank", std::to_string(rank), "--nproc", "2",
+                                     "--elastic", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+                                     "--master-port", port, "--node-timeout", nodeTimeout, kWorker, "300", "30"};
+    argv.insert(argv.end(), death.begin(), death.end());
+    nodes.push_back(std::make_unique<ChildProcess>(argv, std::vector<std::string>{"DT_TEST_KILL_STAMP=" + stamp}));
+  }
+  return nodes;
+}
+
 TEST(DtrunElastic, TheTcpStoreJobLosesNode0AndGoesOnWithTheOthers) {
   // Three emulated nodes of two workers on loopback with the TCP store (--rdzv-backend static):
   // node 0's dtrun hosts the store, node 1's its hot standby. In step 20 rank 0 SIGKILLs its
@@ -144,14 +161,7 @@ TEST(DtrunElastic, TheTcpStoreJobLosesNode0AndGoesOnWithTheOthers) {
   const PortReservation reservation;
   TempDir stamps;
   const std::string stamp = (stamps.path() / "killed").string();
-  std::vector<std::unique_ptr<ChildProcess>> nodes;
-  for (int rank = 0; rank < 3; ++rank) {
-    nodes.push_back(std::make_unique<ChildProcess>(
-        std::vector<std::string>{kDtrun, "--nnodes", "3", "--node-rank", std::to_string(rank), "--nproc", "2",
-                                 "--elastic", "--master-addr", "127.0.0.1", "--master-port", reservation.text(),
-                                 "--node-timeout", "60s", kWorker, "300", "30", "0", "20", "node"},
-        std::vector<std::string>{"DT_TEST_KILL_STAMP=" + stamp}));
-  }
+  auto nodes = threeNodesOnTheTcpStore(reservation.text(), stamp, "60s", {"0", "20", "node"});
   const auto lost = nodes[0]->wait(120s);
   EXPECT_EQ(lost.exitCode, 128 + SIGKILL) << lost.out << lost.err;
   const auto r1 = nodes[1]->wait(120s), r2 = nodes[2]->wait(120s);
@@ -191,14 +201,7 @@ TEST(DtrunElastic, TheTcpStoreJobLosesItsStandbysNodeToSilenceAndGoesOn) {
   const PortReservation reservation;
   TempDir stamps;
   const std::string stamp = (stamps.path() / "silenced").string();
-  std::vector<std::unique_ptr<ChildProcess>> nodes;
-  for (int rank = 0; rank < 3; ++rank) {
-    nodes.push_back(std::make_unique<ChildProcess>(
-        std::vector<std::string>{kDtrun, "--nnodes", "3", "--node-rank", std::to_string(rank), "--nproc", "2",
-                                 "--elastic", "--master-addr", "127.0.0.1", "--master-port", reservation.text(),
-                                 "--node-timeout", "3s", kWorker, "300", "30", "2", "20", "nodestop"},
-        std::vector<std::string>{"DT_TEST_KILL_STAMP=" + stamp}));
-  }
+  auto nodes = threeNodesOnTheTcpStore(reservation.text(), stamp, "3s", {"2", "20", "nodestop"});
   const auto r0 = nodes[0]->wait(120s), r2 = nodes[2]->wait(120s);
   ASSERT_EQ(r0.exitCode, 0) << r0.out << r0.err;
   ASSERT_EQ(r2.exitCode, 0) << r2.out << r2.err;
@@ -206,12 +209,7 @@ TEST(DtrunElastic, TheTcpStoreJobLosesItsStandbysNodeToSilenceAndGoesOn) {
   EXPECT_THAT(r0.err, HasSubstr("node 1 is lost (node 1 stopped sending heartbeats"));
   expectFinished(r0, {0, 1}, 4);
   expectFinished(r2, {4, 5}, 4);
-  // Node 1's processes are still stopped: SIGKILL reaches them anyway.
-  const pid_t silent = nodes[1]->pid();
-  std::ifstream children(str("/proc/", silent, "/task/", silent, "/children"));
-  for (pid_t pid = 0; children >> pid;) ::kill(pid, SIGKILL);
-  nodes[1]->signal(SIGKILL);
-  nodes[1]->wait(60s);
+  nodes[1]->killWithChildren();  // node 1's processes are still stopped
 }
 
 TEST(DtrunElastic, AfterNode0IsLostANodeJoinsThroughTheStandby) {

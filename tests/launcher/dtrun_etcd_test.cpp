@@ -166,12 +166,7 @@ TEST(DtrunEtcd, ANodeSilentButNotDeadIsLostWhenItsLeaseRunsOut) {
     std::printf("node silent -> survivors' next commit: %lld ms (--node-timeout 3s)\n",
                 std::stoll(resumed[1]) - std::stoll(stopped[1]));
   }
-  // Node 2's processes are still stopped: SIGKILL reaches them anyway.
-  const pid_t silentDtrun = nodes[2]->pid();
-  std::ifstream children(str("/proc/", silentDtrun, "/task/", silentDtrun, "/children"));
-  for (pid_t pid = 0; children >> pid;) ::kill(pid, SIGKILL);
-  nodes[2]->signal(SIGKILL);
-  nodes[2]->wait(60s);
+  nodes[2]->killWithChildren();  // node 2's processes are still stopped
 }
 
 TEST(DtrunEtcd, BadInputIsOneClearErrorEach) {

@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <fstream>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/wait.h>
@@ -96,6 +97,14 @@ bool ChildProcess::waitForOutput(const std::string& needle, std::chrono::millise
 
 void ChildProcess::signal(int sig) {
   if (!exited_) kill(pid_, sig);
+}
+
+void ChildProcess::killWithChildren() {
+  if (exited_) return;
+  std::ifstream children("/proc/" + std::to_string(pid_) + "/task/" + std::to_string(pid_) + "/children");
+  for (pid_t child = 0; children >> child;) kill(child, SIGKILL);
+  kill(pid_, SIGKILL);
+  wait(std::chrono::seconds(60));
 }
 
 ProcessResult ChildProcess::wait(std::chrono::milliseconds timeout) {

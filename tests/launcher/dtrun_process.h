@@ -31,6 +31,9 @@ class ChildProcess {
   // Waits until stdout+stderr contain `needle` `count` times; false on timeout or exit.
   bool waitForOutput(const std::string& needle, std::chrono::milliseconds timeout, int count = 1);
   void signal(int sig);
+  // SIGKILLs the child's own children, then the child (a stopped dtrun and its stopped workers:
+  // SIGKILL reaches stopped processes, and dtrun would not pass anything on), and reaps it.
+  void killWithChildren();
   // Waits for exit (killing the child at the deadline).
   ProcessResult wait(std::chrono::milliseconds timeout);
   std::string output() const { return out_ + err_; }
