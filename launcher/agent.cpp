@@ -21,6 +21,7 @@
 #include "common/strings.h"
 #include "debug/flight_analysis.h"
 #include "launcher/coordinator.h"
+#include "launcher/flight_gather.h"
 #include "launcher/machine.h"
 #include "launcher/output.h"
 #include "launcher/status.h"
@@ -91,6 +92,10 @@ struct Rendezvous {
 
 // How long a job of --nnodes MIN:MAX waits for more nodes once MIN are there (all MAX start it at once).
 constexpr int64_t kLastCallMs = 2000;
+// After a failed attempt, how long a node waits for the other nodes' flight records, and how
+// many bytes of its own it posts (a store value; the TcpStore takes up to 64 MiB).
+constexpr int64_t kFlightGatherMs = 5000;
+constexpr size_t kFlightGatherBytes = size_t{32} << 20;
 
 struct AttemptResult {
   bool success = false;
@@ -751,6 +756,49 @@ struct Agent::Impl {
       return text;
     } catch (const std::exception& e) {
       return str("dtrun: cannot analyze the flight records in ", dir, ": ", e.what(), "\n");
+    }
+  }
+
+  // Every node's flight records into every node's folder (launcher/flight_gather.h), so that
+  // each dtrun tells the whole job's story: this node's dumps go to the store, the others'
+  // come back, waiting at most kFlightGatherMs for the nodes that have not posted yet (a lost
+  // node never does; the story then lacks its ranks, and says so).
+  void gatherFlightRecords(const std::string& dir, int attempt, const Rendezvous& rdv) {
+    const std::string prefix = str("dtrun/flight/", attempt, "/");
+    const size_t expected = rdv.nodes.empty() ? static_cast<size_t>(o.nnodes) : rdv.nodes.size();
+    try {
+      const PackedFlightFiles mine = packFlightFiles(dir, kFlightGatherBytes);
+      if (mine.leftOut > 0) {
+        say(str("warning: ", mine.leftOut, " flight record(s) in ", dir, " do not fit the ", kFlightGatherBytes >> 20,
+                " MiB posted to the other nodes; they stay here only"));
+      }
+      store->set(str(prefix, "node", o.nodeRank), mine.bytes);
+      store->append(prefix + "posted", str(o.nodeRank, ","));
+      const int64_t until = wallMs() + kFlightGatherMs;
+      std::vector<std::string> posted;
+      for (;;) {
+        posted.clear();
+        for (const auto& node : split(store->get(prefix + "posted"), ',')) {
+          if (!node.empty()) posted.emplace_back(node);
+        }
+        if (posted.size() >= expected || wallMs() >= until || !idleWait(100)) break;
+      }
+      for (const auto& node : posted) {
+        if (node == std::to_string(o.nodeRank)) continue;
+        unpackFlightFiles(store->get(str(prefix, "node", node)), dir, str("node ", node));
+      }
+      // Stay until the others have read too (node 0's dtrun holds the store they read from),
+      // for at most kFlightGatherMs more.
+      store->add(prefix + "fetched", 1);
+      const int64_t readUntil = wallMs() + kFlightGatherMs;
+      while (store->add(prefix + "fetched", 0) < static_cast<int64_t>(posted.size()) && wallMs() < readUntil && idleWait(50)) {
+      }
+      if (posted.size() < expected) {
+        say(str("the flight records of ", expected - posted.size(), " node(s) did not arrive within ",
+                formatDuration(Millis(kFlightGatherMs)), ": the story below lacks their ranks"));
+      }
+    } catch (const std::exception& e) {
+      say(str("warning: cannot gather the other nodes' flight records through the job's store: ", e.what()));
     }
   }
 
@@ -1463,7 +1511,10 @@ struct Agent::Impl {
     }
     if (code == 0) code = 1;
     writeAll(2, formatSummary(summary));
-    if (!flightDir.empty()) writeAll(2, flightStory(flightDir));
+    if (!flightDir.empty()) {
+      if (multiNode && !storeGone) gatherFlightRecords(flightDir, attempt, rdv);
+      writeAll(2, flightStory(flightDir));
+    }
     return AttemptResult{false, code};
   }
 

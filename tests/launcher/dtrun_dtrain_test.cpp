@@ -15,6 +15,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 const std::string kDtrun = DTRUN_PATH;
 const std::string kWorker = DTRAIN_WORKER_PATH;
@@ -69,6 +70,35 @@ TEST(DtrunDtrain, FailedJobPrintsTheFlightRecordersStory) {
   const auto empty = runProcess({kDtrun, "analyze", logs.path().string()}, 60s);
   EXPECT_EQ(empty.exitCode, 1);
   EXPECT_THAT(empty.err, HasSubstr("no flight recorder dumps (flight_rank*.json) in"));
+}
+
+// The same hang on two nodes, each with a log folder of its own (as on two machines): every
+// dtrun posts its workers' flight records to the job's store and copies the other node's, so
+// both print the story of all four ranks, and node 0's folder ends with every rank's dump.
+TEST(DtrunDtrain, TwoNodesEachPrintTheWholeJobsFlightStory) {
+  const PortReservation reservation;
+  TempDir logs0, logs1;
+  auto node = [&](int rank, const TempDir& logs) {
+    return std::vector<std::string>{kDtrun, "--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr", "127.0.0.1",
+                                    "--master-port", reservation.text(), "--nproc", "2", "--rdzv-timeout", "60s",
+                                    "--hang-timeout", "8s", "--monitor-interval", "200ms", "--kill-grace", "3s",
+                                    "--log-dir", logs.path().string(), "--run-id", "frnodes", kWorker, "hang"};
+  };
+  ChildProcess n0(node(0, logs0));
+  ChildProcess n1(node(1, logs1));
+  const auto r0 = n0.wait(120s);
+  const auto r1 = n1.wait(120s);
+  EXPECT_EQ(r0.exitCode, 124) << r0.out << r0.err;
+  for (const auto* r : {&r0, &r1}) {
+    EXPECT_THAT(r->err, HasSubstr("first difference at #4:")) << r->err;
+    EXPECT_THAT(r->err, HasSubstr("ranks 0, 2-3 issued allreduce #4 (float32[4], sum)")) << r->err;
+    EXPECT_THAT(r->err, HasSubstr("rank 1 never issued #4")) << r->err;
+    EXPECT_THAT(r->err, Not(HasSubstr("did not arrive"))) << r->err;
+  }
+  const auto analyzed = runProcess({kDtrun, "analyze", (logs0.path() / "frnodes" / "attempt0").string()}, 60s);
+  EXPECT_EQ(analyzed.exitCode, 0) << analyzed.err;
+  EXPECT_THAT(analyzed.out, HasSubstr("ranks 0, 2-3 issued allreduce #4")) << "node 0's folder holds node 1's dumps too\n"
+                                                                               << analyzed.out;
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // Unit tests of dtrun's pure parts: command line, worker environment, output
 // lines, failure summary, SLURM mode, hang report.
 #include <csignal>
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 #include <gmock/gmock.h>
@@ -8,6 +10,7 @@
 
 #include "common/errors.h"
 #include "launcher/coordinator.h"
+#include "launcher/flight_gather.h"
 #include "launcher/options.h"
 #include "launcher/output.h"
 #include "launcher/slurm.h"
@@ -308,6 +311,35 @@ TEST(LauncherWatchdog, FailureRecordRoundTrip) {
   EXPECT_EQ(d.timeMs, 1234);
   EXPECT_EQ(d.node, 1);
   EXPECT_EQ(d.description, "rank 5 (host h\tx) ended");
+}
+
+// The other nodes' flight records travel as one packed value: the dumps of a folder (nothing
+// else there), into another folder that keeps a dump it holds already; a budget leaves out the
+// largest files and counts them; a damaged pack is one error naming where.
+TEST(LauncherFlightGather, PackedDumpsLandInAnotherFolderOnce) {
+  testing::TempDir from, to;
+  const auto write = [](const std::filesystem::path& path, const std::string& text) { std::ofstream(path) << text; };
+  write(from.path() / "flight_rank2_signal.json", "{\"rank\": 2}\n");
+  write(from.path() / "flight_rank3_timeout.json", std::string(300, 'x'));
+  write(from.path() / "rank2.stderr", "not a dump");
+  write(to.path() / "flight_rank2_signal.json", "mine");
+  const PackedFlightFiles all = packFlightFiles(from.path().string(), 1 << 20);
+  EXPECT_EQ(all.files, 2);
+  EXPECT_EQ(all.leftOut, 0);
+  EXPECT_EQ(unpackFlightFiles(all.bytes, to.path().string(), "node 1"), 1);
+  std::ifstream kept(to.path() / "flight_rank2_signal.json"), copied(to.path() / "flight_rank3_timeout.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "mine");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(copied), {}), std::string(300, 'x'));
+  EXPECT_FALSE(std::filesystem::exists(to.path() / "rank2.stderr"));
+
+  const PackedFlightFiles small = packFlightFiles(from.path().string(), 100);
+  EXPECT_EQ(small.files, 1) << "the smaller dump fits";
+  EXPECT_EQ(small.leftOut, 1);
+
+  testing::expectThrowsWith<InvalidArgument>([&] { unpackFlightFiles(all.bytes.substr(0, all.bytes.size() - 10), to.path().string(), "node 1"); },
+                                             {"flight records from node 1", "does not fit"});
+  testing::expectThrowsWith<InvalidArgument>(
+      [&] { unpackFlightFiles("../evil.json\n4\nabcd", to.path().string(), "node 7"); }, {"node 7", "\"../evil.json\""});
 }
 
 }  // namespace
