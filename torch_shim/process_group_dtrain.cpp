@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -25,6 +26,9 @@
 
 namespace dt::torch_shim {
 namespace {
+
+constexpr std::chrono::milliseconds kProgressInterval{250};
+constexpr std::chrono::milliseconds kFailureReportWindow{750};
 
 // The c10d::Work torch's callers get: a view of one dt::Work plus the at::Tensors the op
 // writes (what getFuture() and result() hand back). The dt tensors it wraps keep their
@@ -330,6 +334,14 @@ c10::intrusive_ptr<ProcessGroupDtrain> ProcessGroupDtrain::create(const c10::int
     init.store = jobStore;
     groupOptions = dt::connectJob(init).group;
   }
+  // A rank that lost a peer waits this window for the others' failure reports before it names
+  // the silent ones, and a heartbeat that moves within it clears a rank. Over Gloo (where the
+  // closed socket does not say who died) dtrain's defaults (1 s heartbeat, 2.5 s window) put
+  // the survivors' error 2.5 s after the death; a PyTorch job, which has no launcher telling
+  // it who died, gets it within a second: a 250 ms heartbeat (four small store writes a second
+  // per rank) and a 750 ms window, three heartbeats long.
+  groupOptions.progressInterval = std::min(groupOptions.progressInterval, kProgressInterval);
+  groupOptions.failureReportWindow = std::min(groupOptions.failureReportWindow, kFailureReportWindow);
   auto scoped = std::make_shared<dt::PrefixStore>("torch/" + options.groupId, jobStore);
   return c10::make_intrusive<ProcessGroupDtrain>(dt::ProcessGroup::create(scoped, rank, size, std::move(groupOptions)));
 }

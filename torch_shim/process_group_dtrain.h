@@ -28,7 +28,8 @@
 //  * Timeouts: the group's is CreateOptions::timeout (torch's init_process_group/new_group
 //    timeout, 30 min unless given); an op's own where torch passes one (its options' timeout),
 //    else the group's. A lost peer fails the ops at once, not at the timeout (shm: its pid is
-//    watched; Gloo: its socket closes; the report then waits dtrain's failure-report window).
+//    watched; Gloo: its socket closes, and the report names it after a 750 ms failure-report
+//    window, shorter than dtrain's default, with a 250 ms progress heartbeat to match).
 //  * Thread safety: as dt::ProcessGroup: issue one group's collectives from one thread, in the
 //    same order on every rank; Works and futures may be used from any thread.
 //  * Ownership: the group owns its dt::ProcessGroup; destroying it (or the last reference)
