@@ -70,7 +70,7 @@ constexpr std::array kKnobs = {
     Knob{"DT_TEST_RECORD_SAMPLES", "", "Tests only: PREFIX: each member of a program on dt::train::Loop appends the examples of every attempt at a step to PREFIX.<member>.", "tests"},
     Knob{"DT_TEST_WAIT_FOR_JOINER_AT", "", "Tests only: STEP: the members of an elastic program on dt::train::Loop wait (up to 2 minutes) at the start of that step for a replacement to ask to join, unless one joined already.", "tests"},
     Knob{"DT_TEST_STEP_PAUSE_MS", "0", "Tests only: a program on dt::train::Loop sleeps this many ms at the start of every step, so that kills and joins land mid-run.", "tests"},
-    Knob{"DT_TEST_SLOW_RANK", "", "Tests only: MEMBER:MS: that member of a program on dt::train::Loop sleeps MS ms inside the forward phase of every step, a straggler on purpose.", "tests"},
+    Knob{"DT_TEST_SLOW_RANK", "", "Tests only: MEMBER:MS[:forward|data]: that member of a program on dt::train::Loop sleeps MS ms inside the forward phase of every step (data: in its wait for each batch), a straggler on purpose.", "tests"},
     Knob{"DT_STRAGGLER_EVERY", "", "dt::train::Loop: steps between two gathers of the ranks' step figures on the control all-reduce (default LoopOptions::stragglers.every, 10); 0 turns straggler detection off. See docs/debugging.md.", "user"},
     Knob{"DT_STRAGGLER_THRESHOLD", "", "dt::train::Loop: a rank whose own time (its step less its communication wait) exceeds this many times the median is slow (default LoopOptions::stragglers.threshold, 1.5).", "user"},
     Knob{"DT_STRAGGLER_WINDOW", "", "dt::train::Loop: steps a rank must stay slow to be reported as a straggler (default LoopOptions::stragglers.window, 40).", "user"},

@@ -100,10 +100,17 @@ TestSwitches TestSwitches::fromEnvironment(TestSwitches given) {
   if (given.slowRank.empty()) given.slowRank = env::getString("DT_TEST_SLOW_RANK");
   if (!given.slowRank.empty()) {
     const auto parts = split(given.slowRank, ':');
-    const bool ok = parts.size() == 2 && !parts[0].empty() && !parts[1].empty() &&
+    const bool ok = (parts.size() == 2 || (parts.size() == 3 && (parts[2] == "forward" || parts[2] == "data"))) &&
+                    !parts[0].empty() && !parts[1].empty() && parts[0].size() < 10 &&
                     parts[0].find_first_not_of("0123456789") == std::string::npos &&
                     parts[1].find_first_not_of("0123456789") == std::string::npos && parts[1].size() < 10;
-    if (!ok) throw InvalidArgument(str("slow rank \"", given.slowRank, "\" is not MEMBER:MS (e.g. 2:200: member 2 sleeps 200 ms in each forward)"));
+    if (!ok) {
+      throw InvalidArgument(str("slow rank \"", given.slowRank, "\" is not MEMBER:MS[:forward|data] (e.g. 2:200: member 2 "
+                                "sleeps 200 ms in each forward; 2:200:data: while it waits for each batch)"));
+    }
+    given.slowMember = std::stoi(parts[0]);
+    given.slowMs = std::stoll(parts[1]);
+    given.slowInData = parts.size() == 3 && parts[2] == "data";
   }
   if (given.waitForJoinerAt < 0 && !env::getString("DT_TEST_WAIT_FOR_JOINER_AT").empty()) {
     given.waitForJoinerAt = env::getInt("DT_TEST_WAIT_FOR_JOINER_AT");
@@ -157,11 +164,6 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
   }
   restartCount_ = env::getInt("DT_RESTART_COUNT");
   options_.test = TestSwitches::fromEnvironment(options_.test);
-  if (!options_.test.slowRank.empty()) {
-    const auto parts = split(options_.test.slowRank, ':');
-    slowMember_ = std::stoi(parts[0]);
-    slowMs_ = std::stoll(parts[1]);
-  }
   try {
     options_.stragglers = StragglerOptions::fromEnvironment(options_.stragglers);
   } catch (const InvalidArgument& e) {
@@ -1085,6 +1087,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     WorkPtr controlWork = elastic_ ? nullptr : group_->allreduce(vote);
     Clock::time_point phaseStart = Clock::now();
     const data::LoadedBatch batch = loader_->next();
+    if (slowsHere(true)) std::this_thread::sleep_for(std::chrono::milliseconds(options_.test.slowMs));
     figures.dataMs = msSince(phaseStart);
     if (learningRate_) optimizer_->setLr(learningRate_(step_));
     optimizer_->zeroGrad();
@@ -1093,7 +1096,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     double stepLoss = 0.0;
     if (pipelined()) {
       phaseStart = Clock::now();
-      if (slowMs_ > 0 && memberId() == slowMember_) std::this_thread::sleep_for(std::chrono::milliseconds(slowMs_));
+      if (slowsHere(false)) std::this_thread::sleep_for(std::chrono::milliseconds(options_.test.slowMs));
       const double slept = msSince(phaseStart);
       phaseStart = Clock::now();
       stepLoss = pipelineStep(batch.batch);
@@ -1123,7 +1126,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       try {
         out = fn(micro);
         // The test switch's straggler: slow in its forward, once a step.
-        if (k == 0 && slowMs_ > 0 && memberId() == slowMember_) std::this_thread::sleep_for(std::chrono::milliseconds(slowMs_));
+        if (k == 0 && slowsHere(false)) std::this_thread::sleep_for(std::chrono::milliseconds(options_.test.slowMs));
       } catch (const Error&) {
         throw;
       } catch (const std::exception& e) {

@@ -257,10 +257,15 @@ struct TestSwitches {
   std::string recordSamples;
   // Sleep this long at the start of every step, so that kills and joins land mid-run.
   int64_t stepPauseMs = 0;
-  // "MEMBER:MS": that member (as in failAt) sleeps MS ms inside the forward phase of every step
-  // (after the step function returns, before backward), a straggler on purpose: straggler
-  // detection must name it and "forward". Empty: none.
+  // "MEMBER:MS[:SECTION]": that member (as in failAt) sleeps MS ms in every step, a straggler on
+  // purpose: with SECTION forward (the default) inside the forward phase (after the step
+  // function returns, before backward), with data while it waits for its batch; straggler
+  // detection must name it and that section. Empty: none. fromEnvironment parses it into the
+  // three fields below.
   std::string slowRank;
+  int slowMember = -1;
+  int64_t slowMs = 0;
+  bool slowInData = false;
   // Elastic: at the start of this step the members wait (up to 2 minutes) for a replacement
   // to ask to join, unless one joined already, so that a test's join happens mid-run however
   // slow the machine. -1: never.
@@ -553,6 +558,10 @@ class Loop {
   void reach(int64_t step, Phase phase);
   void recordSamples(int64_t step, const data::SamplerPosition& position) const;
   int memberId() const;
+  // TestSwitches::slowRank: whether this member sleeps now (in the data wait, or in forward).
+  bool slowsHere(bool inData) const {
+    return options_.test.slowMs > 0 && options_.test.slowInData == inData && memberId() == options_.test.slowMember;
+  }
 
   LoopOptions options_;
   std::unique_ptr<elastic::ElasticGroup> elastic_;
@@ -621,8 +630,6 @@ class Loop {
   int64_t stepCount_ = 0;         // ... over this many steps
   std::optional<StragglerDetector> stragglers_;  // null: detection off
   uint64_t stragglerEpoch_ = 0;   // the membership epoch the detector's counts belong to
-  int slowMember_ = -1;           // TestSwitches::slowRank parsed
-  int64_t slowMs_ = 0;
   bool lastMicroBatch_ = true;  // the backward now is the step's last
   bool backwardReturns_ = false;  // Sharding::Full: Phase::Backward once backward returned
   std::chrono::steady_clock::time_point loopStart_;

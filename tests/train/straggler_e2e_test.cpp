@@ -1,7 +1,7 @@
 // Straggler detection under dtrun, through programs on the training loop (tests/train/loop_worker,
 // the docs' minimal trainer) on 4 ranks: a rank slowed on purpose (DT_TEST_SLOW_RANK: 200 ms in
-// each forward against a step of about a millisecond) is reported by the loop (stdout, the
-// metrics file) and by dtrun with its section, a run without one reports none, and with
+// each forward, or in each data wait, against a step of about a millisecond) is reported by the
+// loop (stdout, the metrics file) and by dtrun with its section, a run without one reports none, and with
 // --elastic --evict-stragglers dtrun kills the straggler and the job finishes on 3 ranks.
 // The verdicts are the only thing timed: the slowdown is two orders of magnitude over the step,
 // so neither a loaded machine nor a quiet one can hide or fake it.
@@ -83,6 +83,19 @@ TEST_F(Stragglers, ASlowedRankIsReportedWithItsSectionAndAnEvenRunReportsNone) {
                                 120s, kKnobs);
   ASSERT_EQ(quiet.exitCode, 0) << quiet.out << quiet.err;
   EXPECT_THAT(quiet.out + quiet.err, Not(HasSubstr("straggler"))) << quiet.out << quiet.err;
+}
+
+// A rank slow to get its batches (200 ms in its data wait) is named with the data wait and
+// "data-bound", not as a slow computation.
+TEST_F(Stragglers, ARankSlowToGetItsDataIsReportedDataBound) {
+  TempDir out;
+  const auto r = runProcess(dtrunProgram(4, {}, kLoopWorker, {data_->path().string(), (out.path() / "ck").string(), "40"}), 120s,
+                            withKnobs({"DT_TEST_SLOW_RANK=1:200:data"}));
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  static const std::regex report(
+      R"(dtrun: straggler: loop_worker: rank 1 \(host [^)]+\) is a straggler at step \d+: .*; data wait \d+ ms against .*: data-bound)");
+  EXPECT_TRUE(std::regex_search(r.err, report)) << r.out << r.err;
+  EXPECT_EQ(countOccurrences(r.err, "dtrun: straggler:"), 1) << r.err;
 }
 
 TEST_F(Stragglers, EvictedUnderElasticTheJobFinishesOnTheOthers) {
