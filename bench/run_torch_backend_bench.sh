@@ -66,7 +66,7 @@ echo
 # The goals' verdicts go on the end of each RATIO line.
 {
   "$py" "$peers/summarize.py" "$out" --ratio dtrain_torch-ddp:torch-ddp
-  "$py" "$peers/summarize.py" "$out" --ratio dtrain_torch:torch --ignore val_loss_nats
+  "$py" "$peers/summarize.py" "$out" --ratio dtrain_torch:torch
 } | awk 'match($0, /ratio_step_ms=[0-9.]+/) { v = substr($0, RSTART + 14, RLENGTH - 14) + 0
            $0 = $0 " goal: DDP step at most 0.8x gloo: " (v <= 0.8 ? "met" : "MISSED") } { print }'
 "$py" "$peers/summarize.py" "$out" --ratio torch-dtrain:torch-gloo |
@@ -75,23 +75,28 @@ echo
          match($0, /ratio_time_us=[0-9.]+/); v = substr($0, RSTART + 14, RLENGTH - 14) + 0
          if (b <= 65536) $0 = $0 " goal: at most 0.3x gloo up to 64 KiB: " (v <= 0.3 ? "met" : "MISSED") } { print }'
 echo
-"$py" - "$out" <<'EOF'
-import statistics, sys
+"$py" - "$out" "$peers" <<'EOF'
+import sys
+sys.path.insert(0, sys.argv[2])
+from summarize import median_metrics, read_results  # noqa: E402
 rows = {}
-for line in open(sys.argv[1]):
-    if not line.startswith("RESULT "):
-        continue
-    fields = line.split()
-    kv = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
+for (workload, identity), runs in read_results([sys.argv[1]], ()).items():
+    kv, medians = dict(identity), median_metrics(runs)
     backend = "dtrain" if "dtrain" in kv["impl"] else "gloo"
-    if fields[1] == "allreduce":
-        what, metric = f"all_reduce {int(kv['bytes']) // 1024} KiB", float(kv["time_us"]) / 1e3
+    if workload == "allreduce":
+        what, ms = f"all_reduce {int(kv['bytes']) // 1024} KiB", medians["time_us"] / 1e3
     else:
-        what, metric = {"ddp_mlp": "DDP step, MLP", "gpt": "DDP step, GPT"}[fields[1]], float(kv["step_ms"])
-    rows.setdefault((what, int(kv["world"])), {}).setdefault(backend, []).append(metric)
+        what, ms = {"ddp_mlp": "DDP step, MLP", "gpt": "DDP step, GPT"}[workload], medians["step_ms"]
+    rows.setdefault((what, int(kv["world"])), {})[backend] = ms
 print("| what | world | gloo ms | dtrain ms | dtrain / gloo |")
 print("|---|---|---|---|---|")
-for (what, world), by in sorted(rows.items(), key=lambda r: (r[0][0].split()[0], r[0][1], r[0][0])):
-    g, d = (statistics.median(by[k]) if k in by else float("nan") for k in ("gloo", "dtrain"))
-    print(f"| {what} | {world} | {g:.3f} | {d:.3f} | {d / g:.2f} |")
+nan = float("nan")
+def order(row):  # the DDP steps, then the all_reduce sizes in ascending order, world by world
+    (what, world), _ = row
+    return what.startswith("all_reduce"), world, int("".join(c for c in what if c.isdigit()) or 0), what
+
+
+for (what, world), by in sorted(rows.items(), key=order):
+    print(f"| {what} | {world} | {by.get('gloo', nan):.3f} | {by.get('dtrain', nan):.3f} | "
+          f"{by.get('dtrain', nan) / by.get('gloo', nan):.2f} |")
 EOF
