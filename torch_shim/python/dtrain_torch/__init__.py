@@ -67,6 +67,13 @@ def _dtrain_rendezvous_handler(url, timeout=timedelta(minutes=30), **kwargs):
             f"dtrain:// rendezvous: rank {rank} / world size {world_size} unknown: pass rank= and "
             "world_size= to init_process_group or start the program with dtrun or torchrun"
         )
+    launcher_store = os.environ.get("DT_STORE_ADDR") or os.environ.get("DT_ETCD_ENDPOINTS")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not launcher_store:
+        raise ValueError(
+            "dtrain:// rendezvous: torchrun's agent hosts its own store at MASTER_ADDR:MASTER_PORT "
+            "(TORCHELASTIC_USE_AGENT_STORE=True), where rank 0 would start dtrain's; use "
+            "init_method='env://' (the dtrain backend then starts a store of its own) or start the job with dtrun"
+        )
     store = DtrainStore.connect(rank, world_size, timeout)
     yield (store, rank, world_size)
     raise RuntimeError("dtrain:// rendezvous cannot be repeated; create a new process group instead")
