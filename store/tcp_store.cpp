@@ -14,6 +14,7 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <asio.hpp>
@@ -29,6 +30,14 @@
 
 namespace dt {
 namespace {
+
+// Whether this process has not yet logged a fail-over from `from` to `to` (and now has).
+bool firstFailover(const std::string& from, const std::string& to) {
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  const std::lock_guard<std::mutex> lock(mutex);
+  return seen.insert(from + " -> " + to).second;
+}
 
 namespace proto = store_proto;
 using Clock = std::chrono::steady_clock;
@@ -489,8 +498,11 @@ struct TcpStore::Client {
       std::memcpy(out.data() + out.size() - 8, &rest, 8);
     }
     if (address() != before) {
-      log->warn("lost the connection to the store at {} during {} ({}); failed over to {} and sent the request again",
-                before, op, where(), address());
+      // Every connection of the process (a group's, the heartbeat's, the recorder's...) fails
+      // over on its own: the first says so, the others would repeat it.
+      const auto level = firstFailover(before, address()) ? spdlog::level::warn : spdlog::level::debug;
+      log->log(level, "lost the connection to the store at {} during {} ({}); failed over to {} and sent the request again",
+               before, op, where(), address());
     } else {
       log->warn("lost the connection to the store at {} during {} ({}); reconnected and sent the request again",
                 address(), op, where());
