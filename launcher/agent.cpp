@@ -125,7 +125,8 @@ struct Agent::Impl {
   std::unique_ptr<StatusCollector> statusCollector;
   std::unique_ptr<StatusServer> statusServer;
   // Straggler reports read so far (the training loop's dt/straggler/<n>, train/straggler.h),
-  // over every attempt: the keys outlive an attempt.
+  // over every attempt of an elastic job (the keys outlive an attempt); a restarted worker
+  // group's own keys count again from 1.
   int64_t stragglersSeen = 0;
   // Watch connections between dtruns. The kernel closes a dead process's
   // sockets at once, even after SIGKILL: the peer's read returns end-of-file
@@ -1092,6 +1093,10 @@ struct Agent::Impl {
     int64_t nextStragglerCheck = 0;
     StorePtr stragglerStore;
     const Store* stragglerStoreOf = nullptr;
+    // A restarted worker group (--max-restarts without --elastic) writes its keys under
+    // "restart<k>/" (process_group/init.h), numbering its reports from 1 again.
+    const std::string stragglerKeys = !o.elastic && attempt > 0 ? str("restart", attempt, "/dt/straggler/") : "dt/straggler/";
+    if (!o.elastic && attempt > 0) stragglersSeen = 0;
     auto checkStragglers = [&](int64_t now) {
       if (stopping || storeGone || now < nextStragglerCheck) return;
       nextStragglerCheck = now + o.monitorInterval.count();
@@ -1103,8 +1108,8 @@ struct Agent::Impl {
           stragglerStore->setTimeout(std::chrono::milliseconds(std::clamp<int64_t>(o.monitorInterval.count(), 200, 1000)));
           stragglerStoreOf = store.get();
         }
-        while (stragglerStore->check({str("dt/straggler/", stragglersSeen + 1)})) {
-          reports.push_back(stragglerStore->get(str("dt/straggler/", ++stragglersSeen)));
+        while (stragglerStore->check({str(stragglerKeys, stragglersSeen + 1)})) {
+          reports.push_back(stragglerStore->get(str(stragglerKeys, ++stragglersSeen)));
         }
       } catch (const std::exception&) {
         // The store's loss is handled elsewhere; what was read is still reported.
