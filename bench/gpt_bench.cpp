@@ -5,11 +5,13 @@
 //
 //   RESULT gpt_block impl=dtrain batch=16 model=L1-H4-C256-T128 reps=20 step_ms=..
 //
-// --autocast 1 runs the block's step under dt::autocast(BFloat16) (tensor/autocast.h) and adds
-// precision=bf16-autocast to its line; stderr names the matrix-product kernels.
+// --autocast 1 runs the step (block or attention core) under dt::autocast(BFloat16)
+// (tensor/autocast.h) and adds precision=bf16-autocast and attention=bf16|fp32 (what the
+// attention core's products ran in) to its line; --attention-bf16 0|1 sets
+// dt::setAutocastAttention (default: DT_AUTOCAST_ATTENTION). stderr names the matrix-product kernels.
 //
 // usage: gpt_bench --micro block|attention [--batch B] [--width C] [--heads H] [--context T] [--reps N]
-//                  [--autocast 0|1]
+//                  [--autocast 0|1] [--attention-bf16 0|1]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -53,6 +55,7 @@ int main(int argc, char** argv) {
     else if (flag == "--context") context = std::stoll(value);
     else if (flag == "--reps") reps = std::stoi(value);
     else if (flag == "--autocast") bf16Autocast = std::stoi(value) != 0;
+    else if (flag == "--attention-bf16") dt::setAutocastAttention(std::stoi(value) != 0);
     else {
       std::fprintf(stderr, "gpt_bench: unknown flag %s\n", flag.c_str());
       return 2;
@@ -68,20 +71,20 @@ int main(int argc, char** argv) {
   std::function<void()> step;
   dt::Tensor x = dt::randn({batch, context, width}, g).setRequiresGrad(true);
   dt::Tensor qkv = dt::randn({batch, context, 3 * width}, g).setRequiresGrad(true);
-  if (micro == "block") {
-    step = [&] {
-      std::optional<dt::autocast> scope;
-      if (bf16Autocast) scope.emplace(dt::DType::BFloat16);
-      dt::sum(block(x)).backward();
-    };
-  } else {
-    step = [&] { dt::sum(dt::selfAttention(qkv, heads)).backward(); };
-  }
+  step = [&] {
+    std::optional<dt::autocast> scope;
+    if (bf16Autocast) scope.emplace(dt::DType::BFloat16);
+    dt::sum(micro == "block" ? block(x) : dt::selfAttention(qkv, heads)).backward();
+  };
   const double ms = medianMs(step, reps);
   // precision= only with --autocast 1, so the float32 line still pairs with PyTorch's.
+  const bool attentionBf16 = dt::autocastAttention() && dt::bf16MatmulNative() &&
+                             dt::matmulBackend() != dt::MatmulBackend::OpenBlas;
+  const std::string precision =
+      bf16Autocast ? std::string(" precision=bf16-autocast attention=") + (attentionBf16 ? "bf16" : "fp32") : "";
   std::printf("RESULT gpt_%s impl=dtrain batch=%lld model=L1-H%lld-C%lld-T%lld%s reps=%d step_ms=%.3f\n", micro.c_str(),
               static_cast<long long>(batch), static_cast<long long>(heads), static_cast<long long>(width),
-              static_cast<long long>(context), bf16Autocast ? " precision=bf16-autocast" : "", reps, ms);
+              static_cast<long long>(context), precision.c_str(), reps, ms);
   std::fprintf(stderr, "matmul kernels: %s\n", dt::matmulKernelName().c_str());
   return 0;
 }

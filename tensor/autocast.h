@@ -15,6 +15,11 @@
 //  * Which ops: mm, bmm, matmul and linear on cpu tensors whose operands are float32 or bfloat16
 //    (mixed is allowed inside the scope). Their results are float32. float64 and CUDA tensors,
 //    and every other op, are untouched. linear's bias is added in float32.
+//  * The fused attention core (scaledDotProductAttention, selfAttention) joins them only where
+//    autocastAttention() is true: then its per-head products (Q K^T, P V and the backward's four)
+//    take bf16 operands with float32 accumulation, while the softmax and its statistics, the
+//    dropout, the outputs and the gradients stay float32. Off by default (measured slower than
+//    float32 attention on the GPT's shapes, docs/tensor.md "bf16 autocast").
 //  * Gradients: the products' backward runs with the operand type chosen at forward time
 //    (whether or not backward runs inside a scope); each input gets its gradient in its own
 //    dtype, so float32 parameters get float32 gradients.
@@ -45,5 +50,13 @@ class autocast {
 
 // The calling thread's autocast dtype; nullopt outside any enabled scope.
 std::optional<DType> autocastDType();
+
+// Whether the fused attention core runs its products in bf16 inside an enabled scope (see the
+// contract above). Process-wide and thread-safe: DT_AUTOCAST_ATTENTION (0 or 1; InvalidArgument
+// naming the variable otherwise) read at the first attention op, or setAutocastAttention(),
+// which takes effect for attention ops that start after it returns. A backward keeps the choice
+// its forward made.
+bool autocastAttention();
+void setAutocastAttention(bool bf16);
 
 }  // namespace dt

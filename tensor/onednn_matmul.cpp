@@ -53,7 +53,8 @@ const SetThreads ompSetNumThreads = reinterpret_cast<SetThreads>(::dlsym(RTLD_DE
 std::atomic<pid_t> gTeamOwner{0};
 
 int useThreads() {
-  int n = numThreads();
+  // Inside a parallelFor chunk (the fused attention's heads) each chunk is already a thread.
+  int n = insideParallelFor() ? 1 : numThreads();
 #if defined(DT_THREAD_SANITIZER)
   n = 1;  // libgomp is not instrumented either: its team would read as races (see parallel.cpp)
 #endif

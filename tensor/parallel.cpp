@@ -211,6 +211,8 @@ void setNumThreads(int n) {
   setBlasThreads(n);
 }
 
+bool insideParallelFor() { return tInsideParallel; }
+
 void parallelForImpl(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   const int threads = numThreads();
   const int64_t total = end - begin;

@@ -46,6 +46,11 @@ std::string blasKernelName();
 std::string blasKernelWarning(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2,
                               const std::string& coretypeVariable = "", bool onednnBuiltIn = false);
 
+// Whether the calling thread is running a chunk of a parallelFor (a pool thread, or the caller
+// during its own chunk): libraries with thread teams of their own (oneDNN's OpenMP) run on one
+// thread there, as nested parallelFor calls do, instead of a team per chunk.
+bool insideParallelFor();
+
 void parallelForImpl(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
 template <typename Fn>

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
@@ -77,6 +78,35 @@ TEST(MatmulIsaCap, BFloat16FallsBackToFloat32WithOneLogLine) {
   // The operands were converted to float32, not handed to oneDNN's bf16 emulation.
   EXPECT_EQ(detail::gemmOperandType(DType::BFloat16, DType::Float32), DType::Float32);
   EXPECT_NE(matmulKernelName().find("bf16=fp32"), std::string::npos) << matmulKernelName();
+}
+
+// The fused attention core, switched to bf16 under autocast, falls back to its float32 path
+// (no oneDNN, no emulation): float32's result and gradients exactly.
+TEST(MatmulIsaCap, AttentionUnderAutocastStaysFloat32) {
+  ASSERT_FALSE(bf16MatmulNative()) << "ONEDNN_MAX_CPU_ISA did not cap oneDNN below bf16";
+  const bool previous = autocastAttention();
+  setAutocastAttention(true);
+  Generator g(9);
+  const Tensor qkv0 = randn({2, 37, 3 * 24}, g), up = randn({2, 37, 24}, g);
+  auto run = [&](bool inScope) {
+    Tensor qkv = qkv0.clone().setRequiresGrad(true);
+    Tensor out;
+    {
+      autocast scope(DType::BFloat16, inScope);
+      out = selfAttention(qkv, 3);
+    }
+    sum(mul(out, up)).backward();
+    return std::pair<Tensor, Tensor>(out.detach(), qkv.grad());
+  };
+  const int64_t before = detail::onednn::productsRun();
+  const auto [out, grad] = run(true);
+  const int64_t products = detail::onednn::productsRun() - before;
+  const auto [plainOut, plainGrad] = run(false);
+  setAutocastAttention(previous);
+  EXPECT_EQ(products, 0) << "attention handed products to oneDNN's bf16 emulation";
+  EXPECT_TRUE(allclose(out, plainOut, 0.0, 0.0));
+  EXPECT_TRUE(allclose(grad, plainGrad, 0.0, 0.0));
+  EXPECT_EQ(grad.dtype(), DType::Float32);
 }
 
 }  // namespace
