@@ -7,7 +7,8 @@
 // (bmm, mask, softmax, dropout, bmm, and transposes to and from [B, H, T, d]) materialises the
 // score matrix several times and copies every head twice; here each head's scores exist once.
 // Causal heads are cut into row blocks of kBlock rows, and each block's gemms only span the
-// keys up to its last row, so about 60% of the square is computed at T = 128.
+// keys up to its last row, so about 60% of the square is computed at T = 128 (float32; bf16
+// operands take larger blocks, kBlockBf16).
 //
 // Under bf16 autocast with autocastAttention() (tensor/autocast.h) the gemms take bf16 operands
 // (Q, K, V, the probabilities, dO and dS, rounded once each) with float32 accumulation on
@@ -35,6 +36,15 @@ using namespace detail;
 namespace {
 
 constexpr int64_t kBlock = 32;
+// With bf16 operands each product is a oneDNN call of about 10 us of fixed cost (its packing,
+// the primitive lookup), as much as a 32-row block's arithmetic: rows are taken 128 at a time
+// (the whole square at T = 128), computing the masked part too, which measured faster than 32
+// (median 18.2 against 24.3 ms for the attention core's step at B16-H4-C256-T128, six runs each).
+constexpr int64_t kBlockBf16 = 128;
+template <typename O>
+constexpr int64_t causalBlock() {
+  return std::is_same_v<O, BFloat16> ? kBlockBf16 : kBlock;
+}
 
 // Where one operand's heads live: head (b, h) starts at base + b * batchStride + h * headStride,
 // its rows rowStride apart, each row contiguous. Strides in elements.
@@ -136,7 +146,7 @@ template <typename T, typename O>
 void forwardHeads(const Problem<T, O>& pr, const Heads<T>& out) {
   const Shape4 s = pr.shape;
   const int64_t square = s.lenQ * s.lenK;
-  const int64_t block = pr.causal ? kBlock : std::max<int64_t>(1, s.lenQ);
+  const int64_t block = pr.causal ? causalBlock<O>() : std::max<int64_t>(1, s.lenQ);
   const T dropScale = static_cast<T>(pr.dropoutP > 0 ? 1.0 / (1.0 - pr.dropoutP) : 1.0);
   constexpr bool kConvert = !std::is_same_v<O, T>;
   parallelFor(0, s.batch * s.heads, 1, [&](int64_t lo, int64_t hi) {
@@ -175,7 +185,7 @@ void backwardHeads(const Problem<T, O>& pr, const Heads<const O>& gradOut, const
                    const Heads<T>& dv) {
   const Shape4 s = pr.shape;
   const int64_t square = s.lenQ * s.lenK;
-  const int64_t block = pr.causal ? kBlock : std::max<int64_t>(1, std::max(s.lenQ, s.lenK));
+  const int64_t block = pr.causal ? causalBlock<O>() : std::max<int64_t>(1, std::max(s.lenQ, s.lenK));
   const T dropScale = static_cast<T>(pr.dropoutP > 0 ? 1.0 / (1.0 - pr.dropoutP) : 1.0);
   constexpr bool kConvert = !std::is_same_v<O, T>;
   parallelFor(0, s.batch * s.heads, 1, [&](int64_t lo, int64_t hi) {
