@@ -431,7 +431,7 @@ int run(const Config& c) {
     // The stages' wrapper gathers once a step for all the micro-batches (docs/parallel.md).
     const dt::FullyShardedDataParallel& w = *loop.fullySharded();
     std::printf("gpt: rank %d/%d sharded stages: %zu unit(s); last step %zu gather(s), %zu reduce-scatter(s) for %d micro-batches\n",
-                finalRank, world, w.unitNames().size(), w.lastIteration().gathers, w.lastIteration().reduceScatters,
+                finalRank, loop.worldSize(), w.unitNames().size(), w.lastIteration().gathers, w.lastIteration().reduceScatters,
                 static_cast<int>(c.microBatches));
   }
   // fsdp: the whole model on every rank while rank 0 (its tp group under --tp) samples: no dp collective meanwhile.

@@ -55,6 +55,13 @@ void postStatus(const StorePtr& store, const std::string& program, Post&& post) 
   }
 }
 
+// A double that reads back bitwise (a loss carried in metadata or to a joiner).
+static std::string exactDouble(double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.17g", v);
+  return text;
+}
+
 int64_t epochMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -193,13 +200,13 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
       return InvalidArgument(str(p, ": pipeline parallelism (pipeline.degree ", pp, ") ", what));
     };
     if (pp < 1) throw refuse("must be 1 (off) or more");
-    if (options_.sharding != Sharding::None) {
+    if (options_.sharding != Sharding::None && elastic && options_.checkpointDir.empty()) {
       const char* sharding = options_.sharding == Sharding::Full ? "Full" : options_.sharding == Sharding::Zero1 ? "Zero1" : "Zero2";
-      // A lost replica's shards have no other copy (recovery reloads them from a checkpoint).
-      if (elastic) {
-        throw refuse(str("with Sharding::", sharding, " under dtrun --elastic is not built yet; use Sharding::None "
-                         "(DDP over the pipeline replicas) under --elastic"));
-      }
+      // A lost rank's rows of its stages have no other copy: the survivors reload them from the
+      // newest checkpoint, so there must be one (said here rather than at the first loss).
+      throw refuse(str("with Sharding::", sharding, " under dtrun --elastic needs LoopOptions::checkpointDir: a lost "
+                       "rank's shards have no other copy and come back from the newest checkpoint; set one, or use "
+                       "Sharding::None (DDP over the pipeline replicas)"));
     }
     if (options_.microBatches != 1) {
       throw refuse(str("with microBatches ", options_.microBatches,
@@ -481,7 +488,9 @@ void Loop::shardStages() {
   auto stagesModule = std::make_shared<StageModules>(*stages_);
   FullyShardOptions sharded = options_.fullyShard;
   sharded.units.clear();
-  sharded.joining = false;
+  // A joiner's stages start empty and receive their rows from the members (redistributeShards),
+  // who rebind to the same dp group meanwhile; the members' first wrapping broadcasts dp rank 0's.
+  sharded.joining = joining_;
   std::unordered_set<const nn::Module*> blocks;
   for (const auto& [name, block] : dynamic_cast<const nn::Gpt&>(*model_).h->namedChildren()) blocks.insert(block.get());
   for (const auto& [name, child] : stagesModule->namedChildren()) {
@@ -794,6 +803,10 @@ void Loop::addExtraState(TrainingState& state) {
   char loss[32];
   std::snprintf(loss, sizeof(loss), "%.6f", recentLoss_);
   m["train_loss"] = loss;
+  // A joiner's first commit vote, and the first after a sharded model went back to a checkpoint,
+  // carry the previous step's loss like everyone's (under a pipeline the global batch's, as every
+  // rank's; else one replica's, near enough).
+  m["last_loss"] = exactDouble(lastLoss_);
 }
 
 // The values addState(int64_t&) registered, from a state's metadata.
@@ -912,6 +925,15 @@ void Loop::regroup() {
     // The same schedule over the same stages on the new pp group; the dp replica's share of the
     // global batch changed, so the micro-batches' rows (and the first step's shape check) do too.
     makeRunner();
+    if (fsdp_) {
+      // Sharded stages: cut again for the new dp group (a collective), zero until restored. A
+      // step cut short may have left whole gradients that were never reduced: the redone step
+      // must not add to them. ZeRO's stages, gathered between steps, are gathered again by the
+      // next step.
+      stagesGathered_.reset();
+      for (Tensor p : stages_->parameters()) p.setGrad(Tensor());
+      fsdp_->rebind(dataGroup());
+    }
   } else if (fsdp_) {
     fsdp_->rebind(group_);  // a collective: the shards cut for the new group, zero until restored
   } else {
@@ -1016,12 +1038,7 @@ void Loop::admitJoiners() {
 void Loop::transferState() {
   // Under TP along each dp group (its rank 0 an old member at the joiner's tp coordinate,
   // holding the same shards), else over the whole group.
-  TrainingState state = trainingState(/*replicaLocal=*/true);
-  // A joiner's first commit vote carries the previous step's loss like everyone's: the sender's
-  // (under a pipeline the global batch's, as every rank's; else one replica's, near enough).
-  char last[32];
-  std::snprintf(last, sizeof(last), "%.17g", lastLoss_);
-  state.metadata["last_loss"] = last;
+  TrainingState state = trainingState(/*replicaLocal=*/true);  // the last step's loss included
   ProcessGroup& over = mesh_ ? *dataGroup() : *group_;
   const Device device = model_->parameters().empty() ? Device::cpu() : model_->parameters().front().device();
   // --measure-transfer times the transfer alone: a joiner would otherwise count its wait for
@@ -1230,7 +1247,10 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     if (elastic_ && ctl[2] > 0 && ctl[0] == 0 && step_ < options_.steps) admitJoiners();
   } catch (const Error&) {
     if (!elastic_) throw;
+    const int64_t at = step_;
     recover(std::current_exception());
+    // Sharded: back at the newest checkpoint's step, whose steps the window counts again.
+    if (step_ < at) window.reset(step_);
     return left_.empty();
   }
   if (!left_.empty()) return false;  // an admission dropped this rank's replica
@@ -1250,7 +1270,10 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       if (!elastic_) throw;
       recover(std::current_exception());
       if (!left_.empty()) return false;
-      if (step_ != at) break;  // sharded: back at the newest checkpoint's step
+      if (step_ != at) {  // sharded: back at the newest checkpoint's step
+        window.reset(step_);
+        break;
+      }
     }
   }
   return true;
@@ -1335,6 +1358,15 @@ double Loop::pipelineStep(const data::Batch& batch) {
   if (fsdp_) {
     fsdp_->reduceGradients();
     if (!zeroSharded()) stagesGathered_.reset();
+    // Elastic, every rank's step loss is the global batch's, as averageStageGradients makes it
+    // with DDP: a checkpoint's last loss, which the survivors' first vote after a reload reports,
+    // and a joiner's are then right at any dp.
+    ProcessGroup& dp = *dataGroup();
+    if (elastic_ && dp.size() > 1) {
+      Tensor sum = full({1}, loss, DType::Float64, stages_->parameters().front().device());
+      dp.allreduce(sum)->wait();
+      loss = sum.to(Device::cpu()).item<double>() / static_cast<double>(dp.size());
+    }
   } else {
     averageStageGradients(loss);
   }
@@ -1397,6 +1429,9 @@ void Loop::reloadShards() {
   step_ = state.step;
   restoreValues(state.metadata, extraValues_, ref->manifest.string());
   recentLoss_ = std::strtod(m.text("train_loss").c_str(), nullptr);
+  // The next commit vote reports the loss of the step before it: the checkpoint's last one, not
+  // the last one this rank trained before the loss (an older checkpoint has none).
+  if (m.has("last_loss")) lastLoss_ = std::strtod(m.text("last_loss").c_str(), nullptr);
 }
 
 void Loop::redistributeShards(const std::vector<StateTensor>& held) {
@@ -1405,13 +1440,14 @@ void Loop::redistributeShards(const std::vector<StateTensor>& held) {
   // ZeRO: DDP's bucket layout first, so that a joiner cuts the same parts.
   std::string text;
   if (group_->rank() == 0) {
-    text = str(step_, "\n", recentLoss_, "\n", zero_ ? join(ddp_->bucketOrder(), ",") : std::string());
+    text = str(step_, "\n", recentLoss_, "\n", zero_ ? join(ddp_->bucketOrder(), ",") : std::string(), "\n",
+               exactDouble(lastLoss_));
     for (const auto& [name, v] : extraValues_) text += str("\n", *v);
   }
   const auto start = Clock::now();
   broadcastString(*group_, text, 0);
   const auto lines = split(text, '\n');
-  if (zeroSharded() && !zero_) {
+  if (zeroSharded() && !zero_ && !pipelined()) {  // a pipeline's ZeRO is its stages' wrapper, made by now
     bucketOrder_ = lines.at(2).empty() ? std::vector<std::string>{} : split(lines.at(2), ',');
     wrapReplicated(false);
     shardOptimizerState();
@@ -1421,8 +1457,9 @@ void Loop::redistributeShards(const std::vector<StateTensor>& held) {
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   step_ = std::stoll(lines.at(0));
   recentLoss_ = std::strtod(lines.at(1).c_str(), nullptr);
-  for (size_t i = 0; i < extraValues_.size(); ++i) *extraValues_[i].second = std::stoll(lines.at(3 + i));
+  for (size_t i = 0; i < extraValues_.size(); ++i) *extraValues_[i].second = std::stoll(lines.at(4 + i));
   if (!elastic_->joinedNow()) return;
+  lastLoss_ = std::strtod(lines.at(3).c_str(), nullptr);  // the members keep their own
   startStep_ = joinedAtStep_ = step_;
   someoneJoined_ = true;
   int64_t bytes = 0;

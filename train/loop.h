@@ -81,9 +81,9 @@
 //    makes the schedule (pipeline.schedule over p ranks and pipeline.microBatches, m), refusing
 //    in one line what cannot run: a world that p t does not divide, a global batch whose share
 //    per dp replica m does not divide, a schedule that refuses m (interleaved and zbv need a
-//    multiple of p, zb1 m >= p), and the combinations not built yet: a Sharding other than
-//    None under --elastic, and microBatches > 1 (the pipeline's own micro-batches replace
-//    gradient accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
+//    multiple of p, zb1 m >= p), a Sharding other than None under --elastic without a
+//    checkpointDir (its recovery reloads the lost shards from there), and microBatches > 1 (not
+//    built: the pipeline's own micro-batches replace gradient accumulation). The caller builds the whole nn::Gpt from the same seed on every rank (with
 //    t > 1 parallelized over mesh() first, pipeline.sequenceParallel saying whether with SP) and
 //    hands it over with setPipelineModel (not setModel), which keeps this rank's stages
 //    (pipeline::splitGpt, pipeline.split), frees the bytes of the other stages' parameters (the
@@ -118,8 +118,14 @@
 //    the reduction; Zero1 and Zero2 gather again right after the optimizer step and keep them
 //    until the next reduction. Clipping goes over the shards, dp then pp; checkpoints hold each
 //    dp rank's rows under the unsplit names (any degree, or none, reads them). fullySharded()
-//    is the stages' wrapper.
-//  * Elastic pipelines (--elastic with pipeline.degree p, Sharding::None): a replica is one whole
+//    is the stages' wrapper. Under --elastic (t = 1; needs checkpointDir, and writes a checkpoint
+//    at step 0) a loss takes its pipeline replica out as below, and the survivors, whose lost
+//    rows have no other copy, cut their stages again for the new dp group (rebind) and go back
+//    to the newest checkpoint, as a plain sharded model does; the step's loss is averaged over dp
+//    (the global batch's on every rank). Joiners come as a whole replica, their stages empty,
+//    and receive their rows, optimizer state, step and extra state from the members
+//    (redistributeState over the new group, no checkpoint).
+//  * Elastic pipelines (--elastic with pipeline.degree p; sharded stages as above): a replica is one whole
 //    pipeline, p t adjacent ranks (ElasticOptions::replicaSize = p t). A loss takes it out as
 //    with TP (the live ranks leave with LoopResult::left); the whole replicas keep their (pp, tp)
 //    coordinates and stages, rebuild the mesh {dp: n / (p t), pp: p[, tp: t]}, rebind the TP

@@ -8,6 +8,9 @@
 // order). With --max-restarts the replica comes back whole, each joiner receiving its stage from
 // the member at its pp coordinate, and the job ends at full size. PP=2 x TP=2 x DP=2 on eight:
 // a replica of four leaves whole and the other rebinds its TP layers too.
+// Sharded replicas (--sharding fsdp, zero2) go back to the newest checkpoint with their stages cut
+// for the smaller dp group (four ranks, and eight: dp 4 to 3), on the undisturbed curve; their
+// joiners receive their shards from the members.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -118,6 +121,33 @@ class GptElasticPipeline : public ::testing::Test {
     expectTheSameCurve(job, str("killed member ", killed, " at step ", step, " ", phase));
   }
 
+  // Sharded replicas (--sharding fsdp, zero1, zero2: the stages' wrapper over dp): a lost rank's rows
+  // of its stages have no other copy, so the survivors go back to the newest checkpoint, their
+  // stages cut again for the new dp group, and redo the steps from there. The steps before the loss
+  // and those redone match the undisturbed DDP run's (the same examples and global batch; the
+  // reduce-scatter's sums in another order), and the vote after the reload reports the checkpoint's
+  // last loss, so the curve goes on where it was.
+  static void expectShardedReplicasGoBack(const std::string& sharding, const std::string& failAt, int killed, int partner,
+                                          int64_t kill, int64_t reload) {
+    TempDir out;
+    const std::string ckpt = (out.path() / "ckpt").string();
+    const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=" + failAt}, {}, 4,
+                           {"--sharding", sharding, "--checkpoint-dir", ckpt, "--checkpoint-every", "2"});
+    const ProcessResult& r = job.result;
+    const std::string what = str("--sharding ", sharding, ", killed member ", failAt);
+    ASSERT_EQ(r.exitCode, 0) << what << "\n" << r.out << r.err;
+    EXPECT_THAT(r.err, HasSubstr(str("gpt: member ", partner, " leaves at step ", kill, ": its pipeline replica (members 2, 3) lost rank ",
+                                     killed, " exited: signal SIGKILL")))
+        << r.err;
+    EXPECT_THAT(r.out, HasSubstr(str("2 rank(s) go on from step ", reload, " (the newest checkpoint: the lost shards have no other copy) "
+                                     "without rank ", killed, " exited: signal SIGKILL\n")))
+        << r.out;
+    EXPECT_EQ(countOccurrences(r.out, "final parameters fingerprint"), 2) << "the remaining replica's two stages end\n" << r.out;
+    EXPECT_THAT(r.out, HasSubstr(str("gpt: done: ", kSteps, " steps"))) << r.out;
+    EXPECT_THAT(r.err, ::testing::Not(HasSubstr("Error"))) << r.err;
+    expectTheSameCurve(job, what);
+  }
+
   static TempDir* reference_;
   static std::map<int64_t, Point>* curve_;
 };
@@ -179,6 +209,69 @@ TEST_F(GptElasticPipeline, WithMaxRestartsTheBrokenReplicaComesBackWhole) {
   EXPECT_EQ(countOccurrences(r.out, "final parameters fingerprint"), 4) << "the job ends at full size\n" << r.out;
   EXPECT_EQ(countOccurrences(r.out, "(spread across ranks 0)"), 4) << r.out;
   expectTheSameCurve(job, "killed member 3 at step 3 forward, replaced");
+}
+
+// rank -> the final fingerprint of its stage it printed.
+std::map<int, std::string> fingerprints(const std::string& out) {
+  static const std::regex line(R"(gpt: rank (\d+)/\d+ final parameters fingerprint ([0-9a-f]{16}) \(spread across ranks 0\))");
+  std::map<int, std::string> seen;
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) seen[std::stoi((*it)[1])] = (*it)[2];
+  return seen;
+}
+
+TEST_F(GptElasticPipeline, ShardedReplicasGoBackToTheNewestCheckpoint) {
+  // The last stage dies in step 5's pipeline step: back to step 4's checkpoint.
+  expectShardedReplicasGoBack("fsdp", "3:5:forward", 3, 2, 5, 4);
+  // ZeRO-2's stages, whole between steps, die with the first stage after the reduce-scatter: back to step 2.
+  expectShardedReplicasGoBack("zero2", "2:3:backward", 2, 3, 3, 2);
+}
+
+// Eight ranks, PP=2 x DP=4 fully sharded, global batch 24 (3 then 4 rows per micro-batch): member
+// 5 (stage 1 of replica 2) dies; three replicas go on from the checkpoint, each stage now cut in
+// three over its dp group, and end with the same stages (spread 0, one fingerprint per stage).
+TEST_F(GptElasticPipeline, ShardedStagesAreCutAgainForTheSmallerDataParallelGroup) {
+  TempDir reference, out;
+  const std::vector<std::string> flags{"--sharding", "fsdp", "--global-batch", "24", "--checkpoint-every", "2"};
+  std::vector<std::string> undisturbedFlags = flags, killedFlags = flags;
+  undisturbedFlags.insert(undisturbedFlags.end(), {"--checkpoint-dir", (reference.path() / "ckpt").string()});
+  killedFlags.insert(killedFlags.end(), {"--checkpoint-dir", (out.path() / "ckpt").string()});
+  const Job undisturbed = runJob(reference.path(), {}, {}, 8, undisturbedFlags);
+  ASSERT_EQ(undisturbed.result.exitCode, 0) << undisturbed.result.out << undisturbed.result.err;
+  const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=5:3:forward"}, {}, 8, killedFlags);
+  const ProcessResult& r = job.result;
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("gpt: member 4 leaves at step 3: its pipeline replica (members 4, 5) lost rank 5 exited: signal SIGKILL; "
+                               "the other replicas go on (6 rank(s), 3 replica(s)) and this process ends\n"))
+      << r.err;
+  EXPECT_THAT(r.out, HasSubstr("6 rank(s) go on from step 2 (the newest checkpoint: the lost shards have no other copy) without rank 5 "
+                               "exited: signal SIGKILL\n"))
+      << r.out;
+  const std::map<int, std::string> stages = fingerprints(r.out);
+  ASSERT_EQ(stages.size(), 6u) << "six ranks end, each stage's rows agreeing over its dp group\n" << r.out;
+  for (int rank = 2; rank < 6; ++rank) EXPECT_EQ(stages.at(rank), stages.at(rank % 2)) << "rank " << rank << "'s stage";
+  EXPECT_NE(stages.at(0), stages.at(1));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("Error"))) << r.err;
+  expectTheSameCurve(job, "PP=2 x DP=4 fully sharded, killed member 5 at step 3 forward", &undisturbed.curve);
+}
+
+// --max-restarts: after the reload the broken replica comes back whole; each joiner's stage starts
+// empty and receives its rows and optimizer state from the members (redistributed over the new dp
+// groups, no checkpoint), the job ends at full size with each stage equal over its dp group, and
+// the curve is the undisturbed one.
+TEST_F(GptElasticPipeline, ShardedWithMaxRestartsTheReplicaComesBackAndReceivesItsShards) {
+  TempDir out;
+  const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=3:5:forward", "DT_TEST_WAIT_FOR_JOINER_AT=6"}, {"--max-restarts", "1"}, 4,
+                         {"--sharding", "fsdp", "--checkpoint-dir", (out.path() / "ckpt").string(), "--checkpoint-every", "2"});
+  const ProcessResult& r = job.result;
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("2 rank(s) go on from step 4 (the newest checkpoint: the lost shards have no other copy)")) << r.out;
+  EXPECT_THAT(r.out, ::testing::ContainsRegex("4 rank\\(s\\) go on from step [0-9]+ with member (4, member 5|5, member 4)\n")) << r.out;
+  EXPECT_EQ(countOccurrences(r.out, "its shards received in"), 2) << r.out;
+  const std::map<int, std::string> stages = fingerprints(r.out);
+  ASSERT_EQ(stages.size(), 4u) << "the job ends at full size\n" << r.out;
+  EXPECT_EQ(stages.at(2), stages.at(0)) << "stage 0 over its dp group";
+  EXPECT_EQ(stages.at(3), stages.at(1)) << "stage 1 over its dp group";
+  expectTheSameCurve(job, "--sharding fsdp, killed member 3 at step 5 forward, replaced");
 }
 
 }  // namespace

@@ -348,6 +348,10 @@ TEST(GptPipeline, RefusesWhatDoesNotComposeYetInOneLine) {
                 "at most 3 pending weight gradients per rank; it must be 1 to p=2");
   expectRefused(2, {"--pp", "2", "--schedule", "1f1b", "--zb-pending", "1"},
                 "pipeline.maxPendingWeightGrads 1 bounds ZB-H1's deferred weight gradients; use schedule zb1");
+  // Sharded stages under --elastic come back from the newest checkpoint after a loss: there must be one.
+  expectRefused(4, {"--pp", "2", "--sharding", "fsdp"},
+                "pipeline parallelism (pipeline.degree 2) with Sharding::Full under dtrun --elastic needs LoopOptions::checkpointDir",
+                /*elastic=*/true);
   const TempDir dir;
   const std::string mine = writeSchedule(dir, "RECV_F0 F0 RECV_F1 F1");
   expectRefused(2, {"--pp", "2", "--schedule-file", mine, "--micro-batches", "4"},
