@@ -66,7 +66,8 @@
 //    wrapper's leaves and reducer), and its checkpoints place each TP block's wrapper shards
 //    in the global tensors (checkpoint/nested_state.h), so they too resume at another t,
 //    sharding or world size; under --elastic this combination is refused in one line at
-//    construction (recovering the wrapper's state inside TP groups is not built).
+//    construction without a pipeline (recovering the wrapper's state inside TP groups is not
+//    built there; a pipeline's sharded stages with TP inside are elastic, below).
 //  * Elastic tensor parallelism (Sharding::None): a replica is one TP group of t adjacent
 //    ranks (ElasticOptions::replicaSize = t). A loss takes its whole replica out: the live
 //    ranks of its TP group leave (run() prints one line on stderr and returns on them with
@@ -118,10 +119,10 @@
 //    the reduction; Zero1 and Zero2 gather again right after the optimizer step and keep them
 //    until the next reduction. Clipping goes over the shards, dp then pp; checkpoints hold each
 //    dp rank's rows under the unsplit names (any degree, or none, reads them). fullySharded()
-//    is the stages' wrapper. Under --elastic (t = 1; needs checkpointDir, and writes a checkpoint
-//    at step 0) a loss takes its pipeline replica out as below, and the survivors, whose lost
-//    rows have no other copy, cut their stages again for the new dp group (rebind) and go back
-//    to the newest checkpoint, as a plain sharded model does; the step's loss is averaged over dp
+//    is the stages' wrapper. Under --elastic (needs checkpointDir, and writes a checkpoint at
+//    step 0) a loss takes its pipeline replica out as below, and the survivors, whose lost rows
+//    have no other copy, cut their stages again for the new dp group (rebind; with t > 1 after
+//    rebinding the TP layers) and go back to the newest checkpoint, as a plain sharded model does; the step's loss is averaged over dp
 //    (the global batch's on every rank). Joiners come as a whole replica, their stages empty,
 //    and receive their rows, optimizer state, step and extra state from the members
 //    (redistributeState over the new group, no checkpoint).

@@ -9,8 +9,8 @@
 // the member at its pp coordinate, and the job ends at full size. PP=2 x TP=2 x DP=2 on eight:
 // a replica of four leaves whole and the other rebinds its TP layers too.
 // Sharded replicas (--sharding fsdp, zero2) go back to the newest checkpoint with their stages cut
-// for the smaller dp group (four ranks, and eight: dp 4 to 3), on the undisturbed curve; their
-// joiners receive their shards from the members.
+// for the smaller dp group (four ranks, eight at dp 4 to 3, and PP=2 x TP=2 x DP=2), on the
+// undisturbed curve; their joiners receive their shards from the members.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -272,6 +272,38 @@ TEST_F(GptElasticPipeline, ShardedWithMaxRestartsTheReplicaComesBackAndReceivesI
   EXPECT_EQ(stages.at(2), stages.at(0)) << "stage 0 over its dp group";
   EXPECT_EQ(stages.at(3), stages.at(1)) << "stage 1 over its dp group";
   expectTheSameCurve(job, "--sharding fsdp, killed member 3 at step 5 forward, replaced");
+}
+
+// PP=2 x TP=2 x DP=2 fully sharded (with SP) on eight, --max-restarts 1: member 5 dies, its three
+// partners leave, replica 0 rebinds its TP layers, pipeline and stages' wrapper and goes back to
+// step 2's checkpoint (each rank's rows of its TP blocks placed in the global tensors); the four
+// replacements join as one replica and receive their rows, and each rank's stage ends equal to
+// its dp partner's, on the undisturbed run's curve (of the same shape: TP's sums in another order).
+TEST_F(GptElasticPipeline, ThreeDimensionalShardedReplicaGoesBackToTheCheckpointAndComesBack) {
+  TempDir reference, out;
+  const std::vector<std::string> flags{"--tp", "2", "--sp", "--sharding", "fsdp", "--checkpoint-every", "2"};
+  std::vector<std::string> undisturbedFlags = flags, killedFlags = flags;
+  undisturbedFlags.insert(undisturbedFlags.end(), {"--checkpoint-dir", (reference.path() / "ckpt").string()});
+  killedFlags.insert(killedFlags.end(), {"--checkpoint-dir", (out.path() / "ckpt").string()});
+  const Job undisturbed = runJob(reference.path(), {}, {}, 8, undisturbedFlags);
+  ASSERT_EQ(undisturbed.result.exitCode, 0) << undisturbed.result.out << undisturbed.result.err;
+  const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=5:3:forward", "DT_TEST_WAIT_FOR_JOINER_AT=5"}, {"--max-restarts", "1"}, 8,
+                         killedFlags);
+  const ProcessResult& r = job.result;
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_EQ(countOccurrences(r.err, " leaves at step 3: its pipeline replica (members 4, 5, 6, 7) lost rank 5 exited: signal "
+                                    "SIGKILL; the other replicas go on (4 rank(s), 1 replica(s)) and this process ends\n"),
+            3)
+      << r.err;
+  EXPECT_THAT(r.out, HasSubstr("4 rank(s) go on from step 2 (the newest checkpoint: the lost shards have no other copy) without rank 5 "
+                               "exited: signal SIGKILL\n"))
+      << r.out;
+  EXPECT_EQ(countOccurrences(r.out, "its shards received in"), 4) << r.out;
+  const std::map<int, std::string> stages = fingerprints(r.out);
+  ASSERT_EQ(stages.size(), 8u) << "the job ends at full size\n" << r.out;
+  for (int rank = 4; rank < 8; ++rank) EXPECT_EQ(stages.at(rank), stages.at(rank - 4)) << "rank " << rank << " against its dp partner";
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("Error"))) << r.err;
+  expectTheSameCurve(job, "PP=2 x TP=2 x DP=2 fully sharded, killed member 5 at step 3 forward, replaced", &undisturbed.curve);
 }
 
 }  // namespace
