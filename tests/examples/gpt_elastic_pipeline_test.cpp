@@ -66,6 +66,12 @@ Job runJob(const fs::path& out, const std::vector<std::string>& env, const std::
   return job;
 }
 
+// A sharded job's flags with a checkpoint every 2 steps in `dir` (a lost rank's rows come back from there).
+std::vector<std::string> checkpointedIn(const TempDir& dir, std::vector<std::string> flags) {
+  flags.insert(flags.end(), {"--checkpoint-dir", (dir.path() / "ckpt").string(), "--checkpoint-every", "2"});
+  return flags;
+}
+
 class GptElasticPipeline : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -130,9 +136,7 @@ class GptElasticPipeline : public ::testing::Test {
   static void expectShardedReplicasGoBack(const std::string& sharding, const std::string& failAt, int killed, int partner,
                                           int64_t kill, int64_t reload) {
     TempDir out;
-    const std::string ckpt = (out.path() / "ckpt").string();
-    const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=" + failAt}, {}, 4,
-                           {"--sharding", sharding, "--checkpoint-dir", ckpt, "--checkpoint-every", "2"});
+    const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=" + failAt}, {}, 4, checkpointedIn(out, {"--sharding", sharding}));
     const ProcessResult& r = job.result;
     const std::string what = str("--sharding ", sharding, ", killed member ", failAt);
     ASSERT_EQ(r.exitCode, 0) << what << "\n" << r.out << r.err;
@@ -231,13 +235,10 @@ TEST_F(GptElasticPipeline, ShardedReplicasGoBackToTheNewestCheckpoint) {
 // three over its dp group, and end with the same stages (spread 0, one fingerprint per stage).
 TEST_F(GptElasticPipeline, ShardedStagesAreCutAgainForTheSmallerDataParallelGroup) {
   TempDir reference, out;
-  const std::vector<std::string> flags{"--sharding", "fsdp", "--global-batch", "24", "--checkpoint-every", "2"};
-  std::vector<std::string> undisturbedFlags = flags, killedFlags = flags;
-  undisturbedFlags.insert(undisturbedFlags.end(), {"--checkpoint-dir", (reference.path() / "ckpt").string()});
-  killedFlags.insert(killedFlags.end(), {"--checkpoint-dir", (out.path() / "ckpt").string()});
-  const Job undisturbed = runJob(reference.path(), {}, {}, 8, undisturbedFlags);
+  const std::vector<std::string> flags{"--sharding", "fsdp", "--global-batch", "24"};
+  const Job undisturbed = runJob(reference.path(), {}, {}, 8, checkpointedIn(reference, flags));
   ASSERT_EQ(undisturbed.result.exitCode, 0) << undisturbed.result.out << undisturbed.result.err;
-  const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=5:3:forward"}, {}, 8, killedFlags);
+  const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=5:3:forward"}, {}, 8, checkpointedIn(out, flags));
   const ProcessResult& r = job.result;
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
   EXPECT_THAT(r.err, HasSubstr("gpt: member 4 leaves at step 3: its pipeline replica (members 4, 5) lost rank 5 exited: signal SIGKILL; "
@@ -261,7 +262,7 @@ TEST_F(GptElasticPipeline, ShardedStagesAreCutAgainForTheSmallerDataParallelGrou
 TEST_F(GptElasticPipeline, ShardedWithMaxRestartsTheReplicaComesBackAndReceivesItsShards) {
   TempDir out;
   const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=3:5:forward", "DT_TEST_WAIT_FOR_JOINER_AT=6"}, {"--max-restarts", "1"}, 4,
-                         {"--sharding", "fsdp", "--checkpoint-dir", (out.path() / "ckpt").string(), "--checkpoint-every", "2"});
+                         checkpointedIn(out, {"--sharding", "fsdp"}));
   const ProcessResult& r = job.result;
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("2 rank(s) go on from step 4 (the newest checkpoint: the lost shards have no other copy)")) << r.out;
@@ -281,14 +282,11 @@ TEST_F(GptElasticPipeline, ShardedWithMaxRestartsTheReplicaComesBackAndReceivesI
 // its dp partner's, on the undisturbed run's curve (of the same shape: TP's sums in another order).
 TEST_F(GptElasticPipeline, ThreeDimensionalShardedReplicaGoesBackToTheCheckpointAndComesBack) {
   TempDir reference, out;
-  const std::vector<std::string> flags{"--tp", "2", "--sp", "--sharding", "fsdp", "--checkpoint-every", "2"};
-  std::vector<std::string> undisturbedFlags = flags, killedFlags = flags;
-  undisturbedFlags.insert(undisturbedFlags.end(), {"--checkpoint-dir", (reference.path() / "ckpt").string()});
-  killedFlags.insert(killedFlags.end(), {"--checkpoint-dir", (out.path() / "ckpt").string()});
-  const Job undisturbed = runJob(reference.path(), {}, {}, 8, undisturbedFlags);
+  const std::vector<std::string> flags{"--tp", "2", "--sp", "--sharding", "fsdp"};
+  const Job undisturbed = runJob(reference.path(), {}, {}, 8, checkpointedIn(reference, flags));
   ASSERT_EQ(undisturbed.result.exitCode, 0) << undisturbed.result.out << undisturbed.result.err;
   const Job job = runJob(out.path(), {"DT_TEST_FAIL_AT=5:3:forward", "DT_TEST_WAIT_FOR_JOINER_AT=5"}, {"--max-restarts", "1"}, 8,
-                         killedFlags);
+                         checkpointedIn(out, flags));
   const ProcessResult& r = job.result;
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
   EXPECT_EQ(countOccurrences(r.err, " leaves at step 3: its pipeline replica (members 4, 5, 6, 7) lost rank 5 exited: signal "
