@@ -64,6 +64,32 @@ AttentionRun runAttention(const Tensor& q0, const Tensor& k0, const Tensor& v0, 
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
 
+// selfAttention(qkv, heads, options) and the gradient of sum(out * up), as runAttention; dropout
+// draws from a generator seeded alike on every run, so all runs drop the same probabilities.
+std::pair<Tensor, Tensor> runSelfAttention(const Tensor& qkv0, const Tensor& up, int64_t heads,
+                                           const AttentionOptions& options, DType dtype, bool inScope) {
+  Tensor qkv = qkv0.to(dtype).clone().setRequiresGrad(true);
+  Generator drop(99);
+  Tensor out;
+  {
+    autocast scope(DType::BFloat16, inScope);
+    out = selfAttention(qkv, heads, options, drop);
+  }
+  sum(mul(out, up.to(dtype))).backward();
+  return {out.detach(), qkv.grad()};
+}
+
+// The tests that need bf16 products to run natively (skipped elsewhere, saying why), with the
+// attention switch on for their duration.
+class AttentionAutocastBf16 : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!bf16Runs()) GTEST_SKIP() << "bf16 products do not run natively here: " << bf16MatmulFallbackReason();
+    on_.emplace(true);
+  }
+  std::optional<AttentionSwitch> on_;
+};
+
 // The forward's bound, to first order in bf16's unit u: the scores' operands are rounded
 // once each, so |dS_ij| <= 2u (scale |Q||K|^T)_ij =: E_ij, and softmax turns that into
 // |dP_ij| <= P_ij (exp(2 max_j E_ij) - 1); P and V are rounded once each for O = P V, adding
@@ -112,9 +138,7 @@ void expectGradientWithin(const Tensor& got, const Tensor& ref, const std::strin
                                                  << " against max |float64| = " << maxAbs(ref);
 }
 
-TEST(AttentionAutocast, ForwardAndBackwardAreWithinBf16ToleranceOfFloat64) {
-  if (!bf16Runs()) GTEST_SKIP() << "bf16 products do not run natively here: " << bf16MatmulFallbackReason();
-  AttentionSwitch on(true);
+TEST_F(AttentionAutocastBf16, ForwardAndBackwardAreWithinBf16ToleranceOfFloat64) {
   struct Case {
     bool causal;
     int64_t tq, tk, d, dv;
@@ -142,24 +166,12 @@ TEST(AttentionAutocast, ForwardAndBackwardAreWithinBf16ToleranceOfFloat64) {
   }
 }
 
-TEST(AttentionAutocast, FusedHeadsAreWithinBf16ToleranceOfFloat64) {
-  if (!bf16Runs()) GTEST_SKIP() << "bf16 products do not run natively here: " << bf16MatmulFallbackReason();
-  AttentionSwitch on(true);
+TEST_F(AttentionAutocastBf16, FusedHeadsAreWithinBf16ToleranceOfFloat64) {
   const int64_t b = 2, t = 137, heads = 3, c = 48;  // row blocks of 128 and 9
   Generator g(12);
   const Tensor qkv0 = randn({b, t, 3 * c}, g), up = randn({b, t, c}, g);
-  auto run = [&](DType dtype, bool inScope) {
-    Tensor qkv = qkv0.to(dtype).clone().setRequiresGrad(true);
-    Tensor out;
-    {
-      autocast scope(DType::BFloat16, inScope);
-      out = selfAttention(qkv, heads);
-    }
-    sum(mul(out, up.to(dtype))).backward();
-    return std::pair<Tensor, Tensor>(out.detach(), qkv.grad());
-  };
-  const auto [out, grad] = run(DType::Float32, true);
-  const auto [out64, grad64] = run(DType::Float64, false);
+  const auto [out, grad] = runSelfAttention(qkv0, up, heads, {}, DType::Float32, true);
+  const auto [out64, grad64] = runSelfAttention(qkv0, up, heads, {}, DType::Float64, false);
   EXPECT_EQ(out.dtype(), DType::Float32);
   // The same bound as scaledDotProductAttention's, head by head.
   auto split = [&](const Tensor& t, int64_t third) {
@@ -194,9 +206,7 @@ TEST(AttentionAutocast, OutsideAScopeOrSwitchedOffTheFloat32PathIsUnchanged) {
   EXPECT_TRUE(sameBits(in64.dq, out64.dq));
 }
 
-TEST(AttentionAutocast, BackwardKeepsTheForwardsChoiceOutsideTheScopeAndAfterTheSwitch) {
-  if (!bf16Runs()) GTEST_SKIP() << "bf16 products do not run natively here: " << bf16MatmulFallbackReason();
-  AttentionSwitch on(true);
+TEST_F(AttentionAutocastBf16, BackwardKeepsTheForwardsChoiceOutsideTheScopeAndAfterTheSwitch) {
   Generator g(14);
   const Tensor qkv0 = randn({2, 33, 3 * 32}, g), up = randn({2, 33, 32}, g);
   auto grad = [&](bool backwardInScope, bool switchOffBeforeBackward) {
@@ -219,24 +229,12 @@ TEST(AttentionAutocast, BackwardKeepsTheForwardsChoiceOutsideTheScopeAndAfterThe
   EXPECT_FALSE(sameBits(qkv.grad(), inside));
 }
 
-TEST(AttentionAutocast, DropoutDrawsTheSameMaskAndStaysWithinTolerance) {
-  if (!bf16Runs()) GTEST_SKIP() << "bf16 products do not run natively here: " << bf16MatmulFallbackReason();
-  AttentionSwitch on(true);
+TEST_F(AttentionAutocastBf16, DropoutDrawsTheSameMaskAndStaysWithinTolerance) {
   Generator g(15);
   const Tensor qkv0 = randn({1, 40, 3 * 24}, g), up = randn({1, 40, 24}, g);
-  auto run = [&](DType dtype, bool inScope) {
-    Tensor qkv = qkv0.to(dtype).clone().setRequiresGrad(true);
-    Generator drop(99);
-    Tensor out;
-    {
-      autocast scope(DType::BFloat16, inScope);
-      out = selfAttention(qkv, 2, {.causal = true, .dropoutP = 0.2}, drop);
-    }
-    sum(mul(out, up.to(dtype))).backward();
-    return std::pair<Tensor, Tensor>(out.detach(), qkv.grad());
-  };
-  const auto [out, grad] = run(DType::Float32, true);
-  const auto [out64, grad64] = run(DType::Float64, false);
+  const AttentionOptions options{.causal = true, .dropoutP = 0.2};
+  const auto [out, grad] = runSelfAttention(qkv0, up, 2, options, DType::Float32, true);
+  const auto [out64, grad64] = runSelfAttention(qkv0, up, 2, options, DType::Float64, false);
   // Both draw one mask from the same seed (a different mask would be off by O(1)); dropout
   // scales the kept probabilities by 1 / 0.8, so the forward is checked normwise here.
   expectGradientWithin(out, out64, "dropout forward");
