@@ -1018,8 +1018,16 @@ FullyShardedDataParallel::FullParametersGuard FullyShardedDataParallel::gatherFu
   Impl& m = *impl_;
   m.requireIdle("gatherFullParameters");
   m.current = ShardedIterationStats{};  // reduceGradients reports this guard's gathers as its iteration's
-  for (auto& u : m.units) m.launchGather(*u, kFull);
-  for (auto& u : m.units) m.finishGather(*u, false);
+  try {
+    for (auto& u : m.units) m.launchGather(*u, kFull);
+    for (auto& u : m.units) m.finishGather(*u, false);
+  } catch (...) {
+    // A member lost mid-gather: the units gathered so far and those still gathering (on a group
+    // that is broken) go back to their shards, so that a rebind and the next gather start clean
+    // instead of waiting on the old group's collectives again.
+    for (auto& u : m.units) m.reshard(*u);
+    throw;
+  }
   m.summoned = true;
   return FullParametersGuard(this);
 }

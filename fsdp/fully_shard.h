@@ -200,7 +200,8 @@ class FullyShardedDataParallel {
     FullyShardedDataParallel* owner_;
   };
   // A collective: every unit gathered until the guard ends (no collective then); meanwhile
-  // the model's parameters are whole (in paramDtype) and its forward gathers nothing.
+  // the model's parameters are whole (in paramDtype) and its forward gathers nothing. When a
+  // gather fails (a member lost) it throws with every unit sharded again, ready for rebind.
   [[nodiscard]] FullParametersGuard gatherFullParameters();
 
   // Inside a gatherFullParameters() guard, backward reduces nothing: autograd accumulates into

@@ -1077,6 +1077,12 @@ void Loop::transferState() {
 bool Loop::trainStep(const StepFunction& fn, Window& window) {
   const std::string& p = options_.program;
   const LoopHooks& hooks = options_.hooks;
+  if (reloaded_) {
+    // A recovery (in a step, its log or a checkpoint) went back to the newest checkpoint: the
+    // window starts again there, or it would count the redone steps twice (and a negative rate).
+    window.reset(step_);
+    reloaded_ = false;
+  }
   profile();
   reach(step_, Phase::Begin);
   std::optional<AnomalyMode> anomaly;
@@ -1248,10 +1254,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
     if (elastic_ && ctl[2] > 0 && ctl[0] == 0 && step_ < options_.steps) admitJoiners();
   } catch (const Error&) {
     if (!elastic_) throw;
-    const int64_t at = step_;
     recover(std::current_exception());
-    // Sharded: back at the newest checkpoint's step, whose steps the window counts again.
-    if (step_ < at) window.reset(step_);
     return left_.empty();
   }
   if (!left_.empty()) return false;  // an admission dropped this rank's replica
@@ -1271,10 +1274,7 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       if (!elastic_) throw;
       recover(std::current_exception());
       if (!left_.empty()) return false;
-      if (step_ != at) {  // sharded: back at the newest checkpoint's step
-        window.reset(step_);
-        break;
-      }
+      if (step_ != at) break;  // sharded: back at the newest checkpoint's step
     }
   }
   return true;
@@ -1433,6 +1433,7 @@ void Loop::reloadShards() {
   // The next commit vote reports the loss of the step before it: the checkpoint's last one, not
   // the last one this rank trained before the loss (an older checkpoint has none).
   if (m.has("last_loss")) lastLoss_ = std::strtod(m.text("last_loss").c_str(), nullptr);
+  reloaded_ = true;
 }
 
 void Loop::redistributeShards(const std::vector<StateTensor>& held) {

@@ -228,6 +228,11 @@ TEST_F(GptElasticPipeline, ShardedReplicasGoBackToTheNewestCheckpoint) {
   expectShardedReplicasGoBack("fsdp", "3:5:forward", 3, 2, 5, 4);
   // ZeRO-2's stages, whole between steps, die with the first stage after the reduce-scatter: back to step 2.
   expectShardedReplicasGoBack("zero2", "2:3:backward", 2, 3, 3, 2);
+  // After its commit vote: the others apply step 6 and meet the loss in step 7's gather of the
+  // stages (a gather cut short must leave the wrapper sharded for the rebind): back to step 6.
+  expectShardedReplicasGoBack("fsdp", "3:6:commit", 3, 2, 7, 6);
+  // While step 4's checkpoint is written: it is incomplete, so back to step 2's.
+  expectShardedReplicasGoBack("fsdp", "3:4:checkpoint", 3, 2, 4, 2);
 }
 
 // Eight ranks, PP=2 x DP=4 fully sharded, global batch 24 (3 then 4 rows per micro-batch): member
