@@ -901,6 +901,8 @@ void Loop::saveCheckpoint(const std::string& reason) {
 
 void Loop::periodicCheckpoint() {
   if (!checkpoints_ || options_.checkpointEvery <= 0 || step_ % options_.checkpointEvery != 0 || step_ >= options_.steps) return;
+  // A sharded model that just went back to a checkpoint is at that checkpoint's step: it is on disk.
+  if (reloaded_) return;
   while (true) {
     try {
       reach(step_, Phase::Checkpoint);
@@ -909,7 +911,7 @@ void Loop::periodicCheckpoint() {
     } catch (const Error&) {
       if (!elastic_) throw;
       recover(std::current_exception());  // every member is at this step: write it again
-      if (!left_.empty()) return;
+      if (!left_.empty() || reloaded_) return;
     }
   }
 }

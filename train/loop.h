@@ -607,7 +607,9 @@ class Loop {
   std::optional<FullyShardedDataParallel::FullParametersGuard> stagesGathered_;
   // Sharding::Full under --elastic: after a loss, the newest checkpoint at the new world size.
   void reloadShards();
-  bool reloaded_ = false;  // reloadShards went back: the next step starts the log window again
+  // reloadShards went back: the next step starts the log window again, and the checkpoint just
+  // read is not written again.
+  bool reloaded_ = false;
   // Sharding::Full: a joiner gets the members' shards (redistributeState) and step.
   void redistributeShards(const std::vector<StateTensor>& held);
   // The parameters whole on every rank (gathered when sharded), for the final check.
