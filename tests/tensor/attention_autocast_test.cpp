@@ -229,6 +229,18 @@ TEST_F(AttentionAutocastBf16, BackwardKeepsTheForwardsChoiceOutsideTheScopeAndAf
   EXPECT_FALSE(sameBits(qkv.grad(), inside));
 }
 
+// oneDNN's primitives are cached per shape: a second step of the same shapes creates none.
+TEST_F(AttentionAutocastBf16, ASecondStepCreatesNoPrimitives) {
+  Generator g(16);
+  const Tensor qkv0 = randn({2, 150, 3 * 32}, g), up = randn({2, 150, 32}, g);
+  runSelfAttention(qkv0, up, 2, {}, DType::Float32, true);
+  const int64_t created = detail::onednn::primitivesCreated();
+  const int64_t run = detail::onednn::productsRun();
+  runSelfAttention(qkv0, up, 2, {}, DType::Float32, true);
+  EXPECT_GT(detail::onednn::productsRun(), run) << "the second step ran no bf16 products on oneDNN";
+  EXPECT_EQ(detail::onednn::primitivesCreated(), created);
+}
+
 TEST_F(AttentionAutocastBf16, DropoutDrawsTheSameMaskAndStaysWithinTolerance) {
   Generator g(15);
   const Tensor qkv0 = randn({1, 40, 3 * 24}, g), up = randn({1, 40, 24}, g);
