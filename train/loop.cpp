@@ -62,6 +62,14 @@ static std::string exactDouble(double v) {
   return text;
 }
 
+// v averaged over `group` (a collective; v itself on a group of one).
+static double meanOver(ProcessGroup& group, double v, const Device& device) {
+  if (group.size() == 1) return v;
+  Tensor sum = full({1}, v, DType::Float64, device);
+  group.allreduce(sum)->wait();
+  return sum.to(Device::cpu()).item<double>() / static_cast<double>(group.size());
+}
+
 int64_t epochMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -183,15 +191,14 @@ Loop::Loop(LoopOptions options) : options_(std::move(options)) {
     const char* sharding = options_.sharding == Sharding::Full    ? "Full"
                            : options_.sharding == Sharding::Zero1 ? "Zero1"
                                                                   : "Zero2";
-    if (options_.sharding != Sharding::None && elastic && options_.pipeline.degree == 1) {
-      // A lost rank's shards of the sharded wrappers have no other copy: recovery reloads them
-      // from the newest checkpoint and moves the survivors' to the new layout, which no test
-      // has yet run with TP blocks inside the wrapper without a pipeline (a pipeline's sharded
-      // stages with TP inside recover as without TP: gpt_elastic_pipeline_test).
+    if (options_.sharding != Sharding::None && elastic && options_.pipeline.degree == 1 && options_.checkpointDir.empty()) {
+      // A lost TP group's rows of the wrapper's shards have no other copy: the survivors reload
+      // them from the newest checkpoint, so there must be one (said here rather than at the
+      // first loss). A pipeline says the same in its own terms below.
       throw InvalidArgument(str(p, ": tensor parallelism (tensorParallel ", t, ") with Sharding::", sharding,
-                                " under dtrun --elastic is not supported yet: recovering the sharded wrapper's state "
-                                "inside tensor-parallel groups is not built; use Sharding::None (DDP over the "
-                                "replicas) under --elastic"));
+                                " under dtrun --elastic needs LoopOptions::checkpointDir: a lost rank's shards have no "
+                                "other copy and come back from the newest checkpoint; set one, or use Sharding::None "
+                                "(DDP over the replicas)"));
     }
     // A loss takes its whole TP group (one model replica) out; joiners come back t at a time.
     options_.elastic.replicaSize = t;
@@ -937,11 +944,21 @@ void Loop::regroup() {
       for (Tensor p : stages_->parameters()) p.setGrad(Tensor());
       fsdp_->rebind(dataGroup());
     }
-  } else if (fsdp_) {
-    fsdp_->rebind(group_);  // a collective: the shards cut for the new group, zero until restored
   } else {
-    ddp_->rebind(dataGroup());
-    if (zero_) shardOptimizerState();  // the parts cut for the new group, the state empty until restored
+    // A step cut short may have left the model's whole gradients unreduced or half reduced, and
+    // the sharded wrappers' optimizer holds their parts only, so its zeroGrad would not clear
+    // them: the redone step must not add to them (ZeRO-2's grad norm was 1.69 instead of 1.15).
+    if (fsdp_ || zero_) {
+      for (Tensor p : model_->parameters()) p.setGrad(Tensor());
+    }
+    if (fsdp_) {
+      // A collective: the shards cut for the new dp group (under TP each rank's TP blocks, over
+      // the ranks at its tp coordinate), zero until restored.
+      fsdp_->rebind(dataGroup());
+    } else {
+      ddp_->rebind(dataGroup());
+      if (zero_) shardOptimizerState();  // the parts cut for the new group, the state empty until restored
+    }
   }
   splitData();
   startLoader();
@@ -1190,6 +1207,11 @@ bool Loop::trainStep(const StepFunction& fn, Window& window) {
       const Tensor losses = microLosses.size() == 1 ? microLosses[0] : cat(microLosses, 0);
       const std::vector<float> values = losses.to(DType::Float32).to(Device::cpu()).toVector<float>();
       for (size_t k = 0; k < values.size(); ++k) stepLoss += values[k] * fractions[k];
+      // Sharded under --elastic, every rank's step loss is the global batch's, as a pipeline's
+      // is (pipelineStep): a checkpoint's last loss, which the survivors' first commit vote after
+      // going back to it reports, is then the undisturbed run's, not one replica's. Here, after
+      // the backward, where every rank of the dp group issues the same collectives.
+      if (elastic_ && (fsdp_ || zero_)) stepLoss = meanOver(*dataGroup(), stepLoss, losses.device());
     }
     if (ddp_ && ddp_->lastIteration().iteration != ddpIterations) {
       const double exposed = std::min(ddp_->lastIteration().exposedCommMs, figures.backwardMs);
@@ -1364,12 +1386,7 @@ double Loop::pipelineStep(const data::Batch& batch) {
     // Elastic, every rank's step loss is the global batch's, as averageStageGradients makes it
     // with DDP: a checkpoint's last loss, which the survivors' first vote after a reload reports,
     // and a joiner's are then right at any dp.
-    ProcessGroup& dp = *dataGroup();
-    if (elastic_ && dp.size() > 1) {
-      Tensor sum = full({1}, loss, DType::Float64, stages_->parameters().front().device());
-      dp.allreduce(sum)->wait();
-      loss = sum.to(Device::cpu()).item<double>() / static_cast<double>(dp.size());
-    }
+    if (elastic_) loss = meanOver(*dataGroup(), loss, stages_->parameters().front().device());
   } else {
     averageStageGradients(loss);
   }

@@ -65,10 +65,9 @@
 //    Zero2 or Full the wrapper shards over mesh()["dp"] with TP inside (clipping through the
 //    wrapper's leaves and reducer), and its checkpoints place each TP block's wrapper shards
 //    in the global tensors (checkpoint/nested_state.h), so they too resume at another t,
-//    sharding or world size; under --elastic this combination is refused in one line at
-//    construction without a pipeline (recovering the wrapper's state inside TP groups is not
-//    built there; a pipeline's sharded stages with TP inside are elastic, below).
-//  * Elastic tensor parallelism (Sharding::None): a replica is one TP group of t adjacent
+//    sharding or world size; under --elastic it needs checkpointDir (refused in one line at
+//    construction without one), as below.
+//  * Elastic tensor parallelism: a replica is one TP group of t adjacent
 //    ranks (ElasticOptions::replicaSize = t). A loss takes its whole replica out: the live
 //    ranks of its TP group leave (run() prints one line on stderr and returns on them with
 //    LoopResult::left, no group left: end the process, exit 0), the whole replicas keep their
@@ -76,6 +75,13 @@
 //    the new tp group (rebindTensorParallel), rebind DDP on mesh()["dp"], re-split the data
 //    (the same global batch and examples) and redo the step. Joiners come t at a time, as a
 //    replica, and receive their shards from rank 0 of their dp group (docs/parallel.md).
+//    With Sharding::Zero1, Zero2 or Full (checkpointDir set; a checkpoint is written at step 0)
+//    the lost replica's rows of the wrapper's shards have no other copy: the survivors drop the
+//    interrupted step's whole gradients, rebind the TP layers and then the wrapper over the new
+//    mesh()["dp"], and go back to the newest checkpoint (each rank's rows within its TP blocks'
+//    places in the global tensors); the step's loss is averaged over dp, so the checkpoint's last
+//    loss is the global batch's. Joiners build their wrapper empty and receive their rows and
+//    optimizer state from the members (redistributeState over the whole group, no checkpoint).
 //  * Pipeline parallelism (LoopOptions::pipeline.degree = p > 1, docs/parallel.md "Pipeline in
 //    the loop"): the constructor lays the group out as the mesh {dp: world / p, pp: p} (pp ranks
 //    adjacent; a collective), with tensorParallel t > 1 {dp: world / (p t), pp: p, tp: t}, and

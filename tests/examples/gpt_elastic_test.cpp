@@ -4,7 +4,10 @@
 // step in place with the same global batch and finishes the job: dtrun exits 0, the final
 // parameters (the final checkpoint's, by global name) are an undisturbed run's within 1e-5
 // relative, and every step trained on the same examples as the undisturbed run, once. With
-// --max-restarts the replica comes back whole and the job ends at full size.
+// --max-restarts the replica comes back whole and the job ends at full size. TP inside the
+// sharded wrappers (--sharding fsdp, zero2) goes back to the newest checkpoint instead (a lost
+// replica's rows have no other copy), its wrapper cut again for the smaller dp group, and every
+// logged step stays on an undisturbed sharded run's curve; its joiners receive their rows.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -18,6 +21,7 @@
 
 #include "common/strings.h"
 #include "tensor/nn/safetensors.h"
+#include "tests/examples/gpt_curve.h"
 #include "tests/launcher/dtrun_process.h"
 #include "tests/testing/testing.h"
 
@@ -239,6 +243,89 @@ TEST_F(GptElastic, WithMaxRestartsTheBrokenReplicaComesBackWhole) {
   EXPECT_THAT(r.out, HasSubstr("(spread across ranks 0)")) << r.out;
   EXPECT_THAT(r.out, ::testing::Not(HasSubstr("spread across ranks 1"))) << r.out;
   expectTheSameTraining(out.path(), "killed member 2 at step 4 forward, replaced");
+}
+
+// TP=2 x DP=2 inside a sharded wrapper, checkpoints every 2 steps, every step logged to
+// m.jsonl (rank 0's curve).
+struct ShardedRun {
+  ProcessResult result;
+  Curve curve;
+};
+
+ShardedRun runSharded(const TempDir& out, const std::vector<std::string>& env, const std::vector<std::string>& dtrunExtra,
+                      const std::vector<std::string>& flags) {
+  const fs::path metrics = out.path() / "m.jsonl";
+  std::vector<std::string> gptExtra{"--log-every", "1", "--checkpoint-every", "2", "--metrics", metrics.string()};
+  gptExtra.insert(gptExtra.end(), flags.begin(), flags.end());
+  ProcessResult result = runJob(out.path(), env, dtrunExtra, gptExtra);
+  return {std::move(result), readCurve(metrics)};
+}
+
+// Member `killed` dies at `failAt` (member:step:phase) under `--sharding sharding`; its TP
+// partner leaves, and the other replica rebinds its TP layers and the wrapper over the new dp
+// group (of one) and goes back to the checkpoint at step `reload`, which it does not write again.
+void expectShardedGoesBack(const std::string& sharding, const std::string& failAt, int killed, int partner, int64_t kill,
+                           int64_t reload) {
+  TempDir reference, out;
+  const ShardedRun undisturbed = runSharded(reference, {}, {}, {"--sharding", sharding});
+  ASSERT_EQ(undisturbed.result.exitCode, 0) << undisturbed.result.out << undisturbed.result.err;
+  const ShardedRun run = runSharded(out, {"DT_TEST_FAIL_AT=" + failAt}, {}, {"--sharding", sharding});
+  const ProcessResult& r = run.result;
+  const std::string what = str("TP=2 x DP=2 --sharding ", sharding, ", killed member ", failAt);
+  ASSERT_EQ(r.exitCode, 0) << what << "\n" << r.out << r.err;
+  const int first = std::min(killed, partner), second = std::max(killed, partner);
+  EXPECT_THAT(r.err, HasSubstr(str("gpt: member ", partner, " leaves at step ", kill, ": its tensor-parallel group (members ", first,
+                                   ", ", second, ") lost rank ", killed, " exited: signal SIGKILL")))
+      << r.err;
+  EXPECT_THAT(r.out, HasSubstr(str("2 rank(s) go on from step ", reload, " (the newest checkpoint: the lost shards have no other copy) "
+                                   "without rank ", killed, " exited: signal SIGKILL\n")))
+      << r.out;
+  EXPECT_EQ(countOccurrences(r.out, str("gpt: checkpoint at step ", reload, " (")), 1)
+      << "the checkpoint just reloaded is not written again\n" << r.out;
+  EXPECT_EQ(fingerprints(r.out).size(), 2u) << "the remaining replica's two ranks end\n" << r.out;
+  EXPECT_THAT(r.out, HasSubstr(str("gpt: done: ", kSteps, " steps"))) << r.out;
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("Error"))) << r.err;
+  expectTheSameCurve(run.curve, undisturbed.curve, kSteps, what, r.out);
+}
+
+// Fully sharded: member 3 dies in step 5's forward, back to step 4's checkpoint.
+TEST(GptElasticSharded, FullyShardedTensorParallelGoesBackToTheNewestCheckpoint) {
+  expectShardedGoesBack("fsdp", "3:5:forward", 3, 2, 5, 4);
+}
+// ZeRO-2: member 2 dies after step 7's backward, when the survivors hold the step's reduced
+// gradients (which the redone step must not add to): back to step 6's.
+TEST(GptElasticSharded, ZeroTwoTensorParallelGoesBackToTheNewestCheckpoint) {
+  expectShardedGoesBack("zero2", "2:7:backward", 2, 3, 7, 6);
+}
+
+// --max-restarts, fully sharded with SP: after going back to step 4 the broken replica comes
+// back whole at step 7's boundary (the test switch holds the members there); each joiner's
+// wrapper starts empty and receives its rows of its TP blocks from the members (redistributed
+// over the new group, no checkpoint), each rank ends equal to its dp partner, and every step is
+// on the undisturbed curve.
+TEST(GptElasticSharded, WithMaxRestartsTheReplicaComesBackAndReceivesItsRows) {
+  TempDir reference, out;
+  const std::vector<std::string> flags{"--sharding", "fsdp", "--sp"};
+  const ShardedRun undisturbed = runSharded(reference, {}, {}, flags);
+  ASSERT_EQ(undisturbed.result.exitCode, 0) << undisturbed.result.out << undisturbed.result.err;
+  const ShardedRun run =
+      runSharded(out, {"DT_TEST_FAIL_AT=2:5:forward", "DT_TEST_WAIT_FOR_JOINER_AT=7"}, {"--max-restarts", "1"}, flags);
+  const ProcessResult& r = run.result;
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 2 is replaced by member 4")) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 3 is replaced by member 5")) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("2 rank(s) go on from step 4 (the newest checkpoint: the lost shards have no other copy)")) << r.out;
+  EXPECT_THAT(r.out, ::testing::ContainsRegex("4 rank\\(s\\) go on from step [0-9]+ with member (4, member 5|5, member 4)\n"))
+      << r.out;
+  EXPECT_EQ(countOccurrences(r.out, "its shards received in"), 2) << r.out;
+  const std::map<int, std::string> ranks = fingerprints(r.out);
+  ASSERT_EQ(ranks.size(), 4u) << "the job ends at full size\n" << r.out;
+  EXPECT_EQ(ranks.at(2), ranks.at(0)) << "tp rank 0 over its dp group";
+  EXPECT_EQ(ranks.at(3), ranks.at(1)) << "tp rank 1 over its dp group";
+  EXPECT_NE(ranks.at(0), ranks.at(1)) << "the two TP ranks hold different shards";
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("Error"))) << r.err;
+  expectTheSameCurve(run.curve, undisturbed.curve, kSteps, "TP=2 (SP) x DP=2 fsdp, killed member 2 at step 5 forward, replaced",
+                     r.out);
 }
 
 }  // namespace
