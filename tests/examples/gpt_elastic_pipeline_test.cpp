@@ -14,13 +14,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <regex>
 
 #include "common/strings.h"
+#include "tests/examples/gpt_curve.h"
 #include "tests/launcher/dtrun_process.h"
 #include "tests/testing/testing.h"
 
@@ -33,13 +31,9 @@ namespace fs = std::filesystem;
 
 constexpr int64_t kSteps = 8;
 
-struct Point {
-  double loss = 0, gradNorm = 0;
-};
-
 struct Job {
   ProcessResult result;
-  std::map<int64_t, Point> curve;  // rank 0's metrics file, by step
+  Curve curve;  // rank 0's metrics file
 };
 
 Job runJob(const fs::path& out, const std::vector<std::string>& env, const std::vector<std::string>& dtrunExtra = {},
@@ -56,14 +50,8 @@ Job runJob(const fs::path& out, const std::vector<std::string>& env, const std::
   for (const std::string& a : std::vector<std::string>{"--steps", std::to_string(kSteps), "--metrics", metrics}) argv.push_back(a);
   argv.insert(argv.end(), gptExtra.begin(), gptExtra.end());
   // Generous: four processes on two busy cores; a hang shows as the deadline, not a pass.
-  Job job{runProcess(argv, 240s, env), {}};
-  static const std::regex line(R"re("step": (\d+).*"loss": ([-0-9.e+]+).*"grad_norm": ([-0-9.e+]+))re");
-  std::ifstream in(metrics);
-  for (std::string text; std::getline(in, text);) {
-    std::smatch m;
-    if (std::regex_search(text, m, line)) job.curve[std::stoll(m[1].str())] = {std::stod(m[2].str()), std::stod(m[3].str())};
-  }
-  return job;
+  ProcessResult result = runProcess(argv, 240s, env);
+  return {std::move(result), readCurve(metrics)};
 }
 
 // A sharded job's flags with a checkpoint every 2 steps in `dir` (a lost rank's rows come back from there).
@@ -78,7 +66,7 @@ class GptElasticPipeline : public ::testing::Test {
     reference_ = new TempDir();
     const Job r = runJob(reference_->path(), {});
     ASSERT_EQ(r.result.exitCode, 0) << r.result.out << r.result.err;
-    curve_ = new std::map<int64_t, Point>(r.curve);
+    curve_ = new Curve(r.curve);
   }
   static void TearDownTestSuite() {
     delete reference_;
@@ -87,21 +75,8 @@ class GptElasticPipeline : public ::testing::Test {
 
   // Every step logged once, each point the undisturbed run's (`reference`, else the suite's)
   // within 1e-4 relative.
-  static void expectTheSameCurve(const Job& job, const std::string& what, const std::map<int64_t, Point>* reference = nullptr) {
-    if (reference == nullptr) reference = curve_;
-    ASSERT_EQ(reference->size(), static_cast<size_t>(kSteps)) << "the reference run logged every step";
-    ASSERT_EQ(job.curve.size(), reference->size()) << what << "\n" << job.result.out;
-    double worst = 0;
-    for (const auto& [step, want] : *reference) {
-      const auto it = job.curve.find(step);
-      ASSERT_NE(it, job.curve.end()) << what << ": no step " << step;
-      const double loss = std::fabs(it->second.loss - want.loss) / std::fabs(want.loss);
-      const double norm = std::fabs(it->second.gradNorm - want.gradNorm) / std::fabs(want.gradNorm);
-      EXPECT_LT(loss, 1e-4) << what << ", step " << step << ": loss " << it->second.loss << " vs " << want.loss;
-      EXPECT_LT(norm, 1e-4) << what << ", step " << step << ": grad norm " << it->second.gradNorm << " vs " << want.gradNorm;
-      worst = std::max({worst, loss, norm});
-    }
-    std::printf("%s: every step's loss and grad norm within %.3g of the undisturbed run's\n", what.c_str(), worst);
+  static void expectTheSameCurve(const Job& job, const std::string& what, const Curve* reference = nullptr) {
+    dt::testing::expectTheSameCurve(job.curve, reference == nullptr ? *curve_ : *reference, kSteps, what, job.result.out);
   }
 
   // Member `killed` SIGKILLs itself at `step` in `phase`; `partner` is the other stage of its
@@ -155,11 +130,11 @@ class GptElasticPipeline : public ::testing::Test {
   }
 
   static TempDir* reference_;
-  static std::map<int64_t, Point>* curve_;
+  static Curve* curve_;
 };
 
 TempDir* GptElasticPipeline::reference_ = nullptr;
-std::map<int64_t, Point>* GptElasticPipeline::curve_ = nullptr;
+Curve* GptElasticPipeline::curve_ = nullptr;
 
 // The last stage dies once its pipeline step is done, before the gradients' average over dp:
 // its first stage leaves.
@@ -215,14 +190,6 @@ TEST_F(GptElasticPipeline, WithMaxRestartsTheBrokenReplicaComesBackWhole) {
   EXPECT_EQ(countOccurrences(r.out, "final parameters fingerprint"), 4) << "the job ends at full size\n" << r.out;
   EXPECT_EQ(countOccurrences(r.out, "(spread across ranks 0)"), 4) << r.out;
   expectTheSameCurve(job, "killed member 3 at step 3 forward, replaced");
-}
-
-// rank -> the final fingerprint of its stage it printed.
-std::map<int, std::string> fingerprints(const std::string& out) {
-  static const std::regex line(R"(gpt: rank (\d+)/\d+ final parameters fingerprint ([0-9a-f]{16}) \(spread across ranks 0\))");
-  std::map<int, std::string> seen;
-  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) seen[std::stoi((*it)[1])] = (*it)[2];
-  return seen;
 }
 
 TEST_F(GptElasticPipeline, ShardedReplicasGoBackToTheNewestCheckpoint) {
