@@ -374,7 +374,9 @@ int run(const Config& c) {
                 c.pp > 1 ? str("PP=", c.pp, " (", c.scheduleFile.empty() ? c.schedule : c.scheduleFile, ")", c.tp > 1 ? str(" x TP=", c.tp, c.sp ? " with SP" : "") : std::string(),
                                c.sharding == "ddp" ? " x DDP over " : str(" x --sharding ", c.sharding, " over ").c_str(),
                                world / (c.pp * c.tp)).c_str()
-                : c.tp > 1 ? str("TP=", c.tp, c.sp ? " with SP" : "", " x DDP over ", world / c.tp).c_str()
+                : c.tp > 1 ? str("TP=", c.tp, c.sp ? " with SP" : "",
+                                 c.sharding == "ddp" ? " x DDP over " : str(" x --sharding ", c.sharding, " over ").c_str(),
+                                 world / c.tp).c_str()
                 : c.sharding == "ddp" ? "DDP" : str("--sharding ", c.sharding).c_str(),
                 precision.c_str());
   }
