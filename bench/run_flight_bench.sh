@@ -46,16 +46,21 @@ done
 /usr/bin/env python3 - "$out" <<'EOF'
 import re, statistics, sys
 rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in open(sys.argv[1]) if line.startswith("RESULT ddp_recorder")]
-on = [float(r["step_ms"]) for r in rows if r["recorder"] == "on"]
-off = [float(r["step_ms"]) for r in rows if r["recorder"] == "off"]
-if on and off:
+# A launch's median step, and its fastest step: launches on this kind of machine land in two
+# modes (whole launches ~25 % apart, with the recorder on or off), which the fastest step shows
+# apart from the recorder's own cost.
+print(f"| DDP step (ms) | recorder on | recorder off | on / off | per-pair ratios |")
+print(f"|---|---|---|---|---|")
+for key, what in (("step_ms", "median step"), ("min_ms", "fastest step")):
+    on = [float(r[key]) for r in rows if r["recorder"] == "on"]
+    off = [float(r[key]) for r in rows if r["recorder"] == "off"]
+    if not on or not off:
+        continue
     ratio = statistics.median(on) / statistics.median(off)
     pairs = sorted(a / b for a, b in zip(on, off))
-    print(f"| DDP step (ms) | recorder on | recorder off | on / off | per-pair ratios |")
-    print(f"|---|---|---|---|---|")
-    print(f"| median of {len(on)} launches | {statistics.median(on):.2f} | {statistics.median(off):.2f} | {ratio:.3f} | "
+    print(f"| {what}, median of {len(on)} launches | {statistics.median(on):.2f} | {statistics.median(off):.2f} | {ratio:.3f} | "
           f"{pairs[0]:.2f} to {pairs[-1]:.2f}, median {statistics.median(pairs):.3f} |")
-    print(f"RATIO ddp_step recorder on/off value={ratio:.3f} goal<=1.01 {'met' if ratio <= 1.01 else 'MISSED'}")
+    print(f"RATIO ddp_step_{key} recorder on/off value={ratio:.3f} goal<=1.01 {'met' if ratio <= 1.01 else 'MISSED'}")
 for line in open(sys.argv[1]):
     if line.startswith("RESULT flight_path"):
         r = dict(re.findall(r"(\w+)=(\S+)", line))
