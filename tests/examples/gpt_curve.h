@@ -3,6 +3,7 @@
 // run's curve against an undisturbed one's.
 #pragma once
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +15,9 @@
 #include <map>
 #include <regex>
 #include <string>
+
+#include "common/strings.h"
+#include "tests/launcher/dtrun_process.h"
 
 namespace dt::testing {
 
@@ -61,6 +65,21 @@ inline std::map<int, std::string> fingerprints(const std::string& out) {
   std::map<int, std::string> seen;
   for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) seen[std::stoi((*it)[1])] = (*it)[2];
   return seen;
+}
+
+// A sharded job of `steps` steps that lost rank `killed` and went back to its checkpoint of step
+// `reload`: the two survivors' line in `out`, that checkpoint not written again, the job done,
+// and no error in `err`.
+inline void expectTwoWentBackToTheCheckpoint(const std::string& out, const std::string& err, int killed, int64_t reload,
+                                             int64_t steps) {
+  using ::testing::HasSubstr;
+  EXPECT_THAT(out, HasSubstr(str("2 rank(s) go on from step ", reload, " (the newest checkpoint: the lost shards have no other copy) "
+                                 "without rank ", killed, " exited: signal SIGKILL\n")))
+      << out;
+  EXPECT_EQ(countOccurrences(out, str("gpt: checkpoint at step ", reload, " (")), 1)
+      << "the checkpoint just reloaded is not written again\n" << out;
+  EXPECT_THAT(out, HasSubstr(str("gpt: done: ", steps, " steps"))) << out;
+  EXPECT_THAT(err, ::testing::Not(HasSubstr("Error"))) << err;
 }
 
 }  // namespace dt::testing
