@@ -17,7 +17,8 @@
 #
 # RATIO lines with goals (met / MISSED):
 #   bubble: |measured - formula| <= 0.03 per rank (max over ranks), every fixed row, and the gpt rows;
-#   ZB-H1 step / 1F1B step <= 0.9 at p=4, m=8 (gpt), with peak RSS ZB-H1 / 1F1B <= 1.1 (and the same
+#   ZB-H1 step / 1F1B step <= 0.9 at p=4, m=8 (fixed and gpt; the gpt step needs a core per rank), with
+#   peak RSS ZB-H1 / 1F1B <= 1.1 (gpt) (and the same
 #   for the ZB_PENDING rows, zb1kK: ZB-H1 with at most K pending weight gradients per rank);
 #   tokens/s of each schedule against DDP's (no goal);
 #   where ZB-H1's memory goes (gpt, rank 0): the allocator's peak against 1F1B's, and what a micro-batch
@@ -95,7 +96,7 @@ done
 echo
 echo "# $out (stderr of the runs in $out.log)"
 /usr/bin/python3 - "$out" <<'PYEOF'
-import sys
+import os, sys
 rows = []
 for line in open(sys.argv[1]):
     f = line.split()
@@ -133,8 +134,11 @@ for w, label in [(w, label) for w in ("gpt", "fixed") for label in ("zb1", "zb1k
         step = float(zb["step_ms"]) / float(one["step_ms"])
         rss = float(zb["peak_rss_mb_max"]) / float(one["peak_rss_mb_max"])
         goal = w == "gpt"
-        ratios.append(f"RATIO pipeline_step {label}/1f1b workload={w} p=4 m=8 value={step:.3f}" +
-                      (f" goal<=0.9 {'met' if step <= 0.9 else 'MISSED'}" if goal else ""))
+        # With fewer cores than ranks one rank's idle time is another's compute: the cores stay
+        # busy whatever the schedule, and the gpt step cannot show a smaller bubble.
+        shared = f" (4 ranks on {os.cpu_count()} cores)" if w == "gpt" and os.cpu_count() < 4 else ""
+        ratios.append(f"RATIO pipeline_step {label}/1f1b workload={w} p=4 m=8 value={step:.3f}"
+                      f" goal<=0.9 {'met' if step <= 0.9 else 'MISSED'}{shared}")
         ratios.append(f"RATIO pipeline_peak_rss {label}/1f1b workload={w} p=4 m=8 value={rss:.3f}" +
                       (f" goal<=1.1 {'met' if rss <= 1.1 else 'MISSED'}" if goal else ""))
         if "peak_alloc_mb_ranks" in zb and "peak_alloc_mb_ranks" in one:

@@ -384,15 +384,13 @@ Schedule interleavedOneFOneB(int p, int m, int v) {
 
 namespace {
 
-// The zero-bubble schedules' list scheduler, in unit time steps (F = I = W = 1 per chunk).
+// ZBV's list scheduler, in unit time steps (F = I = W = 1 per chunk).
 // Priorities on a free rank: an I whose gradient has arrived (the previous stage waits for
 // it), the deeper chunk first; a W when `pendingLimit` of them wait (bounds the state W
-// holds); an F, the deeper chunk first, while fewer than inFlightLimit(r) chunk-forwards wait
+// holds); an F, the deeper chunk first, while fewer than inFlightLimit chunk-forwards wait
 // for their I (the activation memory); any pending W (it fills what would be bubble), oldest
 // first.
-template <typename InFlightLimit>
-std::vector<std::vector<Action>> zeroBubbleOrders(const Schedule& s, InFlightLimit inFlightLimit,
-                                                  int pendingLimit) {
+std::vector<std::vector<Action>> zeroBubbleOrders(const Schedule& s, int inFlightLimit, int pendingLimit) {
   const int p = s.p, m = s.m, v = s.v, stages = s.numStages();
   auto slot = [&](int microBatch, int stage) { return static_cast<size_t>(microBatch) * stages + stage; };
   std::vector<long long> forwardEnd(static_cast<size_t>(m) * stages, -1);
@@ -424,7 +422,7 @@ std::vector<std::vector<Action>> zeroBubbleOrders(const Schedule& s, InFlightLim
         }
       }
       if (!chosen && pending >= static_cast<size_t>(pendingLimit)) chosen = pendingW[r][pendingHead[r]++];
-      for (int c = v - 1; c >= 0 && !chosen && inFlight[r] < inFlightLimit(r); --c) {
+      for (int c = v - 1; c >= 0 && !chosen && inFlight[r] < inFlightLimit; --c) {
         const int stage = s.stageOf(r, c), f = forwards[r][c];
         if (f < m && (stage == 0 || done(forwardEnd[slot(f, stage - 1)]))) {
           chosen = Action{ActionKind::F, f, c};
@@ -453,9 +451,26 @@ Schedule zeroBubbleH1(int p, int m, int maxPendingWeightGrads) {
   DT_REQUIRE(pending >= 1 && pending <= p, "pipeline schedule ZB-H1: at most ", maxPendingWeightGrads,
              " pending weight gradients per rank; it must be 1 to p=", p, " (0: p)");
   Schedule s = emptySchedule("ZB-H1", p, m, 1, Placement::Interleaved);
-  // 1F1B's memory: rank r holds at most p - r forwards before their I; and at most `pending`
-  // deferred W, each holding about a forward's worth (x and dy of every weight's product).
-  auto orders = zeroBubbleOrders(s, [p](int r) { return p - r; }, pending);
+  // 1F1B's order with B split into I and W, rank r's W running `delay` = min(r, pending - 1)
+  // I's late (the paper's ZB-H1): a later rank has fewer forwards in flight (p - r), so its
+  // deferred W fill the room those leave, and no rank ever keeps more than p micro-batches'
+  // state between an F and its W, 1F1B's rank 0 (a deferred W keeps about a forward's worth).
+  // Rank 0 defers none: its bubble is the wait for the first gradient, which no W can fill.
+  std::vector<std::vector<Action>> orders(p);
+  for (int r = 0; r < p; ++r) {
+    const int warmup = p - 1 - r, delay = std::min(r, pending - 1);
+    auto inputGrad = [&](int i) {
+      orders[r].push_back({ActionKind::I, i, 0});
+      if (i >= delay) orders[r].push_back({ActionKind::W, i - delay, 0});
+    };
+    for (int i = 0; i < warmup; ++i) orders[r].push_back({ActionKind::F, i, 0});
+    for (int i = 0; i < m - warmup; ++i) {
+      orders[r].push_back({ActionKind::F, warmup + i, 0});
+      inputGrad(i);
+    }
+    for (int i = m - warmup; i < m; ++i) inputGrad(i);
+    for (int i = m - delay; i < m; ++i) orders[r].push_back({ActionKind::W, i, 0});
+  }
   return withCommunication(std::move(s), orders);
 }
 
@@ -465,7 +480,7 @@ Schedule zeroBubbleV(int p, int m) {
              " (its list schedule reaches the bubble formula for m = p, 2p, 3p, ...)");
   Schedule s = emptySchedule("ZBV", p, m, 2, Placement::V);
   // 2p chunk-forwards of half a stage each: the activations of p whole stages, 1F1B's rank 0.
-  auto orders = zeroBubbleOrders(s, [p](int) { return 2 * p; }, p);
+  auto orders = zeroBubbleOrders(s, 2 * p, p);
   return withCommunication(std::move(s), orders);
 }
 

@@ -62,7 +62,7 @@
 // W still holds the stage's inputs and output gradients (a part of the activations, the
 // zero-bubble paper's accounting), which peakPendingWeightGrads[r] counts separately (I done,
 // W not yet). 1F1B: min(p, m) on rank 0 (p - r on rank r); GPipe: m on every rank; ZB-H1 the
-// same as 1F1B, with p pending W at most in the tested sweeps. For v > 1 the count is of chunk-forwards,
+// same as 1F1B, with r + 1 pending W at most on rank r. For v > 1 the count is of chunk-forwards,
 // each 1/v of a stage's activations (interleaved: 2(p-1-r) + (v-1)p + 1; ZBV: 2p).
 //
 // Text format (format/parse round-trip), whitespace-separated tokens, '#' to the end of a line
@@ -135,15 +135,15 @@ Schedule oneFOneB(int p, int m);
 // Megatron's interleaved 1F1B over v chunks per rank (Placement::Interleaved): micro-batches
 // in groups of p run chunk after chunk. Needs m a multiple of p (so m >= p) and v >= 1.
 Schedule interleavedOneFOneB(int p, int m, int v);
-// Zero-bubble ZB-H1 (Qi et al., 2024): 1F1B's forwards and in-flight limit with B split into
-// I and W; W runs when nothing else can, or when maxPendingWeightGrads of them (0: p) are
-// pending on the rank. Needs m >= p. A pending W keeps about what its forward kept (the input
-// and the output gradient of every weight's product), so the bound trades memory for bubble:
-// with unit costs the bubble is (2p - 1 - k) / (3m) for k pending at most, from 1F1B's
-// (p - 1)/m memory plus k forwards' worth: (p - 1) / (3m) at k = p, 2(p - 1) / (3m) at k = 1.
+// Zero-bubble ZB-H1 (Qi et al., 2024): 1F1B's order with B split into I and W, rank r running
+// each W min(r, k - 1) I's after its own (k = maxPendingWeightGrads, 0: p) and the rest at the
+// end. Needs m >= p. A pending W keeps about what its forward kept (the input and the output
+// gradient of every weight's product); rank r holds at most p - r forwards and k pending W, and
+// never more than p of both together (1F1B's rank 0). With unit costs the bubble is
+// (2p - 1 - k) / (3m): (p - 1) / (3m) at k = p, 2(p - 1) / (3m) at k = 1.
 Schedule zeroBubbleH1(int p, int m, int maxPendingWeightGrads = 0);
-// ZBV-shaped zero bubble over the V placement (v = 2; each chunk half a stage): the same list
-// scheduler as ZB-H1 with at most 2p chunk-forwards in flight per rank (p whole stages' worth,
+// ZBV-shaped zero bubble over the V placement (v = 2; each chunk half a stage): a list
+// scheduler with at most 2p chunk-forwards in flight per rank (p whole stages' worth,
 // 1F1B's rank 0). Not the paper's hand-drawn ZB-V order; it reaches (p-1)/(6m) with unit costs.
 // Needs m a multiple of p.
 Schedule zeroBubbleV(int p, int m);

@@ -4,6 +4,7 @@
 // send/recv pair, missing or misplaced actions, bad text and bad parameters are refused with
 // messages that say where. One small grid is pinned so that any change to it shows. ZB-H1 with a
 // bound k on pending weight gradients: the bubble (2p - 1 - k) / (3m) for every k.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -53,6 +54,17 @@ SimulationResult checkedSimulation(const Schedule& s) {
   EXPECT_EQ(again, s) << format(s);
   EXPECT_NO_THROW(validate(again));
   return simulate(s);
+}
+
+// The most micro-batches whose state `rank` keeps at once between an F and its W (or B): in
+// flight and pending weight gradients together, each counted as a whole forward's worth.
+int peakHeldBetweenForwardAndWeightGrad(const Schedule& s, int rank) {
+  int held = 0, peak = 0;
+  for (const Action& a : s.ranks[rank]) {
+    if (a.kind == ActionKind::F) peak = std::max(peak, ++held);
+    if (a.kind == ActionKind::B || a.kind == ActionKind::W) --held;
+  }
+  return peak;
 }
 
 int count(const Schedule& s, int rank, ActionKind kind) {
@@ -130,7 +142,9 @@ TEST(PipelineSchedule, ZeroBubbleH1BubbleIsPMinusOneOverThreeMWithOneFOneBsMemor
     EXPECT_NEAR(r.makespan, 3.0 * m + (p - 1), kTolerance);
     for (int rank = 0; rank < p; ++rank) {
       EXPECT_EQ(r.peakInFlight[rank], p - rank) << "rank " << rank;
-      EXPECT_LE(r.peakPendingWeightGrads[rank], p) << "rank " << rank;
+      EXPECT_LE(r.peakPendingWeightGrads[rank], rank + 1) << "rank " << rank;
+      // 1F1B's memory: rank 0's p forwards, the most any rank of 1F1B keeps.
+      EXPECT_LE(peakHeldBetweenForwardAndWeightGrad(s, rank), p) << "rank " << rank;
       EXPECT_EQ(count(s, rank, ActionKind::B), 0);
       EXPECT_EQ(count(s, rank, ActionKind::I), m);
       EXPECT_EQ(count(s, rank, ActionKind::W), m);
@@ -151,6 +165,7 @@ TEST(PipelineSchedule, ZeroBubbleH1WithFewerPendingWeightGradsTradesBubbleForMem
         for (int rank = 0; rank < p; ++rank) {
           EXPECT_EQ(r.peakInFlight[rank], p - rank) << "rank " << rank;
           EXPECT_LE(r.peakPendingWeightGrads[rank], k) << "rank " << rank;
+          EXPECT_LE(peakHeldBetweenForwardAndWeightGrad(s, rank), p) << "rank " << rank;
         }
       }
     }
@@ -189,6 +204,8 @@ TEST(PipelineSchedule, TheIssuesNumbersForFourRanksAndEightMicroBatches) {
   EXPECT_NEAR(simulate(interleavedOneFOneB(4, 8, 2)).bubble, 0.1875, kTolerance);
   EXPECT_NEAR(simulate(zeroBubbleH1(4, 8)).bubble, 0.125, kTolerance);
   EXPECT_NEAR(simulate(zeroBubbleV(4, 8)).bubble, 0.0625, kTolerance);
+  EXPECT_EQ(peakHeldBetweenForwardAndWeightGrad(oneFOneB(4, 8), 0), 4);
+  for (int rank = 0; rank < 4; ++rank) EXPECT_LE(peakHeldBetweenForwardAndWeightGrad(zeroBubbleH1(4, 8), rank), 4);
   EXPECT_EQ(simulate(oneFOneB(4, 8)).peakInFlight[0], 4);
   EXPECT_EQ(simulate(gpipe(4, 8)).peakInFlight[0], 8);
 }
