@@ -9,11 +9,12 @@
 //   gpt     nn::Gpt split by pipeline::splitGpt (AdamW, clipping at 1.0, random tokens), or with
 //           --schedule ddp the whole model under DistributedDataParallel on every rank at the
 //           same global batch (m micro-batches of --micro-batch rows; DDP's ranks each take
-//           m / world of them in one batch).
+//           m / world of them in one batch), or with --schedule fsdp the same under the fully
+//           sharded wrapper (a unit per block, its defaults).
 // Each timed step starts after a barrier, so that a rank's wait for its first input is counted,
 // and a rank's idle time runs to the end of the step's slowest rank (the simulator's makespan).
 //
-// Usage: pipeline_bench --nproc P --workload fixed|gpt --schedule gpipe|1f1b|interleaved|zb1|zbv|ddp
+// Usage: pipeline_bench --nproc P --workload fixed|gpt --schedule gpipe|1f1b|interleaved|zb1|zbv|ddp|fsdp
 //          [--m 8] [--v 2] [--zb-pending K] [--unit-ms 20] [--steps 5] [--warmup 1] [--backend shm|gloo]
 //          [--layers 12 --width 512 --heads 8 --context 128 --vocab 256 --micro-batch 2]
 // Rank 0 prints one line:
@@ -45,6 +46,7 @@
 #include "bench/bench_common.h"
 #include "common/strings.h"
 #include "ddp/ddp.h"
+#include "fsdp/fully_shard.h"
 #include "parallel/pipeline.h"
 #include "process_group/init.h"
 #include "tensor/autograd/autograd.h"
@@ -78,7 +80,7 @@ struct Args {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "pipeline_bench: %s\nusage: pipeline_bench --nproc P --workload fixed|gpt --schedule "
-               "gpipe|1f1b|interleaved|zb1|zbv|ddp [--m M] [--v V] [--zb-pending K] [--unit-ms U] [--steps S] [--warmup W] "
+               "gpipe|1f1b|interleaved|zb1|zbv|ddp|fsdp [--m M] [--v V] [--zb-pending K] [--unit-ms U] [--steps S] [--warmup W] "
                "[--backend shm|gloo] [--layers L --width C --heads H --context T --vocab N --micro-batch B]\n",
                why.c_str());
   std::exit(2);
@@ -113,7 +115,8 @@ Args parseArgs(int argc, char** argv) {
     }
   }
   if (a.workload != "fixed" && a.workload != "gpt") usage("--workload " + a.workload + " (fixed or gpt)");
-  if (a.schedule == "ddp" && a.workload != "gpt") usage("--schedule ddp is a baseline of --workload gpt");
+  if ((a.schedule == "ddp" || a.schedule == "fsdp") && a.workload != "gpt")
+    usage("--schedule " + a.schedule + " is a baseline of --workload gpt");
   if (a.steps < 1) usage("--steps must be at least 1");
   if (a.zbPending != 0 && a.schedule != "zb1") usage("--zb-pending bounds zb1's pending weight gradients");
   return a;
@@ -125,7 +128,7 @@ pp::Schedule scheduleOf(const Args& a, int p) {
   if (a.schedule == "interleaved") return pp::interleavedOneFOneB(p, a.m, a.v);
   if (a.schedule == "zb1") return pp::zeroBubbleH1(p, a.m, a.zbPending);
   if (a.schedule == "zbv") return pp::zeroBubbleV(p, a.m);
-  usage("--schedule " + a.schedule + " (gpipe, 1f1b, interleaved, zb1, zbv, ddp)");
+  usage("--schedule " + a.schedule + " (gpipe, 1f1b, interleaved, zb1, zbv, ddp, fsdp)");
 }
 
 
@@ -153,12 +156,15 @@ int runRank(const Args& args) {
   dt::setNumThreads(1);
   auto group = dt::initProcessGroup();
   const int rank = group->rank(), world = group->size();
-  const bool ddpBaseline = args.schedule == "ddp";
+  // The data-parallel baselines: the whole model on every rank, DDP or fully sharded.
+  const bool fsdpBaseline = args.schedule == "fsdp";
+  const bool ddpBaseline = args.schedule == "ddp" || fsdpBaseline;
   const int64_t T = args.gpt.contextLength;
 
   std::unique_ptr<pp::PipelineRunner> runner;
   std::shared_ptr<dt::nn::Gpt> whole;
   std::shared_ptr<dt::DistributedDataParallel> ddp;
+  std::unique_ptr<dt::FullyShardedDataParallel> fsdp;
   std::unique_ptr<dt::optim::AdamW> adamw;
   std::vector<dt::Tensor> inputs, targets;
   dt::Tensor ddpInputs, ddpTargets;
@@ -170,8 +176,15 @@ int runRank(const Args& args) {
     if (args.m % world != 0) usage(dt::str("--m ", args.m, " is not a multiple of the world ", world));
     dt::Generator init(1234);
     whole = std::make_shared<dt::nn::Gpt>(args.gpt, init);
-    ddp = std::make_shared<dt::DistributedDataParallel>(whole, group, dt::DdpOptions{});
-    adamw = std::make_unique<dt::optim::AdamW>(whole->parameters(), dt::optim::AdamWOptions{.lr = 1e-4});
+    if (fsdpBaseline) {
+      dt::FullyShardOptions sharded;
+      for (const auto& [name, block] : whole->h->namedChildren()) sharded.units.push_back(block);
+      fsdp = std::make_unique<dt::FullyShardedDataParallel>(whole, group, sharded);
+      adamw = std::make_unique<dt::optim::AdamW>(fsdp->parameters(), dt::optim::AdamWOptions{.lr = 1e-4});
+    } else {
+      ddp = std::make_shared<dt::DistributedDataParallel>(whole, group, dt::DdpOptions{});
+      adamw = std::make_unique<dt::optim::AdamW>(whole->parameters(), dt::optim::AdamWOptions{.lr = 1e-4});
+    }
     const int64_t rows = args.m * args.microBatch / world;
     const dt::Tensor tokens = dt::randint(0, args.gpt.vocabSize, {args.m * args.microBatch, T + 1}, data);
     const dt::Tensor mine = tokens.narrow(0, rank * rows, rows);
@@ -231,8 +244,13 @@ int runRank(const Args& args) {
   auto step = [&] {
     if (ddpBaseline) {
       adamw->zeroGrad();
-      dt::nn::Gpt::loss((*ddp)(ddpInputs), ddpTargets).backward();
-      dt::nn::clipGradNorm(whole->parameters(), 1.0);
+      if (fsdp) {
+        dt::nn::Gpt::loss((*fsdp)(ddpInputs), ddpTargets).backward();
+        dt::nn::clipGradNorm(fsdp->parameters(), 1.0, {.reducePartial = fsdp->gradNormReducer()});
+      } else {
+        dt::nn::Gpt::loss((*ddp)(ddpInputs), ddpTargets).backward();
+        dt::nn::clipGradNorm(whole->parameters(), 1.0);
+      }
       adamw->step();
       return;
     }
@@ -318,6 +336,7 @@ int runRank(const Args& args) {
   group->barrier()->wait();
   runner.reset();
   ddp.reset();
+  fsdp.reset();
   group->destroy();
   return 0;
 }

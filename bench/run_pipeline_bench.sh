@@ -7,7 +7,8 @@
 #          the simulator's formula (GPipe and 1F1B (p-1)/m, interleaved (p-1)/(vm), ZB-H1
 #          (p-1)/(3m), ZBV (p-1)/(6m));
 #   gpt    the 38M GPT (L12-H8-C512-T128, AdamW, clipping at 1.0) split into p stages, and DDP
-#          over the same p ranks at the same global batch (m micro-batches of MICRO rows).
+#          and the fully sharded wrapper over the same p ranks at the same global batch (m
+#          micro-batches of MICRO rows); WIDTH=768 HEADS=12 is the issue's wider 12-layer model.
 # Per row: step ms (the slowest rank's median), tokens/s, the bubble per rank (idle to the end of
 # the step's slowest rank over the rank's compute, median over steps; max and mean over ranks),
 # peak RSS per rank (VmHWM after the warm-up step; max over ranks).
@@ -20,7 +21,7 @@
 #   ZB-H1 step / 1F1B step <= 0.9 at p=4, m=8 (fixed and gpt; the gpt step needs a core per rank), with
 #   peak RSS ZB-H1 / 1F1B <= 1.1 (gpt) (and the same
 #   for the ZB_PENDING rows, zb1kK: ZB-H1 with at most K pending weight gradients per rank);
-#   tokens/s of each schedule against DDP's (no goal);
+#   tokens/s of each schedule against DDP's and the fully sharded wrapper's (no goal);
 #   where ZB-H1's memory goes (gpt, rank 0): the allocator's peak against 1F1B's, and what a micro-batch
 #   keeps from its I to its W against what its forward keeps (pipeline_bench's f_mb and pending_w_mb).
 #
@@ -85,7 +86,7 @@ for workload in $workloads; do
         esac
         run_row "$workload" "$p" "$m" "$schedule"
       done
-      if [ "$workload" = gpt ] && ((m % p == 0)); then run_row gpt "$p" "$m" ddp; fi
+      if [ "$workload" = gpt ] && ((m % p == 0)); then run_row gpt "$p" "$m" ddp; run_row gpt "$p" "$m" fsdp; fi
       if ((p == 4 && m == 8)); then
         for k in ${ZB_PENDING:-}; do run_row "$workload" "$p" "$m" zb1 "$k"; done
       fi
@@ -107,27 +108,30 @@ def find(workload, p, m, schedule):
         if (r["workload"], r["p"], r["m"], r["schedule"]) == (workload, p, m, schedule):
             return r
     return None
-order = ["gpipe", "1f1b", "interleaved", "zb1k1", "zb1k2", "zb1k3", "zb1", "zbv", "ddp"]
+order = ["gpipe", "1f1b", "interleaved", "zb1k1", "zb1k2", "zb1k3", "zb1", "zbv", "ddp", "fsdp"]
+baselines = ("ddp", "fsdp")
 ratios = []
-print("| workload | p | m | schedule | v | step ms | x 1F1B | tokens/s | x DDP | bubble formula | bubble max | bubble mean | per rank | peak RSS MiB (max) | x 1F1B | per rank |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| workload | p | m | schedule | v | step ms | x 1F1B | tokens/s | x DDP | x FSDP | bubble formula | bubble max | bubble mean | per rank | peak RSS MiB (max) | x 1F1B | per rank |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in sorted(rows, key=lambda r: (r["workload"], int(r["p"]), int(r["m"]), order.index(r["schedule"]) if r["schedule"] in order else 9)):
     w, p, m, s = r["workload"], r["p"], r["m"], r["schedule"]
-    ref, ddp = find(w, p, m, "1f1b"), find(w, p, m, "ddp")
+    ref, ddp, fsdp = find(w, p, m, "1f1b"), find(w, p, m, "ddp"), find(w, p, m, "fsdp")
     ms = float(r["step_ms"])
     x1 = f"{ms / float(ref['step_ms']):.3f}" if ref else "-"
     xd = f"{float(r['tokens_per_s']) / float(ddp['tokens_per_s']):.3f}" if ddp and s != "ddp" else "-"
+    xf = f"{float(r['tokens_per_s']) / float(fsdp['tokens_per_s']):.3f}" if fsdp and s not in baselines else "-"
     rss = float(r["peak_rss_mb_max"])
     xr = f"{rss / float(ref['peak_rss_mb_max']):.3f}" if ref else "-"
     formula = r.get("formula", "-")
-    print(f"| {w} | {p} | {m} | {s} | {r['v']} | {ms:.1f} | {x1} | {float(r['tokens_per_s']):.0f} | {xd} | {formula} | "
+    print(f"| {w} | {p} | {m} | {s} | {r['v']} | {ms:.1f} | {x1} | {float(r['tokens_per_s']):.0f} | {xd} | {xf} | {formula} | "
           f"{r.get('bubble_max', '-')} | {r.get('bubble_mean', '-')} | {r.get('bubble_ranks', '-')} | {rss:.0f} | {xr} | {r['peak_rss_mb_ranks']} |")
-    if s != "ddp":
+    if s not in baselines:
         worst = max(abs(float(b) - float(formula)) for b in r["bubble_ranks"].split(","))
         ratios.append(f"RATIO pipeline_bubble |measured-formula| workload={w} schedule={s} p={p} m={m} value={worst:.4f} "
                       f"formula={formula} goal<=0.03 {'met' if worst <= 0.03 else 'MISSED'}")
-    if ddp and s != "ddp":
-        ratios.append(f"RATIO pipeline_tokens_per_s {s}/ddp workload={w} p={p} m={m} value={float(r['tokens_per_s']) / float(ddp['tokens_per_s']):.3f}")
+    for name, base in (("ddp", ddp), ("fsdp", fsdp)):
+        if base and s not in baselines:
+            ratios.append(f"RATIO pipeline_tokens_per_s {s}/{name} workload={w} p={p} m={m} value={float(r['tokens_per_s']) / float(base['tokens_per_s']):.3f}")
 for w, label in [(w, label) for w in ("gpt", "fixed") for label in ("zb1", "zb1k1", "zb1k2", "zb1k3")]:
     zb, one = find(w, "4", "8", label), find(w, "4", "8", "1f1b")
     if zb and one:
