@@ -8,7 +8,11 @@
 #          (p-1)/(3m), ZBV (p-1)/(6m));
 #   gpt    the 38M GPT (L12-H8-C512-T128, AdamW, clipping at 1.0) split into p stages, and DDP
 #          and the fully sharded wrapper over the same p ranks at the same global batch (m
-#          micro-batches of MICRO rows); WIDTH=768 HEADS=12 is the issue's wider 12-layer model.
+#          micro-batches of MICRO rows); WIDTH=768 HEADS=12 is the issue's wider 12-layer model;
+#   loop   the same model through the training loop at world LOOP_WORLD (4): examples/gpt under
+#          dtrun with --pp p (PP=p x DP=4/p, DDP over the replicas) for each schedule and m,
+#          against DDP and the fully sharded wrapper (--sharding fsdp) over the 4 ranks, all at
+#          the global batch LOOP_BATCH (32) x CONTEXT tokens.
 # Per row: step ms (the slowest rank's median), tokens/s, the bubble per rank (idle to the end of
 # the step's slowest rank over the rank's compute, median over steps; max and mean over ranks),
 # peak RSS per rank (VmHWM after the warm-up step; max over ranks).
@@ -26,7 +30,7 @@
 #   keeps from its I to its W against what its forward keeps (pipeline_bench's f_mb and pending_w_mb).
 #
 # usage: bench/run_pipeline_bench.sh  (env: PS="2 4" MS="4 8 16" SCHEDULES="gpipe 1f1b interleaved zb1 zbv"
-#          WORKLOADS="fixed gpt" UNIT_MS=20 STEPS=3 WARMUP=1 MICRO=2 LAYERS=12 WIDTH=512 HEADS=8 CONTEXT=128
+#          WORKLOADS="fixed gpt loop" LOOP_WORLD=4 LOOP_BATCH=32 UNIT_MS=20 STEPS=3 WARMUP=1 MICRO=2 LAYERS=12 WIDTH=512 HEADS=8 CONTEXT=128
 #          ZB_PENDING="1 2" (extra zb1 rows at p=4 m=8 with at most K pending W per rank: zb1k1, zb1k2)
 #          DT_BUILD_DIR=build-bench DT_JOBS=2 OUT=file; NO_BUILD=1 runs the build directory's
 #          pipeline_bench as it is, without configuring it)
@@ -41,7 +45,9 @@ else q_layers=12 q_width=512 q_heads=8 q_context=128 q_unit=20 q_ms="4 8 16" q_s
 ps=${PS:-"2 4"}
 ms=${MS:-$q_ms}
 schedules=${SCHEDULES:-"gpipe 1f1b interleaved zb1 zbv"}
-workloads=${WORKLOADS:-"fixed gpt"}
+workloads=${WORKLOADS:-"fixed gpt loop"}
+loop_world=${LOOP_WORLD:-4}
+loop_batch=${LOOP_BATCH:-32}
 unit=${UNIT_MS:-$q_unit}
 steps=${STEPS:-$q_steps}
 warmup=${WARMUP:-1}
@@ -57,10 +63,12 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 DT_NUM_THREADS=1
 if [ "${NO_BUILD:-0}" != 1 ]; then
   echo "== building pipeline_bench in $build" >&2
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DDT_USE_CUDA=OFF >/dev/null &&
-    cmake --build "$build" -j "${DT_JOBS:-2}" --target pipeline_bench >/dev/null ||
+    cmake --build "$build" -j "${DT_JOBS:-2}" --target pipeline_bench gpt dtrun >/dev/null ||
     { echo "run_pipeline_bench: building failed" >&2; exit 2; }
 fi
 bench="$build/bench/pipeline_bench"
+dtrun="$build/launcher/dtrun"
+gpt="$build/examples/gpt"
 
 echo "# run_pipeline_bench: workloads=[$workloads] p=[$ps] m=[$ms] schedules=[$schedules] unit_ms=$unit steps=$steps" \
   "warmup=$warmup micro_batch=$micro model=${model[*]} $(date -u +%FT%TZ) $(getconf _NPROCESSORS_ONLN) cpus" | tee "$out"
@@ -75,7 +83,39 @@ run_row() {  # workload p m schedule [zb-pending]
   if [ -z "$line" ]; then echo "# FAILED: $* (no RESULT line; see $out.log)" | tee -a "$out"; return; fi
   echo "$line" | tee -a "$out"
 }
+run_loop_row() {  # pp m schedule (ddp and fsdp: the whole model over the world, no pipeline)
+  local args=(--bench --quiet --checkpoint-dir none --bench-warmup "$warmup" --eval-every 0 --sample-tokens 0
+              --steps $((steps + warmup)) --warmup 1 --global-batch "$loop_batch" "${model[@]:0:8}")
+  case $3 in
+    ddp) ;;
+    fsdp) args+=(--sharding fsdp) ;;
+    *) args+=(--pp "$1" --schedule "$3" --micro-batches "$2") ;;
+  esac
+  echo "## loop world $loop_world pp $1 m $2 $3" >&2
+  local line
+  line=$(timeout 900 "$dtrun" --standalone --nproc "$loop_world" --prefix none "$gpt" "${args[@]}" 2>>"$out.log" | grep '^RESULT gpt ')
+  if [ -z "$line" ]; then echo "# FAILED: loop pp $1 m $2 $3 (no RESULT line; see $out.log)" | tee -a "$out"; return; fi
+  local stages=$(($1 > 0 ? $1 : 1))
+  echo "RESULT pipeline_loop pp=$1 dp=$((loop_world / stages)) m=$2 schedule=$3 ${line#RESULT gpt }" | tee -a "$out"
+}
 for workload in $workloads; do
+  if [ "$workload" = loop ]; then
+    run_loop_row 0 1 ddp
+    run_loop_row 0 1 fsdp
+    for p in $ps; do
+      for m in $ms; do
+        ((loop_batch % (loop_world / p * m) == 0)) || { echo "# loop pp $p m $m skipped: global batch $loop_batch does not split into dp $((loop_world / p)) x m $m" | tee -a "$out"; continue; }
+        for schedule in $schedules; do
+          case $schedule in
+            interleaved|zb1) ((m >= p)) || continue ;;
+            zbv) ((m >= p && m % p == 0)) || continue ;;
+          esac
+          run_loop_row "$p" "$m" "$schedule"
+        done
+      done
+    done
+    continue
+  fi
   for p in $ps; do
     for m in $ms; do
       for schedule in $schedules; do
@@ -154,6 +194,24 @@ for w, label in [(w, label) for w in ("gpt", "fixed") for label in ("zb1", "zb1k
                           f"above_state={acts[0] / acts[1]:.3f} ({acts[0]:.1f} / {acts[1]:.1f} MiB)")
             ratios.append(f"RATIO pipeline_pending_w/forward schedule={label} workload={w} p=4 m=8 rank=0 value={first(zb, 'pending_w_mb_ranks') / first(zb, 'f_mb_ranks'):.3f} "
                           f"({first(zb, 'pending_w_mb_ranks'):.2f} / {first(zb, 'f_mb_ranks'):.2f} MiB per micro-batch; pending W peak {zb['pending_w_ranks'].split(',')[0]}, in flight {zb['in_flight_ranks'].split(',')[0]})")
+loops = [dict(x.split("=", 1) for x in line.split()[2:] if "=" in x)
+         for line in open(sys.argv[1]) if line.startswith("RESULT pipeline_loop ")]
+if loops:
+    print()
+    print("| loop: model | world | pp | dp | m | schedule | step ms | x 1F1B | tokens/s | x DDP | x FSDP | peak RSS MiB (rank 0) | x DDP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base = {r["schedule"]: r for r in loops if r["pp"] == "0"}
+    for r in loops:
+        one = next((o for o in loops if (o["pp"], o["m"], o["schedule"]) == (r["pp"], r["m"], "1f1b")), None)
+        tps = float(r["tokens_per_s"])
+        x = lambda b: f"{tps / float(base[b]['tokens_per_s']):.3f}" if b in base and r["pp"] != "0" else "-"
+        x1 = f"{float(r['step_ms']) / float(one['step_ms']):.3f}" if one else "-"
+        xr = f"{float(r['peak_rss_mb']) / float(base['ddp']['peak_rss_mb']):.3f}" if "ddp" in base else "-"
+        print(f"| {r['model']} | {r['world']} | {r['pp']} | {r['dp']} | {r['m']} | {r['schedule']} | {float(r['step_ms']):.1f} | {x1} | "
+              f"{tps:.0f} | {x('ddp')} | {x('fsdp')} | {float(r['peak_rss_mb']):.0f} | {xr} |")
+        for b in ("ddp", "fsdp"):
+            if b in base and r["pp"] != "0":
+                ratios.append(f"RATIO pipeline_loop_tokens_per_s {r['schedule']}/{b} model={r['model']} world={r['world']} pp={r['pp']} m={r['m']} value={x(b)}")
 print()
 print("\n".join(ratios))
 PYEOF
