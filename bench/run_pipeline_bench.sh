@@ -34,7 +34,8 @@
 #          ZB_PENDING="1 2" (extra zb1 rows at p=4 m=8 with at most K pending W per rank: zb1k1, zb1k2)
 #          DT_BUILD_DIR=build-bench DT_JOBS=2 OUT=file; NO_BUILD=1 runs the build directory's
 #          pipeline_bench as it is, without configuring it)
-#   full run about 25 minutes on 2 idle cores (the gpt rows: 36 launches of the 38M model)
+#   full run about 45 minutes on 2 idle cores (the gpt rows: 42 launches of the 38M model over p ranks;
+#   the loop rows: 32 launches at world 4)
 #   QUICK=1: L8-H4-C64-T64, UNIT_MS=5, MS="4 8", STEPS=2 (checks the script: about a minute)
 set -uo pipefail
 cd "$(dirname "$0")/.."
