@@ -41,21 +41,32 @@ std::vector<std::string> job(const fs::path& data, const fs::path& out, const st
   return args;
 }
 
-// Max-abs difference of two parameter dumps, relative to the first's max-abs.
-double relativeDifference(const fs::path& a, const fs::path& b, bool* bitwise) {
+// Two parameter dumps' difference: the max-abs difference relative to the first's max-abs, and
+// the root-mean-square difference relative to the first's root mean square.
+struct DumpDifference {
+  double maxAbs = 0, rms = 0;
+  bool bitwise = false;
+};
+DumpDifference compareDumps(const fs::path& a, const fs::path& b) {
   const auto x = loadSafetensors(a), y = loadSafetensors(b);
-  double diff = 0, scale = 0;
-  *bitwise = x.tensors.size() == y.tensors.size();
+  double diff = 0, scale = 0, squaredDiff = 0, squared = 0;
+  bool bitwise = x.tensors.size() == y.tensors.size();
   for (size_t k = 0; k < x.tensors.size() && k < y.tensors.size(); ++k) {
     EXPECT_EQ(x.tensors[k].first, y.tensors[k].first);
     const auto xs = x.tensors[k].second.toVector<float>(), ys = y.tensors[k].second.toVector<float>();
-    for (size_t i = 0; i < xs.size(); ++i) {
-      diff = std::max(diff, static_cast<double>(std::fabs(xs[i] - ys[i])));
+    EXPECT_EQ(xs.size(), ys.size()) << x.tensors[k].first;
+    for (size_t i = 0; i < xs.size() && i < ys.size(); ++i) {
+      const double d = std::fabs(static_cast<double>(xs[i]) - ys[i]);
+      diff = std::max(diff, d);
       scale = std::max(scale, static_cast<double>(std::fabs(xs[i])));
-      *bitwise = *bitwise && xs[i] == ys[i];
+      squaredDiff += d * d;
+      squared += static_cast<double>(xs[i]) * xs[i];
+      bitwise = bitwise && xs[i] == ys[i];
     }
   }
-  return scale > 0 ? diff / scale : diff;
+  return {.maxAbs = scale > 0 ? diff / scale : diff,
+          .rms = squared > 0 ? std::sqrt(squaredDiff / squared) : std::sqrt(squaredDiff),
+          .bitwise = bitwise};
 }
 
 class TrainerElastic : public ::testing::Test {
@@ -83,15 +94,17 @@ class TrainerElastic : public ::testing::Test {
     EXPECT_THAT(r.err, HasSubstr("exited: signal SIGKILL; the elastic job goes on without it"));
     EXPECT_THAT(r.out, HasSubstr("3 rank(s) go on from step"));
     EXPECT_FALSE(commonFingerprint(r.out, 3).empty()) << "the survivors end with identical parameters";
-    bool bitwise = false;
     // Before the step in which the rank died: bitwise the undisturbed run.
-    relativeDifference(reference_->path() / "dump" / str("step-", kKillStep, ".safetensors"),
-                       out.path() / "dump" / str("step-", kKillStep, ".safetensors"), &bitwise);
-    EXPECT_TRUE(bitwise) << where;
+    EXPECT_TRUE(compareDumps(reference_->path() / "dump" / str("step-", kKillStep, ".safetensors"),
+                             out.path() / "dump" / str("step-", kKillStep, ".safetensors"))
+                    .bitwise)
+        << where;
     // After it (redone by three ranks, or committed by the four): the same update up to reassociation.
-    const double rel = relativeDifference(reference_->path() / "dump" / str("step-", kKillStep + 1, ".safetensors"),
-                                          out.path() / "dump" / str("step-", kKillStep + 1, ".safetensors"), &bitwise);
-    EXPECT_LE(rel, 1e-5) << where;
+    EXPECT_LE(compareDumps(reference_->path() / "dump" / str("step-", kKillStep + 1, ".safetensors"),
+                           out.path() / "dump" / str("step-", kKillStep + 1, ".safetensors"))
+                  .maxAbs,
+              1e-5)
+        << where;
     const double accuracy = finalValue(r.out, "test accuracy").value_or(-10);
     EXPECT_NEAR(accuracy, referenceAccuracy_, 0.003) << where;
     // Every example of every epoch exactly once: 10 steps of 128 distinct examples per epoch.
@@ -195,23 +208,30 @@ TEST_F(TrainerElastic, KilledFiveTimesAndReplacedEachTimeTheJobEndsAtFullSize) {
   EXPECT_THAT(r.err, HasSubstr("replaced during the job: rank 2"));
   // Back at four ranks with identical parameters, and the undisturbed run's up to reassociation.
   EXPECT_FALSE(commonFingerprint(r.out, 4).empty()) << r.out;
-  bool bitwise = false;
-  const double rel = relativeDifference(reference.path() / "dump" / "step-200.safetensors",
-                                        out.path() / "dump" / "step-200.safetensors", &bitwise);
-  std::printf("after 200 steps, 5 kills and 5 joins: max relative difference to the undisturbed run %.3g\n", rel);
+  const DumpDifference final = compareDumps(reference.path() / "dump" / "step-200.safetensors",
+                                            out.path() / "dump" / "step-200.safetensors");
+  std::printf("after 200 steps, 5 kills and 5 joins: relative difference to the undisturbed run %.3g (max-abs), %.3g (rms)\n",
+              final.maxAbs, final.rms);
   for (const auto& line : split(r.out, '\n')) {
     if (line.find("joined at step") != std::string::npos) std::printf("%s\n", line.c_str());
   }
   // Reassociation only (other world sizes sum in other orders); the cosine schedule's learning
-  // rate ends near zero, which keeps the final difference small (4e-7 measured). A longer
-  // schedule still running at a high rate amplifies it (a 300-step run ended 9e-2 apart, its
-  // accuracy within 0.3 points all the same), so this bound is for this schedule only.
-  EXPECT_LE(rel, 1e-4) << "every 20 steps: " << [&] {
+  // rate ends near zero, which keeps the difference small (rms 1.3e-7, max-abs 4e-7 to 2e-6,
+  // measured over 16 runs). Judged in rms: AdamW steps every parameter by about the learning
+  // rate whatever its gradient's size, so a parameter whose gradient is near zero can step one
+  // way in one run and not, or the other way, in the other from a 1e-7 difference, and the
+  // max-abs difference jumps by a learning rate in one step (7.7e-7 to 2.9e-4 between steps 160
+  // and 180: 3 of the flake check's 15 runs on 2 cores, with 0 and 1 busy processes; reproduced,
+  // max-abs 1.7e-4 with rms 3.4e-6); a few such parameters among 235k hardly move the rms. Lost
+  // or repeated steps are what the example accounting below checks exactly. A longer schedule
+  // still running at a high rate amplifies the difference (a 300-step run ended 9e-2 apart in
+  // max-abs, its accuracy within 0.3 points all the same), so this bound is for this schedule only.
+  EXPECT_LE(final.rms, 1e-4) << "every 20 steps (max-abs, rms): " << [&] {
     std::string trail;
     for (int at = 20; at <= 200; at += 20) {
-      trail += str("step ", at, " ", relativeDifference(reference.path() / "dump" / str("step-", at, ".safetensors"),
-                                                         out.path() / "dump" / str("step-", at, ".safetensors"), &bitwise),
-                   "; ");
+      const DumpDifference d = compareDumps(reference.path() / "dump" / str("step-", at, ".safetensors"),
+                                            out.path() / "dump" / str("step-", at, ".safetensors"));
+      trail += str("step ", at, " ", d.maxAbs, " ", d.rms, "; ");
     }
     return trail;
   }() << "\n" << r.out << r.err;
