@@ -158,7 +158,7 @@ int runRank(const Args& args) {
   const int rank = group->rank(), world = group->size();
   // The data-parallel baselines: the whole model on every rank, DDP or fully sharded.
   const bool fsdpBaseline = args.schedule == "fsdp";
-  const bool ddpBaseline = args.schedule == "ddp" || fsdpBaseline;
+  const bool wholeModelBaseline = args.schedule == "ddp" || fsdpBaseline;
   const int64_t T = args.gpt.contextLength;
 
   std::unique_ptr<pp::PipelineRunner> runner;
@@ -167,12 +167,12 @@ int runRank(const Args& args) {
   std::unique_ptr<dt::FullyShardedDataParallel> fsdp;
   std::unique_ptr<dt::optim::AdamW> adamw;
   std::vector<dt::Tensor> inputs, targets;
-  dt::Tensor ddpInputs, ddpTargets;
+  dt::Tensor wholeInputs, wholeTargets;
   double formula = 0;
   double forwardMb = 0, pendingWMb = 0, inFlight = 0, pendingW = 0;
   dt::Generator data(1000);  // the same tokens on every rank: each takes its part
 
-  if (ddpBaseline) {
+  if (wholeModelBaseline) {
     if (args.m % world != 0) usage(dt::str("--m ", args.m, " is not a multiple of the world ", world));
     dt::Generator init(1234);
     whole = std::make_shared<dt::nn::Gpt>(args.gpt, init);
@@ -188,8 +188,8 @@ int runRank(const Args& args) {
     const int64_t rows = args.m * args.microBatch / world;
     const dt::Tensor tokens = dt::randint(0, args.gpt.vocabSize, {args.m * args.microBatch, T + 1}, data);
     const dt::Tensor mine = tokens.narrow(0, rank * rows, rows);
-    ddpInputs = mine.narrow(1, 0, T).contiguous();
-    ddpTargets = mine.narrow(1, 1, T).contiguous();
+    wholeInputs = mine.narrow(1, 0, T).contiguous();
+    wholeTargets = mine.narrow(1, 1, T).contiguous();
   } else {
     const pp::Schedule schedule = scheduleOf(args, world);
     const pp::SimulationResult simulated = pp::simulate(schedule);
@@ -242,13 +242,13 @@ int runRank(const Args& args) {
   }
 
   auto step = [&] {
-    if (ddpBaseline) {
+    if (wholeModelBaseline) {
       adamw->zeroGrad();
       if (fsdp) {
-        dt::nn::Gpt::loss((*fsdp)(ddpInputs), ddpTargets).backward();
+        dt::nn::Gpt::loss((*fsdp)(wholeInputs), wholeTargets).backward();
         dt::nn::clipGradNorm(fsdp->parameters(), 1.0, {.reducePartial = fsdp->gradNormReducer()});
       } else {
-        dt::nn::Gpt::loss((*ddp)(ddpInputs), ddpTargets).backward();
+        dt::nn::Gpt::loss((*ddp)(wholeInputs), wholeTargets).backward();
         dt::nn::clipGradNorm(whole->parameters(), 1.0);
       }
       adamw->step();
@@ -262,7 +262,7 @@ int runRank(const Args& args) {
     }
   };
   for (int i = 0; i < args.warmup; ++i) step();
-  if (!ddpBaseline) {
+  if (!wholeModelBaseline) {
     for (const auto& chunk : runner->stages().chunks) chunk->zeroGrad();
   }
   const double stateMb = static_cast<double>(dt::memoryStats().allocatedBytes) / (1 << 20);

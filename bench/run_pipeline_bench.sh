@@ -53,8 +53,9 @@ unit=${UNIT_MS:-$q_unit}
 steps=${STEPS:-$q_steps}
 warmup=${WARMUP:-1}
 micro=${MICRO:-2}
-model=(--layers "${LAYERS:-$q_layers}" --width "${WIDTH:-$q_width}" --heads "${HEADS:-$q_heads}"
-       --context "${CONTEXT:-$q_context}" --micro-batch "$micro")
+shape=(--layers "${LAYERS:-$q_layers}" --width "${WIDTH:-$q_width}" --heads "${HEADS:-$q_heads}"
+       --context "${CONTEXT:-$q_context}")
+model=("${shape[@]}" --micro-batch "$micro")
 out=${OUT:-$(mktemp /tmp/pipeline-bench.XXXXXX.txt)}
 
 openblas_dir=/usr/lib/x86_64-linux-gnu/openblas-pthread
@@ -84,9 +85,15 @@ run_row() {  # workload p m schedule [zb-pending]
   if [ -z "$line" ]; then echo "# FAILED: $* (no RESULT line; see $out.log)" | tee -a "$out"; return; fi
   echo "$line" | tee -a "$out"
 }
+schedule_fits() {  # p m schedule: the schedules' own limits (pipeline_schedule.h)
+  case $3 in
+    interleaved|zb1) (($2 >= $1)) ;;  # m >= p for the split ones
+    zbv) (($2 >= $1 && $2 % $1 == 0)) ;;
+  esac
+}
 run_loop_row() {  # pp m schedule (ddp and fsdp: the whole model over the world, no pipeline)
   local args=(--bench --quiet --checkpoint-dir none --bench-warmup "$warmup" --eval-every 0 --sample-tokens 0
-              --steps $((steps + warmup)) --warmup 1 --global-batch "$loop_batch" "${model[@]:0:8}")
+              --steps $((steps + warmup)) --warmup 1 --global-batch "$loop_batch" "${shape[@]}")
   case $3 in
     ddp) ;;
     fsdp) args+=(--sharding fsdp) ;;
@@ -107,10 +114,7 @@ for workload in $workloads; do
       for m in $ms; do
         ((loop_batch % (loop_world / p * m) == 0)) || { echo "# loop pp $p m $m skipped: global batch $loop_batch does not split into dp $((loop_world / p)) x m $m" | tee -a "$out"; continue; }
         for schedule in $schedules; do
-          case $schedule in
-            interleaved|zb1) ((m >= p)) || continue ;;
-            zbv) ((m >= p && m % p == 0)) || continue ;;
-          esac
+          schedule_fits "$p" "$m" "$schedule" || continue
           run_loop_row "$p" "$m" "$schedule"
         done
       done
@@ -120,11 +124,7 @@ for workload in $workloads; do
   for p in $ps; do
     for m in $ms; do
       for schedule in $schedules; do
-        # The schedules' own limits (pipeline_schedule.h): m >= p for the split ones, m % p == 0 for ZBV.
-        case $schedule in
-          interleaved|zb1) ((m >= p)) || continue ;;
-          zbv) ((m >= p && m % p == 0)) || continue ;;
-        esac
+        schedule_fits "$p" "$m" "$schedule" || continue
         run_row "$workload" "$p" "$m" "$schedule"
       done
       if [ "$workload" = gpt ] && ((m % p == 0)); then run_row gpt "$p" "$m" ddp; run_row gpt "$p" "$m" fsdp; fi
