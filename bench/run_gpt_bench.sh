@@ -6,9 +6,11 @@
 # over gloo (dtrain: its shared-memory backend, what a one-host job gets), one thread per rank,
 # at world 1, 2 and 4, each side in fp32 and in bf16 mixed precision (dtrain: gpt --precision bf16,
 # dt::autocast; PyTorch: torch.cpu.amp.autocast(dtype=torch.bfloat16)). Each PyTorch run goes
-# twice, with OPENBLAS_CORETYPE as the environment has it and unset (in that command alone:
-# some environments force an older core than the CPU's, which halves OpenBLAS's speed), and
-# the faster of the two is the peer. Both sides start from the same weights (dtrain's --init-out, the
+# with OPENBLAS_CORETYPE as the environment has it, unset where the environment sets it (some
+# environments force an older core than the CPU's, which halves OpenBLAS's speed), and set to
+# the core that fits the CPU (SkylakeX for AVX-512, Haswell for AVX2) where that differs (a CPU
+# newer than OpenBLAS 0.3.21 gets its SSE3 kernels unset), each in that command alone; the
+# fastest is the peer. Both sides start from the same weights (dtrain's --init-out, the
 # peer's --init) and train STEPS steps; the first WARMUP are not timed. Then the forward +
 # backward of one block and of the attention core alone (gpt_bench vs torch_gpt.py --micro)
 # at the per-rank batches of world 1 and 4. Repetitions are interleaved.
@@ -76,11 +78,23 @@ run_dtrain() {  # binary, world, impl label, precision
     --bench-warmup "$warmup" --eval-every 0 --sample-tokens 0 --init-out "$init" "${precision[@]}" "${common[@]}" \
     2>>"$out.log" | grep '^RESULT' | sed "s/ impl=dtrain / impl=$3 /" | tee -a "$out"
 }
-run_torch() {  # world, precision, env|unset (OPENBLAS_CORETYPE)
+# PyTorch's OpenBLAS settings: the environment's; unset, where the environment sets one; and the
+# core that fits this CPU's vector width, where the environment does not already force it (a CPU
+# model newer than OpenBLAS 0.3.21 gets its SSE3 fallback when unset: the peer would be slow for
+# a reason a user fixes with one variable, so that run is the peer's best).
+fit_core=$(grep -qw avx512f /proc/cpuinfo && echo SkylakeX || { grep -qw avx2 /proc/cpuinfo && echo Haswell; })
+torch_coretypes=(env)
+[ -z "${OPENBLAS_CORETYPE:-}" ] || torch_coretypes+=(unset)
+[ -z "$fit_core" ] || [ "${OPENBLAS_CORETYPE:-}" = "$fit_core" ] || torch_coretypes+=("$fit_core")
+run_torch() {  # world, precision, env|unset|a core (OPENBLAS_CORETYPE)
   echo "## world $1, repetition $rep: torch $2, OPENBLAS_CORETYPE $3" >&2
-  local unset=()
-  [ "$3" = env ] || unset=(-u OPENBLAS_CORETYPE)
-  timeout 900 env "${unset[@]}" "$py" "$peers/torchrun_py311.py" --nproc_per_node "$1" --standalone "$peers/torch_gpt.py" \
+  local setting=()
+  case $3 in
+    env) ;;
+    unset) setting=(-u OPENBLAS_CORETYPE) ;;
+    *) setting=("OPENBLAS_CORETYPE=$3") ;;
+  esac
+  timeout 900 env "${setting[@]}" "$py" "$peers/torchrun_py311.py" --nproc_per_node "$1" --standalone "$peers/torch_gpt.py" \
     --bench-warmup "$warmup" --init "$init" --precision "$2" "${common[@]}" 2>>"$out.log" | grep '^RESULT' |
     sed "s/\$/ openblas_coretype=$3/" | tee -a "$out"
 }
@@ -90,8 +104,7 @@ for ((rep = 1; rep <= reps; rep++)); do
       run_dtrain "$gpt" "$n" dtrain "$p"
       [ -z "$before" ] || [ "$p" != fp32 ] || run_dtrain "$before" "$n" dtrain-before fp32
       [ $have_torch = 1 ] || continue
-      run_torch "$n" "$p" env
-      run_torch "$n" "$p" unset
+      for c in "${torch_coretypes[@]}"; do run_torch "$n" "$p" "$c"; done
     done
   done
   [ "$micro_reps" -gt 0 ] || continue
@@ -128,16 +141,19 @@ for line in open(sys.argv[1]):
 med = lambda key, metric: statistics.median(float(r[metric]) for r in rows[key]) if key in rows else float("nan")
 
 
+coretypes = sorted({k[4] for k in rows if k[0] == "gpt" and k[2] == "torch" and len(k) == 5}, key=lambda c: (c != "env", c))
+
+
 def peer(w, precision):
-    """PyTorch's faster median of its two OpenBLAS settings: (key, which)."""
-    runs = [("gpt", w, "torch", precision, c) for c in ("env", "unset") if ("gpt", w, "torch", precision, c) in rows]
+    """PyTorch's fastest median over its OpenBLAS settings: (key, which)."""
+    runs = [("gpt", w, "torch", precision, c) for c in coretypes if ("gpt", w, "torch", precision, c) in rows]
     if not runs:
         return None, "-"
     best = max(runs, key=lambda k: med(k, "tokens_per_s"))
     return best, best[4]
 
 
-print("| world | precision | dtrain tokens/s | torch tokens/s (OPENBLAS_CORETYPE env / unset) | peer | ratio | dtrain val loss | "
+print(f"| world | precision | dtrain tokens/s | torch tokens/s (OPENBLAS_CORETYPE {' / '.join(coretypes)}) | peer | ratio | dtrain val loss | "
       "torch val loss | diff (goal <= 2 %) | dtrain peak RSS MiB | torch peak RSS MiB |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 worlds = sorted({k[1] for k in rows if k[0] == "gpt"}, key=int)
@@ -147,13 +163,13 @@ for w in worlds:
         t, which = peer(w, tp)
         if d not in rows or t is None:
             continue
-        env_, unset_ = (med(("gpt", w, "torch", tp, c), "tokens_per_s") for c in ("env", "unset"))
+        each = " / ".join(f'{med(("gpt", w, "torch", tp, c), "tokens_per_s"):.0f}' for c in coretypes)
         dv, tv = med(d, "val_loss_nats"), med(t, "val_loss_nats")
-        print(f"| {w} | {dp} / {tp} | {med(d, 'tokens_per_s'):.0f} | {env_:.0f} / {unset_:.0f} | {which} "
+        print(f"| {w} | {dp} / {tp} | {med(d, 'tokens_per_s'):.0f} | {each} | {which} "
               f"| {med(d, 'tokens_per_s') / med(t, 'tokens_per_s'):.2f} | {dv:.4f} | {tv:.4f} | {100 * abs(dv - tv) / tv:.2f} % "
               f"| {med(d, 'peak_rss_mb'):.0f} | {med(t, 'peak_rss_mb'):.0f} |")
 print()
-# The goals, each against the faster of PyTorch's two OpenBLAS settings.
+# The goals, each against the fastest of PyTorch's OpenBLAS settings.
 for w in worlds:
     for dp, tp, goal in (("fp32", "fp32", 1.5), ("bf16", "fp32", 2.0), ("bf16", "bf16-autocast", 1.3)):
         d = ("gpt", w, "dtrain", dp, "")

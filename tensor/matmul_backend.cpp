@@ -87,17 +87,20 @@ const char* gemmEngineName(GemmEngine engine) { return engine == GemmEngine::One
 
 namespace {
 
-// The measured rule (docs/tensor.md, "Matrix products", the table there). OpenBLAS keeps:
-//  * products under 2^18 multiply-adds (64^3) and matrix-vector ones (m or n is 1), where
-//    oneDNN's per-call cost (cache lookup, memory objects, its OpenMP team) is not won back:
-//    16^3 ran 40-80 GF/s on OpenBLAS and 5 on oneDNN, 1x512x512 51 and 15;
-//  * every product while OpenBLAS runs kernels made for this CPU's vector width: there both ran
-//    the GPT's products at 170-200 GF/s on one thread, OpenBLAS ahead on the attention-sized
-//    ones (213 vs 120), and OpenBLAS's threads stood a busy machine better than oneDNN's
-//    OpenMP team (which fell to 8-60 GF/s at two threads beside a compile).
-// oneDNN takes the rest where OpenBLAS runs older kernels than the CPU has (OPENBLAS_CORETYPE
-// forced to an older core, or a CPU model newer than the library): 1.8-2x there.
-[[maybe_unused]] constexpr int64_t kOneDnnMinMacs = int64_t{1} << 18;  // unused while auto keeps float32 on OpenBLAS (below)
+// The measured rule (docs/tensor.md, "Matrix products", the tables there). Float32 goes to
+// oneDNN only when all of these hold:
+//  * more than 2^18 multiply-adds (64^3), and m and n above 1: below that, and for
+//    matrix-vector products, oneDNN's per-call cost (cache lookup, memory objects, its OpenMP
+//    team) is not won back (16^3: 40-109 GF/s on OpenBLAS, 2-5 on oneDNN; 1x512x512 34 and 10;
+//    the attention core's 32x64x128, exactly 2^18, 0.46x on oneDNN);
+//  * OpenBLAS's kernels are older than the CPU (an AVX2 core on an AVX-512 CPU, or the SSE3
+//    fallback for a CPU model newer than the library): about 2x there; or oneDNN runs AVX-512
+//    and the product runs on one thread (what dtrun gives each of several ranks on a host):
+//    1.04-1.34x OpenBLAS's own SkylakeX kernels on an Ice Lake Xeon's GPT products, level with
+//    its Cooperlake kernels on a Zen 5. With several threads and fitting kernels OpenBLAS stays:
+//    its pool stood a busy machine better than oneDNN's OpenMP team (8-60 GF/s at two threads
+//    beside a compile, where OpenBLAS kept 107-180).
+constexpr int64_t kOneDnnMinMacs = int64_t{1} << 18;
 
 // OpenBLAS's cores by the widest vectors their sgemm kernels use: 512, 256, else older.
 int coreVectorBits(const std::string& core) {
@@ -125,11 +128,18 @@ bool openblasKernelsFitCpu(const std::string& core, bool cpuHasAvx512, bool cpuH
 
 namespace {
 
-// Auto keeps float32 on OpenBLAS for now, whatever its kernels. It was switched off when an
-// elastic test's trajectory ended 1.1e-2 from its reference with oneDNN's float32 products; that
-// turned out to be AdamW's sensitivity to the order of sums (OpenBLAS's own AVX-512 kernel ends
-// it 0.10 away, docs/tensor.md), not a fault of oneDNN. The rule returns once it is re-measured.
-bool autoPrefersOneDnn(const GemmProblem&) { return false; }
+// Read once per process: the OpenBLAS core and the CPU do not change while it runs.
+bool openblasKernelsFitThisCpu() {
+  static const bool fit =
+      openblasKernelsFitCpu(blasKernelName(), __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx2"));
+  return fit;
+}
+
+bool autoPrefersOneDnn(const GemmProblem& p) {
+  if (p.inType != DType::Float32 || p.m <= 1 || p.n <= 1 || p.batch * p.m * p.n * p.k <= kOneDnnMinMacs) return false;
+  if (!openblasKernelsFitThisCpu()) return true;
+  return onednn::hasAvx512() && (numThreads() == 1 || insideParallelFor());
+}
 
 void runOpenBlas(const GemmProblem& p) {
   numThreads();  // makes sure OpenBLAS's thread count follows DT_NUM_THREADS
@@ -209,6 +219,7 @@ int64_t primitivesCreated() { return 0; }
 int64_t productsRun() { return 0; }
 std::string version() { return ""; }
 bool bf16Native() { return false; }
+bool hasAvx512() { return false; }
 std::string bf16MissingReason() { return "this build of dtrain has no oneDNN (DT_USE_ONEDNN)"; }
 }  // namespace onednn
 #endif
@@ -228,7 +239,9 @@ std::string matmulKernelName() {
   switch (matmulBackend()) {
     case MatmulBackend::OpenBlas: fp32 = blas; break;
     case MatmulBackend::OneDnn: fp32 = dnn; break;
-    case MatmulBackend::Auto: fp32 = blas; break;  // autoPrefersOneDnn: float32 stays on OpenBLAS
+    case MatmulBackend::Auto:  // the small products stay on OpenBLAS
+      fp32 = gemmEngineFor(probe) == GemmEngine::OneDnn && dnn != blas ? dnn + "+" + blas : blas;
+      break;
   }
   std::string bf16 = "fp32";
   if (matmulBackend() != MatmulBackend::OpenBlas && bf16MatmulNative()) {

@@ -250,6 +250,12 @@ bool bf16Native() {
   return (isa & bf16) == bf16;
 }
 
+bool hasAvx512() {
+  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto avx512 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core);
+  return (isa & avx512) == avx512;
+}
+
 std::string bf16MissingReason() {
   if (bf16Native()) return "";
   // Both cases end with the same words, so a log search or a test finds them on any CPU.

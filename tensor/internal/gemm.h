@@ -34,8 +34,8 @@ struct GemmProblem {
   double alpha = 1.0, beta = 0.0;
 };
 
-// Whether OpenBLAS's kernels (`core`, blasKernelName()) use the CPU's widest vectors: the auto
-// rule sends large float32 products to oneDNN only where they do not (docs/tensor.md).
+// Whether OpenBLAS's kernels (`core`, blasKernelName()) use the CPU's widest vectors: where they
+// do not, the auto rule sends every large float32 product to oneDNN (docs/tensor.md).
 bool openblasKernelsFitCpu(const std::string& core, bool cpuHasAvx512, bool cpuHasAvx2);
 
 // The engine the current setting picks for p (Float64 always OpenBLAS).
@@ -67,6 +67,8 @@ std::string version();
 // bf16 support within oneDNN's effective ISA; reason "" when native.
 bool bf16Native();
 std::string bf16MissingReason();
+// Whether oneDNN's effective ISA includes AVX-512 (avx512_core).
+bool hasAvx512();
 }  // namespace onednn
 
 }  // namespace dt::detail

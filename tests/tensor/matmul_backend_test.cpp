@@ -15,6 +15,7 @@
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/sanitizers.h"
+#include "common/strings.h"
 #include "tensor/internal/gemm.h"
 #include "tensor/matmul_backend.h"
 #include "tensor/nn/module.h"
@@ -290,13 +291,36 @@ TEST(MatmulBackend, AutoKeepsSmallAndMatrixVectorProductsOnOpenBlas) {
   EXPECT_EQ(detail::gemmEngineFor(tiny), detail::GemmEngine::OpenBlas);
   EXPECT_EQ(detail::gemmEngineFor(vector), detail::GemmEngine::OpenBlas);
   EXPECT_EQ(detail::gemmEngineFor(f64), detail::GemmEngine::OpenBlas);
-  // Float32 stays on OpenBLAS under auto until the divergence in matmul_backend.cpp is understood.
-  EXPECT_EQ(detail::gemmEngineFor(large), detail::GemmEngine::OpenBlas);
+  // The attention core's 32x64x128 is exactly 2^18 multiply-adds: OpenBLAS (oneDNN ran it at 0.46x).
+  detail::GemmProblem attnPv{.m = 32, .n = 64, .k = 128, .lda = 128, .ldb = 64, .ldc = 64};
+  EXPECT_EQ(detail::gemmEngineFor(attnPv), detail::GemmEngine::OpenBlas);
   if (onednnAvailable()) {
     BackendScope scope(MatmulBackend::OneDnn);
     EXPECT_EQ(detail::gemmEngineFor(tiny), detail::GemmEngine::OneDnn) << "forced: every float32 product";
     EXPECT_EQ(detail::gemmEngineFor(f64), detail::GemmEngine::OpenBlas) << "float64 stays on OpenBLAS";
   }
+}
+
+// Which branch of the rule this CPU takes is printed with each check: the kernels OpenBLAS
+// picked here decide it, and CI machines differ (AVX2-only, AVX-512, a model OpenBLAS does not know).
+TEST(MatmulBackend, AutoSendsLargeFloat32ProductsToOneDnnWhereOpenBlasIsOlderOrOneThreadRunsAvx512) {
+  if (!onednnAvailable()) GTEST_SKIP() << "this build has no oneDNN (DT_USE_ONEDNN): every product runs on OpenBLAS";
+  BackendScope autoRule(MatmulBackend::Auto);
+  detail::GemmProblem large{.m = 1024, .n = 1024, .k = 1024, .lda = 1024, .ldb = 1024, .ldc = 1024};
+  const bool fit = detail::openblasKernelsFitCpu(blasKernelName(), __builtin_cpu_supports("avx512f"),
+                                                 __builtin_cpu_supports("avx2"));
+  const bool avx512 = detail::onednn::hasAvx512();
+  const int before = numThreads();
+  for (int threads : {1, 2}) {
+    setNumThreads(threads);
+    SCOPED_TRACE(str("OpenBLAS's \"", blasKernelName(), "\" kernels ", fit ? "fit" : "are older than", " this CPU; oneDNN ",
+                     avx512 ? "runs" : "has no", " AVX-512; ", threads, " thread(s)"));
+    const bool oneDnn = !fit || (avx512 && threads == 1);
+    EXPECT_EQ(detail::gemmEngineFor(large), oneDnn ? detail::GemmEngine::OneDnn : detail::GemmEngine::OpenBlas);
+    // "onednn:<impl>+openblas:<core>,bf16=..." where the large products go to oneDNN.
+    EXPECT_EQ(matmulKernelName().rfind(oneDnn ? "onednn:" : "openblas:", 0), 0u) << matmulKernelName();
+  }
+  setNumThreads(before);
 }
 
 }  // namespace
