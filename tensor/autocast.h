@@ -23,9 +23,10 @@
 //  * Gradients: the products' backward runs with the operand type chosen at forward time
 //    (whether or not backward runs inside a scope); each input gets its gradient in its own
 //    dtype, so float32 parameters get float32 gradients.
-//  * Where the CPU has no bf16 instructions (bf16MatmulNative() is false, or the matmul backend
-//    is openblas) the products run in float32 on the float32 operands, and the first such
-//    product logs one line naming what is missing (tensor/matmul_backend.h).
+//  * Where bf16 products do not run natively (bf16MatmulNative() is false: no bf16 instructions,
+//    or instructions slower than float32's under DT_BF16_MATMUL=auto; or the matmul backend is
+//    openblas) the products run in float32 on the float32 operands, and the first such product
+//    logs one line naming why (tensor/matmul_backend.h).
 //  * Nothing here blocks or allocates; the guard owns nothing but the previous setting.
 #pragma once
 

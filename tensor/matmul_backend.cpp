@@ -74,11 +74,59 @@ void setMatmulBackend(MatmulBackend backend) {
 
 bool onednnAvailable() { return DT_HAVE_ONEDNN != 0; }
 
-bool bf16MatmulNative() { return detail::onednn::bf16Native(); }
+namespace {
+
+// -1: not read yet; else a Bf16Matmul.
+std::atomic<int> gBf16Matmul{-1};
+
+// AVX512_BF16's dot products must outrun float32 FMAs by this much for auto to use them: a
+// Zen 4/5 core runs them at about 2x, an Emerald Rapids Xeon without AMX (as cloud machines
+// expose it) at 0.50x, where oneDNN's bf16 matmul ran the GPT's products at 0.55x float32's.
+constexpr double kBf16MinSpeedup = 1.25;
+
+}  // namespace
+
+const char* bf16MatmulName(Bf16Matmul setting) { return setting == Bf16Matmul::Native ? "native" : "auto"; }
+
+Bf16Matmul parseBf16Matmul(std::string_view text) {
+  for (Bf16Matmul s : {Bf16Matmul::Auto, Bf16Matmul::Native}) {
+    const char* name = bf16MatmulName(s);
+    if (text.size() == std::strlen(name) && strncasecmp(text.data(), name, text.size()) == 0) return s;
+  }
+  throw InvalidArgument(str("bf16 matrix product setting '", text, "' is not known: expected auto or native"));
+}
+
+Bf16Matmul bf16MatmulSetting() {
+  int v = gBf16Matmul.load(std::memory_order_acquire);
+  if (v >= 0) return static_cast<Bf16Matmul>(v);
+  const std::string text = env::getString("DT_BF16_MATMUL");
+  Bf16Matmul s = Bf16Matmul::Auto;
+  if (!text.empty()) {
+    try {
+      s = parseBf16Matmul(text);
+    } catch (const InvalidArgument&) {
+      throw InvalidArgument(str("DT_BF16_MATMUL=", text, " is not valid: expected auto or native"));
+    }
+  }
+  gBf16Matmul.store(static_cast<int>(s), std::memory_order_release);
+  return s;
+}
+
+void setBf16Matmul(Bf16Matmul setting) { gBf16Matmul.store(static_cast<int>(setting), std::memory_order_release); }
+
+bool bf16MatmulNative() {
+  if (!detail::onednn::bf16Instructions()) return false;
+  if (bf16MatmulSetting() == Bf16Matmul::Native || detail::onednn::hasAmx()) return true;
+  return detail::onednn::bf16DotOverFloat32FmaRate() >= kBf16MinSpeedup;
+}
 
 std::string bf16MatmulFallbackReason() {
   if (!onednnAvailable()) return "this build of dtrain has no oneDNN (DT_USE_ONEDNN)";
-  return detail::onednn::bf16MissingReason();
+  if (!detail::onednn::bf16Instructions()) return detail::onednn::bf16MissingReason();
+  if (bf16MatmulNative()) return "";
+  return str("this CPU's AVX512_BF16 dot products run at ", fmt::format("{:.2f}", detail::onednn::bf16DotOverFloat32FmaRate()),
+             "x the multiply-add rate of its float32 FMAs and it has no AMX (measured at the first bf16 product), so "
+             "bf16 products would be slower than float32 ones; DT_BF16_MATMUL=native runs them in bf16 anyway");
 }
 
 namespace detail {
@@ -218,7 +266,9 @@ std::string implName(const GemmProblem&) { return ""; }
 int64_t primitivesCreated() { return 0; }
 int64_t productsRun() { return 0; }
 std::string version() { return ""; }
-bool bf16Native() { return false; }
+bool bf16Instructions() { return false; }
+bool hasAmx() { return false; }
+double bf16DotOverFloat32FmaRate() { return 0.0; }
 bool hasAvx512() { return false; }
 std::string bf16MissingReason() { return "this build of dtrain has no oneDNN (DT_USE_ONEDNN)"; }
 }  // namespace onednn

@@ -11,9 +11,12 @@
 // it was built with DNNL_ENABLE_CONCURRENT_EXEC, and ranks that run as threads multiply at once.
 // Each thread brings its own scratch memory instead.
 #include <dlfcn.h>
+#include <immintrin.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -242,12 +245,80 @@ std::string version() {
   return str(v->major, ".", v->minor, ".", v->patch);
 }
 
-bool bf16Native() {
+bool bf16Instructions() {
   // The ISA bits of avx512_core_bf16 (AVX-512 with BF16); AMX's value includes them. Without
   // them oneDNN runs bf16 by emulation ("gemm:jit" converting), slower than float32.
   const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
   const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
   return (isa & bf16) == bf16;
+}
+
+bool hasAmx() {
+  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto amx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+  return (isa & amx) == amx;
+}
+
+namespace {
+
+// Twelve independent accumulators hide each instruction's latency, so the loop runs at the
+// instruction's throughput. They start apart: chains that started equal would be computed once
+// (the compiler merged them, and a first version of this probe measured latency instead).
+constexpr int kProbeIterations = 16384;
+constexpr int kChains = 12;
+
+// Seconds for kProbeIterations x kChains AVX512_BF16 dot products (kBf16) or float32 FMAs, all
+// on 512-bit vectors. Runs only where bf16Instructions() holds.
+template <bool kBf16>
+__attribute__((target("avx512f,avx512bf16"))) double chainSeconds(float x) {
+  const __m512 a = _mm512_set1_ps(x), b = _mm512_set1_ps(1.0f - x);
+  const __m512bh pairsA = _mm512_cvtne2ps_pbh(a, a), pairsB = _mm512_cvtne2ps_pbh(b, b);
+  __m512 c[kChains];
+  for (int j = 0; j < kChains; ++j) c[j] = _mm512_set1_ps(x * static_cast<float>(j + 1));
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kProbeIterations; ++i) {
+#pragma GCC unroll 12
+    for (int j = 0; j < kChains; ++j) {
+      if constexpr (kBf16) {
+        c[j] = _mm512_dpbf16_ps(c[j], pairsA, pairsB);
+      } else {
+        c[j] = _mm512_fmadd_ps(a, b, c[j]);
+      }
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  __m512 all = c[0];  // used, so that the loop stays
+  for (int j = 1; j < kChains; ++j) all = _mm512_add_ps(all, c[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, all);
+  volatile float sink = lanes[0];
+  (void)sink;
+  return seconds;
+}
+
+double measureBf16DotOverFloat32Fma() {
+  // The best of several alternating trials: a trial another process preempted only gets slower.
+  // The first rounds are not counted: a core that has not run 512-bit instructions for a while
+  // runs them at a fraction of their rate until its power state follows (tens to hundreds of
+  // microseconds), which made both loops equally slow in a first version of this probe.
+  volatile float seed = 0.5f;
+  double fma = 1e30, dot = 1e30;
+  for (int trial = 0; trial < 10; ++trial) {
+    const double f = chainSeconds<false>(seed), d = chainSeconds<true>(seed);
+    if (trial < 2) continue;
+    fma = std::min(fma, f);
+    dot = std::min(dot, d);
+  }
+  // A dot product instruction does 32 multiply-adds (two bf16 pairs per float32 lane), an FMA 16.
+  return (32.0 / dot) / (16.0 / fma);
+}
+
+}  // namespace
+
+double bf16DotOverFloat32FmaRate() {
+  if (!bf16Instructions()) return 0.0;
+  static const double rate = measureBf16DotOverFloat32Fma();
+  return rate;
 }
 
 bool hasAvx512() {
@@ -257,7 +328,7 @@ bool hasAvx512() {
 }
 
 std::string bf16MissingReason() {
-  if (bf16Native()) return "";
+  if (bf16Instructions()) return "";
   // Both cases end with the same words, so a log search or a test finds them on any CPU.
   static constexpr const char* kNeeds =
       "oneDNN's bf16 kernels need AVX512_BF16 (its ISA avx512_core_bf16) or AMX-BF16 (avx512_core_amx)";

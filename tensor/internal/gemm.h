@@ -64,9 +64,16 @@ int64_t primitivesCreated();
 int64_t productsRun();
 // "2.6.3"; "" without oneDNN.
 std::string version();
-// bf16 support within oneDNN's effective ISA; reason "" when native.
-bool bf16Native();
+// bf16 instructions within oneDNN's effective ISA (AVX512_BF16, or AMX); the reason they are
+// missing, "" when they are there.
+bool bf16Instructions();
 std::string bf16MissingReason();
+// AMX-BF16 within oneDNN's effective ISA.
+bool hasAmx();
+// Multiply-adds per second of the CPU's AVX512_BF16 dot products over its float32 FMAs, both
+// on 512-bit vectors with enough independent chains to measure throughput (measured once per
+// process, the best of several short trials: about 2 ms); 0 where bf16Instructions() is false.
+double bf16DotOverFloat32FmaRate();
 // Whether oneDNN's effective ISA includes AVX-512 (avx512_core).
 bool hasAvx512();
 }  // namespace onednn

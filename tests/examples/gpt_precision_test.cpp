@@ -9,7 +9,8 @@
 // mantissa rounds every operand, and 250 steps bring the validation loss from ln 256 = 5.55 to
 // about 2.6 (well into learning the text, past the unigram loss of ~3.4), so a bf16 run that
 // learned worse would show beyond 1 %. On a CPU without bf16 instructions the products run in
-// fp32 and the comparison is skipped, saying so.
+// fp32 and the comparison is skipped, saying so. Every run sets DT_BF16_MATMUL=native: bf16's
+// kernels are what is checked, also on a CPU where auto would run float32 for speed.
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -48,6 +49,7 @@ GptRun train(int nproc, const std::vector<std::string>& extra) {
   argv.insert(argv.end(), kModel.begin(), kModel.end());
   argv.insert(argv.end(), extra.begin(), extra.end());
   argv.insert(argv.end(), {"--metrics", metrics});
+  const ScopedEnv bf16Kernels("DT_BF16_MATMUL", "native");  // dtrun's ranks inherit it
   GptRun run{runProcess(argv, 120s), std::nullopt, "", {}};
   const ProcessResult& r = run.result;
   EXPECT_EQ(r.exitCode, 0) << join(argv, " ") << "\n" << r.out << r.err;

@@ -21,6 +21,10 @@
 namespace dt {
 namespace {
 
+// These tests check bf16's kernels wherever the CPU has the instructions, also where auto would
+// run float32 for speed (MatmulBackend.Bf16AutoRunsBf16OnlyWhereItIsFaster checks that choice).
+[[maybe_unused]] const bool kBf16KernelsWhereverTheyExist = (setBf16Matmul(Bf16Matmul::Native), true);
+
 constexpr double kBf16Unit = 1.0 / 256;  // bf16's unit roundoff (8 significant bits)
 
 // Sets the process-wide switch for one test and restores it (a failed ASSERT returns early).

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <spdlog/fmt/fmt.h>
 
 #include "common/config.h"
 #include "common/errors.h"
@@ -25,6 +26,10 @@
 
 namespace dt {
 namespace {
+
+// These tests check bf16's kernels wherever the CPU has the instructions, also where auto would
+// run float32 for speed (MatmulBackend.Bf16AutoRunsBf16OnlyWhereItIsFaster checks that choice).
+[[maybe_unused]] const bool kBf16KernelsWhereverTheyExist = (setBf16Matmul(Bf16Matmul::Native), true);
 
 using testing::expectThrowsWith;
 
@@ -321,6 +326,36 @@ TEST(MatmulBackend, AutoSendsLargeFloat32ProductsToOneDnnWhereOpenBlasIsOlderOrO
     EXPECT_EQ(matmulKernelName().rfind(oneDnn ? "onednn:" : "openblas:", 0), 0u) << matmulKernelName();
   }
   setNumThreads(before);
+}
+
+// Auto runs bf16 products in bf16 only where that is faster than float32: AMX, or AVX512_BF16
+// dot products measured faster than float32 FMAs. Which branch this CPU takes is printed.
+TEST(MatmulBackend, Bf16AutoRunsBf16OnlyWhereItIsFaster) {
+  if (!onednnAvailable()) GTEST_SKIP() << "this build has no oneDNN (DT_USE_ONEDNN=OFF): bf16 products always run in float32";
+  if (!detail::onednn::bf16Instructions()) {
+    GTEST_SKIP() << "no bf16 instructions within oneDNN's ISA here (" << bf16MatmulFallbackReason()
+                 << "): that fallback is matmul_isa_cap_test's";
+  }
+  const double rate = detail::onednn::bf16DotOverFloat32FmaRate();
+  const bool amx = detail::onednn::hasAmx();
+  std::printf("AVX512_BF16 dot products here: %.2fx the multiply-add rate of float32 FMAs; AMX %s\n", rate,
+              amx ? "present" : "absent");
+  EXPECT_GT(rate, 0.05) << "the probe measured nothing";
+  EXPECT_LT(rate, 20.0) << "the probe's loops were folded away";
+  setBf16Matmul(Bf16Matmul::Auto);
+  const bool native = bf16MatmulNative();
+  const std::string reason = bf16MatmulFallbackReason();
+  setBf16Matmul(Bf16Matmul::Native);
+  EXPECT_EQ(native, amx || rate >= 1.25) << reason;
+  if (native) {
+    EXPECT_EQ(reason, "");
+  } else {
+    EXPECT_NE(reason.find(fmt::format("{:.2f}x the multiply-add rate", rate)), std::string::npos) << reason;
+    EXPECT_NE(reason.find("DT_BF16_MATMUL=native"), std::string::npos) << reason;
+  }
+  EXPECT_TRUE(bf16MatmulNative()) << "native runs bf16 wherever the instructions are";
+  EXPECT_EQ(parseBf16Matmul("Native"), Bf16Matmul::Native);
+  expectThrowsWith<InvalidArgument>([] { parseBf16Matmul("fast"); }, {"'fast'", "auto or native"});
 }
 
 }  // namespace
