@@ -137,7 +137,8 @@ namespace {
 
 // The measured rule (docs/tensor.md, "Matrix products", the tables there). Float32 goes to
 // oneDNN only when all of these hold:
-//  * more than 2^18 multiply-adds (64^3), and m and n above 1: below that, and for
+//  * more than 2^18 multiply-adds (64^3; 2^15 where OpenBLAS's kernels are older than the CPU,
+//    below), and m and n above 1: below that, and for
 //    matrix-vector products, oneDNN's per-call cost (cache lookup, memory objects, its OpenMP
 //    team) is not won back (16^3: 40-109 GF/s on OpenBLAS, 2-5 on oneDNN; 1x512x512 34 and 10;
 //    the attention core's 32x64x128, exactly 2^18, 0.46x on oneDNN);
@@ -149,6 +150,10 @@ namespace {
 //    its pool stood a busy machine better than oneDNN's OpenMP team (8-60 GF/s at two threads
 //    beside a compile, where OpenBLAS kept 107-180).
 constexpr int64_t kOneDnnMinMacs = int64_t{1} << 18;
+// Against OpenBLAS's SSE3 fallback (26 GF/s on the attention core's products, 16-28 on 16^3 to
+// 128^3) oneDNN wins from 64^3 on (the attention core's products 72-89 GF/s, 64^3 91) and is
+// level at 32^3 (22 against 24): over 2^15 multiply-adds.
+constexpr int64_t kOneDnnMinMacsOverOldKernels = int64_t{1} << 15;
 
 // OpenBLAS's cores by the widest vectors their sgemm kernels use: 512, 256, else older.
 int coreVectorBits(const std::string& core) {
@@ -184,9 +189,10 @@ bool openblasKernelsFitThisCpu() {
 }
 
 bool autoPrefersOneDnn(const GemmProblem& p) {
-  if (p.inType != DType::Float32 || p.m <= 1 || p.n <= 1 || p.batch * p.m * p.n * p.k <= kOneDnnMinMacs) return false;
-  if (!openblasKernelsFitThisCpu()) return true;
-  return onednn::hasAvx512() && (numThreads() == 1 || insideParallelFor());
+  if (p.inType != DType::Float32 || p.m <= 1 || p.n <= 1) return false;
+  const int64_t macs = p.batch * p.m * p.n * p.k;
+  if (!openblasKernelsFitThisCpu()) return macs > kOneDnnMinMacsOverOldKernels;
+  return macs > kOneDnnMinMacs && onednn::hasAvx512() && (numThreads() == 1 || insideParallelFor());
 }
 
 void runOpenBlas(const GemmProblem& p) {

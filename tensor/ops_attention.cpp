@@ -61,10 +61,11 @@ struct Shape4 {
   int64_t batch, heads, lenQ, lenK, dimQK, dimV;
 };
 
-// C = alpha op(A) op(B) + beta C with operands of type O and results of type T: float32 and
-// float64 straight to OpenBLAS (the per-call cost of the products below is what matters at
-// these sizes), bf16 operands to oneDNN's bf16 kernels (float32 accumulation, primitives cached
-// per shape by tensor/onednn_matmul.cpp).
+// C = alpha op(A) op(B) + beta C with operands of type O and results of type T: float32 by the
+// matrix product's rule (tensor/matmul_backend.cpp: OpenBLAS at these sizes, where the per-call
+// cost is what matters, unless OpenBLAS runs kernels older than the CPU), float64 straight to
+// OpenBLAS, bf16 operands to oneDNN's bf16 kernels (float32 accumulation, primitives cached per
+// shape by tensor/onednn_matmul.cpp).
 template <typename O, typename T>
 void gemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, T alpha, const O* a, int64_t lda, const O* b,
           int64_t ldb, T beta, T* c, int64_t ldc) {
@@ -76,8 +77,8 @@ void gemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, T alpha, co
                                               .transB = transB, .m = m, .n = n, .k = k, .a = a, .lda = lda, .b = b,
                                               .ldb = ldb, .c = c, .ldc = ldc, .alpha = alpha, .beta = beta});
   } else if constexpr (std::is_same_v<T, float>) {
-    cblas_sgemm(CblasRowMajor, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a,
-                static_cast<int>(lda), b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+    cpuGemm(GemmProblem{.transA = transA, .transB = transB, .m = m, .n = n, .k = k, .a = a, .lda = lda, .b = b,
+                        .ldb = ldb, .c = c, .ldc = ldc, .alpha = alpha, .beta = beta});
   } else {
     cblas_dgemm(CblasRowMajor, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a,
                 static_cast<int>(lda), b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));

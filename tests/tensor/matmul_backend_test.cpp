@@ -296,9 +296,6 @@ TEST(MatmulBackend, AutoKeepsSmallAndMatrixVectorProductsOnOpenBlas) {
   EXPECT_EQ(detail::gemmEngineFor(tiny), detail::GemmEngine::OpenBlas);
   EXPECT_EQ(detail::gemmEngineFor(vector), detail::GemmEngine::OpenBlas);
   EXPECT_EQ(detail::gemmEngineFor(f64), detail::GemmEngine::OpenBlas);
-  // The attention core's 32x64x128 is exactly 2^18 multiply-adds: OpenBLAS (oneDNN ran it at 0.46x).
-  detail::GemmProblem attnPv{.m = 32, .n = 64, .k = 128, .lda = 128, .ldb = 64, .ldc = 64};
-  EXPECT_EQ(detail::gemmEngineFor(attnPv), detail::GemmEngine::OpenBlas);
   if (onednnAvailable()) {
     BackendScope scope(MatmulBackend::OneDnn);
     EXPECT_EQ(detail::gemmEngineFor(tiny), detail::GemmEngine::OneDnn) << "forced: every float32 product";
@@ -312,6 +309,11 @@ TEST(MatmulBackend, AutoSendsLargeFloat32ProductsToOneDnnWhereOpenBlasIsOlderOrO
   if (!onednnAvailable()) GTEST_SKIP() << "this build has no oneDNN (DT_USE_ONEDNN): every product runs on OpenBLAS";
   BackendScope autoRule(MatmulBackend::Auto);
   detail::GemmProblem large{.m = 1024, .n = 1024, .k = 1024, .lda = 1024, .ldb = 1024, .ldc = 1024};
+  // The attention core's 32x64x128, exactly 2^18 multiply-adds: OpenBLAS where its kernels fit
+  // (oneDNN ran it at 0.46x its SkylakeX kernel), oneDNN where they are older (3.3x the SSE3 one).
+  detail::GemmProblem attnPv{.m = 32, .n = 64, .k = 128, .lda = 128, .ldb = 64, .ldc = 64};
+  // 32^3: OpenBLAS whatever its kernels.
+  detail::GemmProblem cube32{.m = 32, .n = 32, .k = 32, .lda = 32, .ldb = 32, .ldc = 32};
   const bool fit = detail::openblasKernelsFitCpu(blasKernelName(), __builtin_cpu_supports("avx512f"),
                                                  __builtin_cpu_supports("avx2"));
   const bool avx512 = detail::onednn::hasAvx512();
@@ -322,6 +324,8 @@ TEST(MatmulBackend, AutoSendsLargeFloat32ProductsToOneDnnWhereOpenBlasIsOlderOrO
                      avx512 ? "runs" : "has no", " AVX-512; ", threads, " thread(s)"));
     const bool oneDnn = !fit || (avx512 && threads == 1);
     EXPECT_EQ(detail::gemmEngineFor(large), oneDnn ? detail::GemmEngine::OneDnn : detail::GemmEngine::OpenBlas);
+    EXPECT_EQ(detail::gemmEngineFor(attnPv), fit ? detail::GemmEngine::OpenBlas : detail::GemmEngine::OneDnn);
+    EXPECT_EQ(detail::gemmEngineFor(cube32), detail::GemmEngine::OpenBlas);
     // "onednn:<impl>+openblas:<core>,bf16=..." where the large products go to oneDNN.
     EXPECT_EQ(matmulKernelName().rfind(oneDnn ? "onednn:" : "openblas:", 0), 0u) << matmulKernelName();
   }
