@@ -59,7 +59,7 @@ std::optional<TensorList> FnNode::savedTensorsForReport() const {
 }
 
 void recordFn(const char* name, const TensorList& inputs, std::vector<Tensor*> outputs,
-              const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn) {
+              const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn, WeightGrads weightGrads) {
   const bool anomalyActive = anomalyMayBeActive();
   if (anomalyActive) [[unlikely]] anomalyCheckForward(name, inputs, outputs);
   if (!autograd::needsGrad(inputs)) return;
@@ -70,7 +70,7 @@ void recordFn(const char* name, const TensorList& inputs, std::vector<Tensor*> o
     types.push_back(t.defined() ? t.dtype() : DType::Float32);
   }
   auto node = std::make_shared<FnNode>(name, saved ? saved() : std::vector<SavedTensor>{}, std::move(fn),
-                                       std::move(shapes), std::move(types));
+                                       std::move(shapes), std::move(types), weightGrads);
   if (anomalyActive) [[unlikely]] node->setAnomalyRecord(anomalyRecordFor(name, inputs));
   auto& edges = node->nextEdges();
   for (const Tensor& t : inputs) edges.push_back(autograd::edgeFor(t));

@@ -645,7 +645,10 @@ Tensor layerNorm(const Tensor& x, const std::vector<int64_t>& normalizedShape, c
         if (gw.defined()) gw = gw.reshape(wshape);
         if (gb.defined()) gb = gb.reshape(wshape);
         return {gx, gw, gb};
-      });
+      },
+      // Its weight gradients are column sums: a zero-bubble schedule gains nothing by deferring
+      // them and would keep the input and the output gradient until their W (docs/parallel.md).
+      WeightGrads::WithInputs);
   return y;
 }
 

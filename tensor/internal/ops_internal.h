@@ -1,6 +1,7 @@
 // Internal: how ops record autograd nodes, and kernel helpers shared by ops_*.cpp.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -20,16 +21,23 @@ struct BackwardContext {
 };
 using BackwardFn = std::function<TensorList(const BackwardContext&)>;
 
+// When a node's weight gradients are computed under backwardDeferringWeights (zero-bubble
+// pipelines): Deferred keeps what they need until WeightGradients::run(); WithInputs computes
+// them with the input gradients, for ops whose weight gradients cost a column sum while keeping
+// their state would cost memory (LayerNorm: its input and output gradient, two widths of the
+// twenty a GPT block's deferred weight gradients keep).
+enum class WeightGrads : uint8_t { Deferred, WithInputs };
+
 // A node defined by a lambda. Returned gradients are summed over broadcast
 // dims and converted to each input's dtype automatically.
 class FnNode final : public Node {
  public:
   FnNode(const char* name, std::vector<SavedTensor> saved, BackwardFn fn, std::vector<Shape> inputShapes,
-         std::vector<DType> inputTypes)
+         std::vector<DType> inputTypes, WeightGrads weightGrads = WeightGrads::Deferred)
       : name_(name), saved_(std::move(saved)), fn_(std::move(fn)), inputShapes_(std::move(inputShapes)),
-        inputTypes_(std::move(inputTypes)) {}
+        inputTypes_(std::move(inputTypes)), weightGrads_(weightGrads) {}
   TensorList apply(TensorList&& grads) override;
-  bool splitsGradients() const override { return true; }
+  bool splitsGradients() const override { return weightGrads_ == WeightGrads::Deferred; }
   TensorList applySome(const TensorList& grads, const std::vector<bool>& which) override;
   std::string name() const override { return name_; }
   void releaseVariables() override {
@@ -46,15 +54,18 @@ class FnNode final : public Node {
   BackwardFn fn_;
   std::vector<Shape> inputShapes_;
   std::vector<DType> inputTypes_;
+  WeightGrads weightGrads_;
 };
 
 // Records a node for outputs if any input requires grad (grad mode on).
 // `saved` is built only when needed.
 void recordFn(const char* name, const TensorList& inputs, std::vector<Tensor*> outputs,
-              const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn);
+              const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn,
+              WeightGrads weightGrads = WeightGrads::Deferred);
 inline void recordFn(const char* name, const TensorList& inputs, Tensor& out,
-                     const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn) {
-  recordFn(name, inputs, std::vector<Tensor*>{&out}, saved, std::move(fn));
+                     const std::function<std::vector<SavedTensor>()>& saved, BackwardFn fn,
+                     WeightGrads weightGrads = WeightGrads::Deferred) {
+  recordFn(name, inputs, std::vector<Tensor*>{&out}, saved, std::move(fn), weightGrads);
 }
 
 // Throws NotSupportedError unless t is on the CPU: for ops (and paths of ops) without a CUDA
