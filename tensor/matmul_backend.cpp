@@ -6,6 +6,7 @@
 #include <strings.h>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -200,15 +201,24 @@ void runOpenBlas(const GemmProblem& p) {
   const CBLAS_TRANSPOSE ta = p.transA ? CblasTrans : CblasNoTrans, tb = p.transB ? CblasTrans : CblasNoTrans;
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
   const int lda = static_cast<int>(p.lda), ldb = static_cast<int>(p.ldb), ldc = static_cast<int>(p.ldc);
+  double beta = p.beta;
+  if (p.bias != nullptr) {  // the bias rows first, then the product accumulates onto them
+    DT_INTERNAL_CHECK(p.outType == DType::Float32 && p.beta == 0.0, "gemm: a bias needs a float32 C and beta 0");
+    for (int64_t i = 0; i < p.batch; ++i) {
+      float* c = static_cast<float*>(p.c) + i * p.strideC;
+      for (int64_t r = 0; r < p.m; ++r) std::memcpy(c + r * p.ldc, p.bias, static_cast<size_t>(p.n) * sizeof(float));
+    }
+    beta = 1.0;
+  }
   for (int64_t i = 0; i < p.batch; ++i) {
     if (p.inType == DType::Float64) {
       cblas_dgemm(CblasRowMajor, ta, tb, m, n, k, p.alpha, static_cast<const double*>(p.a) + i * p.strideA, lda,
-                  static_cast<const double*>(p.b) + i * p.strideB, ldb, p.beta, static_cast<double*>(p.c) + i * p.strideC,
+                  static_cast<const double*>(p.b) + i * p.strideB, ldb, beta, static_cast<double*>(p.c) + i * p.strideC,
                   ldc);
     } else if (p.inType == DType::Float32) {
       cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, static_cast<float>(p.alpha),
                   static_cast<const float*>(p.a) + i * p.strideA, lda, static_cast<const float*>(p.b) + i * p.strideB,
-                  ldb, static_cast<float>(p.beta), static_cast<float*>(p.c) + i * p.strideC, ldc);
+                  ldb, static_cast<float>(beta), static_cast<float*>(p.c) + i * p.strideC, ldc);
     } else {
       // bf16 operands on OpenBLAS (which has no bf16 kernels in Debian's build): float32 copies.
       DT_INTERNAL_CHECK(p.inType == DType::BFloat16, "gemm: unexpected operand dtype ", p.inType);
@@ -226,7 +236,7 @@ void runOpenBlas(const GemmProblem& p) {
       const std::vector<float> B = widen(static_cast<const BFloat16*>(p.b) + i * p.strideB, bRows, bCols, p.ldb);
       cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, static_cast<float>(p.alpha), A.data(),
                   static_cast<int>(std::max<int64_t>(1, aCols)), B.data(), static_cast<int>(std::max<int64_t>(1, bCols)),
-                  static_cast<float>(p.beta), static_cast<float*>(p.c) + i * p.strideC, ldc);
+                  static_cast<float>(beta), static_cast<float*>(p.c) + i * p.strideC, ldc);
     }
   }
 }

@@ -85,6 +85,7 @@ struct Key {
   int64_t batch, m, n, k, lda, ldb, ldc, strideA, strideB, strideC;
   double alpha, beta;
   int threads;
+  bool bias;
   bool operator==(const Key&) const = default;
 };
 
@@ -97,6 +98,7 @@ struct KeyHash {
     mix(key.alpha);
     mix(key.beta);
     mix(key.threads);
+    mix(key.bias);
     return h;
   }
 };
@@ -106,7 +108,7 @@ struct Entry {
   std::string impl;
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul primitive;
-  dnnl::memory::desc a, b, c;
+  dnnl::memory::desc a, b, c, bias;
 };
 
 std::mutex gMu;
@@ -145,7 +147,15 @@ std::shared_ptr<const Entry> build(const Key& key) {
       ops.append_sum(static_cast<float>(key.beta));
       attr.set_post_ops(ops);
     }
-    entry->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(entry->a, entry->b, entry->c), attr, cpuEngine());
+    if (key.bias) {
+      // One row broadcast over the rows (and the batch) of C.
+      entry->bias = key.batch == 1 ? dnnl::memory::desc({1, key.n}, dnnl::memory::data_type::f32, {key.n, 1})
+                                   : dnnl::memory::desc({1, 1, key.n}, dnnl::memory::data_type::f32, {key.n, key.n, 1});
+      entry->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(entry->a, entry->b, entry->bias, entry->c), attr,
+                                               cpuEngine());
+    } else {
+      entry->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(entry->a, entry->b, entry->c), attr, cpuEngine());
+    }
     entry->impl = entry->pd.impl_info_str();
     // A reference kernel is a slow emulation: OpenBLAS does better.
     if (entry->impl.rfind("ref", 0) == 0) return entry;
@@ -162,7 +172,7 @@ std::shared_ptr<const Entry> build(const Key& key) {
 std::shared_ptr<const Entry> lookup(const GemmProblem& p, int threads) {
   const Key key{p.inType, p.transA,  p.transB,  p.batch,   p.m,     p.n,    p.k,   p.lda,
                 p.ldb,    p.ldc,     p.batch > 1 ? p.strideA : 0, p.batch > 1 ? p.strideB : 0,
-                p.batch > 1 ? p.strideC : 0, p.alpha, p.beta, threads};
+                p.batch > 1 ? p.strideC : 0, p.alpha, p.beta, threads, p.bias != nullptr};
   {
     std::lock_guard lock(gMu);
     auto it = gCache.find(key);
@@ -219,9 +229,11 @@ bool gemm(const GemmProblem& p) {
   dnnl::memory c(e->c, engine, p.c);
   const dnnl::memory::desc scratchDesc = e->pd.scratchpad_desc();
   dnnl::memory scratch(scratchDesc, engine, threadScratch(std::max<size_t>(scratchDesc.get_size(), 1)));
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}, {DNNL_ARG_SCRATCHPAD, scratch}};
+  if (p.bias != nullptr) args.emplace(DNNL_ARG_BIAS, dnnl::memory(e->bias, engine, const_cast<float*>(p.bias)));
   try {
-    e->primitive.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c},
-                                  {DNNL_ARG_SCRATCHPAD, scratch}});
+    e->primitive.execute(stream, args);
     stream.wait();
     gRun.fetch_add(1, std::memory_order_relaxed);
   } catch (const dnnl::error& err) {

@@ -47,13 +47,20 @@ BlasOperand blasOperand(const Tensor& t) {
   return {c, c.dataPtr(), CblasNoTrans, static_cast<int>(std::max<int64_t>(1, cols))};
 }
 
-// out[m, n] (contiguous rows, any leading dim) = alpha * a[m, k] . b[k, n] + beta * out
-void gemm(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta) {
+// out[m, n] (contiguous rows, any leading dim) = alpha * a[m, k] . b[k, n] + beta * out, plus
+// `bias` (n floats, cpu float32 out with beta 0 only) on every row.
+void gemm(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta, const float* bias = nullptr) {
   const int64_t m = a.sizes()[0], k = a.sizes()[1], n = b.sizes()[1];
   if (m == 0 || n == 0) return;
   DT_INTERNAL_CHECK(out.strides()[1] == 1 || n == 1, "gemm output must have unit column stride");
+  DT_INTERNAL_CHECK(bias == nullptr || (out.device().isCpu() && out.dtype() == DType::Float32 && beta == 0.0),
+                    "gemm: a bias needs a cpu float32 output and beta 0");
   if (k == 0) {
-    if (beta == 0.0) {
+    if (bias != nullptr) {
+      float* o = out.data<float>();
+      for (int64_t r = 0; r < m; ++r) std::memcpy(o + r * out.strides()[0], bias, static_cast<size_t>(n) * sizeof(float));
+      out.bumpVersion();
+    } else if (beta == 0.0) {
       out.zero_();
     } else {
       NoGradGuard ng;
@@ -73,7 +80,8 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double be
   }
   cpuGemm(GemmProblem{.inType = a.dtype(), .outType = out.dtype(), .transA = A.trans == CblasTrans,
                       .transB = B.trans == CblasTrans, .m = m, .n = n, .k = k, .a = A.data, .lda = A.ld,
-                      .b = B.data, .ldb = B.ld, .c = out.dataPtr(), .ldc = ldc, .alpha = alpha, .beta = beta});
+                      .b = B.data, .ldb = B.ld, .c = out.dataPtr(), .ldc = ldc, .alpha = alpha, .beta = beta,
+                      .bias = bias});
   out.bumpVersion();
 }
 
@@ -309,19 +317,24 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const Tensor w = weight.to(it);
   Tensor out = empty({rows, outF}, ct, x.device());
   double beta = 0.0;
+  Tensor b;
+  const float* biasRow = nullptr;
   if (bias.defined()) {
-    // Bias rows first, then the gemm accumulates onto them (beta = 1): no separate add pass.
-    const Tensor b = bias.to(ct).contiguous();
-    if (out.device().isCpu()) {
+    b = bias.to(ct).contiguous();
+    if (out.device().isCpu() && ct == DType::Float32) {
+      biasRow = b.data<float>();  // in the product's epilogue (oneDNN) or written first (OpenBLAS)
+    } else if (out.device().isCpu()) {
+      // Bias rows first, then the gemm accumulates onto them (beta = 1): no separate add pass.
       const size_t rowBytes = static_cast<size_t>(outF) * itemSize(ct);
       char* dst = static_cast<char*>(out.dataPtr());
       for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * rowBytes, b.dataPtr(), rowBytes);
+      beta = 1.0;
     } else {
       out.copy_(b);
+      beta = 1.0;
     }
-    beta = 1.0;
   }
-  gemm(x2, w.t(), out, 1.0, beta);
+  gemm(x2, w.t(), out, 1.0, beta, biasRow);
   Shape outShape(x.sizes().begin(), x.sizes().end() - 1);
   outShape.push_back(outF);
   Tensor result = detail::viewNoGrad(out, outShape);

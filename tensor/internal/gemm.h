@@ -32,6 +32,9 @@ struct GemmProblem {
   void* c = nullptr;
   int64_t ldc = 0, strideC = 0;
   double alpha = 1.0, beta = 0.0;
+  // Float32 C only: a row of n added to every row of C (with beta 0: Linear's bias), in the
+  // product's epilogue on oneDNN, written into C before the product on OpenBLAS.
+  const float* bias = nullptr;
 };
 
 // Whether OpenBLAS's kernels (`core`, blasKernelName()) use the CPU's widest vectors: where they

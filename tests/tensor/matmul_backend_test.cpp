@@ -117,7 +117,8 @@ TEST(MatmulBackend, OneDnnAgreesWithOpenBlasOnEveryLayoutWithinReassociation) {
   }
 }
 
-// linear's forward (bias rows, then the product accumulates onto them) and both backward products.
+// linear's forward (the bias in oneDNN's epilogue; on OpenBLAS its rows first, the product
+// accumulating onto them) and both backward products.
 TEST(MatmulBackend, LinearAndItsGradientsAgreeAcrossEngines) {
   if (!onednnAvailable()) GTEST_SKIP() << "this build has no oneDNN (DT_USE_ONEDNN=OFF): nothing to compare OpenBLAS with";
   Generator g(3);
