@@ -139,10 +139,10 @@ namespace {
 // The measured rule (docs/tensor.md, "Matrix products", the tables there). Float32 goes to
 // oneDNN only when all of these hold:
 //  * more than 2^18 multiply-adds (64^3; 2^15 where OpenBLAS's kernels are older than the CPU,
-//    below), and m and n above 1: below that, and for
-//    matrix-vector products, oneDNN's per-call cost (cache lookup, memory objects, its OpenMP
-//    team) is not won back (16^3: 40-109 GF/s on OpenBLAS, 2-5 on oneDNN; 1x512x512 34 and 10;
-//    the attention core's 32x64x128, exactly 2^18, 0.46x on oneDNN);
+//    below), and m and n above 1: below that, and for matrix-vector products, oneDNN's per-call
+//    cost (cache lookup, memory objects, its OpenMP team) is not won back (16^3: 40-109 GF/s on
+//    OpenBLAS, 2-5 on oneDNN; 1x512x512 34 and 10; the attention core's 32x64x128, exactly
+//    2^18, 0.46x on oneDNN);
 //  * OpenBLAS's kernels are older than the CPU (an AVX2 core on an AVX-512 CPU, or the SSE3
 //    fallback for a CPU model newer than the library): about 2x there; or oneDNN runs AVX-512
 //    and the product runs on one thread (what dtrun gives each of several ranks on a host):

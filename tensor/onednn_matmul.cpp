@@ -257,19 +257,25 @@ std::string version() {
   return str(v->major, ".", v->minor, ".", v->patch);
 }
 
-bool bf16Instructions() {
-  // The ISA bits of avx512_core_bf16 (AVX-512 with BF16); AMX's value includes them. Without
-  // them oneDNN runs bf16 by emulation ("gemm:jit" converting), slower than float32.
-  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
-  const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
-  return (isa & bf16) == bf16;
+namespace {
+
+// Whether oneDNN's effective ISA (the CPU's, under any ONEDNN_MAX_CPU_ISA cap) includes `isa`:
+// each ISA's value holds the bits of the ones it extends.
+bool effectiveIsaHas(dnnl::cpu_isa isa) {
+  const auto have = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto want = static_cast<unsigned>(isa);
+  return (have & want) == want;
 }
 
-bool hasAmx() {
-  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
-  const auto amx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
-  return (isa & amx) == amx;
-}
+}  // namespace
+
+// Without avx512_core_bf16 (AVX-512 with BF16; AMX's value includes it) oneDNN runs bf16 by
+// emulation ("gemm:jit" converting), slower than float32.
+bool bf16Instructions() { return effectiveIsaHas(dnnl::cpu_isa::avx512_core_bf16); }
+
+bool hasAmx() { return effectiveIsaHas(dnnl::cpu_isa::avx512_core_amx); }
+
+bool hasAvx512() { return effectiveIsaHas(dnnl::cpu_isa::avx512_core); }
 
 namespace {
 
@@ -311,8 +317,7 @@ __attribute__((target("avx512f,avx512bf16"))) double chainSeconds(float x) {
 double measureBf16DotOverFloat32Fma() {
   // The best of several alternating trials: a trial another process preempted only gets slower.
   // The first rounds are not counted: a core that has not run 512-bit instructions for a while
-  // runs them at a fraction of their rate until its power state follows (tens to hundreds of
-  // microseconds), which made both loops equally slow in a first version of this probe.
+  // may run them slower until its power state follows (tens to hundreds of microseconds).
   volatile float seed = 0.5f;
   double fma = 1e30, dot = 1e30;
   for (int trial = 0; trial < 10; ++trial) {
@@ -331,12 +336,6 @@ double bf16DotOverFloat32FmaRate() {
   if (!bf16Instructions()) return 0.0;
   static const double rate = measureBf16DotOverFloat32Fma();
   return rate;
-}
-
-bool hasAvx512() {
-  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
-  const auto avx512 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core);
-  return (isa & avx512) == avx512;
 }
 
 std::string bf16MissingReason() {
