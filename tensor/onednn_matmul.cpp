@@ -112,6 +112,7 @@ struct Entry {
 };
 
 std::mutex gMu;
+std::mutex gBuildMu;  // one primitive creation at a time (lookup)
 std::unordered_map<Key, std::shared_ptr<const Entry>, KeyHash> gCache;
 std::atomic<int64_t> gCreated{0};
 std::atomic<int64_t> gRun{0};
@@ -178,9 +179,17 @@ std::shared_ptr<const Entry> lookup(const GemmProblem& p, int threads) {
     auto it = gCache.find(key);
     if (it != gCache.end()) return it->second;
   }
-  // Built outside the lock (milliseconds for a new brgemm kernel); a second thread building the
-  // same key keeps whichever landed first.
-  std::shared_ptr<const Entry> entry = build(key);
+  // Built outside the cache's lock (milliseconds for a new brgemm kernel), so lookups of built
+  // shapes never wait for a build; a second thread building the same key keeps whichever landed
+  // first. Builds take turns: oneDNN initialises its own shared state (its primitive cache's
+  // lock) lazily inside the first creations, and two ranks' threads creating their first
+  // primitives at once read as a race to ThreadSanitizer, which cannot see oneDNN's own
+  // synchronisation. A step creates none after its first, so the turns cost nothing later.
+  std::shared_ptr<const Entry> entry;
+  {
+    std::lock_guard building(gBuildMu);
+    entry = build(key);
+  }
   std::lock_guard lock(gMu);
   // A workload whose shapes keep changing (generation, whose rows grow by one per token) would
   // grow the cache without end: past kMaxEntries it starts over. Entries in use stay alive
