@@ -151,9 +151,10 @@ namespace {
 //    its pool stood a busy machine better than oneDNN's OpenMP team (8-60 GF/s at two threads
 //    beside a compile, where OpenBLAS kept 107-180).
 constexpr int64_t kOneDnnMinMacs = int64_t{1} << 18;
-// Against OpenBLAS's SSE3 fallback (26 GF/s on the attention core's products, 16-28 on 16^3 to
-// 128^3) oneDNN wins from 64^3 on (the attention core's products 72-89 GF/s, 64^3 91) and is
-// level at 32^3 (22 against 24): over 2^15 multiply-adds.
+// Against OpenBLAS's SSE3 fallback (14-27 GF/s on the attention core's products, 8-28 on 16^3
+// to 128^3, in two runs on an Emerald Rapids) oneDNN wins from 64^3 on (the attention core's
+// products 63-89 GF/s, 64^3 83-91) and is level at 32^3 (18-22 against 12-24): over 2^15
+// multiply-adds.
 constexpr int64_t kOneDnnMinMacsOverOldKernels = int64_t{1} << 15;
 
 // OpenBLAS's cores by the widest vectors their sgemm kernels use: 512, 256, else older.
