@@ -275,7 +275,7 @@ TEST(MatmulBackend, TheSettingParsesAndNamesBadValues) {
   if (!onednnAvailable()) {
     expectThrowsWith<NotSupportedError>([] { setMatmulBackend(MatmulBackend::OneDnn); }, {"has none", "DT_USE_ONEDNN"});
   }
-  // Large float32 products go to oneDNN under auto only where OpenBLAS's kernels are older than the CPU.
+  // Whether OpenBLAS's kernels use the CPU's widest vectors (auto's rule asks; the test below checks it).
   EXPECT_FALSE(detail::openblasKernelsFitCpu("Haswell", true, true));
   EXPECT_FALSE(detail::openblasKernelsFitCpu("Prescott", false, true));
   EXPECT_TRUE(detail::openblasKernelsFitCpu("Cooperlake", true, true));
