@@ -194,21 +194,28 @@ void setBlasThreads(int n) {
 }  // namespace
 
 int numThreads() {
-  int n = gThreads.load(std::memory_order_relaxed);
-  if (n == 0) {
-    n = defaultNumThreads();
-    gThreads.store(n, std::memory_order_relaxed);
-    setBlasThreads(n);
+  const int n = gThreads.load(std::memory_order_acquire);
+  if (n != 0) return n;
+  // The first call sets OpenBLAS up, which starts its thread server; two ranks' threads that
+  // both found 0 would otherwise both do it, one multiplying while the other still initialises
+  // the server's locks (ThreadSanitizer caught it). The others wait here, and the count is
+  // published after OpenBLAS is set.
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (gThreads.load(std::memory_order_acquire) != 0) return;  // setNumThreads came first
+    const int first = defaultNumThreads();
+    setBlasThreads(first);
+    gThreads.store(first, std::memory_order_release);
     warnOnceIfBlasKernelsDoNotFit();
-  }
-  return n;
+  });
+  return gThreads.load(std::memory_order_acquire);
 }
 
 void setNumThreads(int n) {
   warnOnceIfBlasKernelsDoNotFit();
   n = std::max(1, n);
-  gThreads.store(n, std::memory_order_relaxed);
   setBlasThreads(n);
+  gThreads.store(n, std::memory_order_release);
 }
 
 bool insideParallelFor() { return tInsideParallel; }
