@@ -41,14 +41,20 @@ int64_t oomKillCount() {
 int exitCodeOf(const WorkerOutcome& o) { return o.signaled ? 128 + o.code : o.code; }
 
 std::optional<size_t> rootCause(const std::vector<WorkerOutcome>& outcomes) {
+  // Earliest first. Exits that dtrun saw at the same millisecond were reaped together (dtrun was
+  // busy, or they died together), so their times say nothing about their order: a worker killed
+  // by a signal is then taken before one that exited with an error, which is what the others do
+  // when a peer vanishes ("a peer is gone"); then the lower rank.
+  auto before = [](const WorkerOutcome& a, const WorkerOutcome& b) {
+    if (a.timeMs != b.timeMs) return a.timeMs < b.timeMs;
+    if (a.signaled != b.signaled) return a.signaled;
+    return a.rank < b.rank;
+  };
   std::optional<size_t> best;
   for (size_t i = 0; i < outcomes.size(); ++i) {
     const auto& o = outcomes[i];
     if (!o.failed() || o.stoppedByLauncher) continue;
-    if (!best || o.timeMs < outcomes[*best].timeMs ||
-        (o.timeMs == outcomes[*best].timeMs && o.rank < outcomes[*best].rank)) {
-      best = i;
-    }
+    if (!best || before(o, outcomes[*best])) best = i;
   }
   return best;
 }

@@ -225,6 +225,11 @@ TEST(LauncherSummary, RootCauseIsEarliestOwnFailure) {
   EXPECT_EQ(exitCodeOf(outcome(0, true, SIGSEGV, 0)), 128 + SIGSEGV);
   std::vector<WorkerOutcome> none = {outcome(0, false, 0, 1), outcome(1, true, SIGTERM, 2, true)};
   EXPECT_FALSE(rootCause(none));
+  // Reaped at the same millisecond (seen in CI under load: a SIGKILLed rank 2 and the three whose
+  // collectives then failed): the signal is the cause, not the lowest rank's error exit.
+  std::vector<WorkerOutcome> together = {outcome(0, false, 1, 700), outcome(1, false, 1, 700),
+                                         outcome(2, true, SIGKILL, 700), outcome(3, false, 1, 700)};
+  EXPECT_EQ(rootCause(together), 2u);
 }
 
 TEST(LauncherSummary, FormatNamesHostPidCodeTimeTailAndStopped) {
